@@ -1,0 +1,352 @@
+// The extension module compcomm._C: exports only. Arguments arrive as Buffer views the Python layer
+// built from validated torch tensors; the GIL is released around all work; C++ errors become the
+// classes of compcomm.errors.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+
+#include "../comm.h"
+#include "../compressed_allreduce.h"
+#include "../kernels/kernels.h"
+#include "../local/local_comm.h"
+#include "build_info.h"
+
+namespace py = pybind11;
+using namespace compcomm;
+
+namespace {
+
+// Lets Python classes (the torch.distributed adapter) implement Communicator.
+class PyCommunicator : public Communicator {
+ public:
+  int rank() const override { PYBIND11_OVERRIDE_PURE(int, Communicator, rank); }
+  int size() const override { PYBIND11_OVERRIDE_PURE(int, Communicator, size); }
+  std::string backend_name() const override {
+    PYBIND11_OVERRIDE_PURE(std::string, Communicator, backend_name);
+  }
+
+ protected:
+  void do_all_to_all(const Buffer& send, const Buffer& recv, const CallOptions& opts) override {
+    PYBIND11_OVERRIDE_PURE(void, Communicator, do_all_to_all, send, recv, opts);
+  }
+  void do_all_gather(const Buffer& send, const Buffer& recv, const CallOptions& opts) override {
+    PYBIND11_OVERRIDE_PURE(void, Communicator, do_all_gather, send, recv, opts);
+  }
+  void do_reduce_scatter(const Buffer& send, const Buffer& recv, ReduceOp op,
+                         const CallOptions& opts) override {
+    PYBIND11_OVERRIDE_PURE(void, Communicator, do_reduce_scatter, send, recv, op, opts);
+  }
+  void do_all_reduce(const Buffer& buf, ReduceOp op, const CallOptions& opts) override {
+    PYBIND11_OVERRIDE_PURE(void, Communicator, do_all_reduce, buf, op, opts);
+  }
+  void do_broadcast(const Buffer& buf, int root, const CallOptions& opts) override {
+    PYBIND11_OVERRIDE_PURE(void, Communicator, do_broadcast, buf, root, opts);
+  }
+  void do_barrier(const CallOptions& opts) override {
+    PYBIND11_OVERRIDE_PURE(void, Communicator, do_barrier, opts);
+  }
+};
+
+const char* buffer_format(DType t) {
+  switch (t) {
+    case DType::kFloat32: return "f";
+    case DType::kFloat16: return "e";
+    case DType::kBFloat16: return "H";  // no bfloat16 in the buffer protocol: raw 16-bit words
+    case DType::kUInt8: return "B";
+    case DType::kInt32: return "i";
+    case DType::kInt64: return "q";
+    case DType::kFloat64: return "d";
+  }
+  return "B";
+}
+
+const char* typestr(DType t) {
+  switch (t) {
+    case DType::kFloat32: return "<f4";
+    case DType::kFloat16: return "<f2";
+    case DType::kBFloat16: return "<u2";
+    case DType::kUInt8: return "|u1";
+    case DType::kInt32: return "<i4";
+    case DType::kInt64: return "<i8";
+    case DType::kFloat64: return "<f8";
+  }
+  return "|u1";
+}
+
+CallOptions options(double timeout_s, uintptr_t stream) {
+  COMPCOMM_CHECK(timeout_s > 0, "timeout must be positive, got ", timeout_s);
+  return CallOptions{timeout_s, reinterpret_cast<void*>(stream)};
+}
+
+void check(kernels::Status s, const char* name) {
+  if (s == kernels::Status::kSuccess) return;
+  if (s == kernels::Status::kNotBuilt)
+    throw Unsupported(std::string(name) + ": this build has no CUDA kernels", name, "cuda", 3, -1);
+  if (s == kernels::Status::kInvalidArgument)
+    throw InvalidArgument(std::string(name) + ": invalid sizes (P must be a multiple of 8, >= n)");
+  throw BackendError(std::string(name) + ": CUDA error", name, "cuda", static_cast<int>(s), -1);
+}
+
+kernels::InputType itype(const Buffer& b) {
+  COMPCOMM_CHECK(b.dtype == DType::kFloat32 || b.dtype == DType::kFloat16 || b.dtype == DType::kBFloat16,
+                 "input must be float32, float16 or bfloat16, got ", dtype_name(b.dtype));
+  return static_cast<kernels::InputType>(b.dtype);
+}
+
+template <class T>
+T* ptr(const Buffer& b) {
+  return static_cast<T*>(b.data);
+}
+
+// Raise the compcomm.errors class `name` with the error's fields.
+void raise(const char* name, const Error& e) {
+  py::object cls = py::module_::import("compcomm.errors").attr(name);
+  py::object exc = cls(e.what(), e.call(), e.backend(), e.code(), e.rank());
+  PyErr_SetObject(cls.ptr(), exc.ptr());
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "compcomm's C++ core: communicators, the 1-bit compressed allreduce and its kernels.";
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const TimeoutError& e) {
+      raise("CommTimeoutError", e);
+    } catch (const RankMismatchError& e) {
+      raise("RankMismatchError", e);
+    } catch (const NonFiniteError& e) {
+      raise("NonFiniteError", e);
+    } catch (const Unsupported& e) {
+      raise("UnsupportedError", e);
+    } catch (const BackendError& e) {
+      raise("BackendError", e);
+    } catch (const Error& e) {
+      raise("CommError", e);
+    }
+  });
+
+  py::enum_<DType>(m, "DType")
+      .value("float32", DType::kFloat32)
+      .value("float16", DType::kFloat16)
+      .value("bfloat16", DType::kBFloat16)
+      .value("uint8", DType::kUInt8)
+      .value("int32", DType::kInt32)
+      .value("int64", DType::kInt64)
+      .value("float64", DType::kFloat64);
+
+  py::enum_<ReduceOp>(m, "ReduceOp")
+      .value("sum", ReduceOp::kSum)
+      .value("max", ReduceOp::kMax)
+      .value("min", ReduceOp::kMin);
+
+  py::class_<CallOptions>(m, "CallOptions", "Timeout (seconds) and CUDA stream of one collective call.")
+      .def_readonly("timeout_s", &CallOptions::timeout_s)
+      .def_property_readonly("stream",
+                             [](const CallOptions& o) { return reinterpret_cast<uintptr_t>(o.stream); });
+
+  py::class_<Buffer>(m, "Buffer", py::buffer_protocol(),
+                     "A view of memory owned by someone else (host if device < 0, else a CUDA device).")
+      .def(py::init([](uintptr_t data, int64_t count, DType dtype, int device) {
+             COMPCOMM_CHECK(count >= 0, "Buffer: count must be >= 0, got ", count);
+             return Buffer{reinterpret_cast<void*>(data), count, dtype, device};
+           }),
+           py::arg("data"), py::arg("count"), py::arg("dtype"), py::arg("device") = -1)
+      .def_property_readonly("data", [](const Buffer& b) { return reinterpret_cast<uintptr_t>(b.data); })
+      .def_readonly("count", &Buffer::count)
+      .def_readonly("dtype", &Buffer::dtype)
+      .def_readonly("device", &Buffer::device)
+      .def_property_readonly("nbytes", &Buffer::bytes)
+      .def_buffer([](const Buffer& b) -> py::buffer_info {
+        COMPCOMM_CHECK(b.on_host(), "Buffer: the buffer protocol is only for host memory");
+        const auto item = static_cast<py::ssize_t>(dtype_size(b.dtype));
+        return py::buffer_info(b.data, item, buffer_format(b.dtype), 1, {static_cast<py::ssize_t>(b.count)},
+                               {item}, false);
+      })
+      .def_property_readonly("__cuda_array_interface__", [](const Buffer& b) {
+        COMPCOMM_CHECK(!b.on_host(), "Buffer: __cuda_array_interface__ is only for device memory");
+        py::dict d;
+        d["shape"] = py::make_tuple(b.count);
+        d["typestr"] = typestr(b.dtype);
+        d["data"] = py::make_tuple(reinterpret_cast<uintptr_t>(b.data), false);
+        d["version"] = 3;
+        d["stream"] = py::none();
+        return d;
+      });
+
+  py::class_<Communicator, PyCommunicator, std::shared_ptr<Communicator>>(
+      m, "Communicator",
+      "The backend interface. Subclasses implement rank, size, backend_name and the do_* methods.")
+      .def(py::init<>())
+      .def("rank", &Communicator::rank)
+      .def("size", &Communicator::size)
+      .def("backend_name", &Communicator::backend_name)
+      .def_property_readonly("bytes_sent", &Communicator::bytes_sent,
+                             "Bytes this rank has sent through this communicator (nccl-tests conventions).")
+      .def("reset_bytes_sent", &Communicator::reset_bytes_sent)
+      .def(
+          "all_to_all",
+          [](Communicator& c, const Buffer& s, const Buffer& r, double t, uintptr_t st) {
+            c.all_to_all(s, r, options(t, st));
+          },
+          py::arg("send"), py::arg("recv"), py::arg("timeout_s") = 600.0, py::arg("stream") = 0,
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "all_gather",
+          [](Communicator& c, const Buffer& s, const Buffer& r, double t, uintptr_t st) {
+            c.all_gather(s, r, options(t, st));
+          },
+          py::arg("send"), py::arg("recv"), py::arg("timeout_s") = 600.0, py::arg("stream") = 0,
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "reduce_scatter",
+          [](Communicator& c, const Buffer& s, const Buffer& r, ReduceOp op, double t, uintptr_t st) {
+            c.reduce_scatter(s, r, op, options(t, st));
+          },
+          py::arg("send"), py::arg("recv"), py::arg("op") = ReduceOp::kSum, py::arg("timeout_s") = 600.0,
+          py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "all_reduce",
+          [](Communicator& c, const Buffer& b, ReduceOp op, double t, uintptr_t st) {
+            c.all_reduce(b, op, options(t, st));
+          },
+          py::arg("buf"), py::arg("op") = ReduceOp::kSum, py::arg("timeout_s") = 600.0, py::arg("stream") = 0,
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "broadcast",
+          [](Communicator& c, const Buffer& b, int root, double t, uintptr_t st) {
+            c.broadcast(b, root, options(t, st));
+          },
+          py::arg("buf"), py::arg("root") = 0, py::arg("timeout_s") = 600.0, py::arg("stream") = 0,
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "barrier", [](Communicator& c, double t) { c.barrier(options(t, 0)); }, py::arg("timeout_s") = 600.0,
+          py::call_guard<py::gil_scoped_release>());
+
+  py::class_<LocalCommunicator, Communicator, std::shared_ptr<LocalCommunicator>>(
+      m, "LocalCommunicator", "A world of one rank; collectives are copies. Needs no network.")
+      .def(py::init<>());
+
+  m.def(
+      "compressed_allreduce",
+      [](Communicator& comm, const Buffer& tensor, const Buffer& worker_error, const Buffer& server_error,
+         const Buffer& workspace, double timeout_s, uintptr_t stream) {
+        compressed_allreduce(comm, tensor, worker_error, server_error, workspace, options(timeout_s, stream));
+      },
+      py::arg("comm"), py::arg("tensor"), py::arg("worker_error"), py::arg("server_error"),
+      py::arg("workspace"), py::arg("timeout_s") = 600.0, py::arg("stream") = 0,
+      py::call_guard<py::gil_scoped_release>(),
+      "The 1-bit compressed allreduce on raw buffers (see compcomm.compressed_allreduce).");
+
+  m.def(
+      "compressed_allreduce_layout",
+      [](int64_t padded, int world, bool cuda) {
+        COMPCOMM_CHECK(world >= 1 && padded >= 0, "compressed_allreduce_layout: bad padded/world");
+        const CompressedAllreduceLayout l = compressed_allreduce_layout(padded, world, cuda);
+        py::dict d;
+        d["header_send"] = l.header_send;
+        d["header_recv"] = l.header_recv;
+        d["signs_send"] = l.signs_send;
+        d["signs_recv"] = l.signs_recv;
+        d["record_send"] = l.record_send;
+        d["record_recv"] = l.record_recv;
+        d["scratch"] = l.scratch;
+        d["record_bytes"] = l.record_bytes;
+        d["total"] = l.total;
+        return d;
+      },
+      py::arg("padded"), py::arg("world"), py::arg("cuda") = false,
+      "Byte offsets of the workspace regions; 'total' is the workspace size to allocate.");
+
+  m.def(
+      "compressed_allreduce_wire_bytes",
+      [](int64_t padded, int world) {
+        COMPCOMM_CHECK(world >= 1 && padded >= 0 && padded % (8 * world) == 0,
+                       "compressed_allreduce_wire_bytes: padded must be a multiple of 8*world");
+        return compressed_allreduce_wire_bytes(padded, world);
+      },
+      py::arg("padded"), py::arg("world"), "Bytes one rank sends in one compressed_allreduce call.");
+
+  m.def("build_info", &build_info_dict, "What this build contains (CUDA, NCCL, MPI) and their versions.");
+
+  // Kernels on Buffers: host buffers run the CPU twin, device buffers the CUDA kernel. For tests/bench.
+  py::module_ k = m.def_submodule("kernels", "The compression kernels, dispatched on the buffers' device.");
+  k.def(
+      "scale_workspace_bytes",
+      [](int64_t count, bool cuda) {
+        return cuda ? kernels::cuda::scale_workspace_bytes(count) : kernels::cpu::scale_workspace_bytes(count);
+      },
+      py::arg("count"), py::arg("cuda") = false);
+  k.def(
+      "worker_scale",
+      [](const Buffer& mm, const Buffer& e, const Buffer& scale, const Buffer& ws, uintptr_t stream) {
+        auto f = mm.on_host() ? kernels::cpu::worker_scale : kernels::cuda::worker_scale;
+        check(f(mm.data, itype(mm), mm.count, ptr<const float>(e), e.count, ptr<float>(scale), ws.data,
+                reinterpret_cast<void*>(stream)),
+              "worker_scale");
+      },
+      py::arg("m"), py::arg("error"), py::arg("scale"), py::arg("workspace"), py::arg("stream") = 0,
+      py::call_guard<py::gil_scoped_release>());
+  k.def(
+      "worker_pack",
+      [](const Buffer& mm, const Buffer& e, const Buffer& signs, uintptr_t stream) {
+        COMPCOMM_CHECK(signs.bytes() * 8 >= e.count, "worker_pack: signs needs P/8 bytes");
+        auto f = mm.on_host() ? kernels::cpu::worker_pack : kernels::cuda::worker_pack;
+        check(f(mm.data, itype(mm), mm.count, ptr<const float>(e), e.count, ptr<uint8_t>(signs),
+                reinterpret_cast<void*>(stream)),
+              "worker_pack");
+      },
+      py::arg("m"), py::arg("error"), py::arg("signs"), py::arg("stream") = 0,
+      py::call_guard<py::gil_scoped_release>());
+  k.def(
+      "server_scale",
+      [](const Buffer& signs, const Buffer& scales, int64_t stride, int world, const Buffer& serr,
+         const Buffer& scale, const Buffer& ws, uintptr_t stream) {
+        auto f = signs.on_host() ? kernels::cpu::server_scale : kernels::cuda::server_scale;
+        check(f(ptr<const uint8_t>(signs), ptr<const float>(scales), stride, world, ptr<const float>(serr),
+                serr.count, ptr<float>(scale), ws.data, reinterpret_cast<void*>(stream)),
+              "server_scale");
+      },
+      py::arg("signs"), py::arg("scales"), py::arg("scale_stride"), py::arg("world"), py::arg("server_error"),
+      py::arg("scale"), py::arg("workspace"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>());
+  k.def(
+      "server_pack",
+      [](const Buffer& signs, const Buffer& scales, int64_t stride, int world, const Buffer& serr,
+         const Buffer& packed, uintptr_t stream) {
+        auto f = signs.on_host() ? kernels::cpu::server_pack : kernels::cuda::server_pack;
+        check(f(ptr<const uint8_t>(signs), ptr<const float>(scales), stride, world, ptr<const float>(serr),
+                serr.count, ptr<uint8_t>(packed), reinterpret_cast<void*>(stream)),
+              "server_pack");
+      },
+      py::arg("signs"), py::arg("scales"), py::arg("scale_stride"), py::arg("world"), py::arg("server_error"),
+      py::arg("packed"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>());
+  k.def(
+      "server_update",
+      [](const Buffer& signs, const Buffer& scales, int64_t stride, int world, const Buffer& serr,
+         const Buffer& scale, uintptr_t stream) {
+        auto f = signs.on_host() ? kernels::cpu::server_update : kernels::cuda::server_update;
+        check(f(ptr<const uint8_t>(signs), ptr<const float>(scales), stride, world, ptr<float>(serr),
+                serr.count, ptr<const float>(scale), reinterpret_cast<void*>(stream)),
+              "server_update");
+      },
+      py::arg("signs"), py::arg("scales"), py::arg("scale_stride"), py::arg("world"), py::arg("server_error"),
+      py::arg("scale"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>());
+  k.def(
+      "worker_update_decompress",
+      [](const Buffer& mm, const Buffer& e, const Buffer& scale, const Buffer& out_scales,
+         int64_t out_scale_stride, const Buffer& out_signs, int64_t out_sign_stride, int world,
+         uintptr_t stream) {
+        auto f = mm.on_host() ? kernels::cpu::worker_update_decompress
+                              : kernels::cuda::worker_update_decompress;
+        check(f(mm.data, itype(mm), mm.count, ptr<float>(e), e.count, ptr<const float>(scale),
+                ptr<const float>(out_scales), out_scale_stride, ptr<const uint8_t>(out_signs),
+                out_sign_stride, world, reinterpret_cast<void*>(stream)),
+              "worker_update_decompress");
+      },
+      py::arg("m"), py::arg("error"), py::arg("scale"), py::arg("out_scales"), py::arg("out_scale_stride"),
+      py::arg("out_signs"), py::arg("out_sign_stride"), py::arg("world"), py::arg("stream") = 0,
+      py::call_guard<py::gil_scoped_release>());
+}

@@ -1,0 +1,57 @@
+// The one backend interface. Algorithms (compressed allreduce, bucketed collectives) are written
+// against Communicator; a backend (local, torch process group, MPI, NCCL) implements the do_* methods
+// and nothing else.
+//
+// The public methods are non-virtual: they check sizes, count the bytes this rank puts on the wire and
+// then call the backend. Byte counts follow nccl-tests' conventions for ring algorithms: all_to_all and
+// reduce_scatter send (W-1)/W of the input, all_gather sends (W-1) pieces of its input, all_reduce
+// 2(W-1)/W of the buffer, broadcast the buffer once.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "common.h"
+
+namespace compcomm {
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // Short backend name for messages: "local", "torch:gloo", "mpi", "nccl".
+  virtual std::string backend_name() const = 0;
+
+  // send has size()*b bytes; bytes [j*b, (j+1)*b) go to rank j, landing at [rank()*b, ...) of its recv.
+  void all_to_all(const Buffer& send, const Buffer& recv, const CallOptions& opts);
+  // recv (size()*|send| bytes) = concatenation over ranks of send.
+  void all_gather(const Buffer& send, const Buffer& recv, const CallOptions& opts);
+  // recv (|send|/size() elements) = op over ranks of send's chunk rank().
+  void reduce_scatter(const Buffer& send, const Buffer& recv, ReduceOp op, const CallOptions& opts);
+  // buf = op over ranks of buf, in place.
+  void all_reduce(const Buffer& buf, ReduceOp op, const CallOptions& opts);
+  // buf = root's buf on every rank.
+  void broadcast(const Buffer& buf, int root, const CallOptions& opts);
+  // Returns once every rank has entered.
+  void barrier(const CallOptions& opts);
+
+  // Bytes this rank has sent through this communicator (see the conventions above).
+  int64_t bytes_sent() const { return bytes_sent_; }
+  void reset_bytes_sent() { bytes_sent_ = 0; }
+
+ protected:
+  virtual void do_all_to_all(const Buffer& send, const Buffer& recv, const CallOptions& opts) = 0;
+  virtual void do_all_gather(const Buffer& send, const Buffer& recv, const CallOptions& opts) = 0;
+  virtual void do_reduce_scatter(const Buffer& send, const Buffer& recv, ReduceOp op,
+                                 const CallOptions& opts) = 0;
+  virtual void do_all_reduce(const Buffer& buf, ReduceOp op, const CallOptions& opts) = 0;
+  virtual void do_broadcast(const Buffer& buf, int root, const CallOptions& opts) = 0;
+  virtual void do_barrier(const CallOptions& opts) = 0;
+
+ private:
+  int64_t bytes_sent_ = 0;
+};
+
+}  // namespace compcomm

@@ -1,0 +1,229 @@
+// How it works (per rank r of W; ONEBIT_SPEC.md a.2 gives the exact numerics):
+//
+//   1. worker_scale: sigma_r = ||m + e|| / sqrt(P) (read-only pass).
+//   2. all_gather of a 32-byte Header {sigma, flags, n, P, dtype}. Every rank checks every header, so a
+//      size mismatch or a non-finite input on any rank raises the same error on all ranks, before any
+//      variable-sized exchange and before anything is written.
+//   3. worker_pack: signs of x = m + e, packed MSB first; all_to_all sends chunk j to rank j.
+//   4. Server on chunk r: c = sum_i s_i * sigma_i/W + server_error; tau_r = ||c|| / sqrt(C); its signs
+//      and tau go out in one Record via all_gather.
+//   5. Commit (only after every collective succeeded): server_error = c - tau s(c); worker error
+//      e = x - sigma s(x) and the output m = tau_j s_j are written in one fused pass.
+//
+// Deferring all writes to step 5 costs one more read of m and e than updating e during the pack, and
+// buys the guarantee that a failed call (bad input on some rank, a timeout) changes nothing.
+#include "compressed_allreduce.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "kernels/kernels.h"
+
+namespace compcomm {
+namespace {
+
+constexpr uint32_t kHeaderMagic = 0xC0C0B175u;
+constexpr uint32_t kFlagNonFinite = 1u;
+
+struct Header {
+  float scale;
+  uint32_t flags;
+  int64_t numel;
+  int64_t padded;
+  int32_t dtype;
+  uint32_t magic;
+};
+static_assert(sizeof(Header) == 32, "Header is exchanged as 32 raw bytes");
+constexpr int64_t kRecordScaleBytes = 16;  // the fp32 tau, padded so the signs stay 16-byte aligned
+
+int64_t align(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+
+struct Kernels {
+  decltype(&kernels::cpu::worker_scale) worker_scale;
+  decltype(&kernels::cpu::worker_pack) worker_pack;
+  decltype(&kernels::cpu::server_scale) server_scale;
+  decltype(&kernels::cpu::server_pack) server_pack;
+  decltype(&kernels::cpu::server_update) server_update;
+  decltype(&kernels::cpu::worker_update_decompress) worker_update_decompress;
+  decltype(&kernels::cpu::scale_workspace_bytes) scale_workspace_bytes;
+};
+
+const Kernels& kernels_for(bool cuda) {
+  namespace k = kernels;
+  static const Kernels cpu{k::cpu::worker_scale, k::cpu::worker_pack, k::cpu::server_scale,
+                           k::cpu::server_pack,  k::cpu::server_update, k::cpu::worker_update_decompress,
+                           k::cpu::scale_workspace_bytes};
+  static const Kernels gpu{k::cuda::worker_scale, k::cuda::worker_pack, k::cuda::server_scale,
+                           k::cuda::server_pack,  k::cuda::server_update, k::cuda::worker_update_decompress,
+                           k::cuda::scale_workspace_bytes};
+  return cuda ? gpu : cpu;
+}
+
+void check_status(kernels::Status s, const char* kernel, int rank) {
+  if (s == kernels::Status::kSuccess) return;
+  if (s == kernels::Status::kNotBuilt)
+    throw Unsupported(detail::concat("[rank ", rank, "] ", kernel,
+                                     ": this build of compcomm has no CUDA kernels"),
+                      kernel, "cuda", static_cast<int>(s), rank);
+  throw BackendError(detail::concat("[rank ", rank, "] kernel ", kernel, " failed with status ",
+                                    static_cast<int>(s)),
+                     kernel, "kernels", static_cast<int>(s), rank);
+}
+
+kernels::InputType input_type(DType t) {
+  switch (t) {
+    case DType::kFloat32: return kernels::InputType::kFloat32;
+    case DType::kFloat16: return kernels::InputType::kFloat16;
+    case DType::kBFloat16: return kernels::InputType::kBFloat16;
+    default: break;
+  }
+  throw InvalidArgument(detail::concat("compressed_allreduce: tensor dtype ", dtype_name(t),
+                                       " is not supported (float32, float16 or bfloat16)"));
+}
+
+// Every rank sees every header, so every rank raises the same error.
+void check_headers(const Header* h, int world, int rank, const Header& mine) {
+  std::string sizes;
+  bool mismatch = false;
+  std::vector<int> nonfinite;
+  for (int i = 0; i < world; ++i) {
+    if (h[i].magic != kHeaderMagic)
+      throw BackendError(detail::concat("[rank ", rank, "] compressed_allreduce: rank ", i,
+                                        " sent a malformed header (is every rank running compcomm?)"),
+                         "compressed_allreduce", "", 0, rank);
+    mismatch |= h[i].numel != mine.numel || h[i].padded != mine.padded || h[i].dtype != mine.dtype;
+    sizes += detail::concat(i ? ", " : "", "rank ", i, ": numel=", h[i].numel, " padded=", h[i].padded,
+                            " dtype=", dtype_name(static_cast<DType>(h[i].dtype)));
+    if (h[i].flags & kFlagNonFinite) nonfinite.push_back(i);
+  }
+  if (mismatch)
+    throw RankMismatchError(detail::concat("[rank ", rank, "] compressed_allreduce: ranks passed "
+                                           "different tensor or error-buffer sizes (",
+                                           sizes, ")"),
+                            "compressed_allreduce", "", 0, rank);
+  if (!nonfinite.empty()) {
+    std::string who;
+    for (size_t i = 0; i < nonfinite.size(); ++i) who += detail::concat(i ? ", " : "", nonfinite[i]);
+    throw NonFiniteError(detail::concat("[rank ", rank, "] compressed_allreduce: tensor + worker_error "
+                                        "is not finite (NaN or Inf, or its norm overflows float32) on "
+                                        "rank(s) ",
+                                        who, "; nothing was changed"),
+                         "compressed_allreduce", "", 0, rank);
+  }
+}
+
+}  // namespace
+
+CompressedAllreduceLayout compressed_allreduce_layout(int64_t padded, int world, bool cuda) {
+  const int64_t chunk = world > 0 ? padded / world : 0;
+  CompressedAllreduceLayout l{};
+  l.record_bytes = kRecordScaleBytes + align(chunk / 8, 16);
+  int64_t off = 0;
+  auto take = [&](int64_t bytes) {
+    const int64_t at = off;
+    off = align(off + bytes, 256);
+    return at;
+  };
+  l.header_send = take(sizeof(Header));
+  l.header_recv = take(sizeof(Header) * world);
+  l.signs_send = take(padded / 8);
+  l.signs_recv = take(padded / 8);
+  l.record_send = take(l.record_bytes);
+  l.record_recv = take(l.record_bytes * world);
+  const Kernels& k = kernels_for(cuda);
+  l.scratch = take(static_cast<int64_t>(std::max(k.scale_workspace_bytes(padded),
+                                                 k.scale_workspace_bytes(chunk))));
+  l.total = off;
+  return l;
+}
+
+int64_t compressed_allreduce_wire_bytes(int64_t padded, int world) {
+  const int64_t chunk = padded / world;
+  const int64_t record = kRecordScaleBytes + align(chunk / 8, 16);
+  return (world - 1) * (static_cast<int64_t>(sizeof(Header)) + chunk / 8 + record);
+}
+
+void compressed_allreduce(Communicator& comm, const Buffer& tensor, const Buffer& worker_error,
+                          const Buffer& server_error, const Buffer& workspace, const CallOptions& opts) {
+  const int world = comm.size(), rank = comm.rank();
+  const int64_t n = tensor.count, padded = worker_error.count;
+  const bool cuda = !tensor.on_host();
+  const kernels::InputType itype = input_type(tensor.dtype);
+  COMPCOMM_CHECK(worker_error.dtype == DType::kFloat32 && server_error.dtype == DType::kFloat32,
+                 "[rank ", rank, "] compressed_allreduce: worker_error and server_error must be float32");
+  COMPCOMM_CHECK(worker_error.device == tensor.device && server_error.device == tensor.device &&
+                     workspace.device == tensor.device,
+                 "[rank ", rank, "] compressed_allreduce: tensor, worker_error, server_error and the "
+                 "workspace must be on the same device");
+  COMPCOMM_CHECK(padded >= n && padded % (8 * world) == 0, "[rank ", rank,
+                 "] compressed_allreduce: worker_error has ", padded,
+                 " elements; it needs a multiple of 8*world_size = ", 8 * world,
+                 " that is >= tensor.numel() = ", n);
+  COMPCOMM_CHECK(server_error.count * world == padded, "[rank ", rank,
+                 "] compressed_allreduce: server_error has ", server_error.count,
+                 " elements; it needs worker_error.numel() / world_size = ", padded / world);
+  const CompressedAllreduceLayout l = compressed_allreduce_layout(padded, world, cuda);
+  COMPCOMM_CHECK(workspace.bytes() >= l.total, "[rank ", rank, "] compressed_allreduce: workspace has ",
+                 workspace.bytes(), " bytes; it needs ", l.total);
+  COMPCOMM_CHECK(!cuda || kernels::cuda::built(), "[rank ", rank,
+                 "] compressed_allreduce: tensor is on a CUDA device but this build has no CUDA kernels");
+  COMPCOMM_CHECK(!cuda, "[rank ", rank,
+                 "] compressed_allreduce: CUDA tensors are not supported by this algorithm build yet");
+
+  const Kernels& k = kernels_for(cuda);
+  char* ws = static_cast<char*>(workspace.data);
+  auto* header = reinterpret_cast<Header*>(ws + l.header_send);
+  auto* headers = reinterpret_cast<Header*>(ws + l.header_recv);
+  auto* signs_send = reinterpret_cast<uint8_t*>(ws + l.signs_send);
+  auto* signs_recv = reinterpret_cast<uint8_t*>(ws + l.signs_recv);
+  char* record = ws + l.record_send;
+  char* records = ws + l.record_recv;
+  void* scratch = ws + l.scratch;
+  auto* m = tensor.data;
+  auto* e = static_cast<float*>(worker_error.data);
+  auto* s = static_cast<float*>(server_error.data);
+  const int64_t chunk = padded / world;
+
+  // 1-2. Worker scale, then the header exchange that validates every rank before anything is written.
+  float sigma = 0.0f;
+  check_status(k.worker_scale(m, itype, n, e, padded, &sigma, scratch, opts.stream), "worker_scale", rank);
+  *header = Header{sigma, std::isfinite(sigma) ? 0u : kFlagNonFinite, n, padded,
+                   static_cast<int32_t>(tensor.dtype), kHeaderMagic};
+  const Buffer ws_buf = workspace;
+  comm.all_gather(ws_buf.reinterpret(DType::kUInt8, l.header_send, sizeof(Header)),
+                  ws_buf.reinterpret(DType::kUInt8, l.header_recv, sizeof(Header) * world), opts);
+  check_headers(headers, world, rank, *header);
+  if (padded == 0) return;
+
+  // 3. Worker signs to their server ranks.
+  check_status(k.worker_pack(m, itype, n, e, padded, signs_send, opts.stream), "worker_pack", rank);
+  comm.all_to_all(ws_buf.reinterpret(DType::kUInt8, l.signs_send, padded / 8),
+                  ws_buf.reinterpret(DType::kUInt8, l.signs_recv, padded / 8), opts);
+
+  // 4. Server reduction of chunk `rank`; its scale and signs go out as one record.
+  const float* sigmas = &headers[0].scale;
+  const int64_t sigma_stride = sizeof(Header) / sizeof(float);
+  auto* tau = reinterpret_cast<float*>(record);
+  std::memset(record, 0, static_cast<size_t>(l.record_bytes));
+  check_status(k.server_scale(signs_recv, sigmas, sigma_stride, world, s, chunk, tau, scratch, opts.stream),
+               "server_scale", rank);
+  check_status(k.server_pack(signs_recv, sigmas, sigma_stride, world, s, chunk,
+                             reinterpret_cast<uint8_t*>(record + kRecordScaleBytes), opts.stream),
+               "server_pack", rank);
+  comm.all_gather(ws_buf.reinterpret(DType::kUInt8, l.record_send, l.record_bytes),
+                  ws_buf.reinterpret(DType::kUInt8, l.record_recv, l.record_bytes * world), opts);
+
+  // 5. Commit.
+  check_status(k.server_update(signs_recv, sigmas, sigma_stride, world, s, chunk, tau, opts.stream),
+               "server_update", rank);
+  check_status(k.worker_update_decompress(m, itype, n, e, padded, &header->scale,
+                                          reinterpret_cast<const float*>(records),
+                                          l.record_bytes / static_cast<int64_t>(sizeof(float)),
+                                          reinterpret_cast<const uint8_t*>(records + kRecordScaleBytes),
+                                          l.record_bytes, world, opts.stream),
+               "worker_update_decompress", rank);
+}
+
+}  // namespace compcomm

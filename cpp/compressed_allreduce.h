@@ -1,0 +1,33 @@
+// 1-bit compressed allreduce with error feedback (DeepSpeed's algorithm, ONEBIT_SPEC.md section a),
+// written once against Communicator.
+#pragma once
+
+#include <cstdint>
+
+#include "comm.h"
+
+namespace compcomm {
+
+// Where each piece lives in the caller-owned workspace (byte offsets, each 256-byte aligned).
+struct CompressedAllreduceLayout {
+  int64_t header_send, header_recv;    // one Header per rank
+  int64_t signs_send, signs_recv;      // P/8 bytes each
+  int64_t record_send, record_recv;    // one Record per rank: server scale + packed server signs
+  int64_t scratch;                     // kernel scratch (scale reductions on GPU)
+  int64_t record_bytes;                // bytes of one Record
+  int64_t total;                       // workspace bytes needed
+};
+
+CompressedAllreduceLayout compressed_allreduce_layout(int64_t padded, int world, bool cuda);
+
+// Bytes one rank sends in one call (the same count Communicator::bytes_sent accumulates).
+int64_t compressed_allreduce_wire_bytes(int64_t padded, int world);
+
+// tensor: n elements of fp32/fp16/bf16; worker_error: P fp32; server_error: P/W fp32; all on one
+// device. On return, tensor holds the compressed average (identical on all ranks) and both errors are
+// updated. Transactional: if any rank's sizes differ, any rank's input is not finite, or a collective
+// fails, the call throws and tensor and both errors are left as they were.
+void compressed_allreduce(Communicator& comm, const Buffer& tensor, const Buffer& worker_error,
+                          const Buffer& server_error, const Buffer& workspace, const CallOptions& opts);
+
+}  // namespace compcomm

@@ -1,0 +1,30 @@
+// Stands in for the CUDA kernels in builds without a CUDA toolkit: every call reports kNotBuilt.
+#include "kernels.h"
+
+namespace compcomm::kernels {
+namespace cuda {
+bool built() { return false; }
+size_t scale_workspace_bytes(int64_t) { return 0; }
+Status worker_scale(const void*, InputType, int64_t, const float*, int64_t, float*, void*, Stream) {
+  return Status::kNotBuilt;
+}
+Status worker_pack(const void*, InputType, int64_t, const float*, int64_t, uint8_t*, Stream) {
+  return Status::kNotBuilt;
+}
+Status server_scale(const uint8_t*, const float*, int64_t, int, const float*, int64_t, float*, void*,
+                    Stream) {
+  return Status::kNotBuilt;
+}
+Status server_pack(const uint8_t*, const float*, int64_t, int, const float*, int64_t, uint8_t*, Stream) {
+  return Status::kNotBuilt;
+}
+Status server_update(const uint8_t*, const float*, int64_t, int, float*, int64_t, const float*, Stream) {
+  return Status::kNotBuilt;
+}
+Status worker_update_decompress(void*, InputType, int64_t, float*, int64_t, const float*, const float*,
+                                int64_t, const uint8_t*, int64_t, int, Stream) {
+  return Status::kNotBuilt;
+}
+}  // namespace cuda
+Status device_copy(void*, const void*, int64_t, Stream) { return Status::kNotBuilt; }
+}  // namespace compcomm::kernels

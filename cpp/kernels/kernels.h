@@ -1,0 +1,66 @@
+// 1-bit compression kernels. Each exists twice with the same signature: in namespace cpu (the fallback
+// and the test oracle) and in namespace cuda (built when a CUDA toolkit is found). They take raw pointers,
+// counts and a stream, return a Status, never allocate and never throw. No framework, binding or
+// communication headers may be included here.
+//
+// Notation (ONEBIT_SPEC.md section a): m holds n input elements of `dtype`; the worker error e and the
+// padded input have P elements (P % (8*W) == 0, P >= n, m_k = +0 for k >= n); x = fl32(m + e).
+// The chunk owned by each server rank has C = P/W elements. Signs are packed 8 per byte, element 8i+j
+// in bit 7-j (MSB first); bit 1 means +1: v >= 0, -0.0 and NaN; bit 0 means v < 0.
+// "Scales" are fp32 values in memory of the kernel's device (so GPU work never syncs with the host).
+// Strided scale arrays let the caller keep scales inside the records it exchanges.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace compcomm::kernels {
+
+enum class Status : int { kSuccess = 0, kInvalidArgument = 1, kCudaError = 2, kNotBuilt = 3 };
+enum class InputType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+using Stream = void*;
+
+#define COMPCOMM_KERNEL_DECLS                                                                         \
+  /* Scratch bytes the worker_scale / server_scale calls need for P (or C) elements. */               \
+  size_t scale_workspace_bytes(int64_t count);                                                       \
+  /* *scale = fl32(fl32(sqrt(sum_k x_k^2)) / fl32(sqrt(P))), the sum accumulated in fp64; 0 if P=0. */ \
+  Status worker_scale(const void* m, InputType dtype, int64_t n, const float* error, int64_t padded,  \
+                      float* scale, void* workspace, Stream stream);                                  \
+  /* signs[P/8] = packed s(x). Reads m and e only. */                                                 \
+  Status worker_pack(const void* m, InputType dtype, int64_t n, const float* error, int64_t padded,   \
+                     uint8_t* signs, Stream stream);                                                  \
+  /* c_k = sum_i s_ik * fl32(scale_i * fl32(1/W)) (ranks in order, fp32) + server_error_k, where      \
+     s_i is row i of signs[W][C/8] and scale_i = scales[i*scale_stride]. *scale = ||c|| / sqrt(C). */  \
+  Status server_scale(const uint8_t* signs, const float* scales, int64_t scale_stride, int world,     \
+                      const float* server_error, int64_t chunk, float* scale, void* workspace,        \
+                      Stream stream);                                                                 \
+  /* packed[C/8] = packed s(c). */                                                                    \
+  Status server_pack(const uint8_t* signs, const float* scales, int64_t scale_stride, int world,      \
+                     const float* server_error, int64_t chunk, uint8_t* packed, Stream stream);       \
+  /* server_error_k = c_k - scale * s(c_k), with *scale the server scale. */                           \
+  Status server_update(const uint8_t* signs, const float* scales, int64_t scale_stride, int world,    \
+                       float* server_error, int64_t chunk, const float* scale, Stream stream);        \
+  /* The commit step. For k < P: e_k = x_k - (*scale) * s(x_k). For k < n: m_k = out_k converted to   \
+     dtype, where out_k = scale_j * (bit ? +1 : -1) for chunk j = k / C, with scale_j =                \
+     out_scales[j*out_scale_stride] and the bit from out_signs + j*out_sign_stride. */                 \
+  Status worker_update_decompress(void* m, InputType dtype, int64_t n, float* error, int64_t padded, \
+                                  const float* scale, const float* out_scales,                        \
+                                  int64_t out_scale_stride, const uint8_t* out_signs,                 \
+                                  int64_t out_sign_stride, int world, Stream stream);
+
+namespace cpu {
+COMPCOMM_KERNEL_DECLS
+}  // namespace cpu
+
+namespace cuda {
+COMPCOMM_KERNEL_DECLS
+// Whether the CUDA kernels were compiled into this build.
+bool built();
+}  // namespace cuda
+
+#undef COMPCOMM_KERNEL_DECLS
+
+// Device-to-device (or host<->device) copy of `bytes` on `stream`; kNotBuilt without CUDA.
+Status device_copy(void* dst, const void* src, int64_t bytes, Stream stream);
+
+}  // namespace compcomm::kernels

@@ -1,0 +1,38 @@
+"""torch tensors <-> the core's Buffer views (no copies)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import _C
+
+DTYPES = {
+    torch.float32: _C.DType.float32,
+    torch.float16: _C.DType.float16,
+    torch.bfloat16: _C.DType.bfloat16,
+    torch.uint8: _C.DType.uint8,
+    torch.int32: _C.DType.int32,
+    torch.int64: _C.DType.int64,
+    torch.float64: _C.DType.float64,
+}
+TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
+
+
+def buffer_of(t: torch.Tensor) -> _C.Buffer:
+    """A Buffer viewing a contiguous tensor's memory (the tensor must outlive the Buffer's use)."""
+    device = t.device.index if t.device.type == "cuda" else -1
+    if t.device.type == "cuda" and device is None:
+        device = torch.cuda.current_device()
+    return _C.Buffer(t.data_ptr(), t.numel(), DTYPES[t.dtype], device)
+
+
+def tensor_of(buf: _C.Buffer) -> torch.Tensor:
+    """A 1-D tensor viewing a Buffer's memory."""
+    if buf.device < 0:
+        t = torch.from_numpy(np.asarray(buf))
+    else:
+        t = torch.as_tensor(buf, device=f"cuda:{buf.device}")
+    if buf.dtype == _C.DType.bfloat16:  # carried as raw 16-bit words
+        t = t.view(torch.bfloat16)
+    return t

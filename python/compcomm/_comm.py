@@ -1,0 +1,138 @@
+"""Communicators: the torch.distributed adapter and how a ``group`` argument picks one."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Optional, Union
+
+import torch.distributed as dist
+
+from . import _C
+from ._buffers import tensor_of
+from .errors import BackendError, CommTimeoutError
+
+# torch 2.13 renamed the tensor forms of all_gather/reduce_scatter; older releases have only these.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_OPS = {
+    _C.ReduceOp.sum: dist.ReduceOp.SUM,
+    _C.ReduceOp.max: dist.ReduceOp.MAX,
+    _C.ReduceOp.min: dist.ReduceOp.MIN,
+}
+
+
+class TorchCommunicator(_C.Communicator):
+    """Any ``torch.distributed`` process group (gloo on CPU, nccl on GPU) as a compcomm Communicator.
+
+    The C++ algorithms call back into this class for each collective; every call runs
+    asynchronously and is waited on with the call's timeout, so a dead peer raises
+    :class:`~compcomm.errors.CommTimeoutError` instead of hanging.
+
+    Parameters
+    ----------
+    group : torch.distributed.ProcessGroup, optional
+        The group to communicate over; ``None`` is the default (world) group.
+    """
+
+    def __init__(self, group: Optional[Any] = None) -> None:
+        _C.Communicator.__init__(self)
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("TorchCommunicator needs torch.distributed.init_process_group() first")
+        self.group = group
+        self._rank = dist.get_rank(group)
+        self._size = dist.get_world_size(group)
+        self._name = f"torch:{dist.get_backend(group)}"
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    def backend_name(self) -> str:
+        return self._name
+
+    def _wait(self, work: Any, call: str, opts: _C.CallOptions) -> None:
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=opts.timeout_s))
+        except Exception as e:  # torch raises RuntimeError (or DistBackendError) for both cases
+            text = str(e)
+            cls = CommTimeoutError if "imed out" in text or "imeout" in text else BackendError
+            raise cls(
+                f"[rank {self._rank}] {call} over {self._name} failed: {text}",
+                call,
+                self._name,
+                0,
+                self._rank,
+            ) from e
+
+    def do_all_to_all(self, send: _C.Buffer, recv: _C.Buffer, opts: _C.CallOptions) -> None:
+        w = dist.all_to_all_single(tensor_of(recv), tensor_of(send), group=self.group, async_op=True)
+        self._wait(w, "all_to_all", opts)
+
+    def do_all_gather(self, send: _C.Buffer, recv: _C.Buffer, opts: _C.CallOptions) -> None:
+        w = _all_gather(tensor_of(recv), tensor_of(send), group=self.group, async_op=True)
+        self._wait(w, "all_gather", opts)
+
+    def do_reduce_scatter(
+        self, send: _C.Buffer, recv: _C.Buffer, op: _C.ReduceOp, opts: _C.CallOptions
+    ) -> None:
+        w = _reduce_scatter(
+            tensor_of(recv), tensor_of(send), op=_OPS[op], group=self.group, async_op=True
+        )
+        self._wait(w, "reduce_scatter", opts)
+
+    def do_all_reduce(self, buf: _C.Buffer, op: _C.ReduceOp, opts: _C.CallOptions) -> None:
+        w = dist.all_reduce(tensor_of(buf), op=_OPS[op], group=self.group, async_op=True)
+        self._wait(w, "all_reduce", opts)
+
+    def do_broadcast(self, buf: _C.Buffer, root: int, opts: _C.CallOptions) -> None:
+        src = dist.get_global_rank(self.group, root) if self.group is not None else root
+        w = dist.broadcast(tensor_of(buf), src=src, group=self.group, async_op=True)
+        self._wait(w, "broadcast", opts)
+
+    def do_barrier(self, opts: _C.CallOptions) -> None:
+        self._wait(dist.barrier(group=self.group, async_op=True), "barrier", opts)
+
+
+Group = Union[None, Any, _C.Communicator]
+
+_local = _C.LocalCommunicator()
+_default: Optional[_C.Communicator] = None
+_torch_comms: dict = {}
+
+
+def set_default_communicator(comm: Optional[_C.Communicator]) -> None:
+    """Make ``comm`` what ``group=None`` means (``None`` restores the torch/local default)."""
+    global _default
+    _default = comm
+
+
+def resolve(group: Group) -> _C.Communicator:
+    """The communicator for a ``group`` argument.
+
+    ``None`` means: the communicator set by :func:`compcomm.init` if any, else torch's default
+    process group if torch.distributed is initialized, else a world of one rank (no network).
+    A ``torch.distributed`` process group gets a cached :class:`TorchCommunicator`; a compcomm
+    Communicator is used as it is.
+    """
+    if isinstance(group, _C.Communicator):
+        return group
+    if group is None:
+        if _default is not None:
+            return _default
+        if not (dist.is_available() and dist.is_initialized()):
+            return _local
+    pg = group if group is not None else dist.group.WORLD
+    entry = _torch_comms.get(id(pg))  # the entry holds pg, so its id cannot be reused meanwhile
+    if entry is None or entry[0] is not pg:
+        entry = (pg, TorchCommunicator(group))
+        _torch_comms[id(pg)] = entry
+    return entry[1]
+
+
+def forget_process_groups() -> None:
+    """Drop cached adapters (call after torch.distributed.destroy_process_group)."""
+    _torch_comms.clear()
+

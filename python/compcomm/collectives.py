@@ -1,0 +1,216 @@
+"""The public collectives: compressed_allreduce and the helpers that size its buffers."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple, Union
+
+import torch
+
+from . import _C
+from ._buffers import buffer_of
+from ._comm import Group, resolve
+
+__all__ = [
+    "compressed_allreduce",
+    "error_buffers",
+    "padded_numel",
+    "wire_bytes",
+    "allreduce_wire_bytes",
+    "DEFAULT_TIMEOUT",
+]
+
+#: Seconds a collective waits for its peers before raising CommTimeoutError.
+DEFAULT_TIMEOUT = 600.0
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_workspaces: dict = {}
+
+
+def padded_numel(numel: int, world_size: int) -> int:
+    """Length of the worker error buffer for ``numel`` elements on ``world_size`` ranks.
+
+    DeepSpeed's optimizer rule (ONEBIT_SPEC.md a.1): ``numel`` rounded up to a multiple of
+    ``world_size * lcm(world_size, 8)``, so numerics match DeepSpeed's optimizers. Any multiple of
+    ``8 * world_size`` that is ``>= numel`` is also accepted by :func:`compressed_allreduce`.
+    """
+    if numel < 0 or world_size < 1:
+        raise ValueError(f"padded_numel: need numel >= 0 and world_size >= 1, got {numel}, {world_size}")
+    unit = world_size * (world_size * 8 // math.gcd(world_size, 8))
+    return -(-numel // unit) * unit
+
+
+def error_buffers(
+    numel_or_tensor: Union[int, torch.Tensor],
+    group: Group = None,
+    *,
+    device: Optional[Union[str, torch.device]] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Zero-filled ``(worker_error, server_error)`` for :func:`compressed_allreduce`.
+
+    Parameters
+    ----------
+    numel_or_tensor : int or torch.Tensor
+        The number of elements to compress, or the tensor itself (its numel and device are used).
+    group : ProcessGroup, Communicator or None
+        The group the allreduce runs over (its size sets the padding); see :func:`compressed_allreduce`.
+    device : torch.device, optional
+        Where to allocate; defaults to the tensor's device, else the CPU.
+
+    Returns
+    -------
+    worker_error : torch.Tensor
+        float32, shape ``(P,)`` with ``P = padded_numel(numel, world_size)``.
+    server_error : torch.Tensor
+        float32, shape ``(P // world_size,)``.
+    """
+    if isinstance(numel_or_tensor, torch.Tensor):
+        numel = numel_or_tensor.numel()
+        device = numel_or_tensor.device if device is None else device
+    else:
+        numel = int(numel_or_tensor)
+    world = resolve(group).size()
+    p = padded_numel(numel, world)
+    return (
+        torch.zeros(p, dtype=torch.float32, device=device),
+        torch.zeros(p // world, dtype=torch.float32, device=device),
+    )
+
+
+def wire_bytes(numel: int, world_size: int, padded: Optional[int] = None) -> int:
+    """Bytes one rank sends in one :func:`compressed_allreduce` of ``numel`` elements.
+
+    About ``2 (W-1)/W * P/8`` (packed signs both ways) plus 32 bytes of header and 16 bytes of scale
+    per peer; ``padded`` defaults to :func:`padded_numel`.
+    """
+    p = padded_numel(numel, world_size) if padded is None else padded
+    return _C.compressed_allreduce_wire_bytes(p, world_size)
+
+
+def allreduce_wire_bytes(numel: int, world_size: int, element_size: int = 4) -> int:
+    """Bytes one rank sends in a ring allreduce of ``numel`` elements: ``2 (W-1)/W * numel * size``."""
+    return 2 * (world_size - 1) * numel * element_size // world_size
+
+
+def _fail(cls: type, rank: int, arg: str, problem: str) -> Exception:
+    return cls(f"[rank {rank}] compressed_allreduce: argument '{arg}' {problem}")
+
+
+def _check_float32_vector(t: object, name: str, rank: int, numel: int, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise _fail(TypeError, rank, name, f"must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.float32:
+        raise _fail(TypeError, rank, name, f"must be torch.float32, got {t.dtype}")
+    if t.device != device:
+        raise _fail(ValueError, rank, name, f"is on {t.device} but tensor is on {device}")
+    if not t.is_contiguous():
+        raise _fail(ValueError, rank, name, "must be contiguous")
+    if t.numel() != numel:
+        raise _fail(
+            ValueError,
+            rank,
+            name,
+            f"has {t.numel()} elements, expected {numel} (allocate it with compcomm.error_buffers)",
+        )
+
+
+def _workspace(device: torch.device, nbytes: int) -> torch.Tensor:
+    """A cached uint8 scratch tensor per device, grown on demand (through torch's allocator)."""
+    ws = _workspaces.get(device)
+    if ws is None or ws.numel() < nbytes:
+        ws = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+        _workspaces[device] = ws
+    return ws
+
+
+def compressed_allreduce(
+    tensor: torch.Tensor,
+    worker_error: torch.Tensor,
+    server_error: torch.Tensor,
+    group: Group = None,
+    *,
+    timeout: Optional[float] = None,
+) -> torch.Tensor:
+    """Average ``tensor`` across ranks with DeepSpeed's 1-bit compression and error feedback.
+
+    Every rank sends the signs of ``tensor + worker_error`` (1 bit per element) and one scale; each
+    rank reduces one chunk, compresses it again with its ``server_error``, and the result -- one
+    scale per chunk times the signs -- is written into ``tensor`` on every rank (identical on all).
+    About 32x fewer bytes than an fp32 allreduce. Numerics: ONEBIT_SPEC.md section a.
+
+    Parameters
+    ----------
+    tensor : torch.Tensor
+        float32, float16 or bfloat16, contiguous, any shape, CPU (or CUDA when built with CUDA).
+        Overwritten in place with the compressed average; must have the same numel on every rank.
+    worker_error : torch.Tensor
+        float32, 1-D, ``P`` elements with ``P >= tensor.numel()`` a multiple of ``8 * world_size``
+        (see :func:`error_buffers`). Updated in place; keep it across calls (error feedback).
+    server_error : torch.Tensor
+        float32, 1-D, ``P // world_size`` elements. Updated in place.
+    group : torch.distributed.ProcessGroup, compcomm Communicator or None
+        ``None`` is the default group: the communicator from :func:`compcomm.init`, else torch's
+        default process group, else a world of one rank (no process group needed).
+    timeout : float, optional
+        Seconds each collective step may wait for peers (default ``DEFAULT_TIMEOUT``).
+
+    Returns
+    -------
+    torch.Tensor
+        ``tensor`` itself.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Wrong type, dtype, device, contiguity or size of an argument (message names it and the rank).
+    compcomm.errors.RankMismatchError
+        Ranks passed different numels, padded sizes or dtypes (raised on every rank).
+    compcomm.errors.NonFiniteError
+        ``tensor + worker_error`` holds NaN/Inf on some rank (raised on every rank).
+    compcomm.errors.CommTimeoutError, compcomm.errors.BackendError
+        A peer did not answer in time, or the communication library failed.
+
+    On any error, ``tensor``, ``worker_error`` and ``server_error`` are left unchanged. The call
+    works outside autograd (``tensor`` is written through its storage).
+    """
+    comm = resolve(group)
+    world, rank = comm.size(), comm.rank()
+    if not isinstance(tensor, torch.Tensor):
+        raise _fail(TypeError, rank, "tensor", f"must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in _FLOATS:
+        raise _fail(TypeError, rank, "tensor", f"must be float32, float16 or bfloat16, got {tensor.dtype}")
+    if not tensor.is_contiguous():
+        raise _fail(ValueError, rank, "tensor", "must be contiguous (call .contiguous() first)")
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise _fail(ValueError, rank, "tensor", f"must be on the CPU or a CUDA device, not {tensor.device}")
+    if not isinstance(worker_error, torch.Tensor):
+        raise _fail(TypeError, rank, "worker_error", f"must be a torch.Tensor, got {type(worker_error).__name__}")
+    padded = worker_error.numel()
+    if padded < tensor.numel() or padded % (8 * world):
+        raise _fail(
+            ValueError,
+            rank,
+            "worker_error",
+            f"has {padded} elements; it needs a multiple of 8*world_size={8 * world} that is >= "
+            f"tensor.numel()={tensor.numel()} (allocate it with compcomm.error_buffers)",
+        )
+    _check_float32_vector(worker_error, "worker_error", rank, padded, tensor.device)
+    _check_float32_vector(server_error, "server_error", rank, padded // world, tensor.device)
+    timeout_s = DEFAULT_TIMEOUT if timeout is None else float(timeout)
+    if not timeout_s > 0:
+        raise _fail(ValueError, rank, "timeout", f"must be positive, got {timeout}")
+
+    cuda = tensor.device.type == "cuda"
+    layout = _C.compressed_allreduce_layout(padded, world, cuda)
+    ws = _workspace(tensor.device, layout["total"])
+    stream = torch.cuda.current_stream(tensor.device).cuda_stream if cuda else 0
+    _C.compressed_allreduce(
+        comm,
+        buffer_of(tensor),
+        buffer_of(worker_error),
+        buffer_of(server_error),
+        buffer_of(ws),
+        timeout_s,
+        stream,
+    )
+    return tensor

@@ -1,0 +1,125 @@
+"""Test helpers: run a function on W real processes joined by a torch.distributed process group."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue as queue_mod
+import socket
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional
+
+__all__ = ["run_ranks", "free_port"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    fn: Callable[..., Any],
+    args: tuple,
+    env: Dict[str, str],
+    results: Any,
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size)
+    )
+    try:
+        import datetime
+
+        import torch.distributed as dist
+
+        if backend != "none":
+            dist.init_process_group(
+                backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120)
+            )
+        out = fn(rank, world_size, *args)
+        results.put((rank, True, pickle.dumps(out)))  # plain pickle: no shared-memory fds
+    except BaseException as e:  # report everything, including SystemExit from the body
+        tb = traceback.format_exc()
+        try:
+            results.put((rank, False, (e, tb)))
+        except Exception:  # the exception itself does not pickle
+            results.put((rank, False, (RuntimeError(f"{type(e).__name__}: {e}"), tb)))
+    finally:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def run_ranks(
+    world_size: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 300.0,
+    env: Optional[Dict[str, str]] = None,
+) -> List[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes; return their results.
+
+    Each process joins a ``torch.distributed`` group with ``backend`` (``"none"``: no group) on a
+    free localhost port. ``fn`` and ``args`` must pickle (a module-level function). If a rank
+    raises, the other ranks are killed and that rank's exception is re-raised here with the rank's
+    traceback attached as a note; if ranks are still running after ``timeout`` seconds, they are
+    killed and ``TimeoutError`` names them.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(r, world_size, port, backend, fn, args, dict(env or {}), results),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: Dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(world_size)) - set(out))
+                raise TimeoutError(f"run_ranks: rank(s) {missing} did not finish within {timeout} s")
+            try:
+                rank, ok, value = results.get(timeout=min(left, 1.0))
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(
+                        f"run_ranks: rank(s) {dead} died (exit codes "
+                        f"{[procs[r].exitcode for r in dead]}) without reporting"
+                    ) from None
+                continue
+            if not ok:
+                exc, tb = value
+                if hasattr(exc, "add_note"):
+                    exc.add_note(f"--- raised on rank {rank} ---\n{tb}")
+                raise exc
+            out[rank] = pickle.loads(value)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.join(timeout=5 if len(out) == world_size else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [out[r] for r in range(world_size)]
