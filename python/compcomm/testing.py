@@ -139,7 +139,9 @@ def _mpirun_flavour(mpirun: str) -> str:
     return "openmpi" if "Open MPI" in text or "OpenRTE" in text else "other"
 
 
-def mpirun_command(np: int, script: str, *args: str, python: Optional[str] = None) -> List[str]:
+def mpirun_command(
+    np: int, script: str, *args: str, python: Optional[str] = None, allow_early_exit: bool = False
+) -> List[str]:
     """The command line that runs ``python script args...`` on ``np`` MPI ranks of this machine.
 
     The one place that knows the launcher's flags. For Open MPI: ``--oversubscribe`` (more ranks
@@ -155,6 +157,9 @@ def mpirun_command(np: int, script: str, *args: str, python: Optional[str] = Non
         Path of the Python script each rank runs.
     python : str, optional
         Interpreter (default: ``sys.executable``).
+    allow_early_exit : bool
+        Let a rank exit without ``MPI_Finalize`` without mpirun killing the others (Open MPI:
+        ``--mca orte_allowed_exit_without_sync 1``), to test how survivors see a dead peer.
 
     Raises
     ------
@@ -169,6 +174,8 @@ def mpirun_command(np: int, script: str, *args: str, python: Optional[str] = Non
     cmd = [mpirun]
     if _mpirun_flavour(mpirun) == "openmpi":
         cmd += ["--allow-run-as-root", "--oversubscribe", "-np", str(np)]
+        if allow_early_exit:
+            cmd += ["--mca", "orte_allowed_exit_without_sync", "1"]
     else:
         cmd += ["-n", str(np)]
     return cmd + [python or sys.executable, script, *map(str, args)]
