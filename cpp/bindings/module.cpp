@@ -15,6 +15,10 @@
 namespace py = pybind11;
 using namespace compcomm;
 
+#ifdef COMPCOMM_WITH_MPI
+void bind_mpi(py::module_& m);  // mpi_bindings.cpp
+#endif
+
 namespace {
 
 // Lets Python classes (the torch.distributed adapter) implement Communicator.
@@ -269,6 +273,10 @@ PYBIND11_MODULE(_C, m) {
         return compressed_allreduce_wire_bytes(padded, world);
       },
       py::arg("padded"), py::arg("world"), "Bytes one rank sends in one compressed_allreduce call.");
+
+#ifdef COMPCOMM_WITH_MPI
+  bind_mpi(m);
+#endif
 
   m.def("build_info", &build_info_dict, "What this build contains (CUDA, NCCL, MPI) and their versions.");
 
