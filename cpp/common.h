@@ -43,6 +43,9 @@ struct Buffer {
 struct CallOptions {
   double timeout_s = 600.0;
   void* stream = nullptr;  // cudaStream_t; ignored for host buffers
+  // compressed_allreduce on device buffers: copy the exchanged headers to the host and validate them
+  // (one small stream sync). false: no host sync (CUDA-graph capturable); see compressed_allreduce.h.
+  bool check = true;
 };
 
 // The error family. Each error carries the failing call, the backend and its code, and the rank.

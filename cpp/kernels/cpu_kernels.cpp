@@ -218,6 +218,13 @@ template <class L> struct UpdateDecompress { template <class... A> static void r
 bool bad_sizes(int64_t n, int64_t padded) { return n < 0 || padded < n || padded % 8 != 0; }
 bool bad_chunk(int world, int64_t chunk) { return world < 1 || chunk < 0 || chunk % 8 != 0; }
 
+bool guard_trips(const float* guard, int64_t stride, int world) {
+  if (guard == nullptr) return false;
+  for (int i = 0; i < world; ++i)
+    if (!std::isfinite(guard[i * stride])) return true;
+  return false;
+}
+
 }  // namespace
 
 size_t scale_workspace_bytes(int64_t) { return 0; }
@@ -261,8 +268,10 @@ Status server_pack(const uint8_t* signs, const float* scales, int64_t stride, in
 }
 
 Status server_update(const uint8_t* signs, const float* scales, int64_t stride, int world,
-                     float* server_error, int64_t chunk, const float* scale, Stream) {
+                     float* server_error, int64_t chunk, const float* scale, Stream, const float* guard,
+                     int64_t guard_stride) {
   if (bad_chunk(world, chunk)) return Status::kInvalidArgument;
+  if (guard_trips(guard, guard_stride, world)) return Status::kSuccess;
   const Tables& t = tables();
   const float tau = *scale;
   float c[8];
@@ -275,10 +284,37 @@ Status server_update(const uint8_t* signs, const float* scales, int64_t stride, 
 
 Status worker_update_decompress(void* m, InputType dtype, int64_t n, float* error, int64_t padded,
                                 const float* scale, const float* out_scales, int64_t out_scale_stride,
-                                const uint8_t* out_signs, int64_t out_sign_stride, int world, Stream) {
+                                const uint8_t* out_signs, int64_t out_sign_stride, int world, Stream,
+                                const float* guard, int64_t guard_stride) {
   if (bad_sizes(n, padded) || world < 1 || padded % (8 * world) != 0) return Status::kInvalidArgument;
+  if (guard_trips(guard, guard_stride, world)) return Status::kSuccess;
   return dispatch<UpdateDecompress>(dtype, m, n, error, padded, *scale, out_scales, out_scale_stride,
                                     out_signs, out_sign_stride, world);
+}
+
+// The fused entry points exist for the GPU, where a pass over memory is the cost; on the CPU they are
+// the two passes in sequence (same results by construction).
+Status worker_scale_pack(const void* m, InputType dtype, int64_t n, const float* error, int64_t padded,
+                         float* scale, uint8_t* signs, void* workspace, Stream stream) {
+  const Status s = worker_scale(m, dtype, n, error, padded, scale, workspace, stream);
+  return s != Status::kSuccess ? s : worker_pack(m, dtype, n, error, padded, signs, stream);
+}
+
+Status server_scale_pack(const uint8_t* signs, const float* scales, int64_t stride, int world,
+                         const float* server_error, int64_t chunk, float* scale, uint8_t* packed,
+                         void* workspace, Stream stream) {
+  const Status s = server_scale(signs, scales, stride, world, server_error, chunk, scale, workspace, stream);
+  return s != Status::kSuccess ? s : server_pack(signs, scales, stride, world, server_error, chunk, packed, stream);
+}
+
+Status write_header(ExchangeHeader* h, int64_t numel, int64_t padded, int32_t dtype, uint32_t magic,
+                    Stream) {
+  h->flags = std::isfinite(h->scale) ? 0u : 1u;
+  h->numel = numel;
+  h->padded = padded;
+  h->dtype = dtype;
+  h->magic = magic;
+  return Status::kSuccess;
 }
 
 }  // namespace compcomm::kernels::cpu
