@@ -12,7 +12,7 @@ WHL=${1:-}
 if [ -z "$WHL" ]; then for d in ../.whl .whl; do ls $d/*.whl >/dev/null 2>&1 && WHL=$d && break; done; fi
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 if [ -n "$WHL" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || exit 1
@@ -24,7 +24,7 @@ python3 -m pip install --no-build-isolation --no-deps -q -v . > "$OUT/build.log"
 grep -E "compcomm:|CUDA" "$OUT/build.log" | head -5
 echo "build: $(( $(date +%s) - t0 )) s"
 python3 -c "import compcomm; print(compcomm.build_info())" || exit 1
-python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider -x 2>&1 | tee "$OUT/test_cuda.log" | tail -25
+python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider 2>&1 | tee "$OUT/test_cuda.log" | tail -25
 echo "tests: $(( $(date +%s) - t0 )) s"
 python3 bench/gpu_bench.py --out "$OUT" 2>&1 | tee "$OUT/bench.log"
 echo "total: $(( $(date +%s) - t0 )) s"
