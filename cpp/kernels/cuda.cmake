@@ -8,6 +8,7 @@
 #                                                        CUDA_PATH, /usr/local/cuda)
 option(COMPCOMM_WITH_CUDA "Build the CUDA kernels when a CUDA toolkit is found" ON)
 set(COMPCOMM_CUDA_ARCHITECTURES "90-real;90-virtual" CACHE STRING "CUDA architectures of the kernels")
+option(COMPCOMM_CUDA_STATIC_RUNTIME "Link the CUDA runtime statically (no libcudart needed at run time)" ON)
 set(COMPCOMM_CUDA OFF)
 if(COMPCOMM_WITH_CUDA)
   # nvcc is often not on PATH (e.g. /usr/local/cuda/bin): point CMake at it so no environment
