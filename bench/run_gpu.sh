@@ -19,11 +19,13 @@ if [ -n "$WHL" ]; then
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 command -v nvcc || ls /usr/local/cuda/bin/nvcc
+env | grep -E "FLAGS|^CC=|^CXX=" ; ldd_check() { ldd "$(python3 -c 'import compcomm._C as c; print(c.__file__)')" | grep -E "stdc|cudart" || echo "(libstdc++ and cudart linked statically)"; }
 t0=$(date +%s)
 python3 -m pip install --no-build-isolation --no-deps -q -v . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 grep -E "compcomm:|CUDA" "$OUT/build.log" | head -5
 echo "build: $(( $(date +%s) - t0 )) s"
 python3 -c "import compcomm; print(compcomm.build_info())" || exit 1
+ldd_check
 python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider 2>&1 | tee "$OUT/test_cuda.log" | tail -25
 echo "tests: $(( $(date +%s) - t0 )) s"
 python3 bench/gpu_bench.py --out "$OUT" 2>&1 | tee "$OUT/bench.log"
