@@ -26,7 +26,7 @@ grep -E "compcomm:|CUDA" "$OUT/build.log" | head -5
 echo "build: $(( $(date +%s) - t0 )) s"
 python3 -c "import compcomm; print(compcomm.build_info())" || exit 1
 ldd_check
-python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider 2>&1 | tee "$OUT/test_cuda.log" | tail -25
+timeout ${TEST_TIMEOUT:-240} python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider 2>&1 | tee "$OUT/test_cuda.log" | tail -25
 echo "tests: $(( $(date +%s) - t0 )) s"
-python3 bench/gpu_bench.py --out "$OUT" 2>&1 | tee "$OUT/bench.log"
+timeout ${BENCH_TIMEOUT:-280} python3 bench/gpu_bench.py --out "$OUT" 2>&1 | tee "$OUT/bench.log"
 echo "total: $(( $(date +%s) - t0 )) s"
