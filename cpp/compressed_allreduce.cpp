@@ -144,15 +144,18 @@ CompressedAllreduceLayout compressed_allreduce_layout(int64_t padded, int world,
     off = align(off + bytes, 256);
     return at;
   };
+  // The kernel scratch comes first, at a fixed offset: the GPU norm kernels need its ticket word to be
+  // zero (they leave it zero), and a workspace reused for another size must not have put other data
+  // there.
+  const Kernels& k = kernels_for(cuda);
+  l.scratch = take(static_cast<int64_t>(std::max(k.scale_workspace_bytes(padded),
+                                                 k.scale_workspace_bytes(chunk))));
   l.header_send = take(sizeof(Header));
   l.header_recv = take(sizeof(Header) * world);
   l.signs_send = take(padded / 8);
   l.signs_recv = take(padded / 8);
   l.record_send = take(l.record_bytes);
   l.record_recv = take(l.record_bytes * world);
-  const Kernels& k = kernels_for(cuda);
-  l.scratch = take(static_cast<int64_t>(std::max(k.scale_workspace_bytes(padded),
-                                                 k.scale_workspace_bytes(chunk))));
   l.total = off;
   return l;
 }

@@ -253,7 +253,7 @@ def _rounds(n: int, dtype: torch.dtype, device: str, rounds: int, group=None, ch
     for _ in range(rounds):
         t = torch.randn(n, generator=g).to(dtype).to(device)
         compcomm.compressed_allreduce(t, we, se, group, check=check)
-        out.append((t.cpu(), we.cpu(), se.cpu()))
+        out.append((t.cpu().clone(), we.cpu().clone(), se.cpu().clone()))  # .cpu() aliases CPU tensors
     return out
 
 
@@ -276,6 +276,16 @@ def test_compressed_allreduce_gpu_equals_cpu_local(n: int, dtype: torch.dtype) -
     for a, b in zip(unchecked, gpu):
         for x, y in zip(a, b):
             _same_bits(x, y)
+
+
+def test_workspace_reused_across_sizes() -> None:
+    """A large call then a small one share the cached workspace: the small call's results must not
+    depend on what the large one left there (the norm kernels' ticket must sit at a fixed offset)."""
+    comm = _C.LocalCommunicator()
+    for n in (2**20 + 3, 4099, 2**18 + 5, 7):
+        cpu = _rounds(n, torch.float32, "cpu", 2, comm)
+        gpu = _rounds(n, torch.float32, DEV, 2, comm)
+        _assert_rounds_close(gpu, cpu)
 
 
 def test_compressed_allreduce_gpu_nonfinite() -> None:
