@@ -143,6 +143,22 @@ class DeviceGuard {
   int prev_ = -1;
 };
 
+// Like DeviceGuard but never throws: for abort and teardown paths, which must always complete.
+class QuietDeviceGuard {
+ public:
+  explicit QuietDeviceGuard(int device) {
+    if (cudaGetDevice(&prev_) != cudaSuccess || prev_ == device) prev_ = -1;
+    else if (cudaSetDevice(device) != cudaSuccess) prev_ = -1;
+    cudaGetLastError();
+  }
+  ~QuietDeviceGuard() {
+    if (prev_ >= 0) cudaSetDevice(prev_);
+  }
+
+ private:
+  int prev_ = -1;
+};
+
 bool capturing(void* stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(as_stream(stream), &status) != cudaSuccess) {
@@ -215,6 +231,7 @@ std::string unique_id() {
 struct NcclCommunicator::Pending {
   cudaEvent_t event;
   double deadline;
+  double timeout_s;
   const char* call;
 };
 
@@ -241,7 +258,7 @@ class NcclCommunicator::Call {
   cudaStream_t stream() const { return as_stream(opts_.stream); }
   void check(int result) { c_.check_locked(result, name_, deadline_); }
   void cuda(cudaError_t e) const { check_cuda(e, name_, c_.rank_); }
-  void done() { c_.track_locked(opts_.stream, opts_.timeout_s); }
+  void done() { c_.track_locked(opts_.stream, opts_.timeout_s, name_); }
   double deadline() const { return deadline_; }
 
  private:
@@ -273,7 +290,10 @@ NcclCommunicator::NcclCommunicator(const std::string& id_bytes, int rank, int si
   const double deadline = now_s() + timeout_s;
   int spins = 0;
   while (c && !blocking && (r == ncclSuccess || r == ncclInProgress)) {
-    if (a.CommGetAsyncError(c, &r) != ncclSuccess || r != ncclInProgress) break;
+    ncclResult_t st = ncclSuccess;
+    const ncclResult_t q = a.CommGetAsyncError(c, &st);
+    r = q != ncclSuccess ? q : st;
+    if (r != ncclInProgress) break;
     if (now_s() > deadline) {
       a.CommAbort(c);
       throw TimeoutError(detail::concat("[rank ", rank, "] nccl init: the ", size, " ranks did not all join within ",
@@ -329,7 +349,7 @@ bool NcclCommunicator::abort_locked(const std::string& reason, bool timed_out) {
   timed_out_ = timed_out;
   closed_reason_ = reason;
   if (comm_) {
-    DeviceGuard guard(device_, "abort", rank_);
+    QuietDeviceGuard guard(device_);
     api().CommAbort(as_comm(comm_));  // also frees comm_; its result cannot be queried afterwards
     comm_ = nullptr;
   }
@@ -361,7 +381,7 @@ void NcclCommunicator::check_locked(int result, const char* call, double deadlin
   throw BackendError(msg, call, "nccl", result, rank_);
 }
 
-void NcclCommunicator::track_locked(void* stream, double timeout_s) {
+void NcclCommunicator::track_locked(void* stream, double timeout_s, const char* call) {
   if (!watchdog_.joinable() || capturing(stream)) return;
   cudaEvent_t ev;
   if (!free_events_.empty()) {
@@ -376,7 +396,7 @@ void NcclCommunicator::track_locked(void* stream, double timeout_s) {
     check_cuda(e, "watchdog", rank_);
   }
   const bool was_empty = pending_.empty();
-  pending_.push_back(std::make_unique<Pending>(Pending{ev, now_s() + timeout_s, "collective"}));
+  pending_.push_back(std::make_unique<Pending>(Pending{ev, now_s() + timeout_s, timeout_s, call}));
   if (was_empty) cv_.notify_all();
 }
 
@@ -392,6 +412,15 @@ void NcclCommunicator::watchdog_loop() {
   cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
   cudaThreadExchangeStreamCaptureMode(&mode);
   cudaSetDevice(device_);
+  try {
+    watchdog_poll();
+  } catch (const std::exception& e) {  // never let an exception end the process from this thread
+    std::lock_guard<std::mutex> lock(mu_);
+    abort_locked(std::string("nccl watchdog failed: ") + e.what(), false);
+  }
+}
+
+void NcclCommunicator::watchdog_poll() {
   std::unique_lock<std::mutex> lock(mu_);
   while (!stop_ && !closed_) {
     cv_.wait_for(lock, std::chrono::milliseconds(pending_.empty() ? 200 : 10));
@@ -411,8 +440,9 @@ void NcclCommunicator::watchdog_loop() {
         break;
       }
       if (t > (*it)->deadline) {
-        abort_locked(detail::concat("[rank ", rank_, "] nccl: a collective did not complete before its timeout "
-                                    "(a peer died or never called it); the communicator was aborted"),
+        abort_locked(detail::concat("[rank ", rank_, "] nccl ", (*it)->call, " did not complete within its timeout of ",
+                                    (*it)->timeout_s, " s (a peer died or never called it); the communicator "
+                                    "was aborted"),
                      true);
         break;
       }
@@ -468,7 +498,7 @@ void NcclCommunicator::destroy(double timeout_s) {
   if (watchdog_.joinable()) watchdog_.join();
   std::lock_guard<std::mutex> lock(mu_);
   if (comm_ && !closed_) {
-    DeviceGuard guard(device_, "destroy", rank_);
+    QuietDeviceGuard guard(device_);
     const Api& a = api();
     const double deadline = now_s() + timeout_s;
     bool ok = true;

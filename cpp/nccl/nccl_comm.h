@@ -105,13 +105,14 @@ class NcclCommunicator final : public Communicator {
   bool stop_ = false;
 
   void watchdog_loop();
+  void watchdog_poll();
   // With mu_ held: aborts comm_ and records why. Returns false if it was already closed.
   bool abort_locked(const std::string& reason, bool timed_out);
   [[noreturn]] void throw_closed_locked(const char* call) const;
   // With mu_ held: checks an NCCL return code, polling ncclInProgress until `deadline_s` (steady
   // clock seconds). Throws BackendError/TimeoutError (aborting on timeout).
   void check_locked(int result, const char* call, double deadline_s);
-  void track_locked(void* stream, double timeout_s);
+  void track_locked(void* stream, double timeout_s, const char* call);
   void release_events_locked();
 };
 
