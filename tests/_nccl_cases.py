@@ -123,20 +123,24 @@ def compressed_case(rank: int, world: int, n: int, steps: int) -> List[Tuple[Any
     return out
 
 
-def timeout_case(rank: int, world: int) -> Dict[str, Any]:
-    """Rank 0 calls all_reduce; the others never do. Rank 0 must get CommTimeoutError, then find the
-    communicator closed; nobody may hang."""
+def timeout_case(rank: int, world: int, warm: bool, blocking: bool) -> Dict[str, Any]:
+    """Rank 0 calls all_reduce; the others never do (after one collective together if `warm`).
+    Rank 0 must get CommTimeoutError, then find the communicator closed; nobody may hang."""
     import torch.distributed as dist
 
     from compcomm._buffers import buffer_of
     from compcomm._nccl import shutdown_nccl
     from compcomm.errors import CommTimeoutError
 
-    comm = _comm(rank, timeout=120)
+    comm = _comm(rank, timeout=120, blocking=blocking)
     res: Dict[str, Any] = {"rank": rank}
+    buf = torch.ones(1 << 16, device=torch.device("cuda", comm.device))
+    st = torch.cuda.current_stream().cuda_stream
+    if warm:
+        comm.all_reduce(buffer_of(buf), timeout_s=60.0, stream=st)
+        comm.synchronize(timeout_s=60.0)
+        res["warm_sum"] = float(buf[0].item())
     if rank == 0:
-        buf = torch.ones(1 << 16, device=torch.device("cuda", comm.device))
-        st = torch.cuda.current_stream().cuda_stream
         t0 = time.monotonic()
         try:
             comm.all_reduce(buffer_of(buf), timeout_s=3.0, stream=st)

@@ -126,11 +126,11 @@ def test_every_op_single_rank(comm):
 
 
 @needs_gpu
-def test_every_op_single_rank_blocking_communicator():
+def test_every_op_single_rank_nonblocking_communicator():
     _library_or_skip()
-    c = _C.NcclCommunicator(_C.nccl.unique_id(), 0, 1, 0, 60.0, True)
+    c = _C.NcclCommunicator(_C.nccl.unique_id(), 0, 1, 0, 60.0, False)
     try:
-        assert c.blocking
+        assert not c.blocking
         assert cases.run_ops(c, (7, 4099), torch.cuda.Stream()) == []
     finally:
         c.destroy()
@@ -162,9 +162,12 @@ def test_compressed_allreduce_single_rank_equals_cpu(comm, n):
 
 
 @needs_gpu
-def test_graph_capture_and_replay(comm):
+@pytest.mark.parametrize("blocking", [False, True], ids=["nonblocking", "blocking"])
+def test_graph_capture_and_replay(blocking):
     from compcomm._buffers import buffer_of
 
+    _library_or_skip()
+    comm = _C.NcclCommunicator(_C.nccl.unique_id(), 0, 1, 0, 60.0, blocking)
     n = 4099
     gen = torch.Generator(device="cuda").manual_seed(3)
     src = torch.randn(n, device="cuda", generator=gen)
@@ -197,6 +200,8 @@ def test_graph_capture_and_replay(comm):
         assert torch.equal(red, 2 * src)
     assert not comm.closed
     comm.barrier(timeout_s=30)  # still usable eagerly after capture
+    del graph
+    comm.destroy()
 
 
 @needs_gpu
@@ -264,8 +269,14 @@ def test_compressed_allreduce_multi_rank_equals_cpu(world):
 
 
 @needs_gpus(2)
-def test_silent_peer_gives_timeout_then_closed():
-    res = run_ranks(2, cases.timeout_case, timeout=180)[0]
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "nonblocking"])
+@pytest.mark.parametrize("warm", [True, False], ids=["after_warmup", "first_call"])
+def test_silent_peer_gives_timeout_then_closed(warm, blocking):
+    # after_warmup: the kernel spins on the device (event watchdog); first_call: the call itself
+    # waits inside NCCL for the peer's connection (stuck-call watchdog, or polling when non-blocking).
+    res = run_ranks(2, cases.timeout_case, warm, blocking, timeout=180)[0]
+    if warm:
+        assert res["warm_sum"] == 2.0, res
     assert res["first"] == "timeout", res
     assert res["seconds"] < 30, res
     assert res["closed"] is True

@@ -34,7 +34,7 @@ void bind_nccl(py::module_& m) {
              return std::make_shared<NcclCommunicator>(id, rank, size, device, timeout_s, blocking, watchdog);
            }),
            py::arg("unique_id"), py::arg("rank"), py::arg("size"), py::arg("device"), py::arg("timeout_s") = 600.0,
-           py::arg("blocking") = false, py::arg("watchdog") = true,
+           py::arg("blocking") = true, py::arg("watchdog") = true,
            "Join the communicator `unique_id` (nccl.unique_id() from one rank) as rank of size, on CUDA device "
            "`device`; every rank must call this (waits at most timeout_s).")
       .def_property_readonly("device", &NcclCommunicator::device)

@@ -243,8 +243,11 @@ class NcclCommunicator::Call {
   Call(NcclCommunicator& c, const char* name, const CallOptions& opts)
       : c_(c), name_(name), opts_(opts), lock_(c.mu_), deadline_(now_s() + opts.timeout_s),
         device_(c.device_, name, c.rank_) {
+    c_.absorb_watchdog_abort_locked(name_);
     if (c_.closed_) c_.throw_closed_locked(name_);
+    if (c_.blocking_) c_.call_deadline_.store(deadline_);
   }
+  ~Call() { c_.call_deadline_.store(0.0); }
   void buffer(const Buffer& b, const char* arg) const {
     if (b.on_host())
       throw InvalidArgument(detail::concat("[rank ", c_.rank_, "] nccl ", name_, ": '", arg,
@@ -310,10 +313,12 @@ NcclCommunicator::NcclCommunicator(const std::string& id_bytes, int rank, int si
                        "init", "nccl", r, rank);
   }
   comm_ = c;
+  live_comm_.store(c);
   const cudaError_t e = cudaMalloc(reinterpret_cast<void**>(&barrier_word_), sizeof(int));
   if (e != cudaSuccess) {
     a.CommAbort(c);
     comm_ = nullptr;
+    live_comm_.store(nullptr);
     check_cuda(e, "init", rank);
   }
   if (watchdog) watchdog_ = std::thread(&NcclCommunicator::watchdog_loop, this);
@@ -348,16 +353,30 @@ bool NcclCommunicator::abort_locked(const std::string& reason, bool timed_out) {
   closed_ = true;
   timed_out_ = timed_out;
   closed_reason_ = reason;
-  if (comm_) {
+  if (comm_ && !abort_claimed_.exchange(true)) {
     QuietDeviceGuard guard(device_);
     api().CommAbort(as_comm(comm_));  // also frees comm_; its result cannot be queried afterwards
-    comm_ = nullptr;
   }
-  cv_.notify_all();
+  comm_ = nullptr;
+  live_comm_.store(nullptr);
+  wd_cv_.notify_all();
   return true;
 }
 
+void NcclCommunicator::absorb_watchdog_abort_locked(const char* call) {
+  if (closed_ || !abort_claimed_.load()) return;
+  closed_ = true;
+  timed_out_ = true;
+  closed_reason_ = detail::concat("[rank ", rank_, "] nccl ", call,
+                                  ": a call was stuck inside NCCL past its timeout (a peer never joined); the "
+                                  "watchdog aborted the communicator");
+  comm_ = nullptr;
+  live_comm_.store(nullptr);
+}
+
 void NcclCommunicator::check_locked(int result, const char* call, double deadline_s) {
+  absorb_watchdog_abort_locked(call);
+  if (closed_) throw_closed_locked(call);
   const Api& a = api();
   int spins = 0;
   while (result == ncclInProgress) {  // non-blocking mode: wait for NCCL to finish the host side
@@ -395,9 +414,7 @@ void NcclCommunicator::track_locked(void* stream, double timeout_s, const char* 
     free_events_.push_back(ev);
     check_cuda(e, "watchdog", rank_);
   }
-  const bool was_empty = pending_.empty();
   pending_.push_back(std::make_unique<Pending>(Pending{ev, now_s() + timeout_s, timeout_s, call}));
-  if (was_empty) cv_.notify_all();
 }
 
 void NcclCommunicator::release_events_locked() {
@@ -421,11 +438,26 @@ void NcclCommunicator::watchdog_loop() {
 }
 
 void NcclCommunicator::watchdog_poll() {
-  std::unique_lock<std::mutex> lock(mu_);
-  while (!stop_ && !closed_) {
-    cv_.wait_for(lock, std::chrono::milliseconds(pending_.empty() ? 200 : 10));
-    if (stop_ || closed_) break;
+  while (!stop_.load()) {
+    {
+      std::unique_lock<std::mutex> wl(wd_mu_);
+      wd_cv_.wait_for(wl, std::chrono::milliseconds(10));
+    }
+    if (stop_.load()) break;
     const double t = now_s();
+    const double in_call = call_deadline_.load();
+    if (in_call > 0 && t > in_call) {
+      // The calling thread is stuck inside NCCL and holds mu_: abort from here. NCCL's abort flag
+      // makes the stuck call return; the caller then finds the communicator closed.
+      if (!abort_claimed_.exchange(true)) {
+        QuietDeviceGuard guard(device_);
+        api().CommAbort(as_comm(live_comm_.load()));
+      }
+      break;
+    }
+    std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
+    if (!lock.owns_lock()) continue;  // a call is running; look again at the next tick
+    if (closed_) break;
     for (auto it = pending_.begin(); it != pending_.end();) {
       const cudaError_t q = cudaEventQuery((*it)->event);
       if (q == cudaSuccess) {
@@ -454,6 +486,7 @@ void NcclCommunicator::watchdog_poll() {
       abort_locked(detail::concat("[rank ", rank_, "] nccl: asynchronous error: ", nccl_text(st, comm_),
                                   "; the communicator was aborted"),
                    false);
+      break;
     }
   }
 }
@@ -490,14 +523,15 @@ void NcclCommunicator::synchronize(double timeout_s) {
 }
 
 void NcclCommunicator::destroy(double timeout_s) {
+  stop_.store(true);
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
-    cv_.notify_all();
+    std::lock_guard<std::mutex> wl(wd_mu_);
+    wd_cv_.notify_all();
   }
   if (watchdog_.joinable()) watchdog_.join();
   std::lock_guard<std::mutex> lock(mu_);
-  if (comm_ && !closed_) {
+  absorb_watchdog_abort_locked("destroy");
+  if (comm_ && !closed_ && !abort_claimed_.exchange(true)) {
     QuietDeviceGuard guard(device_);
     const Api& a = api();
     const double deadline = now_s() + timeout_s;
@@ -519,8 +553,9 @@ void NcclCommunicator::destroy(double timeout_s) {
     } else {
       a.CommAbort(as_comm(comm_));
     }
-    comm_ = nullptr;
   }
+  comm_ = nullptr;
+  live_comm_.store(nullptr);
   if (!closed_) {
     closed_ = true;
     closed_reason_ = "destroyed";

@@ -6,14 +6,19 @@
 // NCCL. Every collective is enqueued on the caller's stream (CallOptions::stream) and returns without
 // waiting for the device, so a CUDA graph can capture it.
 //
-// Faults. The communicator is non-blocking (ncclConfig_t::blocking = 0) unless asked otherwise: a
-// call that NCCL answers with ncclInProgress (connection setup waiting for a peer) is polled with
-// ncclCommGetAsyncError until the call's timeout. Device-side hangs (a peer that never joins a
-// collective) are caught by a watchdog thread: after each collective that is not being captured into
-// a graph, an event is recorded on the stream with the call's deadline; if the event has not
-// completed by then, or NCCL reports an asynchronous error, the watchdog aborts the communicator
-// (ncclCommAbort, which also releases the spinning kernels). Every later call raises the stored
-// error (TimeoutError or BackendError): an aborted communicator is never used again.
+// Faults. A watchdog thread enforces each call's timeout. Device side (a peer that never joins a
+// collective, so the kernel spins): after each collective that is not being captured into a graph,
+// an event is recorded on the stream with the call's deadline; if it has not completed by then, or
+// NCCL reports an asynchronous error, the watchdog aborts the communicator (ncclCommAbort, which also
+// releases the spinning kernels). Host side (a call stuck inside NCCL, e.g. connection setup with a
+// peer that never calls): the watchdog sees the call outlive its deadline and aborts too; NCCL's
+// abort flag makes the call return. Every later call raises the stored error (TimeoutError or
+// BackendError): an aborted communicator is never used again.
+//
+// Blocking mode (the default) launches in the caller's thread. Non-blocking mode
+// (ncclConfig_t::blocking = 0) is available: NCCL then launches every group from a new thread and
+// the call polls ncclCommGetAsyncError until done or its deadline -- robust, but tens of
+// microseconds slower per call.
 #pragma once
 
 #include <atomic>
@@ -51,7 +56,7 @@ class NcclCommunicator final : public Communicator {
   // a blocking NCCL communicator (no host-side timeout on NCCL calls); `watchdog` enables the
   // device-side timeout thread.
   NcclCommunicator(const std::string& unique_id, int rank, int size, int device, double timeout_s = 600.0,
-                   bool blocking = false, bool watchdog = true);
+                   bool blocking = true, bool watchdog = true);
   ~NcclCommunicator() override;
   NcclCommunicator(const NcclCommunicator&) = delete;
   NcclCommunicator& operator=(const NcclCommunicator&) = delete;
@@ -88,7 +93,10 @@ class NcclCommunicator final : public Communicator {
   struct Pending;  // an event recorded after a collective, with its deadline
   class Call;      // guard for one collective: device, liveness check, error mapping, watchdog event
 
-  void* comm_ = nullptr;  // ncclComm_t
+  void* comm_ = nullptr;  // ncclComm_t; written under mu_
+  std::atomic<void*> live_comm_{nullptr};  // comm_, for the watchdog's abort of a stuck call
+  std::atomic<bool> abort_claimed_{false};  // set by whoever frees comm_ (abort or destroy), once
+  std::atomic<double> call_deadline_{0.0};  // deadline of the call inside NCCL now (blocking mode)
   int rank_, size_, device_;
   bool blocking_;
   int* barrier_word_ = nullptr;  // 1 int of device memory for barrier()
@@ -101,14 +109,17 @@ class NcclCommunicator final : public Communicator {
   std::vector<void*> free_events_;  // cudaEvent_t pool
 
   std::thread watchdog_;
-  std::condition_variable cv_;
-  bool stop_ = false;
+  std::mutex wd_mu_;
+  std::condition_variable wd_cv_;
+  std::atomic<bool> stop_{false};
 
   void watchdog_loop();
   void watchdog_poll();
   // With mu_ held: aborts comm_ and records why. Returns false if it was already closed.
   bool abort_locked(const std::string& reason, bool timed_out);
   [[noreturn]] void throw_closed_locked(const char* call) const;
+  // With mu_ held: if the watchdog aborted comm_ during a stuck call, record that it is closed.
+  void absorb_watchdog_abort_locked(const char* call);
   // With mu_ held: checks an NCCL return code, polling ncclInProgress until `deadline_s` (steady
   // clock seconds). Throws BackendError/TimeoutError (aborting on timeout).
   void check_locked(int result, const char* call, double deadline_s);

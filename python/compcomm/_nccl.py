@@ -156,8 +156,10 @@ def make_nccl_communicator(
     timeout : float, optional
         Seconds to wait for all ranks to join (default ``compcomm.DEFAULT_TIMEOUT``).
     blocking : bool, optional
-        Use a blocking NCCL communicator (default: non-blocking, so that host-side waits on a dead
-        peer time out too; ``$COMPCOMM_NCCL_BLOCKING=1`` changes the default).
+        Blocking NCCL communicator (the default: kernels are launched by the calling thread, the
+        fastest and what CUDA graph capture expects) or non-blocking (``False``: NCCL launches each
+        call from a helper thread and compcomm polls it; slower). ``$COMPCOMM_NCCL_BLOCKING=0``
+        changes the default. Both modes time out on a dead peer (the watchdog aborts).
 
     Returns
     -------
@@ -177,7 +179,7 @@ def make_nccl_communicator(
     if not timeout_s > 0:
         raise ValueError(f"make_nccl_communicator: argument 'timeout' must be positive, got {timeout}")
     if blocking is None:
-        blocking = os.environ.get("COMPCOMM_NCCL_BLOCKING", "0") == "1"
+        blocking = os.environ.get("COMPCOMM_NCCL_BLOCKING", "1") != "0"
     load_nccl()
     dev = _device_index(device)
     kind, key_obj, rank, size, share = _bootstrap(group, dev)
