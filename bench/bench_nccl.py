@@ -13,7 +13,8 @@ Series, for fp32 tensors of 2^16..2^28 elements (``--min-log``/``--max-log``):
   ProcessGroupNCCL (a Python callback per collective).
 - ``deepspeed``: DeepSpeed 0.19.6's ``NcclBackend.compressed_allreduce`` (needs cupy).
 - ``nccl_allreduce`` / ``torch_allreduce``: the plain fp32 allreduce through the native communicator
-  and through torch, the reference every compressed figure is a ratio against.
+  and through torch, the reference every compressed figure is a ratio against;
+  ``nccl_allreduce_nonblocking``: the same through a non-blocking NCCL communicator.
 
 Time: median over iterations of CUDA-event time from before the call to after it (calls issued back
 to back, so a host-bound path shows its host time). Rank 0 picks the iteration count from a timed
@@ -122,6 +123,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     info = compcomm.build_info()
     native = make_nccl_communicator(device=local)
+    native_nb = make_nccl_communicator(device=local, blocking=False)
     result: Dict[str, Any] = {
         "device": torch.cuda.get_device_name(local),
         "world_size": world,
@@ -170,6 +172,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             st = torch.cuda.current_stream().cuda_stream
             f = lambda: native.all_reduce(buffer_of(buf), stream=st)  # noqa: E731
             add("nccl_allreduce", log2, _timed(f, _iterations(f, args.budget, world)))
+        if "nccl_allreduce_nonblocking" not in skip:
+            st = torch.cuda.current_stream().cuda_stream
+            f = lambda: native_nb.all_reduce(buffer_of(buf), stream=st)  # noqa: E731
+            add("nccl_allreduce_nonblocking", log2, _timed(f, _iterations(f, args.budget, world)))
         if "torch_allreduce" not in skip:
             f = lambda: dist.all_reduce(buf)  # noqa: E731
             add("torch_allreduce", log2, _timed(f, _iterations(f, args.budget, world)))

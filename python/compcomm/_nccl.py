@@ -23,7 +23,7 @@ _LOCAL_RANK_ENV = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"
 
 # key -> (the object the key's id() belongs to, the communicator); holding the object keeps its id
 # from being reused while the entry exists.
-_cache: Dict[Tuple[str, int, int], Tuple[Any, Any]] = {}
+_cache: Dict[Tuple[str, int, int, bool], Tuple[Any, Any]] = {}
 _atexit_registered = False
 
 
@@ -144,6 +144,8 @@ def make_nccl_communicator(
     """The native NCCL communicator of ``group`` on ``device`` (created once, then cached).
 
     Collective: every rank of the group must call it (the first time for this group and device).
+    The unique id travels over ``group`` (with its timeout); NCCL's own initialization then waits
+    for all ranks (bounded by ``timeout`` only for a non-blocking communicator).
 
     Parameters
     ----------
@@ -183,7 +185,7 @@ def make_nccl_communicator(
     load_nccl()
     dev = _device_index(device)
     kind, key_obj, rank, size, share = _bootstrap(group, dev)
-    key = (kind, id(key_obj), dev)
+    key = (kind, id(key_obj), dev, bool(blocking))
     entry = _cache.get(key)
     if entry is not None and entry[0] is key_obj and not entry[1].closed:
         return entry[1]
