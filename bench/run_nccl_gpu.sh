@@ -19,12 +19,19 @@ nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1 || true
 GPUS=$($PY -c 'import torch; print(torch.cuda.device_count())')
 log "GPUs: $GPUS"
 
-if [ -d .whl ] && ls .whl/deepspeed-*.whl >/dev/null 2>&1; then
-  $PY -m pip install --no-index --find-links .whl --no-deps .whl/*.whl >"$OUT/pip_deepspeed.log" 2>&1 \
-    && log "deepspeed installed from .whl" || log "deepspeed install failed (see pip_deepspeed.log)"
+# DeepSpeed 0.19.6 and its missing pure-Python dependencies, as wheels in .whl (or ../.whl), go to
+# /tmp/site (not the image's site-packages); cupy, which its NcclBackend needs, is in the image.
+WHL=""
+for d in .whl ../.whl; do ls $d/deepspeed-*.whl >/dev/null 2>&1 && WHL=$d && break; done
+if [ -n "$WHL" ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$WHL"/*.whl >"$OUT/pip_deepspeed.log" 2>&1 \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} && log "deepspeed wheels from $WHL in /tmp/site" \
+    || log "deepspeed install failed (see pip_deepspeed.log)"
 else
   log "no .whl/deepspeed-*.whl: the deepspeed series will be skipped"
 fi
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 
 # nccl.h from the nvidia-nccl wheel torch uses (cpp/nccl/CMakeLists.txt also finds it by itself).
 NCCL_INCLUDE_DIR=$($PY -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "include"))' 2>/dev/null)
