@@ -49,7 +49,8 @@ void bind_nccl(py::module_& m) {
            py::call_guard<py::gil_scoped_release>(), "Abort now; pending device work is cancelled.")
       .def("synchronize", &NcclCommunicator::synchronize, py::arg("timeout_s") = 600.0,
            py::call_guard<py::gil_scoped_release>(),
-           "Wait (at most timeout_s) for the device work of this communicator's collectives.")
+           "Wait (at most timeout_s) for the device work of this communicator's collectives (world size > 1; "
+           "aborts and raises CommTimeoutError on timeout).")
       .def(
           "barrier_on",
           [](Communicator& c, uintptr_t stream, double t) {

@@ -401,7 +401,8 @@ void NcclCommunicator::check_locked(int result, const char* call, double deadlin
 }
 
 void NcclCommunicator::track_locked(void* stream, double timeout_s, const char* call) {
-  if (!watchdog_.joinable() || capturing(stream)) return;
+  // A world of one rank has no peer to wait for: nothing can hang, so no event is needed.
+  if (size_ == 1 || !watchdog_.joinable() || capturing(stream)) return;
   cudaEvent_t ev;
   if (!free_events_.empty()) {
     ev = static_cast<cudaEvent_t>(free_events_.back());

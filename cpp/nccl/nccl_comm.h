@@ -76,8 +76,9 @@ class NcclCommunicator final : public Communicator {
   bool closed() const;
   // Why the communicator is closed ("" while it is open).
   std::string closed_reason() const;
-  // Blocks until all device work this communicator enqueued has finished, at most timeout_s; on
-  // timeout aborts and raises TimeoutError.
+  // Blocks until the device work of the collectives this communicator enqueued (outside graph
+  // capture) has finished, at most timeout_s; on timeout aborts and raises TimeoutError. A world of
+  // one rank tracks nothing (no peer can make it hang), so this returns at once there.
   void synchronize(double timeout_s);
 
  protected:
