@@ -26,6 +26,7 @@ result on the same input (#wrong: elements differing by more than 1e-5 relative)
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -93,16 +94,17 @@ def _deepspeed_backend() -> Any:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    import torch.distributed as dist
-
     import compcomm
+    import torch.distributed as dist
     from compcomm._buffers import buffer_of
     from compcomm._nccl import make_nccl_communicator, shutdown_nccl
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--min-log", type=int, default=16)
     p.add_argument("--max-log", type=int, default=28)
-    p.add_argument("--budget", type=float, default=0.4, help="seconds of timed calls per series and size")
+    p.add_argument(
+        "--budget", type=float, default=0.4, help="seconds of timed calls per series and size"
+    )
     p.add_argument("--out", default=None, help="output path without extension")
     p.add_argument("--skip", default="", help="comma-separated series to skip")
     args = p.parse_args(argv)
@@ -115,7 +117,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if "RANK" not in os.environ:  # run directly: a world of one rank in this process
         from compcomm.testing import free_port
 
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1"
+        )
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     rank, world = dist.get_rank(), dist.get_world_size()
     out = args.out or f"bench/results/nccl_h200{'' if world == 1 else f'x{world}'}"
@@ -129,7 +133,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         "world_size": world,
         "torch": torch.__version__,
         "torch_nccl": ".".join(map(str, torch.cuda.nccl.version())),
-        "compcomm_build": {k: info[k] for k in ("version", "cuda", "cuda_version", "nccl", "nccl_version")},
+        "compcomm_build": {
+            k: info[k] for k in ("version", "cuda", "cuda_version", "nccl", "nccl_version")
+        },
         "nccl_library": compcomm._C.nccl.load([]),
         "nccl_runtime_version": compcomm._C.nccl.runtime_version(),
         "timing": "median CUDA-event time per call, calls back to back; fp32; sizes are logical bytes",
@@ -157,7 +163,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         row["algbw_GBps"] = 4 * n / (stats["median_us"] * 1e-6) / 1e9
         result["series"].setdefault(series, []).append(row)
         if rank == 0:
-            print(f"{series:>15} 2^{log2:<2} {stats['median_us']:12.1f} us  iters {stats['iters']}", flush=True)
+            print(
+                f"{series:>15} 2^{log2:<2} {stats['median_us']:12.1f} us  iters {stats['iters']}",
+                flush=True,
+            )
 
     for log2 in range(args.min_log, args.max_log + 1):
         n = 1 << log2
@@ -170,15 +179,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         buf = x0.clone()
         if "nccl_allreduce" not in skip:
             st = torch.cuda.current_stream().cuda_stream
-            f = lambda: native.all_reduce(buffer_of(buf), stream=st)  # noqa: E731
+            f = functools.partial(native.all_reduce, buffer_of(buf), stream=st)
             add("nccl_allreduce", log2, _timed(f, _iterations(f, args.budget, world)))
         if "nccl_allreduce_nonblocking" not in skip:
             st = torch.cuda.current_stream().cuda_stream
-            f = lambda: native_nb.all_reduce(buffer_of(buf), stream=st)  # noqa: E731
+            f = functools.partial(native_nb.all_reduce, buffer_of(buf), stream=st)
             add("nccl_allreduce_nonblocking", log2, _timed(f, _iterations(f, args.budget, world)))
         if "torch_allreduce" not in skip:
-            f = lambda: dist.all_reduce(buf)  # noqa: E731
+            f = functools.partial(dist.all_reduce, buf)
             add("torch_allreduce", log2, _timed(f, _iterations(f, args.budget, world)))
+        f = None  # drop the closure over buf
         del buf
 
         # The first call of each compressed series on the same input, then timing.
@@ -190,19 +200,19 @@ def main(argv: Optional[List[str]] = None) -> int:
             se = torch.zeros(padded // world, device="cuda")
             t = x0.clone()
             compcomm.compressed_allreduce(t, we, se, group=group)
-            first[series] = t
-            f = lambda: compcomm.compressed_allreduce(t, we, se, group=group)  # noqa: E731
+            first[series] = t.clone()  # t is overwritten by the timed calls
+            f = functools.partial(compcomm.compressed_allreduce, t, we, se, group=group)
             add(series, log2, _timed(f, _iterations(f, args.budget, world)), wire_bytes=wire)
-            del we, se
+            del we, se, f
         if ds is not None:
             try:
                 we = torch.zeros(padded, device="cuda")
                 se = torch.zeros(padded // world, device="cuda")
                 t = x0.clone()
                 first["deepspeed"] = ds.compressed_allreduce(t, we, se, local).clone()
-                f = lambda: ds.compressed_allreduce(t, we, se, local)  # noqa: E731
+                f = functools.partial(ds.compressed_allreduce, t, we, se, local)
                 add("deepspeed", log2, _timed(f, _iterations(f, args.budget, world)))
-                del we, se
+                del we, se, f
             except Exception as e:
                 result["skipped"]["deepspeed"] = f"failed at 2^{log2}: {type(e).__name__}: {e}"
                 ds = None
@@ -210,21 +220,30 @@ def main(argv: Optional[List[str]] = None) -> int:
             for other in ("torch_adapter", "deepspeed"):
                 if other in first:
                     result["checks"].append(
-                        {"log2": log2, "series": other, "vs": "native", "wrong": _wrong(first[other], first["native"])}
+                        {
+                            "log2": log2,
+                            "series": other,
+                            "vs": "native",
+                            "wrong": _wrong(first[other], first["native"]),
+                        }
                     )
         del first, x0
         torch.cuda.empty_cache()
 
     # Ratios against the plain allreduce of the same run, and the W=1 targets.
     ref = {r["log2"]: r["median_us"] for r in result["series"].get("torch_allreduce", [])}
-    for series, rows in result["series"].items():
+    for rows in result["series"].values():
         for r in rows:
             if r["log2"] in ref:
                 r["vs_torch_allreduce"] = r["median_us"] / ref[r["log2"]]
     if world == 1 and "native" in result["series"]:
         t = {r["log2"]: r["median_us"] for r in result["series"]["native"]}
         result["targets"] = {
-            f"2^{k}": {"target_us": v, "median_us": t.get(k), "met": t.get(k) is not None and t[k] <= v}
+            f"2^{k}": {
+                "target_us": v,
+                "median_us": t.get(k),
+                "met": t.get(k) is not None and t[k] <= v,
+            }
             for k, v in TARGETS_US.items()
         }
     if rank == 0:
@@ -250,7 +269,9 @@ def _plot(result: Dict[str, Any], path: str) -> None:
         return
     fig, ax = plt.subplots(figsize=(8, 5))
     for series, rows in result["series"].items():
-        ax.plot([r["numel"] for r in rows], [r["median_us"] for r in rows], marker="o", label=series)
+        ax.plot(
+            [r["numel"] for r in rows], [r["median_us"] for r in rows], marker="o", label=series
+        )
     if "targets" in result:
         for k, v in result["targets"].items():
             ax.plot([1 << int(k[2:])], [v["target_us"]], "k*", markersize=10)
@@ -258,7 +279,9 @@ def _plot(result: Dict[str, Any], path: str) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("fp32 elements")
     ax.set_ylabel("median time per call (us)")
-    ax.set_title(f"compressed allreduce, {result['device']}, world size {result['world_size']} (stars: targets)")
+    ax.set_title(
+        f"compressed allreduce, {result['device']}, world size {result['world_size']} (stars: targets)"
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()

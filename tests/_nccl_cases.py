@@ -90,7 +90,9 @@ def ops_case(rank: int, world: int, counts: Sequence[int]) -> List[str]:
     return fails
 
 
-def compressed_pairs(comm: Any, cpu_group: Any, n: int, steps: int, seed: int) -> List[Tuple[Any, Any]]:
+def compressed_pairs(
+    comm: Any, cpu_group: Any, n: int, steps: int, seed: int
+) -> List[Tuple[Any, Any]]:
     """`steps` compressed allreduces of the same inputs on the GPU (through `comm`) and on the CPU
     (through `cpu_group`: a gloo group or a LocalCommunicator); returns (gpu, cpu) result pairs."""
     import compcomm
@@ -114,7 +116,6 @@ def compressed_pairs(comm: Any, cpu_group: Any, n: int, steps: int, seed: int) -
 
 def compressed_case(rank: int, world: int, n: int, steps: int) -> List[Tuple[Any, Any]]:
     import torch.distributed as dist
-
     from compcomm._nccl import shutdown_nccl
 
     comm = _comm(rank, timeout=120)
@@ -127,7 +128,6 @@ def timeout_case(rank: int, world: int, warm: bool, blocking: bool) -> Dict[str,
     """Rank 0 calls all_reduce; the others never do (after one collective together if `warm`).
     Rank 0 must get CommTimeoutError, then find the communicator closed; nobody may hang."""
     import torch.distributed as dist
-
     from compcomm._buffers import buffer_of
     from compcomm._nccl import shutdown_nccl
     from compcomm.errors import CommTimeoutError

@@ -10,10 +10,13 @@ namespace py = pybind11;
 void bind_nccl(py::module_& m) {
   using compcomm::Communicator;
   using compcomm::nccl::NcclCommunicator;
-  py::module_ n = m.def_submodule("nccl", "The run-time NCCL library: loading, version, unique ids.");
-  n.def("load", &compcomm::nccl::load, py::arg("candidates") = std::vector<std::string>{},
-        "Load libnccl.so.2 (once): $COMPCOMM_NCCL_LIBRARY, the copy already in the process, each of "
-        "candidates, then the system's. Returns the path in use; raises UnsupportedError if none loads.");
+  py::module_ n =
+      m.def_submodule("nccl", "The run-time NCCL library: loading, version, unique ids.");
+  n.def(
+      "load", &compcomm::nccl::load, py::arg("candidates") = std::vector<std::string>{},
+      "Load libnccl.so.2 (once): $COMPCOMM_NCCL_LIBRARY, the copy already in the process, each of "
+      "candidates, then the system's. Returns the path in use; raises UnsupportedError if none "
+      "loads.");
   n.def("loaded", &compcomm::nccl::loaded, "True once load() succeeded.");
   n.def("runtime_version", &compcomm::nccl::runtime_version,
         "Version code of the loaded NCCL library (e.g. 22809 for 2.28.9).");
@@ -24,18 +27,22 @@ void bind_nccl(py::module_& m) {
 
   py::class_<NcclCommunicator, Communicator, std::shared_ptr<NcclCommunicator>>(
       m, "NcclCommunicator",
-      "A Communicator over an NCCL communicator, for CUDA buffers on one device. Collectives run on the "
-      "given stream without host synchronization (capturable in CUDA graphs); a watchdog aborts the "
+      "A Communicator over an NCCL communicator, for CUDA buffers on one device. Collectives run "
+      "on the "
+      "given stream without host synchronization (capturable in CUDA graphs); a watchdog aborts "
+      "the "
       "communicator when a collective outlives its timeout, and later calls then raise.")
-      .def(py::init([](py::bytes unique_id, int rank, int size, int device, double timeout_s, bool blocking,
-                       bool watchdog) {
+      .def(py::init([](py::bytes unique_id, int rank, int size, int device, double timeout_s,
+                       bool blocking, bool watchdog) {
              std::string id = unique_id;
              py::gil_scoped_release release;
-             return std::make_shared<NcclCommunicator>(id, rank, size, device, timeout_s, blocking, watchdog);
+             return std::make_shared<NcclCommunicator>(id, rank, size, device, timeout_s, blocking,
+                                                       watchdog);
            }),
-           py::arg("unique_id"), py::arg("rank"), py::arg("size"), py::arg("device"), py::arg("timeout_s") = 600.0,
-           py::arg("blocking") = true, py::arg("watchdog") = true,
-           "Join the communicator `unique_id` (nccl.unique_id() from one rank) as rank of size, on CUDA device "
+           py::arg("unique_id"), py::arg("rank"), py::arg("size"), py::arg("device"),
+           py::arg("timeout_s") = 600.0, py::arg("blocking") = true, py::arg("watchdog") = true,
+           "Join the communicator `unique_id` (nccl.unique_id() from one rank) as rank of size, on "
+           "CUDA device "
            "`device`; every rank must call this (waits at most timeout_s).")
       .def_property_readonly("device", &NcclCommunicator::device)
       .def_property_readonly("blocking", &NcclCommunicator::blocking)
@@ -44,12 +51,14 @@ void bind_nccl(py::module_& m) {
       .def_property_readonly("closed_reason", &NcclCommunicator::closed_reason)
       .def("destroy", &NcclCommunicator::destroy, py::arg("timeout_s") = 30.0,
            py::call_guard<py::gil_scoped_release>(),
-           "Finalize and free the NCCL communicator (aborts if pending work does not finish in timeout_s).")
+           "Finalize and free the NCCL communicator (aborts if pending work does not finish in "
+           "timeout_s).")
       .def("abort", &NcclCommunicator::abort, py::arg("reason") = "aborted by the user",
            py::call_guard<py::gil_scoped_release>(), "Abort now; pending device work is cancelled.")
       .def("synchronize", &NcclCommunicator::synchronize, py::arg("timeout_s") = 600.0,
            py::call_guard<py::gil_scoped_release>(),
-           "Wait (at most timeout_s) for the device work of this communicator's collectives (world size > 1; "
+           "Wait (at most timeout_s) for the device work of this communicator's collectives (world "
+           "size > 1; "
            "aborts and raises CommTimeoutError on timeout).")
       .def(
           "barrier_on",

@@ -91,22 +91,32 @@ cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 
 ncclDataType_t nccl_type(DType t) {
   switch (t) {
-    case DType::kFloat32: return ncclFloat32;
-    case DType::kFloat16: return ncclFloat16;
-    case DType::kBFloat16: return ncclBfloat16;
-    case DType::kUInt8: return ncclUint8;
-    case DType::kInt32: return ncclInt32;
-    case DType::kInt64: return ncclInt64;
-    case DType::kFloat64: return ncclFloat64;
+    case DType::kFloat32:
+      return ncclFloat32;
+    case DType::kFloat16:
+      return ncclFloat16;
+    case DType::kBFloat16:
+      return ncclBfloat16;
+    case DType::kUInt8:
+      return ncclUint8;
+    case DType::kInt32:
+      return ncclInt32;
+    case DType::kInt64:
+      return ncclInt64;
+    case DType::kFloat64:
+      return ncclFloat64;
   }
   throw InvalidArgument("nccl: unsupported dtype");
 }
 
 ncclRedOp_t nccl_op(ReduceOp op) {
   switch (op) {
-    case ReduceOp::kSum: return ncclSum;
-    case ReduceOp::kMax: return ncclMax;
-    case ReduceOp::kMin: return ncclMin;
+    case ReduceOp::kSum:
+      return ncclSum;
+    case ReduceOp::kMax:
+      return ncclMax;
+    case ReduceOp::kMin:
+      return ncclMin;
   }
   throw InvalidArgument("nccl: unsupported reduce op");
 }
@@ -122,8 +132,8 @@ std::string nccl_text(int result, void* comm) {
 
 void check_cuda(cudaError_t e, const char* call, int rank) {
   if (e == cudaSuccess) return;
-  throw BackendError(detail::concat("[rank ", rank, "] nccl ", call, ": CUDA error ", cudaGetErrorName(e), ": ",
-                                    cudaGetErrorString(e)),
+  throw BackendError(detail::concat("[rank ", rank, "] nccl ", call, ": CUDA error ",
+                                    cudaGetErrorName(e), ": ", cudaGetErrorString(e)),
                      call, "cuda", static_cast<int>(e), rank);
 }
 
@@ -132,8 +142,10 @@ class DeviceGuard {
  public:
   DeviceGuard(int device, const char* call, int rank) {
     check_cuda(cudaGetDevice(&prev_), call, rank);
-    if (prev_ != device) check_cuda(cudaSetDevice(device), call, rank);
-    else prev_ = -1;
+    if (prev_ != device)
+      check_cuda(cudaSetDevice(device), call, rank);
+    else
+      prev_ = -1;
   }
   ~DeviceGuard() {
     if (prev_ >= 0) cudaSetDevice(prev_);
@@ -147,8 +159,10 @@ class DeviceGuard {
 class QuietDeviceGuard {
  public:
   explicit QuietDeviceGuard(int device) {
-    if (cudaGetDevice(&prev_) != cudaSuccess || prev_ == device) prev_ = -1;
-    else if (cudaSetDevice(device) != cudaSuccess) prev_ = -1;
+    if (cudaGetDevice(&prev_) != cudaSuccess || prev_ == device)
+      prev_ = -1;
+    else if (cudaSetDevice(device) != cudaSuccess)
+      prev_ = -1;
     cudaGetLastError();
   }
   ~QuietDeviceGuard() {
@@ -174,7 +188,8 @@ std::string load(const std::vector<std::string>& candidates) {
   std::lock_guard<std::mutex> lock(g_load_mu);
   if (g_api) return g_api->path;
   std::vector<std::pair<std::string, int>> tries;  // (name, dlopen flags)
-  if (const char* env = std::getenv("COMPCOMM_NCCL_LIBRARY"); env && *env) tries.push_back({env, 0});
+  if (const char* env = std::getenv("COMPCOMM_NCCL_LIBRARY"); env && *env)
+    tries.push_back({env, 0});
   tries.push_back({"libnccl.so.2", RTLD_NOLOAD});  // already in the process (torch's copy)
   for (const auto& c : candidates) tries.push_back({c, 0});
   tries.push_back({"libnccl.so.2", 0});  // the dynamic linker's search path (a system NCCL)
@@ -197,7 +212,9 @@ std::string load(const std::vector<std::string>& candidates) {
       continue;
     }
     Dl_info info{};
-    a->path = dladdr(reinterpret_cast<void*>(a->GetVersion), &info) && info.dli_fname ? info.dli_fname : name;
+    a->path = dladdr(reinterpret_cast<void*>(a->GetVersion), &info) && info.dli_fname
+                  ? info.dli_fname
+                  : name;
     g_api = a;
     return a->path;
   }
@@ -215,7 +232,8 @@ bool loaded() {
 int runtime_version() {
   int v = 0;
   const ncclResult_t r = api().GetVersion(&v);
-  if (r != ncclSuccess) throw BackendError("ncclGetVersion failed: " + nccl_text(r, nullptr), "version", "nccl", r);
+  if (r != ncclSuccess)
+    throw BackendError("ncclGetVersion failed: " + nccl_text(r, nullptr), "version", "nccl", r);
   return v;
 }
 
@@ -235,13 +253,17 @@ struct NcclCommunicator::Pending {
   const char* call;
 };
 
-// One collective: holds the lock (so the watchdog cannot abort mid-call), checks the communicator is
-// open and the buffers are on its device, makes the device current, and after the NCCL calls
+// One collective: holds the lock (so the watchdog cannot abort mid-call), checks the communicator
+// is open and the buffers are on its device, makes the device current, and after the NCCL calls
 // registers the completion event with the watchdog.
 class NcclCommunicator::Call {
  public:
   Call(NcclCommunicator& c, const char* name, const CallOptions& opts)
-      : c_(c), name_(name), opts_(opts), lock_(c.mu_), deadline_(now_s() + opts.timeout_s),
+      : c_(c),
+        name_(name),
+        opts_(opts),
+        lock_(c.mu_),
+        deadline_(now_s() + opts.timeout_s),
         device_(c.device_, name, c.rank_) {
     c_.absorb_watchdog_abort_locked(name_);
     if (c_.closed_) c_.throw_closed_locked(name_);
@@ -250,12 +272,13 @@ class NcclCommunicator::Call {
   ~Call() { c_.call_deadline_.store(0.0); }
   void buffer(const Buffer& b, const char* arg) const {
     if (b.on_host())
-      throw InvalidArgument(detail::concat("[rank ", c_.rank_, "] nccl ", name_, ": '", arg,
-                                           "' is host memory; the NCCL communicator needs CUDA buffers on cuda:",
-                                           c_.device_));
+      throw InvalidArgument(detail::concat(
+          "[rank ", c_.rank_, "] nccl ", name_, ": '", arg,
+          "' is host memory; the NCCL communicator needs CUDA buffers on cuda:", c_.device_));
     if (b.device != c_.device_)
-      throw InvalidArgument(detail::concat("[rank ", c_.rank_, "] nccl ", name_, ": '", arg, "' is on cuda:",
-                                           b.device, " but the communicator is on cuda:", c_.device_));
+      throw InvalidArgument(detail::concat("[rank ", c_.rank_, "] nccl ", name_, ": '", arg,
+                                           "' is on cuda:", b.device,
+                                           " but the communicator is on cuda:", c_.device_));
   }
   ncclComm_t comm() const { return as_comm(c_.comm_); }
   cudaStream_t stream() const { return as_stream(opts_.stream); }
@@ -276,10 +299,12 @@ class NcclCommunicator::Call {
 NcclCommunicator::NcclCommunicator(const std::string& id_bytes, int rank, int size, int device,
                                    double timeout_s, bool blocking, bool watchdog)
     : rank_(rank), size_(size), device_(device), blocking_(blocking) {
-  COMPCOMM_CHECK(id_bytes.size() == static_cast<size_t>(kUniqueIdBytes), "NcclCommunicator: unique_id must be ",
-                 kUniqueIdBytes, " bytes (from nccl.unique_id()), got ", id_bytes.size());
+  COMPCOMM_CHECK(id_bytes.size() == static_cast<size_t>(kUniqueIdBytes),
+                 "NcclCommunicator: unique_id must be ", kUniqueIdBytes,
+                 " bytes (from nccl.unique_id()), got ", id_bytes.size());
   COMPCOMM_CHECK(size >= 1, "NcclCommunicator: size must be >= 1, got ", size);
-  COMPCOMM_CHECK(device >= 0, "NcclCommunicator: device must be a CUDA device index >= 0, got ", device);
+  COMPCOMM_CHECK(device >= 0, "NcclCommunicator: device must be a CUDA device index >= 0, got ",
+                 device);
   COMPCOMM_CHECK(timeout_s > 0, "NcclCommunicator: timeout_s must be positive, got ", timeout_s);
   const Api& a = api();
   DeviceGuard guard(device, "init", rank);
@@ -299,8 +324,9 @@ NcclCommunicator::NcclCommunicator(const std::string& id_bytes, int rank, int si
     if (r != ncclInProgress) break;
     if (now_s() > deadline) {
       a.CommAbort(c);
-      throw TimeoutError(detail::concat("[rank ", rank, "] nccl init: the ", size, " ranks did not all join within ",
-                                        timeout_s, " s; the communicator was aborted"),
+      throw TimeoutError(detail::concat("[rank ", rank, "] nccl init: the ", size,
+                                        " ranks did not all join within ", timeout_s,
+                                        " s; the communicator was aborted"),
                          "init", "nccl", ncclInProgress, rank);
     }
     backoff(spins);
@@ -308,8 +334,8 @@ NcclCommunicator::NcclCommunicator(const std::string& id_bytes, int rank, int si
   if (r != ncclSuccess) {
     const std::string text = nccl_text(r, c);
     if (c) a.CommAbort(c);
-    throw BackendError(detail::concat("[rank ", rank, "] nccl init (rank ", rank, " of ", size, " on cuda:", device,
-                                      ") failed: ", text),
+    throw BackendError(detail::concat("[rank ", rank, "] nccl init (rank ", rank, " of ", size,
+                                      " on cuda:", device, ") failed: ", text),
                        "init", "nccl", r, rank);
   }
   comm_ = c;
@@ -342,8 +368,9 @@ std::string NcclCommunicator::closed_reason() const {
 }
 
 void NcclCommunicator::throw_closed_locked(const char* call) const {
-  const std::string msg = detail::concat("[rank ", rank_, "] nccl ", call, ": the communicator is closed (",
-                                         closed_reason_, "); create a new one");
+  const std::string msg =
+      detail::concat("[rank ", rank_, "] nccl ", call, ": the communicator is closed (",
+                     closed_reason_, "); create a new one");
   if (timed_out_) throw TimeoutError(msg, call, "nccl", 0, rank_);
   throw BackendError(msg, call, "nccl", 0, rank_);
 }
@@ -367,9 +394,10 @@ void NcclCommunicator::absorb_watchdog_abort_locked(const char* call) {
   if (closed_ || !abort_claimed_.load()) return;
   closed_ = true;
   timed_out_ = true;
-  closed_reason_ = detail::concat("[rank ", rank_, "] nccl ", call,
-                                  ": a call was stuck inside NCCL past its timeout (a peer never joined); the "
-                                  "watchdog aborted the communicator");
+  closed_reason_ =
+      detail::concat("[rank ", rank_, "] nccl ", call,
+                     ": a call was stuck inside NCCL past its timeout (a peer never joined); the "
+                     "watchdog aborted the communicator");
   comm_ = nullptr;
   live_comm_.store(nullptr);
 }
@@ -385,15 +413,17 @@ void NcclCommunicator::check_locked(int result, const char* call, double deadlin
     result = q != ncclSuccess ? q : st;
     if (result != ncclInProgress) break;
     if (now_s() > deadline_s) {
-      const std::string msg = detail::concat("[rank ", rank_, "] nccl ", call,
-                                             " timed out: the peers did not answer; the communicator was aborted");
+      const std::string msg =
+          detail::concat("[rank ", rank_, "] nccl ", call,
+                         " timed out: the peers did not answer; the communicator was aborted");
       abort_locked(msg, true);
       throw TimeoutError(msg, call, "nccl", ncclInProgress, rank_);
     }
     backoff(spins);
   }
   if (result == ncclSuccess) return;
-  const std::string msg = detail::concat("[rank ", rank_, "] nccl ", call, " failed: ", nccl_text(result, comm_));
+  const std::string msg =
+      detail::concat("[rank ", rank_, "] nccl ", call, " failed: ", nccl_text(result, comm_));
   // A rejected argument leaves the communicator usable; any other failure leaves it in an unknown
   // state, so it is aborted rather than used again.
   if (result != ncclInvalidArgument && result != ncclInvalidUsage) abort_locked(msg, false);
@@ -467,14 +497,15 @@ void NcclCommunicator::watchdog_poll() {
         continue;
       }
       if (q != cudaErrorNotReady) {
-        abort_locked(detail::concat("[rank ", rank_, "] nccl: device error ", cudaGetErrorName(q), ": ",
-                                    cudaGetErrorString(q), "; the communicator was aborted"),
+        abort_locked(detail::concat("[rank ", rank_, "] nccl: device error ", cudaGetErrorName(q),
+                                    ": ", cudaGetErrorString(q), "; the communicator was aborted"),
                      false);
         break;
       }
       if (t > (*it)->deadline) {
-        abort_locked(detail::concat("[rank ", rank_, "] nccl ", (*it)->call, " did not complete within its timeout of ",
-                                    (*it)->timeout_s, " s (a peer died or never called it); the communicator "
+        abort_locked(detail::concat("[rank ", rank_, "] nccl ", (*it)->call,
+                                    " did not complete within its timeout of ", (*it)->timeout_s,
+                                    " s (a peer died or never called it); the communicator "
                                     "was aborted"),
                      true);
         break;
@@ -483,9 +514,10 @@ void NcclCommunicator::watchdog_poll() {
     }
     if (closed_) break;
     ncclResult_t st = ncclSuccess;
-    if (api().CommGetAsyncError(as_comm(comm_), &st) == ncclSuccess && st != ncclSuccess && st != ncclInProgress) {
-      abort_locked(detail::concat("[rank ", rank_, "] nccl: asynchronous error: ", nccl_text(st, comm_),
-                                  "; the communicator was aborted"),
+    if (api().CommGetAsyncError(as_comm(comm_), &st) == ncclSuccess && st != ncclSuccess &&
+        st != ncclInProgress) {
+      abort_locked(detail::concat("[rank ", rank_, "] nccl: asynchronous error: ",
+                                  nccl_text(st, comm_), "; the communicator was aborted"),
                    false);
       break;
     }
@@ -512,8 +544,10 @@ void NcclCommunicator::synchronize(double timeout_s) {
         if (q == cudaSuccess) break;
         if (q != cudaErrorNotReady) check_cuda(q, "synchronize", rank_);
         if (now_s() > deadline) {
-          const std::string msg = detail::concat("[rank ", rank_, "] nccl synchronize: device work did not finish "
-                                                 "within ", timeout_s, " s; the communicator was aborted");
+          const std::string msg = detail::concat("[rank ", rank_,
+                                                 "] nccl synchronize: device work did not finish "
+                                                 "within ",
+                                                 timeout_s, " s; the communicator was aborted");
           abort_locked(msg, true);
           throw TimeoutError(msg, "synchronize", "nccl", 0, rank_);
         }
@@ -540,7 +574,8 @@ void NcclCommunicator::destroy(double timeout_s) {
     int spins = 0;
     for (auto& p : pending_) {  // let tracked device work finish first (a dead peer: abort instead)
       cudaError_t q;
-      while ((q = cudaEventQuery(p->event)) == cudaErrorNotReady && now_s() < deadline) backoff(spins);
+      while ((q = cudaEventQuery(p->event)) == cudaErrorNotReady && now_s() < deadline)
+        backoff(spins);
       ok = ok && q == cudaSuccess;
     }
     ncclResult_t r = ok ? a.CommFinalize(as_comm(comm_)) : ncclInternalError;
@@ -573,7 +608,8 @@ void NcclCommunicator::abort(const std::string& reason) {
   abort_locked(reason, false);
 }
 
-void NcclCommunicator::do_all_to_all(const Buffer& send, const Buffer& recv, const CallOptions& opts) {
+void NcclCommunicator::do_all_to_all(const Buffer& send, const Buffer& recv,
+                                     const CallOptions& opts) {
   Call call(*this, "all_to_all", opts);
   call.buffer(send, "send");
   call.buffer(recv, "recv");
@@ -584,7 +620,9 @@ void NcclCommunicator::do_all_to_all(const Buffer& send, const Buffer& recv, con
   COMPCOMM_CHECK(size_ == 1 || d + b * size_ <= s || s + b * size_ <= d, "[rank ", rank_,
                  "] nccl all_to_all: send and recv must not overlap");
   // This rank's own chunk is a device copy; the others go through one group of sends and receives.
-  if (s != d) call.cuda(cudaMemcpyAsync(d + b * rank_, s + b * rank_, b, cudaMemcpyDeviceToDevice, call.stream()));
+  if (s != d)
+    call.cuda(
+        cudaMemcpyAsync(d + b * rank_, s + b * rank_, b, cudaMemcpyDeviceToDevice, call.stream()));
   if (size_ > 1) {
     const Api& a = api();
     ncclResult_t r = a.GroupStart();
@@ -599,13 +637,14 @@ void NcclCommunicator::do_all_to_all(const Buffer& send, const Buffer& recv, con
   call.done();
 }
 
-void NcclCommunicator::do_all_gather(const Buffer& send, const Buffer& recv, const CallOptions& opts) {
+void NcclCommunicator::do_all_gather(const Buffer& send, const Buffer& recv,
+                                     const CallOptions& opts) {
   Call call(*this, "all_gather", opts);
   call.buffer(send, "send");
   call.buffer(recv, "recv");
   if (send.bytes() == 0) return;
-  call.check(api().AllGather(send.data, recv.data, static_cast<size_t>(send.bytes()), ncclUint8, call.comm(),
-                             call.stream()));
+  call.check(api().AllGather(send.data, recv.data, static_cast<size_t>(send.bytes()), ncclUint8,
+                             call.comm(), call.stream()));
   call.done();
 }
 
@@ -615,8 +654,8 @@ void NcclCommunicator::do_reduce_scatter(const Buffer& send, const Buffer& recv,
   call.buffer(send, "send");
   call.buffer(recv, "recv");
   if (recv.count == 0) return;
-  call.check(api().ReduceScatter(send.data, recv.data, static_cast<size_t>(recv.count), nccl_type(recv.dtype),
-                                 nccl_op(op), call.comm(), call.stream()));
+  call.check(api().ReduceScatter(send.data, recv.data, static_cast<size_t>(recv.count),
+                                 nccl_type(recv.dtype), nccl_op(op), call.comm(), call.stream()));
   call.done();
 }
 
@@ -624,8 +663,8 @@ void NcclCommunicator::do_all_reduce(const Buffer& buf, ReduceOp op, const CallO
   Call call(*this, "all_reduce", opts);
   call.buffer(buf, "buf");
   if (buf.count == 0) return;
-  call.check(api().AllReduce(buf.data, buf.data, static_cast<size_t>(buf.count), nccl_type(buf.dtype), nccl_op(op),
-                             call.comm(), call.stream()));
+  call.check(api().AllReduce(buf.data, buf.data, static_cast<size_t>(buf.count),
+                             nccl_type(buf.dtype), nccl_op(op), call.comm(), call.stream()));
   call.done();
 }
 
@@ -633,8 +672,8 @@ void NcclCommunicator::do_broadcast(const Buffer& buf, int root, const CallOptio
   Call call(*this, "broadcast", opts);
   call.buffer(buf, "buf");
   if (buf.bytes() == 0) return;
-  call.check(api().Broadcast(buf.data, buf.data, static_cast<size_t>(buf.bytes()), ncclUint8, root, call.comm(),
-                             call.stream()));
+  call.check(api().Broadcast(buf.data, buf.data, static_cast<size_t>(buf.bytes()), ncclUint8, root,
+                             call.comm(), call.stream()));
   call.done();
 }
 
@@ -645,7 +684,8 @@ void NcclCommunicator::do_barrier(const CallOptions& opts) {
   {
     Call call(*this, "barrier", opts);
     deadline = call.deadline();
-    call.check(api().AllReduce(barrier_word_, barrier_word_, 1, ncclInt32, ncclSum, call.comm(), call.stream()));
+    call.check(api().AllReduce(barrier_word_, barrier_word_, 1, ncclInt32, ncclSum, call.comm(),
+                               call.stream()));
     if (capturing(opts.stream)) return;
     call.cuda(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
     const cudaError_t e = cudaEventRecord(ev, call.stream());

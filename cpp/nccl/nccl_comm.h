@@ -3,17 +3,17 @@
 // How it works. libnccl.so.2 is never linked: the first use dlopen()s it (the copy torch already
 // loaded if there is one, else the candidates given by the caller, else the system's) and resolves
 // the few functions used here into a table, so the package builds and imports on machines without
-// NCCL. Every collective is enqueued on the caller's stream (CallOptions::stream) and returns without
-// waiting for the device, so a CUDA graph can capture it.
+// NCCL. Every collective is enqueued on the caller's stream (CallOptions::stream) and returns
+// without waiting for the device, so a CUDA graph can capture it.
 //
 // Faults. A watchdog thread enforces each call's timeout. Device side (a peer that never joins a
 // collective, so the kernel spins): after each collective that is not being captured into a graph,
 // an event is recorded on the stream with the call's deadline; if it has not completed by then, or
-// NCCL reports an asynchronous error, the watchdog aborts the communicator (ncclCommAbort, which also
-// releases the spinning kernels). Host side (a call stuck inside NCCL, e.g. connection setup with a
-// peer that never calls): the watchdog sees the call outlive its deadline and aborts too; NCCL's
-// abort flag makes the call return. Every later call raises the stored error (TimeoutError or
-// BackendError): an aborted communicator is never used again.
+// NCCL reports an asynchronous error, the watchdog aborts the communicator (ncclCommAbort, which
+// also releases the spinning kernels). Host side (a call stuck inside NCCL, e.g. connection setup
+// with a peer that never calls): the watchdog sees the call outlive its deadline and aborts too;
+// NCCL's abort flag makes the call return. Every later call raises the stored error (TimeoutError
+// or BackendError): an aborted communicator is never used again.
 //
 // Blocking mode (the default) launches in the caller's thread. Non-blocking mode
 // (ncclConfig_t::blocking = 0) is available: NCCL then launches every group from a new thread and
@@ -52,11 +52,11 @@ std::string unique_id();
 class NcclCommunicator final : public Communicator {
  public:
   // Joins the communicator `unique_id` (from unique_id() on one rank, shared with all) as `rank` of
-  // `size`, on CUDA device `device`. Waits at most `timeout_s` for the other ranks. `blocking` selects
-  // a blocking NCCL communicator (no host-side timeout on NCCL calls); `watchdog` enables the
-  // device-side timeout thread.
-  NcclCommunicator(const std::string& unique_id, int rank, int size, int device, double timeout_s = 600.0,
-                   bool blocking = true, bool watchdog = true);
+  // `size`, on CUDA device `device`. Waits at most `timeout_s` for the other ranks. `blocking`
+  // selects a blocking NCCL communicator (no host-side timeout on NCCL calls); `watchdog` enables
+  // the device-side timeout thread.
+  NcclCommunicator(const std::string& unique_id, int rank, int size, int device,
+                   double timeout_s = 600.0, bool blocking = true, bool watchdog = true);
   ~NcclCommunicator() override;
   NcclCommunicator(const NcclCommunicator&) = delete;
   NcclCommunicator& operator=(const NcclCommunicator&) = delete;
@@ -67,8 +67,8 @@ class NcclCommunicator final : public Communicator {
   int device() const { return device_; }
   bool blocking() const { return blocking_; }
 
-  // Finalizes and frees the NCCL communicator (waits at most timeout_s for pending work, then aborts).
-  // Later calls raise. Idempotent.
+  // Finalizes and frees the NCCL communicator (waits at most timeout_s for pending work, then
+  // aborts). Later calls raise. Idempotent.
   void destroy(double timeout_s = 30.0);
   // Aborts the NCCL communicator now (pending device work is cancelled). Later calls raise.
   void abort(const std::string& reason = "aborted by the user");
@@ -92,10 +92,10 @@ class NcclCommunicator final : public Communicator {
 
  private:
   struct Pending;  // an event recorded after a collective, with its deadline
-  class Call;      // guard for one collective: device, liveness check, error mapping, watchdog event
+  class Call;  // guard for one collective: device, liveness check, error mapping, watchdog event
 
-  void* comm_ = nullptr;  // ncclComm_t; written under mu_
-  std::atomic<void*> live_comm_{nullptr};  // comm_, for the watchdog's abort of a stuck call
+  void* comm_ = nullptr;                    // ncclComm_t; written under mu_
+  std::atomic<void*> live_comm_{nullptr};   // comm_, for the watchdog's abort of a stuck call
   std::atomic<bool> abort_claimed_{false};  // set by whoever frees comm_ (abort or destroy), once
   std::atomic<double> call_deadline_{0.0};  // deadline of the call inside NCCL now (blocking mode)
   int rank_, size_, device_;

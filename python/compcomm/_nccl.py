@@ -16,10 +16,15 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 from . import _C
 from .errors import UnsupportedError
 
-__all__ = ["make_nccl_communicator", "shutdown_nccl", "load_nccl", "nccl_library_candidates"]
+__all__ = ["load_nccl", "make_nccl_communicator", "nccl_library_candidates", "shutdown_nccl"]
 
 _MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")
-_LOCAL_RANK_ENV = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK")
+_LOCAL_RANK_ENV = (
+    "LOCAL_RANK",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "MPI_LOCALRANKID",
+    "MV2_COMM_WORLD_LOCAL_RANK",
+)
 
 # key -> (the object the key's id() belongs to, the communicator); holding the object keeps its id
 # from being reused while the entry exists.
@@ -72,7 +77,9 @@ def _device_index(device: Union[None, int, str, Any]) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        raise UnsupportedError("the NCCL communicator needs a CUDA device; none is visible", "init", "nccl")
+        raise UnsupportedError(
+            "the NCCL communicator needs a CUDA device; none is visible", "init", "nccl"
+        )
     if device is None:
         for name in _LOCAL_RANK_ENV:  # torchrun / mpirun: one GPU per local rank
             if os.environ.get(name, "").isdigit():
@@ -80,7 +87,9 @@ def _device_index(device: Union[None, int, str, Any]) -> int:
         return torch.cuda.current_device()
     d = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
     if d.type != "cuda":
-        raise ValueError(f"make_nccl_communicator: argument 'device' must be a CUDA device, got {device}")
+        raise ValueError(
+            f"make_nccl_communicator: argument 'device' must be a CUDA device, got {device}"
+        )
     index = d.index if d.index is not None else torch.cuda.current_device()
     if not 0 <= index < torch.cuda.device_count():
         raise ValueError(
@@ -94,7 +103,9 @@ def _is_mpi_comm(obj: Any) -> bool:
     return all(hasattr(obj, a) for a in ("Get_rank", "Get_size", "bcast"))
 
 
-def _bootstrap(group: Any, device: int) -> Tuple[str, Any, int, int, Callable[[Optional[bytes]], bytes]]:
+def _bootstrap(
+    group: Any, device: int
+) -> Tuple[str, Any, int, int, Callable[[Optional[bytes]], bytes]]:
     """(kind, key object, rank, size, share) for a group argument; share(id on rank 0) -> id everywhere."""
     import torch
     import torch.distributed as dist
@@ -179,7 +190,9 @@ def make_nccl_communicator(
 
     timeout_s = DEFAULT_TIMEOUT if timeout is None else float(timeout)
     if not timeout_s > 0:
-        raise ValueError(f"make_nccl_communicator: argument 'timeout' must be positive, got {timeout}")
+        raise ValueError(
+            f"make_nccl_communicator: argument 'timeout' must be positive, got {timeout}"
+        )
     if blocking is None:
         blocking = os.environ.get("COMPCOMM_NCCL_BLOCKING", "1") != "0"
     load_nccl()
