@@ -323,3 +323,33 @@ def test_bootstrap_from_mpirun(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     lines = sorted(line.split()[1:] for line in p.stdout.splitlines() if line.startswith("RESULT"))
     assert lines == [[str(r), str(world), str(world)] for r in range(world)], p.stdout
+
+
+@needs_gpu
+def test_init_backend_nccl_sets_the_default_and_shutdown_destroys_it():
+    from compcomm._buffers import buffer_of
+
+    _library_or_skip()
+    comm = compcomm.init(backend="nccl")
+    try:
+        assert isinstance(comm, _C.NcclCommunicator) and comm.backend_name() == "nccl"
+        assert compcomm.get_communicator(None) is comm
+        assert compcomm.init(backend="nccl") is comm  # cached per (group, device): not destroyed
+        assert not comm.closed
+        x = torch.full((10,), 3.0, device=f"cuda:{comm.device}")
+        comm.all_reduce(buffer_of(x), stream=torch.cuda.current_stream(comm.device).cuda_stream)
+        torch.cuda.synchronize(comm.device)
+        assert torch.equal(x, torch.full_like(x, 3.0))
+    finally:
+        compcomm.shutdown()
+    assert comm.closed
+    assert compcomm.get_communicator(None) is not comm
+
+
+def test_init_backend_nccl_without_nccl_build_is_unsupported(monkeypatch):
+    from compcomm import _init
+
+    info = {**_C.build_info(), "nccl": False}
+    monkeypatch.setattr(_init._C, "build_info", lambda: info)
+    with pytest.raises(compcomm.errors.UnsupportedError, match="native NCCL"):
+        _init.make_communicator("nccl")

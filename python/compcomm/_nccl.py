@@ -78,7 +78,9 @@ def _device_index(device: Union[None, int, str, Any]) -> int:
 
     if not torch.cuda.is_available():
         raise UnsupportedError(
-            "the NCCL communicator needs a CUDA device; none is visible", "init", "nccl"
+            "backend 'nccl': the NCCL communicator needs a CUDA device; none is visible",
+            "init",
+            "nccl",
         )
     if device is None:
         for name in _LOCAL_RANK_ENV:  # torchrun / mpirun: one GPU per local rank
@@ -209,16 +211,19 @@ def make_nccl_communicator(
     return comm
 
 
-def shutdown_nccl(timeout: float = 30.0) -> int:
-    """Destroy every cached NCCL communicator (each waits at most ``timeout`` s, then aborts).
+def shutdown_nccl(timeout: float = 30.0, keep: Any = None) -> int:
+    """Destroy every cached NCCL communicator but ``keep`` (each waits at most ``timeout`` s for its
+    pending work, then aborts).
 
     If one of them is the default communicator (``compcomm.init``), the default is reset. Returns
-    how many were destroyed. Safe to call more than once; registered with ``atexit``.
+    how many were destroyed. Safe to call more than once; registered with ``atexit``;
+    ``compcomm.shutdown()`` calls it.
     """
     from . import _comm
 
-    comms = [c for _, c in _cache.values()]
-    _cache.clear()
+    comms = [c for _, c in _cache.values() if c is not keep]
+    for key in [k for k, (_, c) in _cache.items() if c is not keep]:
+        del _cache[key]
     for c in comms:
         if _comm._default is c:
             _comm.set_default_communicator(None)
