@@ -48,13 +48,13 @@ ldd "$SO" >"$OUT/ldd.txt" 2>&1
 grep -q libnccl "$OUT/ldd.txt" && { log "ERROR: _C links libnccl"; status=1; } || log "_C does not link libnccl"
 
 log "tests/test_nccl.py"
-timeout 200 $PY -m pytest tests/test_nccl.py -v -rs -p no:cacheprovider --timeout 150 \
+timeout 150 $PY -m pytest tests/test_nccl.py -v -rs -p no:cacheprovider --timeout 120 \
   --junitxml "$OUT/test_nccl.xml" >"$OUT/test_nccl.log" 2>&1
 rc=$?; log "pytest rc=$rc: $(tail -1 "$OUT/test_nccl.log")"; [ $rc -eq 0 ] || status=1
 grep -E "PASSED|FAILED|SKIPPED|ERROR" "$OUT/test_nccl.log" | head -60
 
 log "bench/bench_nccl.py, world size 1"
-timeout 200 $PY bench/bench_nccl.py --out bench/results/nccl_h200 >"$OUT/bench_nccl.log" 2>&1
+timeout 180 $PY bench/bench_nccl.py --out bench/results/nccl_h200 >"$OUT/bench_nccl.log" 2>&1
 rc=$?; log "bench rc=$rc"; [ $rc -eq 0 ] || status=1
 tail -45 "$OUT/bench_nccl.log"
 if [ "$GPUS" -gt 1 ]; then
