@@ -19,6 +19,9 @@ using namespace compcomm;
 #ifdef COMPCOMM_WITH_MPI
 void bind_mpi(py::module_& m);  // mpi_bindings.cpp
 #endif
+#ifdef COMPCOMM_WITH_NCCL
+void bind_nccl(py::module_& m);  // nccl_bindings.cpp
+#endif
 
 namespace {
 
@@ -279,6 +282,9 @@ PYBIND11_MODULE(_C, m) {
 
 #ifdef COMPCOMM_WITH_MPI
   bind_mpi(m);
+#endif
+#ifdef COMPCOMM_WITH_NCCL
+  bind_nccl(m);
 #endif
 
   m.def("build_info", &build_info_dict, "What this build contains (CUDA, NCCL, MPI) and their versions.");
