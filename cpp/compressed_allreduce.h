@@ -13,6 +13,7 @@ struct CompressedAllreduceLayout {
   int64_t header_send, header_recv;    // one Header per rank
   int64_t signs_send, signs_recv;      // P/8 bytes each
   int64_t record_send, record_recv;    // one Record per rank: server scale + packed server signs
+                                       // (record_recv aliases signs_send)
   int64_t scratch;                     // kernel scratch (scale reductions on GPU); always at offset 0
   int64_t record_bytes;                // bytes of one Record
   int64_t total;                       // workspace bytes needed
