@@ -1,0 +1,227 @@
+"""One benchmark rank: ``python -m compcomm.bench.worker --config FILE``.
+
+Started by :mod:`compcomm.bench.runner` once per rank (inside the rank's network namespace for the
+namespace profiles) with ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE`` and
+``GLOO_SOCKET_IFNAME`` in its environment. It joins a gloo group and, for every size and method,
+follows nccl-tests: the first call is checked (#wrong), rank 0 times one more call, decides how many
+iterations fill the time budget and broadcasts that count, then all ranks run them back to back and
+the slowest rank's mean time is reported. Rank 0 prints one ``ROW {json}`` line per measurement and
+``PROGRESS`` lines; everything else goes to stderr.
+
+Methods
+-------
+compressed
+    :func:`compcomm.compressed_allreduce` on fp32 through the torch adapter (gloo underneath).
+gloo_fp32, gloo_fp16
+    ``torch.distributed.all_reduce`` (sum) of fp32 / fp16 tensors.
+compute (always measured alongside ``compressed``)
+    The same compressed allreduce on a world of one rank (no communication), run on every rank at
+    once so that the CPU sharing matches the real run: the compression compute the cost model uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import time
+import zlib
+from typing import Any, Callable, Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+
+import compcomm
+
+METHODS = ("compressed", "gloo_fp32", "gloo_fp16")
+
+
+def plain_input(n: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """Small integers (exact in fp16 and fp32 for any sum of <= 64 ranks), different per rank."""
+    i = torch.arange(n, dtype=torch.int64)
+    return ((i * 7 + rank * 13) % 17 - 8).to(dtype)
+
+
+def plain_expected(n: int, world: int, dtype: torch.dtype) -> torch.Tensor:
+    """The exact elementwise sum of every rank's :func:`plain_input`."""
+    i = torch.arange(n, dtype=torch.int64)
+    tot = torch.zeros(n, dtype=torch.int64)
+    for r in range(world):
+        tot += (i * 7 + r * 13) % 17 - 8
+    return tot.to(dtype)
+
+
+def compressed_input(n: int, rank: int) -> torch.Tensor:
+    """Deterministic non-integer fp32 values in [-0.5, 0.5), different per rank, cheap to remake."""
+    i = torch.arange(n, dtype=torch.int64)
+    return (((i * 7919 + rank * 104729 + 17) % 1000003).to(torch.float64) / 1000003 - 0.5).to(
+        torch.float32
+    )
+
+
+def compressed_reference(n: int, world: int) -> torch.Tensor:
+    """Output of the first compressed allreduce (zero errors) per ONEBIT_SPEC.md a.2, float64 norms."""
+    p = compcomm.padded_numel(n, world)
+    c_len = p // world
+    inv_w = torch.tensor(1.0 / world, dtype=torch.float32)
+    sqrt_p = torch.tensor(math.sqrt(p), dtype=torch.float32)
+    acc = torch.zeros(p, dtype=torch.float32)
+    for r in range(world):
+        x = torch.zeros(p, dtype=torch.float32)
+        x[:n] = compressed_input(n, r)
+        sigma = (torch.linalg.vector_norm(x.double()) / sqrt_p.double()).float()
+        s = torch.where(x < 0, -1.0, 1.0)
+        acc += s * (sigma * inv_w)
+    out = torch.empty(p, dtype=torch.float32)
+    sqrt_c = torch.tensor(math.sqrt(c_len), dtype=torch.float32)
+    for j in range(world):
+        c = acc[j * c_len : (j + 1) * c_len]
+        tau = (torch.linalg.vector_norm(c.double()) / sqrt_c.double()).float()
+        out[j * c_len : (j + 1) * c_len] = torch.where(c < 0, -1.0, 1.0) * tau
+    return out[:n]
+
+
+def _crc(t: torch.Tensor) -> int:
+    return zlib.crc32(t.contiguous().view(torch.uint8).numpy()) & 0x7FFFFFFF
+
+
+def _time_loop(op: Callable[[], None], iters: int) -> float:
+    """Barrier, run ``op`` ``iters`` times, return the slowest rank's mean seconds per call."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        op()
+    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+    return float(dt.item()) / iters
+
+
+def _decide_iters(op: Callable[[], None], cfg: Dict[str, Any]) -> Tuple[int, float]:
+    """Rank 0 times one call and broadcasts how many calls fill ``target_time`` (nccl-tests style)."""
+    one = _time_loop(op, 1)
+    n = torch.tensor([0], dtype=torch.int64)
+    if dist.get_rank() == 0:
+        want = int(math.ceil(cfg["target_time"] / max(one, 1e-6)))
+        n[0] = max(cfg["min_iters"], min(cfg["max_iters"], want))
+    dist.broadcast(n, 0)
+    return int(n.item()), one
+
+
+def measure_plain(n: int, dtype: torch.dtype, cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """Time ``dist.all_reduce`` (sum) of ``n`` elements of ``dtype``; check the first call exactly."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t = plain_input(n, rank, dtype)
+    dist.all_reduce(t)
+    wrong = torch.tensor([int((t != plain_expected(n, world, dtype)).sum().item())], dtype=torch.int64)
+    dist.all_reduce(wrong)
+    t = plain_input(n, rank, dtype)  # values grow by W per call; timing does not depend on them
+
+    def op() -> None:
+        dist.all_reduce(t)
+
+    iters, _ = _decide_iters(op, cfg)
+    sec = _time_loop(op, iters)
+    esize = torch.empty((), dtype=dtype).element_size()
+    return {
+        "time_s": sec,
+        "iters": iters,
+        "wrong": int(wrong.item()),
+        "size_bytes": n * esize,
+        "wire_bytes": compcomm.allreduce_wire_bytes(n, world, esize),
+    }
+
+
+def measure_compressed(n: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """Time :func:`compcomm.compressed_allreduce` (fp32, torch adapter) and its compute alone."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t = compressed_input(n, rank)
+    we, se = compcomm.error_buffers(t)
+    compcomm.compressed_allreduce(t, we, se)
+    # #wrong: every rank's output must be bit-identical; rank 0 compares with the reference.
+    crcs = [None] * world
+    dist.all_gather_object(crcs, _crc(t))
+    wrong = n * sum(1 for c in crcs if c != crcs[0])
+    if rank == 0:
+        ref = compressed_reference(n, world)
+        tol = 1e-5 * float(ref.abs().max().item()) if n else 0.0
+        wrong += int(((t - ref).abs() > tol).sum().item())
+    w = torch.tensor([wrong], dtype=torch.int64)
+    dist.broadcast(w, 0)
+
+    def op() -> None:
+        compcomm.compressed_allreduce(t, we, se)
+
+    iters, _ = _decide_iters(op, cfg)
+    sec = _time_loop(op, iters)
+
+    # Compression compute: the same call on a world of one rank, all ranks at once (same CPU load).
+    local = compcomm.LocalCommunicator()
+    tl = compressed_input(n, rank)
+    wl, sl = compcomm.error_buffers(n, local)
+
+    def op_local() -> None:
+        compcomm.compressed_allreduce(tl, wl, sl, local)
+
+    op_local()
+    citers = max(1, min(iters, int(math.ceil(cfg["target_time"] / 2 / max(sec, 1e-6)))))
+    csec = _time_loop(op_local, citers)
+    return {
+        "time_s": sec,
+        "iters": iters,
+        "wrong": int(w.item()),
+        "size_bytes": n * 4,
+        "wire_bytes": compcomm.wire_bytes(n, world),
+        "compute_s": csec,
+    }
+
+
+def main(argv: List[str] = None) -> int:
+    """Entry point of one rank; see the module docstring."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True, help="JSON file written by compcomm.bench.runner")
+    args = ap.parse_args(argv)
+    with open(args.config) as f:
+        cfg = json.load(f)
+    dist.init_process_group(
+        "gloo", timeout=datetime.timedelta(seconds=cfg.get("timeout", 600))
+    )
+    torch.set_num_threads(cfg.get("threads", 1))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = sys.stdout
+    if True:
+        for n in cfg["sizes"]:
+            for method in cfg["methods"]:
+                if method == "compressed":
+                    row = measure_compressed(n, cfg)
+                elif method == "gloo_fp32":
+                    row = measure_plain(n, torch.float32, cfg)
+                elif method == "gloo_fp16":
+                    row = measure_plain(n, torch.float16, cfg)
+                else:
+                    raise ValueError(f"worker: unknown method {method!r} in argument 'config'")
+                if rank == 0:
+                    row.update(
+                        method=method,
+                        count=n,
+                        dtype="float16" if method == "gloo_fp16" else "float32",
+                        world_size=world,
+                        profile=cfg.get("profile", "?"),
+                    )
+                    print("ROW " + json.dumps(row), file=out, flush=True)
+                    print("PROGRESS 1", file=out, flush=True)
+    # Ranks leave together, then skip interpreter teardown: destroying the gloo group while a peer
+    # is still closing its sockets aborted a rank now and then ("terminate called without an active
+    # exception") after all results were in.
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    rc = main()
+    sys.stdout.flush()
+    os._exit(rc)
