@@ -158,107 +158,147 @@ def _decide_iters(op: Callable[[], None], cfg: Dict[str, Any]) -> Tuple[int, flo
     return int(n.item()), one
 
 
-def measure_plain(n: int, dtype: torch.dtype, cfg: Dict[str, Any]) -> Dict[str, Any]:
-    """Time ``dist.all_reduce`` (sum) of ``n`` elements of ``dtype``; check the first call exactly."""
+def prepare(method: str, n: int) -> Dict[str, Any]:
+    """Collective on all ranks: build ``method``'s inputs for ``n`` elements, run and check the first
+    call (nccl-tests' correctness pass), and return the timed operation.
+
+    Returns
+    -------
+    dict
+        ``op`` (callable, one call), ``wrong`` (elements wrong in the first call, same on all ranks),
+        ``size_bytes`` (logical), ``wire_bytes`` (sent per rank per call), ``dtype``, and for
+        ``compressed`` ``compute_op`` (the call with the network replaced by copies).
+    """
     rank, world = dist.get_rank(), dist.get_world_size()
+    if method == "compressed":
+        t = compressed_input(n, rank)
+        we, se = compcomm.error_buffers(t)
+        compcomm.compressed_allreduce(t, we, se)
+        # Every rank's output must be bit-identical; rank 0 compares it with the reference.
+        crcs: List[Any] = [None] * world
+        dist.all_gather_object(crcs, _crc(t))
+        wrong = n * sum(1 for c in crcs if c != crcs[0])
+        if rank == 0:
+            ref = compressed_reference(n, world)
+            tol = 1e-5 * float(ref.abs().max().item()) if n else 0.0
+            wrong += int(((t - ref).abs() > tol).sum().item())
+        w = torch.tensor([wrong], dtype=torch.int64)
+        dist.broadcast(w, 0)
+        # The compute-only replay reuses the timed call's buffers: compute does not depend on the
+        # values, memory use does.
+        mirror = MirrorCommunicator(rank, world)
+        return {
+            "op": lambda: compcomm.compressed_allreduce(t, we, se),
+            "compute_op": lambda: compcomm.compressed_allreduce(t, we, se, mirror),
+            "wrong": int(w.item()),
+            "size_bytes": n * 4,
+            "wire_bytes": compcomm.wire_bytes(n, world),
+            "dtype": "float32",
+        }
+    if method not in ("gloo_fp32", "gloo_fp16"):
+        raise ValueError(f"worker: unknown method {method!r}; choose from {', '.join(METHODS)}")
+    dtype = torch.float16 if method == "gloo_fp16" else torch.float32
     t = plain_input(n, rank, dtype)
     dist.all_reduce(t)
-    wrong = torch.tensor([int((t != plain_expected(n, world, dtype)).sum().item())], dtype=torch.int64)
-    dist.all_reduce(wrong)
-    t = plain_input(n, rank, dtype)  # values grow by W per call; timing does not depend on them
-
-    def op() -> None:
-        dist.all_reduce(t)
-
-    iters, _ = _decide_iters(op, cfg)
-    sec = _time_loop(op, iters)
-    esize = torch.empty((), dtype=dtype).element_size()
+    wrong_t = torch.tensor([int((t != plain_expected(n, world, dtype)).sum().item())], dtype=torch.int64)
+    dist.all_reduce(wrong_t)
+    t.copy_(plain_input(n, rank, dtype))  # values grow W-fold per call; timing does not depend on them
+    esize = t.element_size()
     return {
-        "time_s": sec,
-        "iters": iters,
-        "wrong": int(wrong.item()),
+        "op": lambda: dist.all_reduce(t),
+        "wrong": int(wrong_t.item()),
         "size_bytes": n * esize,
         "wire_bytes": compcomm.allreduce_wire_bytes(n, world, esize),
+        "dtype": str(dtype).replace("torch.", ""),
     }
 
 
-def measure_compressed(n: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
-    """Time :func:`compcomm.compressed_allreduce` (fp32, torch adapter) and its compute alone."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    t = compressed_input(n, rank)
-    we, se = compcomm.error_buffers(t)
-    compcomm.compressed_allreduce(t, we, se)
-    # #wrong: every rank's output must be bit-identical; rank 0 compares with the reference.
-    crcs = [None] * world
-    dist.all_gather_object(crcs, _crc(t))
-    wrong = n * sum(1 for c in crcs if c != crcs[0])
-    if rank == 0:
-        ref = compressed_reference(n, world)
-        tol = 1e-5 * float(ref.abs().max().item()) if n else 0.0
-        wrong += int(((t - ref).abs() > tol).sum().item())
-    w = torch.tensor([wrong], dtype=torch.int64)
-    dist.broadcast(w, 0)
+def measure(method: str, n: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """Collective: one row for ``method`` at ``n`` elements (checked first call, rank 0's iteration
+    count, slowest rank's mean time; for ``compressed`` also ``compute_s``)."""
+    prep = prepare(method, n)
+    iters, _ = _decide_iters(prep["op"], cfg)
+    sec = _time_loop(prep["op"], iters)
+    row = {k: prep[k] for k in ("wrong", "size_bytes", "wire_bytes", "dtype")}
+    row.update(time_s=sec, iters=iters)
+    if "compute_op" in prep:
+        prep["compute_op"]()
+        citers = max(1, min(iters, int(math.ceil(cfg["target_time"] / 2 / max(sec, 1e-6)))))
+        row["compute_s"] = _time_loop(prep["compute_op"], citers)
+    return row
 
-    def op() -> None:
-        compcomm.compressed_allreduce(t, we, se)
 
-    iters, _ = _decide_iters(op, cfg)
-    sec = _time_loop(op, iters)
+#: Commands of the follower protocol (bench/bench_allreduce.py drives rank 0 from pytest).
+_CMD_STOP, _CMD_RUN = 0, 1
 
-    # Compression compute: the same W-rank call with copies for a network, all ranks at once.
-    # (Reuses the timed call's buffers: the compute does not depend on the values, memory does.)
-    local = MirrorCommunicator(rank, world)
 
-    def op_local() -> None:
-        compcomm.compressed_allreduce(t, we, se, local)
+def drive(method: str, n: int) -> Dict[str, Any]:
+    """Rank 0 of a follower world: tell the followers to :func:`prepare` ``method`` at ``n``."""
+    cmd = torch.tensor([_CMD_RUN, METHODS.index(method), n], dtype=torch.int64)
+    dist.broadcast(cmd, 0)
+    return prepare(method, n)
 
-    op_local()
-    citers = max(1, min(iters, int(math.ceil(cfg["target_time"] / 2 / max(sec, 1e-6)))))
-    csec = _time_loop(op_local, citers)
-    return {
-        "time_s": sec,
-        "iters": iters,
-        "wrong": int(w.item()),
-        "size_bytes": n * 4,
-        "wire_bytes": compcomm.wire_bytes(n, world),
-        "compute_s": csec,
-    }
+
+def drive_rounds(rounds: int) -> None:
+    """Rank 0 of a follower world: tell the followers to run the prepared op ``rounds`` times
+    (``0``: this op is done)."""
+    dist.broadcast(torch.tensor([rounds], dtype=torch.int64), 0)
+
+
+def stop_followers() -> None:
+    """Rank 0 of a follower world: release the followers (they leave through a final barrier)."""
+    dist.broadcast(torch.tensor([_CMD_STOP, 0, 0], dtype=torch.int64), 0)
+    dist.barrier()
+
+
+def follow() -> None:
+    """Ranks > 0 of a follower world: obey rank 0's commands until it sends stop.
+
+    Protocol: ``[RUN, method index, n]`` -> :func:`prepare`; then ``[rounds]`` messages -> run the op
+    that many times (rank 0 runs it as often, under pytest-benchmark's timer) until ``[0]``; repeat.
+    """
+    while True:
+        cmd = torch.zeros(3, dtype=torch.int64)
+        dist.broadcast(cmd, 0)
+        if int(cmd[0]) == _CMD_STOP:
+            return
+        prep = prepare(METHODS[int(cmd[1])], int(cmd[2]))
+        while True:
+            rounds = torch.zeros(1, dtype=torch.int64)
+            dist.broadcast(rounds, 0)
+            if int(rounds[0]) == 0:
+                break
+            for _ in range(int(rounds[0])):
+                prep["op"]()
 
 
 def main(argv: List[str] = None) -> int:
     """Entry point of one rank; see the module docstring."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", required=True, help="JSON file written by compcomm.bench.runner")
+    ap.add_argument("--config", help="JSON file written by compcomm.bench.runner")
+    ap.add_argument("--follow", action="store_true", help="obey rank 0's commands (pytest driver)")
     args = ap.parse_args(argv)
-    with open(args.config) as f:
-        cfg = json.load(f)
+    cfg: Dict[str, Any] = {}
+    if args.config:
+        with open(args.config) as f:
+            cfg = json.load(f)
+    elif not args.follow:
+        ap.error("argument --config is required (unless --follow)")
     dist.init_process_group(
         "gloo", timeout=datetime.timedelta(seconds=cfg.get("timeout", 600))
     )
     torch.set_num_threads(cfg.get("threads", 1))
     rank, world = dist.get_rank(), dist.get_world_size()
     out = sys.stdout
-    if True:
+    if args.follow:
+        follow()
+    else:
         for n in cfg["sizes"]:
             for method in cfg["methods"]:
-                if method == "compressed":
-                    row = measure_compressed(n, cfg)
-                elif method == "gloo_fp32":
-                    row = measure_plain(n, torch.float32, cfg)
-                elif method == "gloo_fp16":
-                    row = measure_plain(n, torch.float16, cfg)
-                else:
-                    raise ValueError(f"worker: unknown method {method!r} in argument 'config'")
+                row = measure(method, n, cfg)
                 if rank == 0:
-                    row.update(
-                        method=method,
-                        count=n,
-                        dtype="float16" if method == "gloo_fp16" else "float32",
-                        world_size=world,
-                        profile=cfg.get("profile", "?"),
-                    )
+                    row.update(method=method, count=n, world_size=world, profile=cfg.get("profile", "?"))
                     print("ROW " + json.dumps(row), file=out, flush=True)
-                    print("PROGRESS 1", file=out, flush=True)
     # Ranks leave together, then skip interpreter teardown: destroying the gloo group while a peer
     # is still closing its sockets aborted a rank now and then ("terminate called without an active
     # exception") after all results were in.
