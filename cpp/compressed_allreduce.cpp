@@ -1,17 +1,19 @@
 // How it works (per rank r of W; ONEBIT_SPEC.md a.2 gives the exact numerics):
 //
-//   1. worker_scale: sigma_r = ||m + e|| / sqrt(P) (read-only pass).
+//   1. worker_scale_pack, read-only: sigma_r = ||m + e|| / sqrt(P) and the signs of x = m + e, packed
+//      MSB first (the signs do not depend on sigma, so one pass does both).
 //   2. all_gather of a 32-byte Header {sigma, flags, n, P, dtype}. Every rank checks every header, so a
 //      size mismatch or a non-finite input on any rank raises the same error on all ranks, before any
 //      variable-sized exchange and before anything is written.
-//   3. worker_pack: signs of x = m + e, packed MSB first; all_to_all sends chunk j to rank j.
+//   3. all_to_all sends chunk j of the signs to rank j.
 //   4. Server on chunk r: c = sum_i s_i * sigma_i/W + server_error; tau_r = ||c|| / sqrt(C); its signs
 //      and tau go out in one Record via all_gather.
 //   5. Commit (only after every collective succeeded): server_error = c - tau s(c); worker error
 //      e = x - sigma s(x) and the output m = tau_j s_j are written in one fused pass.
 //
-// Deferring all writes to step 5 costs one more read of m and e than updating e during the pack, and
-// buys the guarantee that a failed call (bad input on some rank, a timeout) changes nothing.
+// Deferring all writes to step 5 keeps the worker side at two passes over m and e (24 bytes per fp32
+// element: read m, e; then read m, e and write e, m) and guarantees that a failed call (bad input on
+// some rank, a timeout) changes nothing.
 #include "compressed_allreduce.h"
 
 #include <algorithm>
@@ -41,10 +43,8 @@ constexpr int64_t kRecordScaleBytes = 16;  // the fp32 tau, padded so the signs 
 int64_t align(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 
 struct Kernels {
-  decltype(&kernels::cpu::worker_scale) worker_scale;
-  decltype(&kernels::cpu::worker_pack) worker_pack;
-  decltype(&kernels::cpu::server_scale) server_scale;
-  decltype(&kernels::cpu::server_pack) server_pack;
+  decltype(&kernels::cpu::worker_scale_pack) worker_scale_pack;
+  decltype(&kernels::cpu::server_scale_pack) server_scale_pack;
   decltype(&kernels::cpu::server_update) server_update;
   decltype(&kernels::cpu::worker_update_decompress) worker_update_decompress;
   decltype(&kernels::cpu::scale_workspace_bytes) scale_workspace_bytes;
@@ -52,12 +52,10 @@ struct Kernels {
 
 const Kernels& kernels_for(bool cuda) {
   namespace k = kernels;
-  static const Kernels cpu{k::cpu::worker_scale, k::cpu::worker_pack, k::cpu::server_scale,
-                           k::cpu::server_pack,  k::cpu::server_update, k::cpu::worker_update_decompress,
-                           k::cpu::scale_workspace_bytes};
-  static const Kernels gpu{k::cuda::worker_scale, k::cuda::worker_pack, k::cuda::server_scale,
-                           k::cuda::server_pack,  k::cuda::server_update, k::cuda::worker_update_decompress,
-                           k::cuda::scale_workspace_bytes};
+  static const Kernels cpu{k::cpu::worker_scale_pack, k::cpu::server_scale_pack, k::cpu::server_update,
+                           k::cpu::worker_update_decompress, k::cpu::scale_workspace_bytes};
+  static const Kernels gpu{k::cuda::worker_scale_pack, k::cuda::server_scale_pack, k::cuda::server_update,
+                           k::cuda::worker_update_decompress, k::cuda::scale_workspace_bytes};
   return cuda ? gpu : cpu;
 }
 
@@ -140,9 +138,11 @@ CompressedAllreduceLayout compressed_allreduce_layout(int64_t padded, int world,
 }
 
 int64_t compressed_allreduce_wire_bytes(int64_t padded, int world) {
+  const int64_t header = static_cast<int64_t>(sizeof(Header));
+  if (padded == 0) return (world - 1) * header;  // only the header exchange runs
   const int64_t chunk = padded / world;
   const int64_t record = kRecordScaleBytes + align(chunk / 8, 16);
-  return (world - 1) * (static_cast<int64_t>(sizeof(Header)) + chunk / 8 + record);
+  return (world - 1) * (header + chunk / 8 + record);
 }
 
 void compressed_allreduce(Communicator& comm, const Buffer& tensor, const Buffer& worker_error,
@@ -186,9 +186,11 @@ void compressed_allreduce(Communicator& comm, const Buffer& tensor, const Buffer
   auto* s = static_cast<float*>(server_error.data);
   const int64_t chunk = padded / world;
 
-  // 1-2. Worker scale, then the header exchange that validates every rank before anything is written.
+  // 1-2. Worker scale and signs (read-only), then the header exchange that validates every rank
+  //      before anything is written.
   float sigma = 0.0f;
-  check_status(k.worker_scale(m, itype, n, e, padded, &sigma, scratch, opts.stream), "worker_scale", rank);
+  check_status(k.worker_scale_pack(m, itype, n, e, padded, &sigma, signs_send, scratch, opts.stream),
+               "worker_scale_pack", rank);
   *header = Header{sigma, std::isfinite(sigma) ? 0u : kFlagNonFinite, n, padded,
                    static_cast<int32_t>(tensor.dtype), kHeaderMagic};
   const Buffer ws_buf = workspace;
@@ -198,7 +200,6 @@ void compressed_allreduce(Communicator& comm, const Buffer& tensor, const Buffer
   if (padded == 0) return;
 
   // 3. Worker signs to their server ranks.
-  check_status(k.worker_pack(m, itype, n, e, padded, signs_send, opts.stream), "worker_pack", rank);
   comm.all_to_all(ws_buf.reinterpret(DType::kUInt8, l.signs_send, padded / 8),
                   ws_buf.reinterpret(DType::kUInt8, l.signs_recv, padded / 8), opts);
 
@@ -207,11 +208,10 @@ void compressed_allreduce(Communicator& comm, const Buffer& tensor, const Buffer
   const int64_t sigma_stride = sizeof(Header) / sizeof(float);
   auto* tau = reinterpret_cast<float*>(record);
   std::memset(record, 0, static_cast<size_t>(l.record_bytes));
-  check_status(k.server_scale(signs_recv, sigmas, sigma_stride, world, s, chunk, tau, scratch, opts.stream),
-               "server_scale", rank);
-  check_status(k.server_pack(signs_recv, sigmas, sigma_stride, world, s, chunk,
-                             reinterpret_cast<uint8_t*>(record + kRecordScaleBytes), opts.stream),
-               "server_pack", rank);
+  check_status(k.server_scale_pack(signs_recv, sigmas, sigma_stride, world, s, chunk, tau,
+                                   reinterpret_cast<uint8_t*>(record + kRecordScaleBytes), scratch,
+                                   opts.stream),
+               "server_scale_pack", rank);
   comm.all_gather(ws_buf.reinterpret(DType::kUInt8, l.record_send, l.record_bytes),
                   ws_buf.reinterpret(DType::kUInt8, l.record_recv, l.record_bytes * world), opts);
 

@@ -15,6 +15,10 @@
 namespace py = pybind11;
 using namespace compcomm;
 
+#ifdef COMPCOMM_WITH_MPI
+void bind_mpi(py::module_& m);  // mpi_bindings.cpp
+#endif
+
 namespace {
 
 // Lets Python classes (the torch.distributed adapter) implement Communicator.
@@ -270,6 +274,10 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("padded"), py::arg("world"), "Bytes one rank sends in one compressed_allreduce call.");
 
+#ifdef COMPCOMM_WITH_MPI
+  bind_mpi(m);
+#endif
+
   m.def("build_info", &build_info_dict, "What this build contains (CUDA, NCCL, MPI) and their versions.");
 
   // Kernels on Buffers: host buffers run the CPU twin, device buffers the CUDA kernel. For tests/bench.
@@ -281,48 +289,29 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("count"), py::arg("cuda") = false);
   k.def(
-      "worker_scale",
-      [](const Buffer& mm, const Buffer& e, const Buffer& scale, const Buffer& ws, uintptr_t stream) {
-        auto f = mm.on_host() ? kernels::cpu::worker_scale : kernels::cuda::worker_scale;
-        check(f(mm.data, itype(mm), mm.count, ptr<const float>(e), e.count, ptr<float>(scale), ws.data,
-                reinterpret_cast<void*>(stream)),
-              "worker_scale");
+      "worker_scale_pack",
+      [](const Buffer& mm, const Buffer& e, const Buffer& scale, const Buffer& signs, const Buffer& ws,
+         uintptr_t stream) {
+        COMPCOMM_CHECK(signs.bytes() * 8 >= e.count, "worker_scale_pack: signs needs P/8 bytes");
+        auto f = mm.on_host() ? kernels::cpu::worker_scale_pack : kernels::cuda::worker_scale_pack;
+        check(f(mm.data, itype(mm), mm.count, ptr<const float>(e), e.count, ptr<float>(scale),
+                ptr<uint8_t>(signs), ws.data, reinterpret_cast<void*>(stream)),
+              "worker_scale_pack");
       },
-      py::arg("m"), py::arg("error"), py::arg("scale"), py::arg("workspace"), py::arg("stream") = 0,
-      py::call_guard<py::gil_scoped_release>());
+      py::arg("m"), py::arg("error"), py::arg("scale"), py::arg("signs"), py::arg("workspace"),
+      py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>());
   k.def(
-      "worker_pack",
-      [](const Buffer& mm, const Buffer& e, const Buffer& signs, uintptr_t stream) {
-        COMPCOMM_CHECK(signs.bytes() * 8 >= e.count, "worker_pack: signs needs P/8 bytes");
-        auto f = mm.on_host() ? kernels::cpu::worker_pack : kernels::cuda::worker_pack;
-        check(f(mm.data, itype(mm), mm.count, ptr<const float>(e), e.count, ptr<uint8_t>(signs),
-                reinterpret_cast<void*>(stream)),
-              "worker_pack");
-      },
-      py::arg("m"), py::arg("error"), py::arg("signs"), py::arg("stream") = 0,
-      py::call_guard<py::gil_scoped_release>());
-  k.def(
-      "server_scale",
+      "server_scale_pack",
       [](const Buffer& signs, const Buffer& scales, int64_t stride, int world, const Buffer& serr,
-         const Buffer& scale, const Buffer& ws, uintptr_t stream) {
-        auto f = signs.on_host() ? kernels::cpu::server_scale : kernels::cuda::server_scale;
+         const Buffer& scale, const Buffer& packed, const Buffer& ws, uintptr_t stream) {
+        auto f = signs.on_host() ? kernels::cpu::server_scale_pack : kernels::cuda::server_scale_pack;
         check(f(ptr<const uint8_t>(signs), ptr<const float>(scales), stride, world, ptr<const float>(serr),
-                serr.count, ptr<float>(scale), ws.data, reinterpret_cast<void*>(stream)),
-              "server_scale");
+                serr.count, ptr<float>(scale), ptr<uint8_t>(packed), ws.data, reinterpret_cast<void*>(stream)),
+              "server_scale_pack");
       },
       py::arg("signs"), py::arg("scales"), py::arg("scale_stride"), py::arg("world"), py::arg("server_error"),
-      py::arg("scale"), py::arg("workspace"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>());
-  k.def(
-      "server_pack",
-      [](const Buffer& signs, const Buffer& scales, int64_t stride, int world, const Buffer& serr,
-         const Buffer& packed, uintptr_t stream) {
-        auto f = signs.on_host() ? kernels::cpu::server_pack : kernels::cuda::server_pack;
-        check(f(ptr<const uint8_t>(signs), ptr<const float>(scales), stride, world, ptr<const float>(serr),
-                serr.count, ptr<uint8_t>(packed), reinterpret_cast<void*>(stream)),
-              "server_pack");
-      },
-      py::arg("signs"), py::arg("scales"), py::arg("scale_stride"), py::arg("world"), py::arg("server_error"),
-      py::arg("packed"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>());
+      py::arg("scale"), py::arg("packed"), py::arg("workspace"), py::arg("stream") = 0,
+      py::call_guard<py::gil_scoped_release>());
   k.def(
       "server_update",
       [](const Buffer& signs, const Buffer& scales, int64_t stride, int world, const Buffer& serr,

@@ -5,17 +5,12 @@ namespace compcomm::kernels {
 namespace cuda {
 bool built() { return false; }
 size_t scale_workspace_bytes(int64_t) { return 0; }
-Status worker_scale(const void*, InputType, int64_t, const float*, int64_t, float*, void*, Stream) {
+Status worker_scale_pack(const void*, InputType, int64_t, const float*, int64_t, float*, uint8_t*, void*,
+                         Stream) {
   return Status::kNotBuilt;
 }
-Status worker_pack(const void*, InputType, int64_t, const float*, int64_t, uint8_t*, Stream) {
-  return Status::kNotBuilt;
-}
-Status server_scale(const uint8_t*, const float*, int64_t, int, const float*, int64_t, float*, void*,
-                    Stream) {
-  return Status::kNotBuilt;
-}
-Status server_pack(const uint8_t*, const float*, int64_t, int, const float*, int64_t, uint8_t*, Stream) {
+Status server_scale_pack(const uint8_t*, const float*, int64_t, int, const float*, int64_t, float*,
+                         uint8_t*, void*, Stream) {
   return Status::kNotBuilt;
 }
 Status server_update(const uint8_t*, const float*, int64_t, int, float*, int64_t, const float*, Stream) {

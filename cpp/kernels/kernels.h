@@ -21,27 +21,24 @@ enum class InputType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 using Stream = void*;
 
 #define COMPCOMM_KERNEL_DECLS                                                                         \
-  /* Scratch bytes the worker_scale / server_scale calls need for P (or C) elements. */               \
+  /* Scratch bytes worker_scale_pack / server_scale_pack need for `count` elements (0 on CPU). */     \
   size_t scale_workspace_bytes(int64_t count);                                                       \
-  /* *scale = fl32(fl32(sqrt(sum_k x_k^2)) / fl32(sqrt(P))), the sum accumulated in fp64; 0 if P=0. */ \
-  Status worker_scale(const void* m, InputType dtype, int64_t n, const float* error, int64_t padded,  \
-                      float* scale, void* workspace, Stream stream);                                  \
-  /* signs[P/8] = packed s(x). Reads m and e only. */                                                 \
-  Status worker_pack(const void* m, InputType dtype, int64_t n, const float* error, int64_t padded,   \
-                     uint8_t* signs, Stream stream);                                                  \
-  /* c_k = sum_i s_ik * fl32(scale_i * fl32(1/W)) (ranks in order, fp32) + server_error_k, where      \
-     s_i is row i of signs[W][C/8] and scale_i = scales[i*scale_stride]. *scale = ||c|| / sqrt(C). */  \
-  Status server_scale(const uint8_t* signs, const float* scales, int64_t scale_stride, int world,     \
-                      const float* server_error, int64_t chunk, float* scale, void* workspace,        \
-                      Stream stream);                                                                 \
-  /* packed[C/8] = packed s(c). */                                                                    \
-  Status server_pack(const uint8_t* signs, const float* scales, int64_t scale_stride, int world,      \
-                     const float* server_error, int64_t chunk, uint8_t* packed, Stream stream);       \
-  /* server_error_k = c_k - scale * s(c_k), with *scale the server scale. */                           \
+  /* Pass 1, read-only on m and e: *scale = fl32(fl32(sqrt(sum_k x_k^2)) / fl32(sqrt(P))) with the    \
+     sum in fp64 (0 if P = 0), and signs[P/8] = packed s(x). */                                       \
+  Status worker_scale_pack(const void* m, InputType dtype, int64_t n, const float* error,            \
+                           int64_t padded, float* scale, uint8_t* signs, void* workspace,            \
+                           Stream stream);                                                           \
+  /* Server pass, read-only on server_error: c_k = sum_i s_ik * fl32(scale_i * fl32(1/W)) (ranks in   \
+     order, fp32) + server_error_k, where s_i is row i of signs[W][C/8] and scale_i =                 \
+     scales[i*scale_stride]; *scale = fl32(fl32(||c||) / fl32(sqrt(C))), packed[C/8] = s(c). */       \
+  Status server_scale_pack(const uint8_t* signs, const float* scales, int64_t scale_stride,          \
+                           int world, const float* server_error, int64_t chunk, float* scale,        \
+                           uint8_t* packed, void* workspace, Stream stream);                         \
+  /* Commit: server_error_k = c_k - (*scale) * s(c_k), c as above. */                                  \
   Status server_update(const uint8_t* signs, const float* scales, int64_t scale_stride, int world,    \
                        float* server_error, int64_t chunk, const float* scale, Stream stream);        \
-  /* The commit step. For k < P: e_k = x_k - (*scale) * s(x_k). For k < n: m_k = out_k converted to   \
-     dtype, where out_k = scale_j * (bit ? +1 : -1) for chunk j = k / C, with scale_j =                \
+  /* Commit. For k < P: e_k = x_k - (*scale) * s(x_k). For k < n: m_k = out_k converted to dtype,      \
+     where out_k = scale_j * (bit ? +1 : -1) for chunk j = k / C (C = P / world), with scale_j =       \
      out_scales[j*out_scale_stride] and the bit from out_signs + j*out_sign_stride. */                 \
   Status worker_update_decompress(void* m, InputType dtype, int64_t n, float* error, int64_t padded, \
                                   const float* scale, const float* out_scales,                        \

@@ -16,6 +16,7 @@ from typing import Any, Dict, List
 
 from . import _C, errors
 from ._comm import TorchCommunicator, resolve as get_communicator
+from ._init import init, shutdown
 from .collectives import (
     DEFAULT_TIMEOUT,
     allreduce_wire_bytes,
@@ -28,6 +29,8 @@ from .collectives import (
 __version__ = _C.build_info()["version"]
 
 __all__ = [
+    "init",
+    "shutdown",
     "compressed_allreduce",
     "error_buffers",
     "padded_numel",

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
 import pickle
 import queue as queue_mod
+import shutil
 import socket
+import subprocess
+import sys
 import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional
 
-__all__ = ["run_ranks", "free_port"]
+__all__ = ["run_ranks", "free_port", "mpirun_command"]
 
 
 def free_port() -> int:
@@ -123,3 +127,55 @@ def run_ranks(
                 p.kill()
                 p.join()
     return [out[r] for r in range(world_size)]
+
+
+@functools.lru_cache(maxsize=None)
+def _mpirun_flavour(mpirun: str) -> str:
+    try:
+        out = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    text = out.stdout + out.stderr
+    return "openmpi" if "Open MPI" in text or "OpenRTE" in text else "other"
+
+
+def mpirun_command(
+    np: int, script: str, *args: str, python: Optional[str] = None, allow_early_exit: bool = False
+) -> List[str]:
+    """The command line that runs ``python script args...`` on ``np`` MPI ranks of this machine.
+
+    The one place that knows the launcher's flags. For Open MPI: ``--oversubscribe`` (more ranks
+    than cores is normal in tests and on shared machines) and ``--allow-run-as-root`` (containers
+    run as root; harmless otherwise); shared-memory transport works as is in the containers tried
+    (Debian Open MPI 4.1), so no ``--mca`` settings are forced. Other launchers get ``-n np``.
+
+    Parameters
+    ----------
+    np : int
+        Number of ranks.
+    script : str
+        Path of the Python script each rank runs.
+    python : str, optional
+        Interpreter (default: ``sys.executable``).
+    allow_early_exit : bool
+        Let a rank exit without ``MPI_Finalize`` without mpirun killing the others (Open MPI:
+        ``--mca orte_allowed_exit_without_sync 1``), to test how survivors see a dead peer.
+
+    Raises
+    ------
+    FileNotFoundError
+        No ``mpirun`` (or ``mpiexec``) on ``PATH``.
+    """
+    if np < 1:
+        raise ValueError(f"mpirun_command: argument 'np' must be >= 1, got {np}")
+    mpirun = shutil.which("mpirun") or shutil.which("mpiexec")
+    if mpirun is None:
+        raise FileNotFoundError("mpirun_command: no mpirun or mpiexec on PATH (install Open MPI)")
+    cmd = [mpirun]
+    if _mpirun_flavour(mpirun) == "openmpi":
+        cmd += ["--allow-run-as-root", "--oversubscribe", "-np", str(np)]
+        if allow_early_exit:
+            cmd += ["--mca", "orte_allowed_exit_without_sync", "1"]
+    else:
+        cmd += ["-n", str(np)]
+    return cmd + [python or sys.executable, script, *map(str, args)]
