@@ -44,16 +44,25 @@ def world():
     if dist.is_initialized():
         pytest.skip("a torch.distributed group already exists in this process")
     port = free_port()
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD),
-               GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    env = dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(WORLD),
+        GLOO_SOCKET_IFNAME="lo",
+        OMP_NUM_THREADS="1",
+    )
     procs = [
-        subprocess.Popen([sys.executable, "-m", "compcomm.bench.worker", "--follow"],
-                         env=dict(env, RANK=str(r)))
+        subprocess.Popen(
+            [sys.executable, "-m", "compcomm.bench.worker", "--follow"], env=dict(env, RANK=str(r))
+        )
         for r in range(1, WORLD)
     ]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     try:
-        dist.init_process_group("gloo", rank=0, world_size=WORLD, timeout=datetime.timedelta(seconds=300))
+        dist.init_process_group(
+            "gloo", rank=0, world_size=WORLD, timeout=datetime.timedelta(seconds=300)
+        )
         yield WORLD
         worker.stop_followers()
         for p in procs:
@@ -66,7 +75,9 @@ def world():
             dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("n", SIZES, ids=[f"n=2^{int(math.log2(n))}" if n & (n - 1) == 0 else f"n={n}" for n in SIZES])
+@pytest.mark.parametrize(
+    "n", SIZES, ids=[f"n=2^{int(math.log2(n))}" if n & (n - 1) == 0 else f"n={n}" for n in SIZES]
+)
 @pytest.mark.parametrize("method", ["gloo_fp32", "gloo_fp16", "compressed"])
 def test_allreduce(benchmark, world, method, n):
     prep = worker.drive(method, n)  # followers prepare too; the first call is checked here
@@ -80,8 +91,13 @@ def test_allreduce(benchmark, world, method, n):
     worker.drive_rounds(0)
     mean = benchmark.stats.stats.mean
     benchmark.extra_info.update(
-        world_size=world, count=n, dtype=prep["dtype"], size_bytes=prep["size_bytes"],
-        wire_bytes=prep["wire_bytes"], wrong=prep["wrong"], profile="loopback",
+        world_size=world,
+        count=n,
+        dtype=prep["dtype"],
+        size_bytes=prep["size_bytes"],
+        wire_bytes=prep["wire_bytes"],
+        wrong=prep["wrong"],
+        profile="loopback",
         algbw_GBps=prep["size_bytes"] / mean / 1e9,
         busbw_GBps=prep["size_bytes"] / mean / 1e9 * 2 * (world - 1) / world,
     )
@@ -89,4 +105,6 @@ def test_allreduce(benchmark, world, method, n):
         _plain_mean[n] = mean
     elif n in _plain_mean:
         benchmark.extra_info["speedup_vs_gloo_fp32"] = _plain_mean[n] / mean
-    assert prep["wrong"] == 0, f"{method} n={n}: {prep['wrong']} wrong elements in the checked first call"
+    assert prep["wrong"] == 0, (
+        f"{method} n={n}: {prep['wrong']} wrong elements in the checked first call"
+    )

@@ -8,11 +8,9 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import numpy as np
 import pytest
-
 from compcomm.bench import cli, model, netns
 
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "bench", "results", "results.json")
@@ -27,7 +25,9 @@ def _netns_usable() -> str:
 
 
 _why_not = _netns_usable()
-needs_netns = pytest.mark.skipif(bool(_why_not), reason=f"network namespaces unavailable: {_why_not}")
+needs_netns = pytest.mark.skipif(
+    bool(_why_not), reason=f"network namespaces unavailable: {_why_not}"
+)
 
 
 def _mine(net: netns.Network) -> dict:
@@ -47,11 +47,19 @@ def test_namespaces_exist_inside_and_are_gone_after():
         mine = _mine(net)
         assert sorted(mine["netns"]) == sorted(net.ns_name(r) for r in range(3))
         assert len(mine["links"]) == 4  # bridge + 3 host veth ends
-        out = subprocess.run(net.command_prefix(2) + ["ip", "-4", "addr", "show", "eth0"],
-                             capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(
+            net.command_prefix(2) + ["ip", "-4", "addr", "show", "eth0"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         assert f"{net.address(2)}/24" in out
-        qd = subprocess.run(net.command_prefix(0) + ["tc", "qdisc", "show", "dev", "eth0"],
-                            capture_output=True, text=True, check=True).stdout
+        qd = subprocess.run(
+            net.command_prefix(0) + ["tc", "qdisc", "show", "dev", "eth0"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         assert "tbf" in qd and "1Gbit" in qd
     assert _mine(net) == {"netns": [], "links": []}
 
@@ -120,12 +128,21 @@ def _transfer_seconds(profile: str, nbytes: int) -> float:
         """
     )
     with netns.Network(profile, 2) as net:
-        srv = subprocess.Popen(net.command_prefix(0) + [sys.executable, "-c", server],
-                               stdout=subprocess.PIPE, text=True)
+        srv = subprocess.Popen(
+            net.command_prefix(0) + [sys.executable, "-c", server],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         try:
             assert srv.stdout.readline().strip() == "ready"
-            out = subprocess.run(net.command_prefix(1) + [sys.executable, "-c", client.replace("{addr}", net.address(0))],
-                                 capture_output=True, text=True, timeout=60, check=True).stdout
+            out = subprocess.run(
+                net.command_prefix(1)
+                + [sys.executable, "-c", client.replace("{addr}", net.address(0))],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=True,
+            ).stdout
             srv.wait(timeout=30)
         finally:
             if srv.poll() is None:
@@ -140,7 +157,9 @@ def test_tbf_limits_the_rate():
     free = _transfer_seconds("unshaped", nbytes)
     gbit = nbytes * 8 / shaped / 1e9
     assert gbit < 1.1, f"eth1g carried {gbit:.2f} Gbit/s, more than its 1 Gbit/s tbf rate"
-    assert shaped > 2 * free, f"eth1g {shaped:.3f} s vs unshaped {free:.3f} s: shaping had no effect"
+    assert shaped > 2 * free, (
+        f"eth1g {shaped:.3f} s vs unshaped {free:.3f} s: shaping had no effect"
+    )
 
 
 def _synthetic_rows(rng, alpha, beta, alpha_c, gamma, world=4, noise=0.05):
@@ -152,12 +171,29 @@ def _synthetic_rows(rng, alpha, beta, alpha_c, gamma, world=4, noise=0.05):
         jitter = lambda: 1 + rng.uniform(-noise, noise)  # noqa: E731
         for method, es in (("gloo_fp32", 4), ("gloo_fp16", 2)):
             wire = compcomm.allreduce_wire_bytes(n, world, es)
-            rows.append(dict(profile="syn", world_size=world, method=method, count=n,
-                             wire_bytes=wire, time_s=(alpha + beta * wire) * jitter()))
+            rows.append(
+                dict(
+                    profile="syn",
+                    world_size=world,
+                    method=method,
+                    count=n,
+                    wire_bytes=wire,
+                    time_s=(alpha + beta * wire) * jitter(),
+                )
+            )
         wire = compcomm.wire_bytes(n, world)
         compute = 5e-9 * n + 1e-5
-        rows.append(dict(profile="syn", world_size=world, method="compressed", count=n, wire_bytes=wire,
-                         compute_s=compute, time_s=(alpha_c + beta * wire + gamma * compute) * jitter()))
+        rows.append(
+            dict(
+                profile="syn",
+                world_size=world,
+                method="compressed",
+                count=n,
+                wire_bytes=wire,
+                compute_s=compute,
+                time_s=(alpha_c + beta * wire + gamma * compute) * jitter(),
+            )
+        )
     return rows
 
 
@@ -187,7 +223,10 @@ def test_projection_behaves():
     slow = model.PRESETS["10gbe"]
     fast = model.PRESETS["hdr"]
     n = 1 << 26
-    ps, pf = model.project(slow, n, model.GPU_COMPUTE_NS_PER_ELT), model.project(fast, n, model.GPU_COMPUTE_NS_PER_ELT)
+    ps, pf = (
+        model.project(slow, n, model.GPU_COMPUTE_NS_PER_ELT),
+        model.project(fast, n, model.GPU_COMPUTE_NS_PER_ELT),
+    )
     assert ps["fp32"] > pf["fp32"] and abs(ps["fp32"] / ps["fp16"] - 2) < 0.1
     assert ps["compressed"] < ps["fp32"]  # slow network, cheap compute: compression pays
     first, large = model.crossover(slow, model.GPU_COMPUTE_NS_PER_ELT)
@@ -207,8 +246,24 @@ def test_parse_sizes():
 @pytest.mark.parametrize("profile", ["loopback", pytest.param("eth1g", marks=needs_netns)])
 def test_cli_end_to_end(tmp_path, profile):
     out = tmp_path / "res"
-    cmd = [sys.executable, "-m", "compcomm.bench", "--profile", profile, "--world-size", "2",
-           "--sizes", "2^10,2^12", "--target-time", "0.02", "--out", str(out), "--no-progress", "--timeout", "120"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "compcomm.bench",
+        "--profile",
+        profile,
+        "--world-size",
+        "2",
+        "--sizes",
+        "2^10,2^12",
+        "--target-time",
+        "0.02",
+        "--out",
+        str(out),
+        "--no-progress",
+        "--timeout",
+        "120",
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
     assert p.returncode == 0, p.stderr[-3000:]
     doc = json.loads((out / "results.json").read_text())
@@ -224,9 +279,25 @@ def test_cli_end_to_end(tmp_path, profile):
     assert f"## {profile}, W = 2" in md and "| compressed (float32) |" in md
     png = (out / "results.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
-    pr = subprocess.run([sys.executable, "-m", "compcomm.bench", "project", "--results", str(out / "results.json"),
-                         "--preset", "10gbe,hdr", "--sizes", "2^20,2^24", "--out", str(out / "proj.md")],
-                        capture_output=True, text=True, timeout=60)
+    pr = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "compcomm.bench",
+            "project",
+            "--results",
+            str(out / "results.json"),
+            "--preset",
+            "10gbe,hdr",
+            "--sizes",
+            "2^20,2^24",
+            "--out",
+            str(out / "proj.md"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert pr.returncode == 0, pr.stderr
     text = (out / "proj.md").read_text()
     assert "PROJECTION" in text and "10 GbE" in text and "HDR" in text and "Assumptions" in text
@@ -236,5 +307,10 @@ def test_cli_refuses_without_root(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(netns.NetnsError, match="root"):
         netns.check_privileges()
-    assert cli.main(["--profile", "eth1g", "--world-size", "2", "--sizes", "2^10", "--out", str(tmp_path)]) == 2
+    assert (
+        cli.main(
+            ["--profile", "eth1g", "--world-size", "2", "--sizes", "2^10", "--out", str(tmp_path)]
+        )
+        == 2
+    )
     assert not (tmp_path / "results.json").exists()

@@ -81,7 +81,9 @@ def augment(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     import compcomm
 
     base = {
-        (r["profile"], r["world_size"], r["count"]): r["time_s"] for r in rows if r["method"] == "gloo_fp32"
+        (r["profile"], r["world_size"], r["count"]): r["time_s"]
+        for r in rows
+        if r["method"] == "gloo_fp32"
     }
     for r in rows:
         w, t = r["world_size"], r["time_s"]
@@ -139,7 +141,9 @@ def markdown(rows: List[Dict[str, Any]], meta: Dict[str, Any], fits: Sequence[An
             keys.append(k)
     for prof, w in keys:
         out += ["", f"## {prof}, W = {w}", ""]
-        out.append("| size | count | method | time (ms) | algbw GB/s | busbw GB/s | wire | ratio | speedup vs fp32 | #wrong |")
+        out.append(
+            "| size | count | method | time (ms) | algbw GB/s | busbw GB/s | wire | ratio | speedup vs fp32 | #wrong |"
+        )
         out.append("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
         for r in _order([r for r in rows if (r["profile"], r["world_size"]) == (prof, w)]):
             sp = r.get("speedup_vs_fp32")
@@ -150,8 +154,14 @@ def markdown(rows: List[Dict[str, Any]], meta: Dict[str, Any], fits: Sequence[An
                 f"{'' if sp is None else f'{sp:.2f}x'} | {r['wrong']} |"
             )
     if fits:
-        out += ["", "## Cost-model fit (alpha-beta + measured compute; see compcomm.bench.model)", ""]
-        out.append("| profile | W | fp32 alpha (ms) | fp32 1/beta (Gbit/s) | alpha_c (ms) | gamma | compute ns/elt | max rel. error |")
+        out += [
+            "",
+            "## Cost-model fit (alpha-beta + measured compute; see compcomm.bench.model)",
+            "",
+        ]
+        out.append(
+            "| profile | W | fp32 alpha (ms) | fp32 1/beta (Gbit/s) | alpha_c (ms) | gamma | compute ns/elt | max rel. error |"
+        )
         out.append("|---|---:|---:|---:|---:|---:|---:|---:|")
         for f in fits:
             b = f.beta.get("gloo_fp32", float("nan"))
@@ -177,12 +187,27 @@ def plot(rows: List[Dict[str, Any]], path: str) -> None:
     colors = {"compressed": "tab:red", "gloo_fp32": "tab:blue", "gloo_fp16": "tab:green"}
     styles = {2: "--", 4: "-", 8: ":"}
     for j, prof in enumerate(profs):
-        for (method, w) in sorted({(r["method"], r["world_size"]) for r in rows if r["profile"] == prof}):
-            pts = sorted((r for r in rows if (r["profile"], r["method"], r["world_size"]) == (prof, method, w)),
-                         key=lambda r: r["size_bytes"] if method != "gloo_fp16" else r["count"])
-            x = [r["count"] * 4 for r in pts]  # fp32-equivalent logical bytes, same x for all methods
-            kw = dict(color=colors.get(method), linestyle=styles.get(w, "-."), marker="o", markersize=3,
-                      label=f"{method} W={w}")
+        for method, w in sorted(
+            {(r["method"], r["world_size"]) for r in rows if r["profile"] == prof}
+        ):
+            pts = sorted(
+                (
+                    r
+                    for r in rows
+                    if (r["profile"], r["method"], r["world_size"]) == (prof, method, w)
+                ),
+                key=lambda r: r["size_bytes"] if method != "gloo_fp16" else r["count"],
+            )
+            x = [
+                r["count"] * 4 for r in pts
+            ]  # fp32-equivalent logical bytes, same x for all methods
+            kw = dict(
+                color=colors.get(method),
+                linestyle=styles.get(w, "-."),
+                marker="o",
+                markersize=3,
+                label=f"{method} W={w}",
+            )
             axes[0][j].plot(x, [r["time_s"] * 1e3 for r in pts], **kw)
             axes[1][j].plot(x, [r["busbw_GBps"] for r in pts], **kw)
         axes[0][j].set_title(prof)
@@ -200,7 +225,9 @@ def plot(rows: List[Dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
-def write_outputs(rows: List[Dict[str, Any]], meta: Dict[str, Any], out_dir: str, name: str = "results") -> Dict[str, str]:
+def write_outputs(
+    rows: List[Dict[str, Any]], meta: Dict[str, Any], out_dir: str, name: str = "results"
+) -> Dict[str, str]:
     """Write ``<name>.json``, ``<name>.md`` and ``<name>.png`` into ``out_dir``; return their paths."""
     from . import model
 
@@ -225,9 +252,7 @@ def write_outputs(rows: List[Dict[str, Any]], meta: Dict[str, Any], out_dir: str
             "wrong": "elements wrong in the checked first call",
         },
         "rows": rows,
-        "model": [
-            {k: v for k, v in vars(f).items()} for f in fits
-        ],
+        "model": [{k: v for k, v in vars(f).items()} for f in fits],
     }
     with open(paths["json"], "w") as fh:
         json.dump(doc, fh, indent=1)
@@ -259,20 +284,40 @@ def run_main(argv: Sequence[str]) -> int:
     from . import netns, runner, worker
 
     ap = argparse.ArgumentParser(prog="compcomm-bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--profile", default="loopback",
-                    help=f"comma list of {', '.join(netns.PROFILES)} (namespace profiles need root)")
+    ap.add_argument(
+        "--profile",
+        default="loopback",
+        help=f"comma list of {', '.join(netns.PROFILES)} (namespace profiles need root)",
+    )
     ap.add_argument("--world-size", default="2", help="comma list of rank counts, e.g. 2,4")
-    ap.add_argument("--sizes", default="2^16..2^26", help="element counts: 2^16..2^26, 2^20,2^24 or 64K")
-    ap.add_argument("--methods", default=",".join(worker.METHODS), help="comma list of " + ", ".join(worker.METHODS))
-    ap.add_argument("--target-time", type=float, default=1.0, help="seconds of timed calls per point")
+    ap.add_argument(
+        "--sizes", default="2^16..2^26", help="element counts: 2^16..2^26, 2^20,2^24 or 64K"
+    )
+    ap.add_argument(
+        "--methods",
+        default=",".join(worker.METHODS),
+        help="comma list of " + ", ".join(worker.METHODS),
+    )
+    ap.add_argument(
+        "--target-time", type=float, default=1.0, help="seconds of timed calls per point"
+    )
     ap.add_argument("--min-iters", type=int, default=2)
     ap.add_argument("--max-iters", type=int, default=1000)
-    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per sweep before it is killed")
+    ap.add_argument(
+        "--timeout", type=float, default=1800.0, help="seconds per sweep before it is killed"
+    )
     ap.add_argument("--out", default="bench/results", help="output folder")
     ap.add_argument("--name", default="results", help="file stem of the outputs")
-    ap.add_argument("--append", action="store_true",
-                    help="merge into an existing <name>.json (same profile/W/method/count replaced)")
-    ap.add_argument("--cleanup-stale", action="store_true", help="delete leftover namespaces of dead runs and exit")
+    ap.add_argument(
+        "--append",
+        action="store_true",
+        help="merge into an existing <name>.json (same profile/W/method/count replaced)",
+    )
+    ap.add_argument(
+        "--cleanup-stale",
+        action="store_true",
+        help="delete leftover namespaces of dead runs and exit",
+    )
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
 
@@ -287,11 +332,15 @@ def run_main(argv: Sequence[str]) -> int:
     profiles = [p.strip() for p in args.profile.split(",") if p.strip()]
     for p in profiles:
         if p not in netns.PROFILES:
-            ap.error(f"argument --profile: unknown profile {p!r}; choose from {', '.join(netns.PROFILES)}")
+            ap.error(
+                f"argument --profile: unknown profile {p!r}; choose from {', '.join(netns.PROFILES)}"
+            )
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
         if m not in worker.METHODS:
-            ap.error(f"argument --methods: unknown method {m!r}; choose from {', '.join(worker.METHODS)}")
+            ap.error(
+                f"argument --methods: unknown method {m!r}; choose from {', '.join(worker.METHODS)}"
+            )
     try:
         worlds = [int(w) for w in args.world_size.split(",")]
     except ValueError:
@@ -320,14 +369,24 @@ def run_main(argv: Sequence[str]) -> int:
     try:
         for prof in profiles:
             for w in worlds:
+
                 def on_row(r: Dict[str, Any]) -> None:
                     if bar is not None:
-                        bar.set_postfix_str(f"{r['profile']} W={r['world_size']} {r['method']} n={r['count']}")
+                        bar.set_postfix_str(
+                            f"{r['profile']} W={r['world_size']} {r['method']} n={r['count']}"
+                        )
                         bar.update(1)
 
                 rows += runner.run_sweep(
-                    prof, w, sizes, methods, target_time=args.target_time, min_iters=args.min_iters,
-                    max_iters=args.max_iters, timeout=args.timeout, on_row=on_row,
+                    prof,
+                    w,
+                    sizes,
+                    methods,
+                    target_time=args.target_time,
+                    min_iters=args.min_iters,
+                    max_iters=args.max_iters,
+                    timeout=args.timeout,
+                    on_row=on_row,
                 )
     finally:
         if bar is not None:
@@ -339,7 +398,11 @@ def run_main(argv: Sequence[str]) -> int:
         with open(json_path) as fh:
             old = json.load(fh)
         new_keys = {(r["profile"], r["world_size"], r["method"], r["count"]) for r in rows}
-        rows = [r for r in old["rows"] if (r["profile"], r["world_size"], r["method"], r["count"]) not in new_keys] + rows
+        rows = [
+            r
+            for r in old["rows"]
+            if (r["profile"], r["world_size"], r["method"], r["count"]) not in new_keys
+        ] + rows
         meta["previous_runs"] = old["meta"].get("previous_runs", []) + [
             {k: v for k, v in old["meta"].items() if k != "previous_runs"}
         ]
@@ -350,11 +413,16 @@ def run_main(argv: Sequence[str]) -> int:
     return 0 if all(r["wrong"] == 0 for r in rows) else 1
 
 
-def project_table(fits: Sequence[Any], clusters: Sequence[Any], sizes: Sequence[int], compute: str) -> str:
+def project_table(
+    fits: Sequence[Any], clusters: Sequence[Any], sizes: Sequence[int], compute: str
+) -> str:
     """Markdown of the projected times (labelled PROJECTION) for every cluster and size."""
     from . import model
 
-    lines = ["# PROJECTION (cost model, not measured): compressed vs plain allreduce on clusters", ""]
+    lines = [
+        "# PROJECTION (cost model, not measured): compressed vs plain allreduce on clusters",
+        "",
+    ]
     lines.append("```\n" + model.ASSUMPTIONS + "```")
     measured = None
     if fits:
@@ -377,10 +445,15 @@ def project_table(fits: Sequence[Any], clusters: Sequence[Any], sizes: Sequence[
     except ValueError:
         pass
     for c in clusters:
-        lines += ["", f"## {c.name}: {c.nodes} nodes x {c.gpus_per_node} GPUs, {c.nics_per_node} x {c.link_gbit:g} Gbit/s per node, "
-                  f"{c.latency_us:g} us latency, intra-node {c.intra_GBps:g} GB/s", ""]
+        lines += [
+            "",
+            f"## {c.name}: {c.nodes} nodes x {c.gpus_per_node} GPUs, {c.nics_per_node} x {c.link_gbit:g} Gbit/s per node, "
+            f"{c.latency_us:g} us latency, intra-node {c.intra_GBps:g} GB/s",
+            "",
+        ]
         head = "| fp32 size per GPU | fp32 (ms) | fp16 (ms) |" + "".join(
-            f" compressed, {lab} compute (ms) | speedup vs fp32 | vs fp16 |" for lab, _ in rates)
+            f" compressed, {lab} compute (ms) | speedup vs fp32 | vs fp16 |" for lab, _ in rates
+        )
         lines.append(head)
         lines.append("|---:" * (3 + 3 * len(rates)) + "|")
         for n in sizes:
@@ -389,8 +462,11 @@ def project_table(fits: Sequence[Any], clusters: Sequence[Any], sizes: Sequence[
                 pr = model.project(c, n, rate)
                 if cells is None:
                     cells = [_human(4 * n), f"{pr['fp32'] * 1e3:.3f}", f"{pr['fp16'] * 1e3:.3f}"]
-                cells += [f"{pr['compressed'] * 1e3:.3f}", f"{pr['fp32'] / pr['compressed']:.2f}x",
-                          f"{pr['fp16'] / pr['compressed']:.2f}x"]
+                cells += [
+                    f"{pr['compressed'] * 1e3:.3f}",
+                    f"{pr['fp32'] / pr['compressed']:.2f}x",
+                    f"{pr['fp16'] / pr['compressed']:.2f}x",
+                ]
             lines.append("| " + " | ".join(cells or []) + " |")
         for lab, rate in rates:
             for against in ("fp32", "fp16"):
@@ -410,8 +486,12 @@ def project_main(argv: Sequence[str]) -> int:
     from . import model
 
     ap = argparse.ArgumentParser(prog="compcomm-bench project", description=project_main.__doc__)
-    ap.add_argument("--results", default="bench/results/results.json", help="measured results to fit (JSON)")
-    ap.add_argument("--preset", default="10gbe,100gbe,hdr", help="comma list of " + ", ".join(model.PRESETS))
+    ap.add_argument(
+        "--results", default="bench/results/results.json", help="measured results to fit (JSON)"
+    )
+    ap.add_argument(
+        "--preset", default="10gbe,100gbe,hdr", help="comma list of " + ", ".join(model.PRESETS)
+    )
     ap.add_argument("--nodes", type=int)
     ap.add_argument("--gpus-per-node", type=int)
     ap.add_argument("--link-gbit", type=float)
@@ -435,10 +515,19 @@ def project_main(argv: Sequence[str]) -> int:
     clusters = []
     for name in args.preset.split(","):
         if name.strip() not in model.PRESETS:
-            ap.error(f"argument --preset: unknown preset {name!r}; choose from {', '.join(model.PRESETS)}")
-        clusters.append(model.PRESETS[name.strip()].with_(
-            nodes=args.nodes, gpus_per_node=args.gpus_per_node, link_gbit=args.link_gbit,
-            nics_per_node=args.nics_per_node, latency_us=args.latency_us, intra_GBps=args.intra_GBps))
+            ap.error(
+                f"argument --preset: unknown preset {name!r}; choose from {', '.join(model.PRESETS)}"
+            )
+        clusters.append(
+            model.PRESETS[name.strip()].with_(
+                nodes=args.nodes,
+                gpus_per_node=args.gpus_per_node,
+                link_gbit=args.link_gbit,
+                nics_per_node=args.nics_per_node,
+                latency_us=args.latency_us,
+                intra_GBps=args.intra_GBps,
+            )
+        )
     text = project_table(fits, clusters, sizes, args.compute)
     print(text)
     if args.out:

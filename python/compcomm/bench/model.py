@@ -36,7 +36,6 @@ one-way latency ``latency_us`` per message, intra-node bandwidth ``intra_GBps``:
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -101,7 +100,11 @@ class Fit:
     def predict(self, row: Dict[str, Any]) -> float:
         """Model time (s) of a measured row (needs its ``method``, ``wire_bytes``, ``compute_s``)."""
         if row["method"] == "compressed":
-            return self.alpha_c + self.beta["gloo_fp32"] * row["wire_bytes"] + self.gamma * row["compute_s"]
+            return (
+                self.alpha_c
+                + self.beta["gloo_fp32"] * row["wire_bytes"]
+                + self.gamma * row["compute_s"]
+            )
         return self.alpha[row["method"]] + self.beta[row["method"]] * row["wire_bytes"]
 
 
@@ -158,7 +161,11 @@ def fit(rows: Sequence[Dict[str, Any]]) -> Fit:
     for r in rows:
         p = f.predict(r)
         err = (p - r["time_s"]) / r["time_s"]
-        f.errors.append(dict(method=r["method"], count=r["count"], measured_s=r["time_s"], model_s=p, rel_err=err))
+        f.errors.append(
+            dict(
+                method=r["method"], count=r["count"], measured_s=r["time_s"], model_s=p, rel_err=err
+            )
+        )
     f.max_rel_err = max(abs(e["rel_err"]) for e in f.errors)
     return f
 
@@ -205,8 +212,12 @@ PRESETS: Dict[str, Cluster] = {
     "25gbe": Cluster("25 GbE", link_gbit=25, nics_per_node=1, latency_us=20),
     "40gbe": Cluster("40 GbE", link_gbit=40, nics_per_node=1, latency_us=15),
     "100gbe": Cluster("100 GbE", link_gbit=100, nics_per_node=1, latency_us=10),
-    "hdr": Cluster("HDR InfiniBand (200 Gb/s, 1 HCA/GPU)", link_gbit=200, nics_per_node=8, latency_us=2),
-    "ndr": Cluster("NDR InfiniBand (400 Gb/s, 1 HCA/GPU)", link_gbit=400, nics_per_node=8, latency_us=2),
+    "hdr": Cluster(
+        "HDR InfiniBand (200 Gb/s, 1 HCA/GPU)", link_gbit=200, nics_per_node=8, latency_us=2
+    ),
+    "ndr": Cluster(
+        "NDR InfiniBand (400 Gb/s, 1 HCA/GPU)", link_gbit=400, nics_per_node=8, latency_us=2
+    ),
 }
 
 
@@ -255,7 +266,9 @@ def project(cluster: Cluster, numel: int, compute_ns_per_elt: float) -> Dict[str
     }
 
 
-def crossover(cluster: Cluster, compute_ns_per_elt: float, against: str = "fp32") -> Tuple[Optional[int], bool]:
+def crossover(
+    cluster: Cluster, compute_ns_per_elt: float, against: str = "fp32"
+) -> Tuple[Optional[int], bool]:
     """Smallest power-of-two element count from which compression beats ``against`` on ``cluster``.
 
     Returns

@@ -82,12 +82,16 @@ PROFILES: Dict[str, Profile] = {
         "eth10g", True, "10gbit", "2mb", "20ms", 10.0, "namespaces + bridge, tbf 10 Gbit/s each way"
     ),
     "unshaped": Profile("unshaped", True, description="namespaces + bridge, no shaping"),
-    "loopback": Profile("loopback", False, description="no namespaces: 127.0.0.1 (shared memory fast path)"),
+    "loopback": Profile(
+        "loopback", False, description="no namespaces: 127.0.0.1 (shared memory fast path)"
+    ),
 }
 
 
 def _run(cmd: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
-    p = subprocess.run(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=60)
+    p = subprocess.run(
+        list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=60
+    )
     if check and p.returncode != 0:
         raise NetnsError(f"command failed ({p.returncode}): {' '.join(cmd)}: {p.stderr.strip()}")
     return p
@@ -108,7 +112,9 @@ def check_privileges() -> None:
         )
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
-            raise NetnsError(f"'{tool}' (iproute2) is not installed; it is needed for network profiles")
+            raise NetnsError(
+                f"'{tool}' (iproute2) is not installed; it is needed for network profiles"
+            )
     p = _run(["ip", "netns", "list"], check=False)
     if p.returncode != 0:
         raise NetnsError(f"'ip netns' does not work here: {p.stderr.strip()}")
@@ -281,7 +287,20 @@ class Network:
     def _create(self) -> None:
         p = self.profile
         self.bridge = self._link("br")
-        _run(["ip", "link", "add", self.bridge, "type", "bridge", "stp_state", "0", "forward_delay", "0"])
+        _run(
+            [
+                "ip",
+                "link",
+                "add",
+                self.bridge,
+                "type",
+                "bridge",
+                "stp_state",
+                "0",
+                "forward_delay",
+                "0",
+            ]
+        )
         _run(["ip", "link", "set", self.bridge, "up"])
         for r in range(self.world_size):
             ns, host = self.ns_name(r), self._link(f"h{r}")

@@ -11,7 +11,7 @@ import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from .netns import Network, PROFILES, Profile
+from .netns import PROFILES, Network, Profile
 
 __all__ = ["run_sweep", "SweepError"]
 
@@ -104,7 +104,13 @@ def run_sweep(
                 env = dict(os.environ, **net.env(r, port), OMP_NUM_THREADS="1")
                 log = open(os.path.join(tmp, f"rank{r}.log"), "w+")
                 logs.append(log)
-                cmd = net.command_prefix(r) + [python, "-m", "compcomm.bench.worker", "--config", cfg_path]
+                cmd = net.command_prefix(r) + [
+                    python,
+                    "-m",
+                    "compcomm.bench.worker",
+                    "--config",
+                    cfg_path,
+                ]
                 procs.append(
                     subprocess.Popen(
                         cmd,
@@ -138,7 +144,8 @@ def run_sweep(
                         log.seek(0)
                         tails.append(f"--- rank {q} log ---\n{log.read()[-3000:]}")
                     raise SweepError(
-                        f"rank {r} exited with {rc} ({profile}, W={world_size}):\n" + "\n".join(tails)
+                        f"rank {r} exited with {rc} ({profile}, W={world_size}):\n"
+                        + "\n".join(tails)
                     )
         finally:
             _kill(procs)

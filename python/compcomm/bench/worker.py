@@ -200,9 +200,13 @@ def prepare(method: str, n: int) -> Dict[str, Any]:
     dtype = torch.float16 if method == "gloo_fp16" else torch.float32
     t = plain_input(n, rank, dtype)
     dist.all_reduce(t)
-    wrong_t = torch.tensor([int((t != plain_expected(n, world, dtype)).sum().item())], dtype=torch.int64)
+    wrong_t = torch.tensor(
+        [int((t != plain_expected(n, world, dtype)).sum().item())], dtype=torch.int64
+    )
     dist.all_reduce(wrong_t)
-    t.copy_(plain_input(n, rank, dtype))  # values grow W-fold per call; timing does not depend on them
+    t.copy_(
+        plain_input(n, rank, dtype)
+    )  # values grow W-fold per call; timing does not depend on them
     esize = t.element_size()
     return {
         "op": lambda: dist.all_reduce(t),
@@ -284,9 +288,7 @@ def main(argv: List[str] = None) -> int:
             cfg = json.load(f)
     elif not args.follow:
         ap.error("argument --config is required (unless --follow)")
-    dist.init_process_group(
-        "gloo", timeout=datetime.timedelta(seconds=cfg.get("timeout", 600))
-    )
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=cfg.get("timeout", 600)))
     torch.set_num_threads(cfg.get("threads", 1))
     rank, world = dist.get_rank(), dist.get_world_size()
     out = sys.stdout
@@ -297,7 +299,9 @@ def main(argv: List[str] = None) -> int:
             for method in cfg["methods"]:
                 row = measure(method, n, cfg)
                 if rank == 0:
-                    row.update(method=method, count=n, world_size=world, profile=cfg.get("profile", "?"))
+                    row.update(
+                        method=method, count=n, world_size=world, profile=cfg.get("profile", "?")
+                    )
                     print("ROW " + json.dumps(row), file=out, flush=True)
     # Ranks leave together, then skip interpreter teardown: destroying the gloo group while a peer
     # is still closing its sockets aborted a rank now and then ("terminate called without an active
