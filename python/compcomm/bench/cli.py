@@ -132,7 +132,8 @@ def markdown(rows: List[Dict[str, Any]], meta: Dict[str, Any], fits: Sequence[An
     out.append(
         "size = logical (uncompressed) bytes per rank; wire = bytes one rank sends; algbw = size/time, "
         "busbw = algbw*2(W-1)/W (GB/s, from logical bytes); ratio = fp32 ring wire bytes / wire bytes; "
-        "speedup = gloo fp32 time / time (same run); #wrong = elements wrong in the checked first call."
+        "speedup = gloo fp32 time / time (same run); #wrong = elements wrong in the checked first call; "
+        "time = median over timed batches of the slowest rank's mean per call."
     )
     keys = []
     for r in _order(rows):
@@ -244,7 +245,8 @@ def write_outputs(
         "columns": {
             "size_bytes": "logical (uncompressed) bytes of the tensor per rank",
             "wire_bytes": "bytes one rank sends per call (compressed: compcomm.wire_bytes; plain: ring allreduce)",
-            "time_s": "mean seconds per call, slowest rank",
+            "time_s": "median over timed batches of the slowest rank's mean seconds per call",
+            "time_mean_s": "mean seconds per call over all timed calls (nccl-tests' figure)",
             "algbw_GBps": "size_bytes / time_s / 1e9",
             "busbw_GBps": "algbw * 2(W-1)/W",
             "wire_GBps": "wire_bytes / time_s / 1e9",
@@ -301,7 +303,7 @@ def run_main(argv: Sequence[str]) -> int:
     ap.add_argument(
         "--target-time", type=float, default=1.0, help="seconds of timed calls per point"
     )
-    ap.add_argument("--min-iters", type=int, default=2)
+    ap.add_argument("--min-iters", type=int, default=3)
     ap.add_argument("--max-iters", type=int, default=1000)
     ap.add_argument(
         "--timeout", type=float, default=1800.0, help="seconds per sweep before it is killed"

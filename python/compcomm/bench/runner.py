@@ -49,8 +49,9 @@ def run_sweep(
     methods: Sequence[str],
     *,
     target_time: float = 1.0,
-    min_iters: int = 2,
+    min_iters: int = 3,
     max_iters: int = 1000,
+    batches: int = 5,
     timeout: float = 1800.0,
     on_row: Optional[Callable[[Dict[str, Any]], None]] = None,
     python: str = sys.executable,
@@ -71,6 +72,8 @@ def run_sweep(
         Seconds of timed calls per measurement (rank 0 sets the iteration count from it).
     min_iters, max_iters : int
         Bounds on that count.
+    batches : int
+        Timed batches the iterations are split into (``time_s`` is the median batch).
     timeout : float
         Seconds before the whole sweep is killed (raises :class:`SweepError`).
     on_row : callable, optional
@@ -89,6 +92,7 @@ def run_sweep(
         target_time=target_time,
         min_iters=min_iters,
         max_iters=max_iters,
+        batches=batches,
         timeout=min(timeout, 600),
     )
     rows: List[Dict[str, Any]] = []

@@ -4,8 +4,9 @@ Started by :mod:`compcomm.bench.runner` once per rank (inside the rank's network
 namespace profiles) with ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE`` and
 ``GLOO_SOCKET_IFNAME`` in its environment. It joins a gloo group and, for every size and method,
 follows nccl-tests: the first call is checked (#wrong), rank 0 times one more call, decides how many
-iterations fill the time budget and broadcasts that count, then all ranks run them back to back and
-the slowest rank's mean time is reported. Rank 0 prints one ``ROW {json}`` line per measurement and
+iterations fill the time budget and broadcasts that count, then all ranks run them back to back in
+up to 5 timed batches; ``time_s`` is the median over batches of the slowest rank's mean time per
+call (``time_mean_s``: the plain mean over all calls, nccl-tests' figure). Rank 0 prints one ``ROW {json}`` line per measurement and
 ``PROGRESS`` lines; everything else goes to stderr.
 
 Methods
@@ -147,6 +148,17 @@ def _time_loop(op: Callable[[], None], iters: int) -> float:
     return float(dt.item()) / iters
 
 
+def _time_batches(op: Callable[[], None], iters: int, batches: int) -> Tuple[float, float, List[float]]:
+    """``iters`` calls in ``batches`` timed batches (barrier before each, slowest rank each).
+
+    Returns the median and the mean of the batch means and the batch means: on a shared machine a
+    load spike spoils one batch, and the median ignores it where nccl-tests' plain mean would not.
+    """
+    batches = max(1, min(batches, iters))
+    per = [iters // batches + (1 if b < iters % batches else 0) for b in range(batches)]
+    means = [_time_loop(op, k) for k in per]
+    total = sum(m * k for m, k in zip(means, per)) / iters
+    return float(sorted(means)[len(means) // 2]), total, means
 def _decide_iters(op: Callable[[], None], cfg: Dict[str, Any]) -> Tuple[int, float]:
     """Rank 0 times one call and broadcasts how many calls fill ``target_time`` (nccl-tests style)."""
     one = _time_loop(op, 1)
@@ -222,13 +234,14 @@ def measure(method: str, n: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
     count, slowest rank's mean time; for ``compressed`` also ``compute_s``)."""
     prep = prepare(method, n)
     iters, _ = _decide_iters(prep["op"], cfg)
-    sec = _time_loop(prep["op"], iters)
+    nb = cfg.get("batches", 5)
+    sec, mean, means = _time_batches(prep["op"], iters, nb)
     row = {k: prep[k] for k in ("wrong", "size_bytes", "wire_bytes", "dtype")}
-    row.update(time_s=sec, iters=iters)
+    row.update(time_s=sec, time_mean_s=mean, batch_means_s=means, iters=iters)
     if "compute_op" in prep:
         prep["compute_op"]()
-        citers = max(1, min(iters, int(math.ceil(cfg["target_time"] / 2 / max(sec, 1e-6)))))
-        row["compute_s"] = _time_loop(prep["compute_op"], citers)
+        citers = max(min(3, iters), min(iters, int(math.ceil(cfg["target_time"] / 2 / max(sec, 1e-6)))))
+        row["compute_s"] = _time_batches(prep["compute_op"], citers, nb)[0]
     return row
 
 
