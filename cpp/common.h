@@ -3,7 +3,8 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <sstream>
+#include <cstdio>
+#include <type_traits>
 #include <stdexcept>
 #include <string>
 
@@ -43,6 +44,9 @@ struct Buffer {
 struct CallOptions {
   double timeout_s = 600.0;
   void* stream = nullptr;  // cudaStream_t; ignored for host buffers
+  // compressed_allreduce on device buffers: copy the exchanged headers to the host and validate them
+  // (one small stream sync). false: no host sync (CUDA-graph capturable); see compressed_allreduce.h.
+  bool check = true;
 };
 
 // The error family. Each error carries the failing call, the backend and its code, and the rank.
@@ -92,11 +96,34 @@ class Unsupported : public Error {
 };
 
 namespace detail {
+// Message building without iostreams: where the extension ends up with its own (static) copy of
+// libstdc++ next to the process's shared one (seen on the GPU machine's toolchain), the iostream locale
+// facets of the two copies clash and any ostringstream use crashes.
+inline void append(std::string& s, const char* v) { s += v ? v : "(null)"; }
+inline void append(std::string& s, const std::string& v) { s += v; }
+inline void append(std::string& s, char v) { s += v; }
+inline void append(std::string& s, bool v) { s += v ? "true" : "false"; }
+template <typename T>
+void append(std::string& s, const T& v) {
+  if constexpr (std::is_floating_point_v<T>) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%g", static_cast<double>(v));
+    s += buf;
+  } else if constexpr (std::is_enum_v<T>) {
+    s += std::to_string(static_cast<long long>(v));
+  } else if constexpr (std::is_pointer_v<T>) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%p", static_cast<const void*>(v));
+    s += buf;
+  } else {
+    s += std::to_string(v);
+  }
+}
 template <typename... Args>
 std::string concat(Args&&... args) {
-  std::ostringstream os;
-  (os << ... << args);
-  return os.str();
+  std::string s;
+  (append(s, args), ...);
+  return s;
 }
 }  // namespace detail
 

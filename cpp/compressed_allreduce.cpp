@@ -1,16 +1,18 @@
 // How it works (per rank r of W; ONEBIT_SPEC.md a.2 gives the exact numerics):
 //
-//   1. worker_scale_pack, read-only: sigma_r = ||m + e|| / sqrt(P) and the signs of x = m + e, packed
-//      MSB first (the signs do not depend on sigma, so one pass does both).
+//   1. worker_scale_pack: sigma_r = ||m + e|| / sqrt(P) and the signs of x = m + e, packed MSB first, in
+//      one read of m and e (the signs do not depend on sigma; only the workspace is written).
 //   2. all_gather of a 32-byte Header {sigma, flags, n, P, dtype}. Every rank checks every header, so a
 //      size mismatch or a non-finite input on any rank raises the same error on all ranks, before any
 //      variable-sized exchange and before anything is written.
 //   3. all_to_all sends chunk j of the signs to rank j.
-//   4. Server on chunk r: c = sum_i s_i * sigma_i/W + server_error; tau_r = ||c|| / sqrt(C); its signs
-//      and tau go out in one Record via all_gather.
+//   4. Server on chunk r: c = sum_i s_i * sigma_i/W + server_error; tau_r = ||c|| / sqrt(C) and the
+//      signs of c in one pass; they go out in one Record via all_gather.
 //   5. Commit (only after every collective succeeded): server_error = c - tau s(c); worker error
 //      e = x - sigma s(x) and the output m = tau_j s_j are written in one fused pass.
 //
+// The same code runs on host and device buffers: the kernels table picks the CPU twins or the CUDA
+// kernels, and the only difference is where the header is validated (see compressed_allreduce.h).
 // Deferring all writes to step 5 keeps the worker side at two passes over m and e (24 bytes per fp32
 // element: read m, e; then read m, e and write e, m) and guarantees that a failed call (bad input on
 // some rank, a timeout) changes nothing.
@@ -19,6 +21,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <mutex>
+#include <set>
+#include <tuple>
 #include <vector>
 
 #include "kernels/kernels.h"
@@ -28,22 +33,14 @@ namespace {
 
 constexpr uint32_t kHeaderMagic = 0xC0C0B175u;
 constexpr uint32_t kFlagNonFinite = 1u;
-
-struct Header {
-  float scale;
-  uint32_t flags;
-  int64_t numel;
-  int64_t padded;
-  int32_t dtype;
-  uint32_t magic;
-};
-static_assert(sizeof(Header) == 32, "Header is exchanged as 32 raw bytes");
+using Header = kernels::ExchangeHeader;
 constexpr int64_t kRecordScaleBytes = 16;  // the fp32 tau, padded so the signs stay 16-byte aligned
 
 int64_t align(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 
 struct Kernels {
   decltype(&kernels::cpu::worker_scale_pack) worker_scale_pack;
+  decltype(&kernels::cpu::write_header) write_header;
   decltype(&kernels::cpu::server_scale_pack) server_scale_pack;
   decltype(&kernels::cpu::server_update) server_update;
   decltype(&kernels::cpu::worker_update_decompress) worker_update_decompress;
@@ -52,10 +49,12 @@ struct Kernels {
 
 const Kernels& kernels_for(bool cuda) {
   namespace k = kernels;
-  static const Kernels cpu{k::cpu::worker_scale_pack, k::cpu::server_scale_pack, k::cpu::server_update,
-                           k::cpu::worker_update_decompress, k::cpu::scale_workspace_bytes};
-  static const Kernels gpu{k::cuda::worker_scale_pack, k::cuda::server_scale_pack, k::cuda::server_update,
-                           k::cuda::worker_update_decompress, k::cuda::scale_workspace_bytes};
+  static const Kernels cpu{k::cpu::worker_scale_pack, k::cpu::write_header,  k::cpu::server_scale_pack,
+                           k::cpu::server_update,     k::cpu::worker_update_decompress,
+                           k::cpu::scale_workspace_bytes};
+  static const Kernels gpu{k::cuda::worker_scale_pack, k::cuda::write_header,  k::cuda::server_scale_pack,
+                           k::cuda::server_update,     k::cuda::worker_update_decompress,
+                           k::cuda::scale_workspace_bytes};
   return cuda ? gpu : cpu;
 }
 
@@ -112,6 +111,22 @@ void check_headers(const Header* h, int world, int rank, const Header& mine) {
   }
 }
 
+// Whether opts.check = false may skip the host check: only once this (communicator, numel, padded,
+// dtype) has passed one, so that size mismatches are still reported.
+using SeenKey = std::tuple<const Communicator*, int64_t, int64_t, int32_t>;
+std::mutex seen_mutex;
+std::set<SeenKey> seen;
+
+bool seen_before(const SeenKey& key) {
+  std::lock_guard<std::mutex> lock(seen_mutex);
+  return seen.count(key) != 0;
+}
+
+void remember(const SeenKey& key) {
+  std::lock_guard<std::mutex> lock(seen_mutex);
+  seen.insert(key);
+}
+
 }  // namespace
 
 CompressedAllreduceLayout compressed_allreduce_layout(int64_t padded, int world, bool cuda) {
@@ -124,15 +139,21 @@ CompressedAllreduceLayout compressed_allreduce_layout(int64_t padded, int world,
     off = align(off + bytes, 256);
     return at;
   };
-  l.header_send = take(sizeof(Header));
-  l.header_recv = take(sizeof(Header) * world);
-  l.signs_send = take(padded / 8);
-  l.signs_recv = take(padded / 8);
-  l.record_send = take(l.record_bytes);
-  l.record_recv = take(l.record_bytes * world);
+  // The kernel scratch comes first, at a fixed offset: the GPU norm kernels need its ticket word to be
+  // zero (they leave it zero), and a workspace reused for another size must not have put other data
+  // there.
   const Kernels& k = kernels_for(cuda);
   l.scratch = take(static_cast<int64_t>(std::max(k.scale_workspace_bytes(padded),
                                                  k.scale_workspace_bytes(chunk))));
+  l.header_send = take(sizeof(Header));
+  l.header_recv = take(sizeof(Header) * world);
+  // The received records reuse the sent signs' bytes: those are dead once the all_to_all returned (the
+  // commit recomputes the worker signs from m and e). Extra memory is then about 3P/8 bytes at W=1 and
+  // (2 + 1/W) P/8 in general: under 10% of an fp32 tensor.
+  l.signs_send = take(std::max(padded / 8, l.record_bytes * world));
+  l.record_recv = l.signs_send;
+  l.signs_recv = take(padded / 8);
+  l.record_send = take(l.record_bytes);
   l.total = off;
   return l;
 }
@@ -169,8 +190,6 @@ void compressed_allreduce(Communicator& comm, const Buffer& tensor, const Buffer
                  workspace.bytes(), " bytes; it needs ", l.total);
   COMPCOMM_CHECK(!cuda || kernels::cuda::built(), "[rank ", rank,
                  "] compressed_allreduce: tensor is on a CUDA device but this build has no CUDA kernels");
-  COMPCOMM_CHECK(!cuda, "[rank ", rank,
-                 "] compressed_allreduce: CUDA tensors are not supported by this algorithm build yet");
 
   const Kernels& k = kernels_for(cuda);
   char* ws = static_cast<char*>(workspace.data);
@@ -185,44 +204,63 @@ void compressed_allreduce(Communicator& comm, const Buffer& tensor, const Buffer
   auto* e = static_cast<float*>(worker_error.data);
   auto* s = static_cast<float*>(server_error.data);
   const int64_t chunk = padded / world;
+  const int32_t dtype = static_cast<int32_t>(tensor.dtype);
+  void* stream = opts.stream;
 
-  // 1-2. Worker scale and signs (read-only), then the header exchange that validates every rank
-  //      before anything is written.
-  float sigma = 0.0f;
-  check_status(k.worker_scale_pack(m, itype, n, e, padded, &sigma, signs_send, scratch, opts.stream),
+  // 1. Worker scale and signs in one read of m and e (writes only the workspace), then the header --
+  //    filled where it lives, so on GPU the scale never leaves the device.
+  check_status(k.worker_scale_pack(m, itype, n, e, padded, &header->scale, signs_send, scratch, stream),
                "worker_scale_pack", rank);
-  *header = Header{sigma, std::isfinite(sigma) ? 0u : kFlagNonFinite, n, padded,
-                   static_cast<int32_t>(tensor.dtype), kHeaderMagic};
+  check_status(k.write_header(header, n, padded, dtype, kHeaderMagic, stream), "write_header", rank);
   const Buffer ws_buf = workspace;
   comm.all_gather(ws_buf.reinterpret(DType::kUInt8, l.header_send, sizeof(Header)),
                   ws_buf.reinterpret(DType::kUInt8, l.header_recv, sizeof(Header) * world), opts);
-  check_headers(headers, world, rank, *header);
+
+  // 2. Validate every rank's header before any variable-sized exchange and before anything is written.
+  //    Device headers are copied to the host for that, unless the caller opted out (see the header).
+  const SeenKey key{&comm, n, padded, dtype};
+  const bool host_check = !cuda || opts.check || !seen_before(key);
+  if (host_check) {
+    const Header mine{0.0f, 0u, n, padded, dtype, kHeaderMagic};
+    if (cuda) {
+      std::vector<Header> host(static_cast<size_t>(world));
+      check_status(kernels::device_copy(host.data(), headers, sizeof(Header) * world, stream), "device_copy",
+                   rank);
+      check_status(kernels::stream_sync(stream), "stream_sync", rank);
+      check_headers(host.data(), world, rank, mine);
+    } else {
+      check_headers(headers, world, rank, mine);
+    }
+    if (cuda) remember(key);
+  }
   if (padded == 0) return;
 
   // 3. Worker signs to their server ranks.
   comm.all_to_all(ws_buf.reinterpret(DType::kUInt8, l.signs_send, padded / 8),
                   ws_buf.reinterpret(DType::kUInt8, l.signs_recv, padded / 8), opts);
 
-  // 4. Server reduction of chunk `rank`; its scale and signs go out as one record.
+  // 4. Server reduction of chunk `rank` (scale and signs in one pass); they go out as one record. The
+  //    record's padding bytes are never read; on the host they are zeroed so what is sent is defined.
   const float* sigmas = &headers[0].scale;
   const int64_t sigma_stride = sizeof(Header) / sizeof(float);
   auto* tau = reinterpret_cast<float*>(record);
-  std::memset(record, 0, static_cast<size_t>(l.record_bytes));
+  if (!cuda) std::memset(record, 0, static_cast<size_t>(l.record_bytes));
   check_status(k.server_scale_pack(signs_recv, sigmas, sigma_stride, world, s, chunk, tau,
-                                   reinterpret_cast<uint8_t*>(record + kRecordScaleBytes), scratch,
-                                   opts.stream),
+                                   reinterpret_cast<uint8_t*>(record + kRecordScaleBytes), scratch, stream),
                "server_scale_pack", rank);
   comm.all_gather(ws_buf.reinterpret(DType::kUInt8, l.record_send, l.record_bytes),
                   ws_buf.reinterpret(DType::kUInt8, l.record_recv, l.record_bytes * world), opts);
 
-  // 5. Commit.
-  check_status(k.server_update(signs_recv, sigmas, sigma_stride, world, s, chunk, tau, opts.stream),
+  // 5. Commit. Without a host check, the commit kernels themselves skip the writes when any rank's
+  //    server scale is not finite (a non-finite worker scale on any rank makes every server scale so).
+  const auto* taus = reinterpret_cast<const float*>(records);
+  const int64_t tau_stride = l.record_bytes / static_cast<int64_t>(sizeof(float));
+  const float* guard = host_check ? nullptr : taus;
+  check_status(k.server_update(signs_recv, sigmas, sigma_stride, world, s, chunk, tau, stream, guard, tau_stride),
                "server_update", rank);
-  check_status(k.worker_update_decompress(m, itype, n, e, padded, &header->scale,
-                                          reinterpret_cast<const float*>(records),
-                                          l.record_bytes / static_cast<int64_t>(sizeof(float)),
+  check_status(k.worker_update_decompress(m, itype, n, e, padded, &header->scale, taus, tau_stride,
                                           reinterpret_cast<const uint8_t*>(records + kRecordScaleBytes),
-                                          l.record_bytes, world, opts.stream),
+                                          l.record_bytes, world, stream, guard, tau_stride),
                "worker_update_decompress", rank);
 }
 

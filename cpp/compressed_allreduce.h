@@ -13,7 +13,8 @@ struct CompressedAllreduceLayout {
   int64_t header_send, header_recv;    // one Header per rank
   int64_t signs_send, signs_recv;      // P/8 bytes each
   int64_t record_send, record_recv;    // one Record per rank: server scale + packed server signs
-  int64_t scratch;                     // kernel scratch (scale reductions on GPU)
+                                       // (record_recv aliases signs_send)
+  int64_t scratch;                     // kernel scratch (scale reductions on GPU); always at offset 0
   int64_t record_bytes;                // bytes of one Record
   int64_t total;                       // workspace bytes needed
 };
@@ -27,6 +28,13 @@ int64_t compressed_allreduce_wire_bytes(int64_t padded, int world);
 // device. On return, tensor holds the compressed average (identical on all ranks) and both errors are
 // updated. Transactional: if any rank's sizes differ, any rank's input is not finite, or a collective
 // fails, the call throws and tensor and both errors are left as they were.
+//
+// On device buffers the headers and records live in the (device) workspace and no scale leaves the
+// device. opts.check = true copies the gathered headers to the host and validates them as on the CPU
+// (one small stream sync per call). opts.check = false never syncs (the call can be captured in a CUDA
+// graph): sizes are still validated on the host the first time a (communicator, numel, padded, dtype)
+// is seen, and afterwards a call in which any rank's scale is not finite leaves every rank's state
+// unchanged without raising. Host buffers are always checked (it costs nothing there).
 void compressed_allreduce(Communicator& comm, const Buffer& tensor, const Buffer& worker_error,
                           const Buffer& server_error, const Buffer& workspace, const CallOptions& opts);
 

@@ -27,11 +27,17 @@ def make_input(seed: int, shape, dtype: str, rank: int) -> torch.Tensor:
     return t.to(DTYPES[dtype])
 
 
-def _signs_sent(padded: int, world: int) -> np.ndarray:
-    """The packed worker signs of the last call, read from the cached CPU workspace."""
+def _signs_received(padded: int, world: int) -> np.ndarray:
+    """The packed worker signs this rank received in the last call ([W][C/8]: row i from rank i),
+    read from the cached CPU workspace."""
     ws = compcomm.collectives._workspaces[torch.device("cpu")]
-    at = _C.compressed_allreduce_layout(padded, world, False)["signs_send"]
+    at = _C.compressed_allreduce_layout(padded, world, False)["signs_recv"]
     return ws[at : at + padded // 8].numpy().copy()
+
+
+def _signs_sent_by(received: list, rank: int, world: int) -> np.ndarray:
+    """Rank `rank`'s full packed signs, reassembled from what every server rank received from it."""
+    return np.concatenate([r.reshape(world, -1)[rank] for r in received]) if received[0].size else received[0]
 
 
 def compare(ref, outs, wes, ses, signs, dtype: str, world: int) -> dict:
@@ -96,7 +102,7 @@ def collective_cases(rank: int, world: int, sizes, dtypes, rounds: int, shapes=N
                     t.float().numpy().ravel().copy(),
                     we.numpy().copy(),
                     se.numpy().copy(),
-                    _signs_sent(p, world) if p else np.zeros(0, np.uint8),
+                    _signs_received(p, world) if p else np.zeros(0, np.uint8),
                     sent,
                 )
                 gathered = [None] * world if rank == 0 else None
@@ -108,7 +114,8 @@ def collective_cases(rank: int, world: int, sizes, dtypes, rounds: int, shapes=N
                     s_i = 1000003 * rnd + 7919 * n + 17 * i + 3 * list(DTYPES).index(dtype)
                     ms.append(make_input(s_i, shape, dtype, i).float().numpy().ravel())
                 ref = simulate(ms, we_prev, se_prev)
-                outs, wes, ses, signs, sents = zip(*gathered)
+                outs, wes, ses, received, sents = zip(*gathered)
+                signs = [_signs_sent_by(list(received), i, world) for i in range(world)]
                 r = compare(ref, outs, wes, ses, signs, dtype, world)
                 r.update(dtype=dtype, n=n, round=rnd, bytes_sent=list(sents),
                          wire_bytes=compcomm.wire_bytes(n, world))

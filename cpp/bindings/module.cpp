@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <optional>
 #include <string>
 
 #include "../comm.h"
@@ -17,6 +18,9 @@ using namespace compcomm;
 
 #ifdef COMPCOMM_WITH_MPI
 void bind_mpi(py::module_& m);  // mpi_bindings.cpp
+#endif
+#ifdef COMPCOMM_WITH_NCCL
+void bind_nccl(py::module_& m);  // nccl_bindings.cpp
 #endif
 
 namespace {
@@ -237,11 +241,13 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "compressed_allreduce",
       [](Communicator& comm, const Buffer& tensor, const Buffer& worker_error, const Buffer& server_error,
-         const Buffer& workspace, double timeout_s, uintptr_t stream) {
-        compressed_allreduce(comm, tensor, worker_error, server_error, workspace, options(timeout_s, stream));
+         const Buffer& workspace, double timeout_s, uintptr_t stream, bool check) {
+        CallOptions opts = options(timeout_s, stream);
+        opts.check = check;
+        compressed_allreduce(comm, tensor, worker_error, server_error, workspace, opts);
       },
       py::arg("comm"), py::arg("tensor"), py::arg("worker_error"), py::arg("server_error"),
-      py::arg("workspace"), py::arg("timeout_s") = 600.0, py::arg("stream") = 0,
+      py::arg("workspace"), py::arg("timeout_s") = 600.0, py::arg("stream") = 0, py::arg("check") = true,
       py::call_guard<py::gil_scoped_release>(),
       "The 1-bit compressed allreduce on raw buffers (see compcomm.compressed_allreduce).");
 
@@ -276,6 +282,9 @@ PYBIND11_MODULE(_C, m) {
 
 #ifdef COMPCOMM_WITH_MPI
   bind_mpi(m);
+#endif
+#ifdef COMPCOMM_WITH_NCCL
+  bind_nccl(m);
 #endif
 
   m.def("build_info", &build_info_dict, "What this build contains (CUDA, NCCL, MPI) and their versions.");
@@ -315,27 +324,55 @@ PYBIND11_MODULE(_C, m) {
   k.def(
       "server_update",
       [](const Buffer& signs, const Buffer& scales, int64_t stride, int world, const Buffer& serr,
-         const Buffer& scale, uintptr_t stream) {
+         const Buffer& scale, uintptr_t stream, std::optional<Buffer> guard, int64_t guard_stride) {
         auto f = signs.on_host() ? kernels::cpu::server_update : kernels::cuda::server_update;
         check(f(ptr<const uint8_t>(signs), ptr<const float>(scales), stride, world, ptr<float>(serr),
-                serr.count, ptr<const float>(scale), reinterpret_cast<void*>(stream)),
+                serr.count, ptr<const float>(scale), reinterpret_cast<void*>(stream),
+                guard ? ptr<const float>(*guard) : nullptr, guard_stride),
               "server_update");
       },
       py::arg("signs"), py::arg("scales"), py::arg("scale_stride"), py::arg("world"), py::arg("server_error"),
-      py::arg("scale"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>());
+      py::arg("scale"), py::arg("stream") = 0, py::arg("guard") = std::optional<Buffer>(),
+      py::arg("guard_stride") = 1, py::call_guard<py::gil_scoped_release>());
   k.def(
       "worker_update_decompress",
       [](const Buffer& mm, const Buffer& e, const Buffer& scale, const Buffer& out_scales,
          int64_t out_scale_stride, const Buffer& out_signs, int64_t out_sign_stride, int world,
-         uintptr_t stream) {
+         uintptr_t stream, std::optional<Buffer> guard, int64_t guard_stride) {
         auto f = mm.on_host() ? kernels::cpu::worker_update_decompress
                               : kernels::cuda::worker_update_decompress;
         check(f(mm.data, itype(mm), mm.count, ptr<float>(e), e.count, ptr<const float>(scale),
                 ptr<const float>(out_scales), out_scale_stride, ptr<const uint8_t>(out_signs),
-                out_sign_stride, world, reinterpret_cast<void*>(stream)),
+                out_sign_stride, world, reinterpret_cast<void*>(stream),
+                guard ? ptr<const float>(*guard) : nullptr, guard_stride),
               "worker_update_decompress");
       },
       py::arg("m"), py::arg("error"), py::arg("scale"), py::arg("out_scales"), py::arg("out_scale_stride"),
       py::arg("out_signs"), py::arg("out_sign_stride"), py::arg("world"), py::arg("stream") = 0,
+      py::arg("guard") = std::optional<Buffer>(), py::arg("guard_stride") = 1,
+      py::call_guard<py::gil_scoped_release>());
+  k.def(
+      "worker_scale_pack",
+      [](const Buffer& mm, const Buffer& e, const Buffer& scale, const Buffer& signs, const Buffer& ws,
+         uintptr_t stream) {
+        COMPCOMM_CHECK(signs.bytes() * 8 >= e.count, "worker_scale_pack: signs needs P/8 bytes");
+        auto f = mm.on_host() ? kernels::cpu::worker_scale_pack : kernels::cuda::worker_scale_pack;
+        check(f(mm.data, itype(mm), mm.count, ptr<const float>(e), e.count, ptr<float>(scale),
+                ptr<uint8_t>(signs), ws.data, reinterpret_cast<void*>(stream)),
+              "worker_scale_pack");
+      },
+      py::arg("m"), py::arg("error"), py::arg("scale"), py::arg("signs"), py::arg("workspace"),
+      py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>());
+  k.def(
+      "server_scale_pack",
+      [](const Buffer& signs, const Buffer& scales, int64_t stride, int world, const Buffer& serr,
+         const Buffer& scale, const Buffer& packed, const Buffer& ws, uintptr_t stream) {
+        auto f = signs.on_host() ? kernels::cpu::server_scale_pack : kernels::cuda::server_scale_pack;
+        check(f(ptr<const uint8_t>(signs), ptr<const float>(scales), stride, world, ptr<const float>(serr),
+                serr.count, ptr<float>(scale), ptr<uint8_t>(packed), ws.data, reinterpret_cast<void*>(stream)),
+              "server_scale_pack");
+      },
+      py::arg("signs"), py::arg("scales"), py::arg("scale_stride"), py::arg("world"), py::arg("server_error"),
+      py::arg("scale"), py::arg("packed"), py::arg("workspace"), py::arg("stream") = 0,
       py::call_guard<py::gil_scoped_release>());
 }

@@ -385,6 +385,14 @@ template <class L> struct WorkerScalePack { template <class... A> static void ru
 template <class L> struct UpdateDecompress { template <class... A> static void run(A... a) { update_decompress_impl<L>(a...); } };
 
 bool bad_sizes(int64_t n, int64_t padded) { return n < 0 || padded < n || padded % 8 != 0; }
+
+// True when a guard array is given and one of its `world` scales is not finite (see kernels.h).
+bool guard_trips(const float* guard, int64_t stride, int world) {
+  if (guard == nullptr) return false;
+  for (int i = 0; i < world; ++i)
+    if (!std::isfinite(guard[i * stride])) return true;
+  return false;
+}
 bool bad_chunk(int world, int64_t chunk) { return world < 1 || chunk < 0 || chunk % 8 != 0; }
 
 }  // namespace
@@ -420,8 +428,10 @@ Status server_scale_pack(const uint8_t* signs, const float* scales, int64_t stri
 }
 
 Status server_update(const uint8_t* signs, const float* scales, int64_t stride, int world,
-                     float* server_error, int64_t chunk, const float* scale, Stream) {
+                     float* server_error, int64_t chunk, const float* scale, Stream, const float* guard,
+                     int64_t guard_stride) {
   if (bad_chunk(world, chunk)) return Status::kInvalidArgument;
+  if (guard_trips(guard, guard_stride, world)) return Status::kSuccess;
 #ifdef COMPCOMM_X86
   if (have_avx2()) {
     server_update_avx2(signs, scales, stride, world, server_error, chunk, *scale);
@@ -440,10 +450,22 @@ Status server_update(const uint8_t* signs, const float* scales, int64_t stride, 
 
 Status worker_update_decompress(void* m, InputType dtype, int64_t n, float* error, int64_t padded,
                                 const float* scale, const float* out_scales, int64_t out_scale_stride,
-                                const uint8_t* out_signs, int64_t out_sign_stride, int world, Stream) {
+                                const uint8_t* out_signs, int64_t out_sign_stride, int world, Stream,
+                                const float* guard, int64_t guard_stride) {
   if (bad_sizes(n, padded) || world < 1 || padded % (8 * world) != 0) return Status::kInvalidArgument;
+  if (guard_trips(guard, guard_stride, world)) return Status::kSuccess;
   return dispatch<UpdateDecompress>(dtype, m, n, error, padded, *scale, out_scales, out_scale_stride,
                                     out_signs, out_sign_stride, world);
+}
+
+Status write_header(ExchangeHeader* h, int64_t numel, int64_t padded, int32_t dtype, uint32_t magic,
+                    Stream) {
+  h->flags = std::isfinite(h->scale) ? 0u : 1u;
+  h->numel = numel;
+  h->padded = padded;
+  h->dtype = dtype;
+  h->magic = magic;
+  return Status::kSuccess;
 }
 
 }  // namespace compcomm::kernels::cpu

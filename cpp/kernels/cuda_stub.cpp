@@ -13,13 +13,18 @@ Status server_scale_pack(const uint8_t*, const float*, int64_t, int, const float
                          uint8_t*, void*, Stream) {
   return Status::kNotBuilt;
 }
-Status server_update(const uint8_t*, const float*, int64_t, int, float*, int64_t, const float*, Stream) {
+Status server_update(const uint8_t*, const float*, int64_t, int, float*, int64_t, const float*, Stream,
+                     const float*, int64_t) {
   return Status::kNotBuilt;
 }
 Status worker_update_decompress(void*, InputType, int64_t, float*, int64_t, const float*, const float*,
-                                int64_t, const uint8_t*, int64_t, int, Stream) {
+                                int64_t, const uint8_t*, int64_t, int, Stream, const float*, int64_t) {
+  return Status::kNotBuilt;
+}
+Status write_header(ExchangeHeader*, int64_t, int64_t, int32_t, uint32_t, Stream) {
   return Status::kNotBuilt;
 }
 }  // namespace cuda
 Status device_copy(void*, const void*, int64_t, Stream) { return Status::kNotBuilt; }
+Status stream_sync(Stream) { return Status::kNotBuilt; }
 }  // namespace compcomm::kernels

@@ -20,30 +20,54 @@ enum class Status : int { kSuccess = 0, kInvalidArgument = 1, kCudaError = 2, kN
 enum class InputType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 using Stream = void*;
 
+// The 32-byte header every rank all-gathers at the start of compressed_allreduce (kept here because on
+// GPU a kernel fills it in device memory).
+struct ExchangeHeader {
+  float scale;
+  uint32_t flags;  // bit 0: scale is not finite
+  int64_t numel;
+  int64_t padded;
+  int32_t dtype;
+  uint32_t magic;
+};
+static_assert(sizeof(ExchangeHeader) == 32, "ExchangeHeader is exchanged as 32 raw bytes");
+
+// Guard: the two commit kernels (server_update, worker_update_decompress) take an optional array of
+// `world` scales, guard[i*guard_stride]; when it is given and any of them is not finite, the call changes
+// nothing. This lets a caller that does not inspect the exchanged scales on the host (CUDA-graph capture)
+// still leave its state untouched when some rank's input was not finite.
+
 #define COMPCOMM_KERNEL_DECLS                                                                         \
-  /* Scratch bytes worker_scale_pack / server_scale_pack need for `count` elements (0 on CPU). */     \
+  /* Scratch bytes the *_scale_pack calls need for P (or C) elements. On GPU the scratch must be           \
+     zero-filled before its first use; every call leaves it zero-filled again. */                     \
   size_t scale_workspace_bytes(int64_t count);                                                       \
-  /* Pass 1, read-only on m and e: *scale = fl32(fl32(sqrt(sum_k x_k^2)) / fl32(sqrt(P))) with the    \
-     sum in fp64 (0 if P = 0), and signs[P/8] = packed s(x). */                                       \
-  Status worker_scale_pack(const void* m, InputType dtype, int64_t n, const float* error,            \
-                           int64_t padded, float* scale, uint8_t* signs, void* workspace,            \
-                           Stream stream);                                                           \
-  /* Server pass, read-only on server_error: c_k = sum_i s_ik * fl32(scale_i * fl32(1/W)) (ranks in   \
-     order, fp32) + server_error_k, where s_i is row i of signs[W][C/8] and scale_i =                 \
-     scales[i*scale_stride]; *scale = fl32(fl32(||c||) / fl32(sqrt(C))), packed[C/8] = s(c). */       \
-  Status server_scale_pack(const uint8_t* signs, const float* scales, int64_t scale_stride,          \
-                           int world, const float* server_error, int64_t chunk, float* scale,        \
-                           uint8_t* packed, void* workspace, Stream stream);                         \
-  /* Commit: server_error_k = c_k - (*scale) * s(c_k), c as above. */                                  \
+  /* Commit: server_error_k = c_k - (*scale) * s(c_k), c as in server_scale_pack. Guard (above). */ \
   Status server_update(const uint8_t* signs, const float* scales, int64_t scale_stride, int world,    \
-                       float* server_error, int64_t chunk, const float* scale, Stream stream);        \
-  /* Commit. For k < P: e_k = x_k - (*scale) * s(x_k). For k < n: m_k = out_k converted to dtype,      \
-     where out_k = scale_j * (bit ? +1 : -1) for chunk j = k / C (C = P / world), with scale_j =       \
-     out_scales[j*out_scale_stride] and the bit from out_signs + j*out_sign_stride. */                 \
+                       float* server_error, int64_t chunk, const float* scale, Stream stream,         \
+                       const float* guard = nullptr, int64_t guard_stride = 0);                      \
+  /* The commit step. For k < P: e_k = x_k - (*scale) * s(x_k). For k < n: m_k = out_k converted to   \
+     dtype, where out_k = scale_j * (bit ? +1 : -1) for chunk j = k / C, with scale_j =                \
+     out_scales[j*out_scale_stride] and the bit from out_signs + j*out_sign_stride. Guard (above). */  \
   Status worker_update_decompress(void* m, InputType dtype, int64_t n, float* error, int64_t padded, \
                                   const float* scale, const float* out_scales,                        \
                                   int64_t out_scale_stride, const uint8_t* out_signs,                 \
-                                  int64_t out_sign_stride, int world, Stream stream);
+                                  int64_t out_sign_stride, int world, Stream stream,                  \
+                                  const float* guard = nullptr, int64_t guard_stride = 0);            \
+  /* Pass 1, read-only on m and e: *scale = fl32(fl32(sqrt(sum_k x_k^2)) / fl32(sqrt(P))) with the    \
+     sum in fp64 (0 if P = 0), and signs[P/8] = packed s(x) (the signs do not depend on the scale). */ \
+  Status worker_scale_pack(const void* m, InputType dtype, int64_t n, const float* error,            \
+                           int64_t padded, float* scale, uint8_t* signs, void* workspace,             \
+                           Stream stream);                                                            \
+  /* Server pass, read-only on server_error: c_k = sum_i s_ik * fl32(scale_i * fl32(1/W)) (ranks in   \
+     order, fp32) + server_error_k, where s_i is row i of signs[W][C/8] and scale_i =                 \
+     scales[i*scale_stride]; *scale = fl32(fl32(||c||) / fl32(sqrt(C))), packed[C/8] = s(c). */       \
+  Status server_scale_pack(const uint8_t* signs, const float* scales, int64_t scale_stride,           \
+                           int world, const float* server_error, int64_t chunk, float* scale,         \
+                           uint8_t* packed, void* workspace, Stream stream);                          \
+  /* header->{flags = isfinite(header->scale) ? 0 : 1, numel, padded, dtype, magic} (the scale field   \
+     is left as the worker scale kernel wrote it). Runs where the header lives. */                    \
+  Status write_header(ExchangeHeader* header, int64_t numel, int64_t padded, int32_t dtype,          \
+                      uint32_t magic, Stream stream);
 
 namespace cpu {
 COMPCOMM_KERNEL_DECLS
@@ -59,5 +83,7 @@ bool built();
 
 // Device-to-device (or host<->device) copy of `bytes` on `stream`; kNotBuilt without CUDA.
 Status device_copy(void* dst, const void* src, int64_t bytes, Stream stream);
+// Waits for the work queued on `stream` (used only where the caller asked for a host-side check).
+Status stream_sync(Stream stream);
 
 }  // namespace compcomm::kernels

@@ -53,9 +53,15 @@ class TorchCommunicator(_C.Communicator):
     def backend_name(self) -> str:
         return self._name
 
-    def _wait(self, work: Any, call: str, opts: _C.CallOptions) -> None:
+    def _wait(self, work: Any, call: str, opts: _C.CallOptions, device: bool = False) -> None:
         try:
-            work.wait(timeout=datetime.timedelta(seconds=opts.timeout_s))
+            if device:
+                # CUDA buffers: make the caller's (current) stream wait for the collective, without
+                # blocking the host -- with a timeout, ProcessGroupNCCL's wait() would spin on the
+                # host until completion. The process group's own timeout (watchdog) still applies.
+                work.wait()
+            else:
+                work.wait(timeout=datetime.timedelta(seconds=opts.timeout_s))
         except Exception as e:  # torch raises RuntimeError (or DistBackendError) for both cases
             text = str(e)
             cls = CommTimeoutError if "imed out" in text or "imeout" in text else BackendError
@@ -69,11 +75,11 @@ class TorchCommunicator(_C.Communicator):
 
     def do_all_to_all(self, send: _C.Buffer, recv: _C.Buffer, opts: _C.CallOptions) -> None:
         w = dist.all_to_all_single(tensor_of(recv), tensor_of(send), group=self.group, async_op=True)
-        self._wait(w, "all_to_all", opts)
+        self._wait(w, "all_to_all", opts, send.device >= 0)
 
     def do_all_gather(self, send: _C.Buffer, recv: _C.Buffer, opts: _C.CallOptions) -> None:
         w = _all_gather(tensor_of(recv), tensor_of(send), group=self.group, async_op=True)
-        self._wait(w, "all_gather", opts)
+        self._wait(w, "all_gather", opts, send.device >= 0)
 
     def do_reduce_scatter(
         self, send: _C.Buffer, recv: _C.Buffer, op: _C.ReduceOp, opts: _C.CallOptions
@@ -81,16 +87,16 @@ class TorchCommunicator(_C.Communicator):
         w = _reduce_scatter(
             tensor_of(recv), tensor_of(send), op=_OPS[op], group=self.group, async_op=True
         )
-        self._wait(w, "reduce_scatter", opts)
+        self._wait(w, "reduce_scatter", opts, send.device >= 0)
 
     def do_all_reduce(self, buf: _C.Buffer, op: _C.ReduceOp, opts: _C.CallOptions) -> None:
         w = dist.all_reduce(tensor_of(buf), op=_OPS[op], group=self.group, async_op=True)
-        self._wait(w, "all_reduce", opts)
+        self._wait(w, "all_reduce", opts, buf.device >= 0)
 
     def do_broadcast(self, buf: _C.Buffer, root: int, opts: _C.CallOptions) -> None:
         src = dist.get_global_rank(self.group, root) if self.group is not None else root
         w = dist.broadcast(tensor_of(buf), src=src, group=self.group, async_op=True)
-        self._wait(w, "broadcast", opts)
+        self._wait(w, "broadcast", opts, buf.device >= 0)
 
     def do_barrier(self, opts: _C.CallOptions) -> None:
         self._wait(dist.barrier(group=self.group, async_op=True), "barrier", opts)

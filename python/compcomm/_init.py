@@ -75,14 +75,18 @@ def _make_local(cuda_aware: Optional[bool], comm: Any, timeout_s: float) -> _C.C
 
 
 def _make_nccl(cuda_aware: Optional[bool], comm: Any, timeout_s: float) -> _C.Communicator:
-    # The native NCCL communicator registers its own factory when built (see register_backend).
-    raise UnsupportedError(
-        "init: backend='nccl' needs compcomm's native NCCL communicator, which this build does not "
-        f"have (build_info()['nccl'] is {bool(_C.build_info()['nccl'])}); use backend='torch' over "
-        "a torch.distributed 'nccl' process group instead",
-        "init",
-        "nccl",
-    )
+    # comm: a torch.distributed process group, an mpi4py communicator or None (see _nccl.py).
+    if not _C.build_info()["nccl"]:
+        raise UnsupportedError(
+            "init: backend='nccl' needs compcomm's native NCCL communicator, which this build does "
+            "not have (no CUDA toolkit or nccl.h at build time); use backend='torch' over a "
+            "torch.distributed 'nccl' process group instead",
+            "init",
+            "nccl",
+        )
+    from ._nccl import make_nccl_communicator
+
+    return make_nccl_communicator(comm, timeout=timeout_s)
 
 
 register_backend("mpi", _make_mpi)
@@ -166,7 +170,7 @@ def init(
     """
     global _current, _atexit_registered
     new = make_communicator(backend, cuda_aware, comm, timeout=timeout)
-    shutdown()
+    _shutdown(keep=new)
     _current = new
     set_default_communicator(new)
     if not _atexit_registered:  # drop the communicator before MPI is finalized at exit
@@ -180,13 +184,22 @@ def shutdown() -> None:
 
     ``group=None`` then means torch's default process group again (or a world of one rank).
     The MPI communicator is freed once nothing else refers to it; MPI itself stays initialised
-    (compcomm finalizes it at exit if compcomm initialised it).
+    (compcomm finalizes it at exit if compcomm initialised it). Native NCCL communicators are
+    destroyed (ncclCommFinalize/Destroy; aborted if their work does not finish).
     """
+    _shutdown(keep=None)
+
+
+def _shutdown(keep: Optional[_C.Communicator]) -> None:
     global _current
     if _current is not None:
         set_default_communicator(None)
         _current = None
     _cache.clear()
+    if _C.build_info()["nccl"]:
+        from ._nccl import shutdown_nccl
+
+        shutdown_nccl(keep=keep)
 
 
 def communicator_for(

@@ -115,12 +115,29 @@ def _check_float32_vector(t: object, name: str, rank: int, numel: int, device: t
 
 
 def _workspace(device: torch.device, nbytes: int) -> torch.Tensor:
-    """A cached uint8 scratch tensor per device, grown on demand (through torch's allocator)."""
+    """A cached uint8 scratch tensor per device, grown on demand (through torch's allocator).
+
+    Zero-filled when allocated: the GPU norm kernels need a zeroed scratch on first use and leave it
+    zeroed. Growing it replaces the tensor, so it must not happen while a CUDA graph is being captured
+    (run one eager call of the largest size first).
+    """
     ws = _workspaces.get(device)
     if ws is None or ws.numel() < nbytes:
-        ws = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+        ws = torch.zeros(max(nbytes, 1), dtype=torch.uint8, device=device)
         _workspaces[device] = ws
     return ws
+
+
+_layouts: dict = {}
+
+
+def _layout_total(padded: int, world: int, cuda: bool) -> int:
+    key = (padded, world, cuda)
+    total = _layouts.get(key)
+    if total is None:
+        total = _C.compressed_allreduce_layout(padded, world, cuda)["total"]
+        _layouts[key] = total
+    return total
 
 
 def compressed_allreduce(
@@ -130,6 +147,7 @@ def compressed_allreduce(
     group: Group = None,
     *,
     timeout: Optional[float] = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """Average ``tensor`` across ranks with DeepSpeed's 1-bit compression and error feedback.
 
@@ -152,7 +170,18 @@ def compressed_allreduce(
         ``None`` is the default group: the communicator from :func:`compcomm.init`, else torch's
         default process group, else a world of one rank (no process group needed).
     timeout : float, optional
-        Seconds each collective step may wait for peers (default ``DEFAULT_TIMEOUT``).
+        Seconds each collective step may wait for peers (default ``DEFAULT_TIMEOUT``). For CUDA
+        tensors over a torch process group, collectives are stream-ordered and the process group's
+        own timeout (its watchdog) applies instead.
+    check : bool, default True
+        CUDA tensors only (CPU tensors are always checked; it is free there). ``True`` copies every
+        rank's 32-byte header to the host and validates it before anything is written: one small
+        device-to-host copy and stream synchronization per call (a few microseconds, and it stops
+        the host from running ahead of the GPU). ``False`` never synchronizes, so the call can be
+        captured in a CUDA graph: sizes are still validated on the host the first time a (group,
+        numel, padded size, dtype) is seen (so make that first call outside graph capture), and
+        afterwards a call in which some rank's input is not finite raises nothing but leaves
+        ``tensor`` and both errors unchanged on every rank (the commit kernels skip their writes).
 
     Returns
     -------
@@ -201,16 +230,16 @@ def compressed_allreduce(
         raise _fail(ValueError, rank, "timeout", f"must be positive, got {timeout}")
 
     cuda = tensor.device.type == "cuda"
-    layout = _C.compressed_allreduce_layout(padded, world, cuda)
-    ws = _workspace(tensor.device, layout["total"])
-    stream = torch.cuda.current_stream(tensor.device).cuda_stream if cuda else 0
-    _C.compressed_allreduce(
-        comm,
-        buffer_of(tensor),
-        buffer_of(worker_error),
-        buffer_of(server_error),
-        buffer_of(ws),
-        timeout_s,
-        stream,
-    )
+    ws = _workspace(tensor.device, _layout_total(padded, world, cuda))
+    args = (comm, buffer_of(tensor), buffer_of(worker_error), buffer_of(server_error), buffer_of(ws))
+    if not cuda:
+        _C.compressed_allreduce(*args, timeout_s, 0, True)
+        return tensor
+    # Kernels launch on the current device and run on torch's current stream of the tensor's device.
+    stream = torch.cuda.current_stream(tensor.device).cuda_stream
+    if torch.cuda.current_device() == tensor.device.index:
+        _C.compressed_allreduce(*args, timeout_s, stream, bool(check))
+    else:
+        with torch.cuda.device(tensor.device):
+            _C.compressed_allreduce(*args, timeout_s, stream, bool(check))
     return tensor

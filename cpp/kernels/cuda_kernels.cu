@@ -1,0 +1,451 @@
+// CUDA twins of the 1-bit compression kernels (kernels.h is the contract, cpu_kernels.cpp the oracle).
+//
+// How the work is laid out: one thread handles one group of 8 elements -- one packed sign byte -- per
+// grid-stride iteration. fp32 inputs are read as two 16-byte vectors, fp16/bf16 as one, and the fp32
+// errors as two, whenever the pointers are 16-byte aligned (a template flag picks scalar loads
+// otherwise); a group that straddles n is read element by element. Everything is memory-bound, so the
+// grid is a few resident blocks per SM and each thread keeps 64 bytes in flight.
+//
+// Norms are accumulated in fp64 (as the CPU twin does): per thread, then a warp-shuffle + shared-memory
+// block reduction, one partial per block in the caller's scratch; the last block to finish (an atomic
+// ticket) sums the partials in a fixed order and writes the fp32 scale. So a norm is one launch, is
+// deterministic, and never syncs with the host. That last block also resets the ticket, which is why
+// the scratch must be zero-filled before its first use (it is left zero-filled after every call).
+//
+// The sums that decide signs and errors are done in the same fp32 order as on the CPU (products by +-1
+// are exact, so FMA contraction cannot change a result): packed signs and errors are bit-identical to
+// the CPU twin; scales may differ only through the order of the fp64 sum.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels.h"
+
+namespace compcomm::kernels {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kMaxReduceBlocks = 1024;
+constexpr size_t kCounterOffset = kMaxReduceBlocks * sizeof(double);  // scratch: partials, then ticket
+constexpr size_t kScratchBytes = kCounterOffset + 16;
+
+enum : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
+
+template <int kType_, bool kVec_>
+struct Tag {
+  static constexpr int kType = kType_;
+  static constexpr bool kVec = kVec_;
+};
+
+int sm_count() {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 132;
+  static int cache[128] = {0};  // a benign race: every writer stores the same value
+  if (dev >= 0 && dev < 128 && cache[dev] > 0) return cache[dev];
+  int v = 0;
+  if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || v <= 0) v = 132;
+  if (dev >= 0 && dev < 128) cache[dev] = v;
+  return v;
+}
+
+// Blocks for `groups` groups of 8: enough to cover the data, at most 8 resident 256-thread blocks per SM.
+int grid_for(int64_t groups, bool reduce) {
+  int64_t blocks = (groups + kThreads - 1) / kThreads;
+  int64_t cap = static_cast<int64_t>(sm_count()) * 8;
+  if (reduce && cap > kMaxReduceBlocks) cap = kMaxReduceBlocks;
+  if (blocks > cap) blocks = cap;
+  if (blocks < 1) blocks = 1;
+  return static_cast<int>(blocks);
+}
+
+Status launched() { return cudaGetLastError() == cudaSuccess ? Status::kSuccess : Status::kCudaError; }
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+bool bad_sizes(int64_t n, int64_t padded) { return n < 0 || padded < n || padded % 8 != 0; }
+bool bad_chunk(int world, int64_t chunk) { return world < 1 || chunk < 0 || chunk % 8 != 0; }
+
+// ---- element access ------------------------------------------------------------------------------
+
+template <int kType>
+__device__ __forceinline__ float from_bits(uint32_t h) {
+  if constexpr (kType == kF16) {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(h)));
+  } else {
+    return __uint_as_float(h << 16);
+  }
+}
+
+template <int kType>
+__device__ __forceinline__ float load1(const void* m, int64_t k) {
+  if constexpr (kType == kF32) {
+    return static_cast<const float*>(m)[k];
+  } else {
+    return from_bits<kType>(static_cast<const uint16_t*>(m)[k]);
+  }
+}
+
+// x[0..8) = m[k0..k0+8) as fp32, +0 past n.
+template <int kType, bool kVec>
+__device__ __forceinline__ void load_m8(const void* m, int64_t n, int64_t k0, float* x) {
+  if (kVec && k0 + 8 <= n) {
+    if constexpr (kType == kF32) {
+      const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(m) + k0);
+      const float4 a = p[0], b = p[1];
+      x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+    } else {
+      const uint4 v = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(m) + k0);
+      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        x[2 * i] = from_bits<kType>(w[i] & 0xffffu);
+        x[2 * i + 1] = from_bits<kType>(w[i] >> 16);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = k0 + i < n ? load1<kType>(m, k0 + i) : 0.0f;
+  }
+}
+
+template <bool kVec>
+__device__ __forceinline__ void load_f8(const float* p, int64_t k0, float* y) {
+  if (kVec) {
+    const float4 a = reinterpret_cast<const float4*>(p + k0)[0];
+    const float4 b = reinterpret_cast<const float4*>(p + k0)[1];
+    y[0] = a.x, y[1] = a.y, y[2] = a.z, y[3] = a.w, y[4] = b.x, y[5] = b.y, y[6] = b.z, y[7] = b.w;
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) y[i] = p[k0 + i];
+  }
+}
+
+template <bool kVec>
+__device__ __forceinline__ void store_f8(float* p, int64_t k0, const float* y) {
+  if (kVec) {
+    reinterpret_cast<float4*>(p + k0)[0] = make_float4(y[0], y[1], y[2], y[3]);
+    reinterpret_cast<float4*>(p + k0)[1] = make_float4(y[4], y[5], y[6], y[7]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) p[k0 + i] = y[i];
+  }
+}
+
+// Same rounding as the CPU twin (round to nearest even; NaN keeps its sign and becomes quiet).
+__device__ __forceinline__ uint16_t to_half_bits(float f) {
+  if (isnan(f)) return static_cast<uint16_t>(((__float_as_uint(f) >> 16) & 0x8000u) | 0x7e00u);
+  return __half_as_ushort(__float2half_rn(f));
+}
+__device__ __forceinline__ uint16_t to_bf16_bits(float f) {
+  uint32_t x = __float_as_uint(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);
+  x += 0x7fffu + ((x >> 16) & 1u);
+  return static_cast<uint16_t>(x >> 16);
+}
+
+// m[k0..min(k0+8, n)) = bit(7-i) of `byte` ? tau : -tau, in the tensor's dtype.
+template <int kType, bool kVec>
+__device__ __forceinline__ void store_out8(void* m, int64_t n, int64_t k0, float tau, uint32_t byte) {
+  if constexpr (kType == kF32) {
+    float o[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o[i] = (byte >> (7 - i)) & 1u ? tau : -tau;
+    float* p = static_cast<float*>(m);
+    if (kVec && k0 + 8 <= n) {
+      store_f8<true>(p, k0, o);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        if (k0 + i < n) p[k0 + i] = o[i];
+    }
+  } else {
+    const uint32_t pos = kType == kF16 ? to_half_bits(tau) : to_bf16_bits(tau);
+    const uint32_t neg = kType == kF16 ? to_half_bits(-tau) : to_bf16_bits(-tau);
+    uint32_t o[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o[i] = (byte >> (7 - i)) & 1u ? pos : neg;
+    uint16_t* p = static_cast<uint16_t*>(m);
+    if (kVec && k0 + 8 <= n) {
+      *reinterpret_cast<uint4*>(p + k0) =
+          make_uint4(o[0] | (o[1] << 16), o[2] | (o[3] << 16), o[4] | (o[5] << 16), o[6] | (o[7] << 16));
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        if (k0 + i < n) p[k0 + i] = static_cast<uint16_t>(o[i]);
+    }
+  }
+}
+
+// Bit 7-i set unless x[i] < 0: +0, -0 and NaN pack as +1.
+__device__ __forceinline__ uint8_t pack8(const float* x) {
+  uint32_t b = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) b |= static_cast<uint32_t>(!(x[i] < 0.0f)) << (7 - i);
+  return static_cast<uint8_t>(b);
+}
+
+__device__ __forceinline__ float sgn(float v) { return v < 0.0f ? -1.0f : 1.0f; }
+
+__device__ __forceinline__ double sumsq8(const float* x) {
+  double a = 0.0, b = 0.0;
+#pragma unroll
+  for (int i = 0; i < 8; i += 2) {
+    a += static_cast<double>(x[i]) * static_cast<double>(x[i]);
+    b += static_cast<double>(x[i + 1]) * static_cast<double>(x[i + 1]);
+  }
+  return a + b;
+}
+
+// ---- reductions ----------------------------------------------------------------------------------
+
+// Sum over the block (valid in thread 0). Every thread must call it.
+__device__ double block_sum(double v, double* sh) {
+  __syncthreads();  // sh may still be read by a previous call
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) sh[warp] = v;
+  __syncthreads();
+  v = threadIdx.x < blockDim.x / 32 ? sh[threadIdx.x] : 0.0;
+  if (warp == 0) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+  }
+  return v;
+}
+
+// *scale = fl32(fl32(sqrt(sum)) / fl32(sqrt(count))) over all blocks' `acc`; see the file comment.
+__device__ void finish_norm(double acc, void* scratch, float* scale, int64_t count) {
+  __shared__ double sh[32];
+  __shared__ bool last;
+  double* partials = static_cast<double*>(scratch);
+  unsigned* ticket = reinterpret_cast<unsigned*>(static_cast<char*>(scratch) + kCounterOffset);
+  const double s = block_sum(acc, sh);
+  if (threadIdx.x == 0) {
+    partials[blockIdx.x] = s;
+    __threadfence();
+    last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  double v = 0.0;
+  for (unsigned i = threadIdx.x; i < gridDim.x; i += blockDim.x) v += __ldcg(&partials[i]);
+  v = block_sum(v, sh);
+  if (threadIdx.x == 0) {
+    *scale = count == 0 ? 0.0f
+                        : static_cast<float>(sqrt(v)) / static_cast<float>(sqrt(static_cast<double>(count)));
+    *ticket = 0u;
+  }
+}
+
+// Whether any guard scale is not finite (block-uniform). Every thread must call it.
+__device__ bool guard_trips(const float* guard, int64_t stride, int world) {
+  int bad = 0;
+  if (guard != nullptr)
+    for (int i = threadIdx.x; i < world; i += blockDim.x) bad |= !isfinite(guard[i * stride]);
+  return __syncthreads_or(bad) != 0;
+}
+
+// ---- kernels -------------------------------------------------------------------------------------
+
+template <int kType, bool kVec, bool kScale, bool kPack>
+__global__ void __launch_bounds__(kThreads)
+    worker_kernel(const void* __restrict__ m, int64_t n, const float* __restrict__ e, int64_t padded,
+                  uint8_t* __restrict__ signs, float* scale, void* scratch) {
+  const int64_t groups = padded / 8;
+  double acc = 0.0;
+  for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < groups;
+       g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float x[8], y[8];
+    load_m8<kType, kVec>(m, n, 8 * g, x);
+    load_f8<kVec>(e, 8 * g, y);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] += y[i];
+    if (kScale) acc += sumsq8(x);
+    if (kPack) signs[g] = pack8(x);
+  }
+  if (kScale) finish_norm(acc, scratch, scale, padded);
+}
+
+enum : int { kServerScale = 1, kServerPack = 2, kServerUpdate = 4 };
+
+// c = sum_i s_i * fl32(scale_i * fl32(1/W)) (ranks in order) + server_error, per group of 8.
+template <bool kVec, int kMode>
+__global__ void __launch_bounds__(kThreads)
+    server_kernel(const uint8_t* __restrict__ signs, const float* scales, int64_t stride, int world,
+                  float* serr, int64_t chunk, float* scale_out, uint8_t* __restrict__ packed,
+                  const float* tau_in, const float* guard, int64_t guard_stride, void* scratch) {
+  if (kMode & kServerUpdate) {
+    if (guard_trips(guard, guard_stride, world)) return;
+  }
+  const int64_t groups = chunk / 8;
+  const float inv_w = 1.0f / static_cast<float>(world);
+  const float tau = (kMode & kServerUpdate) ? *tau_in : 0.0f;
+  double acc = 0.0;
+  for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < groups;
+       g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float c[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    for (int i = 0; i < world; ++i) {
+      const float a = scales[i * stride] * inv_w;
+      const uint32_t byte = signs[i * groups + g];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) c[j] += (byte >> (7 - j)) & 1u ? a : -a;
+    }
+    float s[8];
+    load_f8<kVec>(serr, 8 * g, s);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) c[j] += s[j];
+    if (kMode & kServerScale) acc += sumsq8(c);
+    if (kMode & kServerPack) packed[g] = pack8(c);
+    if (kMode & kServerUpdate) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) s[j] = c[j] - tau * sgn(c[j]);
+      store_f8<kVec>(serr, 8 * g, s);
+    }
+  }
+  if (kMode & kServerScale) finish_norm(acc, scratch, scale_out, chunk);
+}
+
+template <int kType, bool kVec>
+__global__ void __launch_bounds__(kThreads)
+    commit_kernel(void* m, int64_t n, float* e, int64_t padded, const float* scale, const float* out_scales,
+                  int64_t oss, const uint8_t* out_signs, int64_t osb, int world, const float* guard,
+                  int64_t guard_stride) {
+  if (guard_trips(guard, guard_stride, world)) return;
+  const float sigma = *scale;
+  const int64_t groups = padded / 8, chunk_groups = groups / world;
+  for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < groups;
+       g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t j = world == 1 ? 0 : g / chunk_groups, b = g - j * chunk_groups;
+    float x[8], y[8];
+    load_m8<kType, kVec>(m, n, 8 * g, x);
+    load_f8<kVec>(e, 8 * g, y);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      x[i] += y[i];
+      y[i] = x[i] - sigma * sgn(x[i]);
+    }
+    store_f8<kVec>(e, 8 * g, y);
+    store_out8<kType, kVec>(m, n, 8 * g, out_scales[j * oss], out_signs[j * osb + b]);
+  }
+}
+
+__global__ void header_kernel(ExchangeHeader* h, int64_t numel, int64_t padded, int32_t dtype,
+                              uint32_t magic) {
+  h->flags = isfinite(h->scale) ? 0u : 1u;
+  h->numel = numel;
+  h->padded = padded;
+  h->dtype = dtype;
+  h->magic = magic;
+}
+
+// Calls f(Tag<type, vec>{}) for the input dtype; the launch status is returned.
+template <class F>
+Status dispatch(InputType dtype, bool vec, F&& f) {
+  switch (dtype) {
+    case InputType::kFloat32: vec ? f(Tag<kF32, true>{}) : f(Tag<kF32, false>{}); break;
+    case InputType::kFloat16: vec ? f(Tag<kF16, true>{}) : f(Tag<kF16, false>{}); break;
+    case InputType::kBFloat16: vec ? f(Tag<kBF16, true>{}) : f(Tag<kBF16, false>{}); break;
+    default: return Status::kInvalidArgument;
+  }
+  return launched();
+}
+
+template <bool kScale, bool kPack>
+Status worker_launch(const void* m, InputType dtype, int64_t n, const float* e, int64_t padded,
+                     float* scale, uint8_t* signs, void* ws, Stream stream) {
+  if (bad_sizes(n, padded)) return Status::kInvalidArgument;
+  if (!kScale && padded == 0) return Status::kSuccess;
+  const int grid = grid_for(padded / 8, kScale);
+  auto s = static_cast<cudaStream_t>(stream);
+  return dispatch(dtype, aligned16(m) && aligned16(e), [&](auto tag) {
+    using T = decltype(tag);
+    worker_kernel<T::kType, T::kVec, kScale, kPack><<<grid, kThreads, 0, s>>>(m, n, e, padded, signs, scale, ws);
+  });
+}
+
+template <int kMode>
+Status server_launch(const uint8_t* signs, const float* scales, int64_t stride, int world, float* serr,
+                     int64_t chunk, float* scale_out, uint8_t* packed, const float* tau_in,
+                     const float* guard, int64_t guard_stride, void* ws, Stream stream) {
+  if (bad_chunk(world, chunk)) return Status::kInvalidArgument;
+  constexpr bool kReduce = (kMode & kServerScale) != 0;
+  if (!kReduce && chunk == 0) return Status::kSuccess;
+  const int grid = grid_for(chunk / 8, kReduce);
+  auto s = static_cast<cudaStream_t>(stream);
+  if (aligned16(serr))
+    server_kernel<true, kMode><<<grid, kThreads, 0, s>>>(signs, scales, stride, world, serr, chunk, scale_out,
+                                                        packed, tau_in, guard, guard_stride, ws);
+  else
+    server_kernel<false, kMode><<<grid, kThreads, 0, s>>>(signs, scales, stride, world, serr, chunk,
+                                                         scale_out, packed, tau_in, guard, guard_stride, ws);
+  return launched();
+}
+
+}  // namespace
+
+bool built() { return true; }
+
+size_t scale_workspace_bytes(int64_t) { return kScratchBytes; }
+
+Status worker_scale_pack(const void* m, InputType dtype, int64_t n, const float* error, int64_t padded,
+                         float* scale, uint8_t* signs, void* workspace, Stream stream) {
+  return worker_launch<true, true>(m, dtype, n, error, padded, scale, signs, workspace, stream);
+}
+
+Status server_scale_pack(const uint8_t* signs, const float* scales, int64_t stride, int world,
+                         const float* server_error, int64_t chunk, float* scale, uint8_t* packed,
+                         void* workspace, Stream stream) {
+  return server_launch<kServerScale | kServerPack>(signs, scales, stride, world,
+                                                   const_cast<float*>(server_error), chunk, scale, packed,
+                                                   nullptr, nullptr, 0, workspace, stream);
+}
+
+Status server_update(const uint8_t* signs, const float* scales, int64_t stride, int world,
+                     float* server_error, int64_t chunk, const float* scale, Stream stream,
+                     const float* guard, int64_t guard_stride) {
+  return server_launch<kServerUpdate>(signs, scales, stride, world, server_error, chunk, nullptr, nullptr,
+                                      scale, guard, guard_stride, nullptr, stream);
+}
+
+Status worker_update_decompress(void* m, InputType dtype, int64_t n, float* error, int64_t padded,
+                                const float* scale, const float* out_scales, int64_t out_scale_stride,
+                                const uint8_t* out_signs, int64_t out_sign_stride, int world, Stream stream,
+                                const float* guard, int64_t guard_stride) {
+  if (bad_sizes(n, padded) || world < 1 || padded % (8 * world) != 0) return Status::kInvalidArgument;
+  if (padded == 0) return Status::kSuccess;
+  const int grid = grid_for(padded / 8, false);
+  auto s = static_cast<cudaStream_t>(stream);
+  return dispatch(dtype, aligned16(m) && aligned16(error), [&](auto tag) {
+    using T = decltype(tag);
+    commit_kernel<T::kType, T::kVec><<<grid, kThreads, 0, s>>>(m, n, error, padded, scale, out_scales,
+                                                              out_scale_stride, out_signs, out_sign_stride,
+                                                              world, guard, guard_stride);
+  });
+}
+
+Status write_header(ExchangeHeader* header, int64_t numel, int64_t padded, int32_t dtype, uint32_t magic,
+                    Stream stream) {
+  header_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(header, numel, padded, dtype, magic);
+  return launched();
+}
+
+}  // namespace cuda
+
+Status device_copy(void* dst, const void* src, int64_t bytes, Stream stream) {
+  if (bytes <= 0 || dst == src) return Status::kSuccess;
+  const cudaError_t err = cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyDefault,
+                                          static_cast<cudaStream_t>(stream));
+  return err == cudaSuccess ? Status::kSuccess : Status::kCudaError;
+}
+
+Status stream_sync(Stream stream) {
+  return cudaStreamSynchronize(static_cast<cudaStream_t>(stream)) == cudaSuccess ? Status::kSuccess
+                                                                                 : Status::kCudaError;
+}
+
+}  // namespace compcomm::kernels
