@@ -435,7 +435,7 @@ def project_table(
             f"Calibration: compression compute {measured:.2f} ns/element measured here "
             f"({pick.profile}, W={pick.world_size}, CPU kernels, one core per rank); the fits reproduce "
             f"their measured points within {max(f.max_rel_err for f in fits) * 100:.1f}% (worst of "
-            f"{len(fits)} profile/W fits)."
+            f"{len(fits)} profile/W fits over {sum(len(f.errors) for f in fits)} points)."
         )
     rates = []
     if compute in ("measured", "both") and measured is not None:
