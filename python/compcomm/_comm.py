@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
 from typing import Any, Optional, Union
 
@@ -141,4 +142,10 @@ def resolve(group: Group) -> _C.Communicator:
 def forget_process_groups() -> None:
     """Drop cached adapters (call after torch.distributed.destroy_process_group)."""
     _torch_comms.clear()
+
+
+# The adapters hold their process groups; dropping them while the interpreter is still whole avoids
+# destroying a gloo group during interpreter teardown (seen: "terminate called without an active
+# exception" at exit after destroy_process_group()).
+atexit.register(forget_process_groups)
 
