@@ -1,0 +1,1 @@
+def estimate_memory(*a, **k): raise NotImplementedError

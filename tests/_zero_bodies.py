@@ -1,0 +1,84 @@
+"""Rank bodies for the ZeRO tests (module-level so run_ranks can pickle them)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, List
+
+import torch
+
+
+def make_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(
+        torch.nn.Linear(8, 24),
+        torch.nn.LayerNorm(24),
+        torch.nn.ReLU(),
+        torch.nn.Linear(24, 24),
+        torch.nn.Tanh(),
+        torch.nn.Linear(24, 3),
+    )
+    return m.to(dtype)
+
+
+def batch(rank: int, step: int, micro: int, dtype: torch.dtype = torch.float32):
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    x = torch.randn(5, 8, generator=g).to(dtype)
+    y = torch.randn(5, 3, generator=g).to(dtype)
+    return x, y
+
+
+def loss_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((model(x).float() - y.float()) ** 2).mean()
+
+
+def reference_train(world: int, steps: int, gas: int, opt_cls, opt_kwargs, clip: float = 0.0,
+                    dtype=torch.float32) -> List[torch.Tensor]:
+    """Unsharded training on one process: the average gradient over all ranks' micro-batches."""
+    model = make_model(dtype=torch.float32)
+    opt = opt_cls(model.parameters(), **opt_kwargs)
+    for s in range(steps):
+        for k in range(gas):
+            for r in range(world):
+                x, y = batch(r, s, k, dtype)
+                if dtype != torch.float32:  # same input rounding as the low-precision model
+                    loss_fn(model, x.float(), y.float()).backward()
+                else:
+                    loss_fn(model, x, y).backward()
+        for p in model.parameters():
+            p.grad /= world * gas
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def train_equivalence(rank: int, world: int, cases: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    from compcomm.zero import ZeroOptimizer
+
+    results = []
+    for case in cases:
+        stage, gas, steps = case["stage"], case.get("gas", 1), case.get("steps", 3)
+        opt_cls = getattr(torch.optim, case.get("opt", "Adam"))
+        kw = case.get("opt_kwargs", {"lr": 1e-2})
+        clip = case.get("clip", 0.0)
+        model = make_model()
+        zopt = ZeroOptimizer(
+            model.parameters(), opt_cls, stage=stage, module=model, optimizer_kwargs=kw,
+            gradient_accumulation_steps=gas, gradient_clipping=clip, **case.get("zero", {}),
+        )
+        for s in range(steps):
+            for k in range(gas):
+                x, y = batch(rank, s, k)
+                loss_fn(model, x, y).backward()
+            zopt.step()
+        if stage == 3:
+            zopt.gather_parameters()
+        got = [p.detach().clone() for p in model.parameters()]
+        zopt.close()
+        ref = reference_train(world, steps, gas, opt_cls, kw, clip)
+        err = max(float((a - b).abs().max()) for a, b in zip(got, ref))
+        moved = max(float((a - b).abs().max()) for a, b in zip(ref, [q.detach() for q in make_model().parameters()]))
+        results.append({"case": case, "err": err, "moved": moved})
+    return results
