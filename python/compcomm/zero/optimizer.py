@@ -64,7 +64,9 @@ class _Group:
         self.master: Optional[torch.Tensor] = None  # fp32 shard, .grad = fp32 gradient shard
         # stage 2/3 hook bookkeeping
         self.arrived: List[set] = [set() for _ in self.buckets]
-        self.staging: Dict[int, torch.Tensor] = {}
+        self.staging: Dict[int, torch.Tensor] = {}  # bucket -> view being filled
+        self.staging_base: Dict[int, torch.Tensor] = {}  # bucket -> the pool buffer it views
+        self.max_padded = max((b["padded"] for b in self.buckets), default=0)
 
 
 class ZeroOptimizer:
@@ -212,8 +214,8 @@ class ZeroOptimizer:
         for b in grp.buckets:
             lo = b["offset"] + self.rank * b["chunk"]
             shard16[b["shard_offset"] : b["shard_offset"] + b["chunk"]].copy_(flat[lo : lo + b["chunk"]])
-        grp.shard16 = shard16
-        grp.master = shard16.to(torch.float32).clone()
+        grp.master = shard16.to(torch.float32, copy=True)
+        grp.shard16 = shard16 if self.stage == 3 else None  # stage 1/2: a temporary in _publish
         grp.master.grad = torch.zeros_like(grp.master) if self.stage >= 2 else None
         if self.stage < 3:
             grp.flat = flat
@@ -235,16 +237,19 @@ class ZeroOptimizer:
                 self._hooks.append(h)
 
     def _staging_for(self, gi: int, bi: int) -> torch.Tensor:
+        """The staging view for bucket bi of group gi (from a pool of largest-bucket buffers)."""
         grp = self.groups[gi]
         st = grp.staging.get(bi)
         if st is None:
-            padded = grp.buckets[bi]["padded"]
-            pool = self._free_staging.setdefault((padded, grp.dtype), [])
-            if not pool and self._pending and len(self._pending) >= 2:
-                self._complete(1)  # reuse a buffer that is in flight instead of growing the pool
-            st = pool.pop() if pool else torch.empty(padded, dtype=grp.dtype)
+            key = (grp.max_padded, grp.dtype)
+            pool = self._free_staging.setdefault(key, [])
+            if not pool and len(self._pending) >= 2:
+                self._complete(1)  # reuse a buffer in flight rather than grow the pool
+            base = pool.pop() if pool else torch.empty(grp.max_padded, dtype=grp.dtype)
+            st = base[: grp.buckets[bi]["padded"]]
             st.zero_()
             grp.staging[bi] = st
+            grp.staging_base[bi] = base
         return st
 
     def _grad_ready(self, gi: int, ti: int, p: torch.Tensor) -> None:
@@ -266,22 +271,23 @@ class ZeroOptimizer:
     def _submit_bucket(self, gi: int, bi: int) -> None:
         grp = self.groups[gi]
         st = grp.staging.pop(bi)
+        base = grp.staging_base.pop(bi)
         grp.arrived[bi].clear()
         recv = torch.empty(grp.buckets[bi]["chunk"], dtype=grp.dtype)
         work = self._async.reduce_scatter(buffer_of(st), buffer_of(recv), timeout_s=self.timeout)
-        self._pending.append((work, gi, bi, st, recv))
+        self._pending.append((work, gi, bi, base, recv))
         if not self.overlap:
             self._complete(len(self._pending))
 
     def _complete(self, count: int) -> None:
         """Wait for the oldest ``count`` pending reductions and add them to the gradient shards."""
         for _ in range(count):
-            work, gi, bi, st, recv = self._pending.pop(0)
+            work, gi, bi, base, recv = self._pending.pop(0)
             work.wait(self.timeout)
             grp = self.groups[gi]
             b = grp.buckets[bi]
             grp.master.grad[b["shard_offset"] : b["shard_offset"] + b["chunk"]].add_(recv)
-            self._free_staging.setdefault((st.numel(), grp.dtype), []).append(st)
+            self._free_staging.setdefault((grp.max_padded, grp.dtype), []).append(base)
 
     def _flush(self) -> None:
         """Reduce every partly filled bucket (parameters without gradients count as 0), wait all."""
@@ -324,8 +330,8 @@ class ZeroOptimizer:
         for grp in self.groups:
             for p in grp.params:
                 p.grad = None
-            for st in grp.staging.values():
-                st.zero_()
+            for bi, base in grp.staging_base.items():
+                self._free_staging.setdefault((grp.max_padded, grp.dtype), []).append(base)
             for a in grp.arrived:
                 a.clear()
             if self.stage >= 2:
@@ -334,6 +340,7 @@ class ZeroOptimizer:
                 grp.master.grad = None
         for grp in self.groups:
             grp.staging.clear()
+            grp.staging_base.clear()
 
     def _global_norm_sq(self) -> float:
         local = torch.zeros(1, dtype=torch.float64)
@@ -394,21 +401,23 @@ class ZeroOptimizer:
         ag = self.config["allgather_bucket_size"]
         works = []
         for grp in self.groups:
-            grp.shard16.copy_(grp.master)
-            if self.stage < 3:
+            if self.stage == 3:
+                grp.shard16.copy_(grp.master)
+            else:
+                shard16 = grp.master.to(grp.dtype)
                 big = max((b["padded"] for b in grp.buckets), default=0)
                 staging = torch.empty(ag if 0 < ag < big else 0, dtype=grp.dtype)
                 works.append(
                     (
                         self._async.bucketed_all_gather(
                             grp.plan,
-                            buffer_of(grp.shard16),
+                            buffer_of(shard16),
                             buffer_of(grp.flat),
                             max_elements=ag,
                             staging=buffer_of(staging),
                             timeout_s=self.timeout,
                         ),
-                        staging,
+                        (staging, shard16),
                     )
                 )
         for w, _ in works:
@@ -427,9 +436,10 @@ class ZeroOptimizer:
     def memory_bytes(self) -> Dict[str, int]:
         """Bytes this rank holds, by kind: ``params`` (model parameters as stored: full in stage
         1/2, the shards plus whatever is gathered in stage 3), ``grads`` (``p.grad`` plus the fp32
-        gradient shards plus staging buffers), ``master`` (fp32 master shards) and
-        ``optimizer_state`` (tensors in the wrapped optimizer's state)."""
-        params = grads = master = state = 0
+        gradient shards), ``master`` (fp32 master shards) and
+        ``optimizer_state`` (tensors in the wrapped optimizer's state), ``buffers`` (stage 2/3
+        gradient staging buffers, at most a few buckets)."""
+        params = grads = master = state = buffers = 0
         for grp in self.groups:
             if self.stage < 3:
                 params += grp.flat.numel() * grp.flat.element_size()
@@ -441,13 +451,24 @@ class ZeroOptimizer:
                     grads += p.grad.numel() * p.grad.element_size()
             if grp.master.grad is not None:
                 grads += grp.master.grad.numel() * 4
-            grads += sum(t.numel() * t.element_size() for t in grp.staging.values())
             master += grp.master.numel() * 4
+        for pool in self._free_staging.values():
+            buffers += sum(t.numel() * t.element_size() for t in pool)
+        for grp in self.groups:
+            buffers += sum(t.numel() * t.element_size() for t in grp.staging_base.values())
+        buffers += sum(e[3].numel() * e[3].element_size() + e[4].numel() * e[4].element_size()
+                       for e in self._pending)
         for st in self.optimizer.state.values():
             for v in st.values():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
                     state += v.numel() * v.element_size()
-        return {"params": params, "grads": grads, "master": master, "optimizer_state": state}
+        return {
+            "params": params,
+            "grads": grads,
+            "master": master,
+            "optimizer_state": state,
+            "buffers": buffers,
+        }
 
     def close(self) -> None:
         """Wait for pending work, remove hooks, and stop the communication thread."""
