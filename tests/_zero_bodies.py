@@ -74,13 +74,17 @@ def train_equivalence(rank: int, world: int, cases: List[Dict[str, Any]]) -> Lis
                 loss_fn(model, x, y).backward()
             zopt.step()
         if stage == 3:
+            results_extra = {"peak_live": zopt._stage3.peak_live}
+        else:
+            results_extra = {}
+        if stage == 3:
             zopt.gather_parameters()
         got = [p.detach().clone() for p in model.parameters()]
         zopt.close()
         ref = reference_train(world, steps, gas, opt_cls, kw, clip)
         err = max(float((a - b).abs().max()) for a, b in zip(got, ref))
         moved = max(float((a - b).abs().max()) for a, b in zip(ref, [q.detach() for q in make_model().parameters()]))
-        results.append({"case": case, "err": err, "moved": moved})
+        results.append(dict(results_extra, case=case, err=err, moved=moved))
     return results
 
 
@@ -132,3 +136,90 @@ def memory_and_checkpoint(rank: int, world: int, ckpt_dir: str) -> Dict[str, Any
         out["ckpt"][stage] = {"restored_err": restored, "state_ok": state_ok, "cons_err": cons_err}
         zopt.close()
     return out
+
+
+def bucketed_collectives(rank: int, world: int) -> Dict[str, Any]:
+    """Sync and async bucketed reduce-scatter / all-gather against torch on awkward sizes."""
+    from compcomm import _C
+    from compcomm._buffers import buffer_of
+    from compcomm._comm import resolve
+
+    comm = resolve(None)
+    out: Dict[str, Any] = {"ok": [], "bytes": []}
+    for sizes, bucket, align, max_ag, dtype in [
+        ([0, 1, 7, 1000, 4099], 1024, 2, 0, torch.float32),
+        ([3, 5, 2, 11], 8, 1, 6, torch.float32),
+        ([4099, 1], 0, 2, 100, torch.bfloat16),
+        ([7, 7, 7], 100, 4, 0, torch.float16),
+    ]:
+        plan = _C.zero.plan_buckets(sizes, bucket, world, align)
+        g = torch.Generator().manual_seed(rank)
+        flat = torch.randn(plan.flat_numel, generator=g).to(dtype)
+        total = flat.float().clone()
+        torch.distributed.all_reduce(total)
+        shard = torch.empty(plan.shard_numel, dtype=dtype)
+        comm.reset_bytes_sent()
+        a = _C.zero.AsyncComm(comm)
+        a.bucketed_reduce_scatter(plan, buffer_of(flat), buffer_of(shard)).wait(60)
+        expect = torch.cat([total[b["offset"] + rank * b["chunk"]: b["offset"] + (rank + 1) * b["chunk"]]
+                            for b in plan.buckets]) if plan.buckets else torch.empty(0)
+        tol = 1e-5 if dtype == torch.float32 else 0.1
+        ok_rs = bool(torch.allclose(shard.float(), expect, atol=tol * world, rtol=tol))
+        gathered = torch.empty(plan.flat_numel, dtype=dtype)
+        staging = torch.empty(max_ag, dtype=dtype)
+        a.bucketed_all_gather(plan, buffer_of(shard), buffer_of(gathered), 0, -1, max_ag,
+                              buffer_of(staging)).wait(60)
+        full = torch.empty(plan.flat_numel, dtype=dtype)
+        _C.zero.bucketed_all_gather(comm, plan, buffer_of(shard), buffer_of(full), 0, -1, max_ag,
+                                    buffer_of(staging))
+        ok_ag = bool(torch.equal(gathered, full)) and bool(
+            torch.allclose(gathered.float(), total, atol=tol * world, rtol=tol))
+        a.close()
+        out["ok"].append((ok_rs, ok_ag))
+        out["bytes"].append(comm.bytes_sent)
+    # an error inside the worker surfaces from wait() with the rank and call named
+    a = _C.zero.AsyncComm(comm)
+    send, recv = torch.zeros(3), torch.zeros(2)  # 3 != 2 * world for every world
+    bad = a.reduce_scatter(buffer_of(send), buffer_of(recv))
+    try:
+        bad.wait(10)
+        out["error"] = None
+    except ValueError as e:
+        out["error"] = str(e)
+    a.close()
+    return out
+
+
+def mixed_precision(rank: int, world: int) -> Dict[str, Any]:
+    """bf16 parameters with fp32 master shards: every stage lands near fp32 training."""
+    from compcomm.zero import ZeroOptimizer
+
+    res = {}
+    ref = reference_train(world, 3, 1, torch.optim.Adam, {"lr": 1e-2}, dtype=torch.bfloat16)
+    for stage in (1, 2, 3):
+        model = make_model(dtype=torch.bfloat16)
+        z = ZeroOptimizer(model.parameters(), torch.optim.Adam, stage=stage, module=model,
+                          optimizer_kwargs={"lr": 1e-2}, reduce_bucket_size=300)
+        for s in range(3):
+            x, y = batch(rank, s, 0, torch.bfloat16)
+            loss_fn(model, x, y).backward()
+            z.step()
+        z.gather_parameters()
+        res[stage] = {
+            "err": max(float((p.detach().float() - r).abs().max()) for p, r in zip(model.parameters(), ref)),
+            "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+            "master": str(z.groups[0].master.dtype),
+        }
+        z.close()
+    return res
+
+
+def rank_body(rank: int, world: int, ckpt_dir: str, cases: List[Dict[str, Any]],
+              with_mixed: bool) -> Dict[str, Any]:
+    """Everything the multi-rank tests check, in one spawn per world size."""
+    return {
+        "collectives": bucketed_collectives(rank, world),
+        "equivalence": train_equivalence(rank, world, cases),
+        "memory_ckpt": memory_and_checkpoint(rank, world, ckpt_dir),
+        "mixed": mixed_precision(rank, world) if with_mixed else None,
+    }
