@@ -290,3 +290,75 @@ def test_fp16_dynamic_loss_scale_skips_overflow():
     z.step()
     assert z.global_steps == 1 and not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     z.close()
+
+
+# ---------------------------------------------------------------------------- compressed reduce-scatter
+
+
+def _oracle_rs(inputs, we0, se0, world):
+    """numpy simulation of W ranks (ONEBIT_SPEC.md a.2 stopped before the final all-gather)."""
+    import numpy as np
+
+    f32 = np.float32
+    n = inputs[0].size
+    P = we0[0].size
+    C = P // world
+    def sign(v):  # +1 for v >= 0, -0.0 and NaN
+        return np.where(~(v < 0), f32(1), f32(-1))
+
+    xs, sig, we = [], [], []
+    for r in range(world):
+        x = np.zeros(P, f32)
+        x[:n] = inputs[r]
+        x = (x + we0[r]).astype(f32)
+        s = f32(f32(np.sqrt(np.sum(x.astype(np.float64) ** 2))) / f32(np.sqrt(P)))
+        xs.append(x)
+        sig.append(s)
+        we.append((x - s * sign(x)).astype(f32))
+    outs, se = [], []
+    inv = f32(1.0 / world)
+    for j in range(world):
+        c = np.zeros(C, f32)
+        for i in range(world):
+            c = (c + sign(xs[i][j * C:(j + 1) * C]) * f32(sig[i] * inv)).astype(f32)
+        c = (c + se0[j]).astype(f32)
+        tau = f32(f32(np.sqrt(np.sum(c.astype(np.float64) ** 2))) / f32(np.sqrt(C)))
+        outs.append((tau * sign(c)).astype(f32))
+        se.append((c - tau * sign(c)).astype(f32))
+    return outs, we, se
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_compressed_reduce_scatter(per_world, world):
+    import numpy as np
+
+    res = per_world[world][0]
+    for r, rr in enumerate(res):
+        for c in rr["compressed"]["cases"]:
+            assert c["same_chunk"] and c["tensor_ok"] and c["errors_equal"], (r, c)
+    # numpy oracle: replay both calls from the initial errors, reconstructed from the first call
+    for k, case in enumerate(res[0]["compressed"]["oracle"]):
+        n = case["n"]
+        P = res[0]["compressed"]["oracle"][k]["we"].size
+        # initial errors are regenerated exactly as the rank body made them
+        we0, se0 = [], []
+        for r in range(world):
+            g = torch.Generator().manual_seed(100 + r)
+            we0.append((torch.randn(P, generator=g) * 0.1).numpy())
+            se0.append((torch.randn(P // world, generator=g) * 0.1).numpy())
+        we, se = we0, se0
+        for it in range(2):
+            ins = [res[r]["compressed"]["oracle"][k]["inputs"][it] for r in range(world)]
+            outs, we, se = _oracle_rs(ins, we, se, world)
+            for r in range(world):
+                got = res[r]["compressed"]["oracle"][k]["outs"][it]
+                scale = max(1e-12, float(np.abs(outs[r]).max()))
+                assert np.abs(got - outs[r]).max() <= 1e-5 * scale, (world, n, it, r)
+        for r in range(world):
+            final = res[r]["compressed"]["oracle"][k]
+            assert np.abs(final["we"] - we[r]).max() <= 1e-5 * max(1.0, np.abs(we[r]).max())
+            assert np.abs(final["se"] - se[r]).max() <= 1e-5 * max(1.0, np.abs(se[r]).max())
+    if world > 1:
+        P = 8 * world * 512
+        assert _C.zero.compressed_reduce_scatter_wire_bytes(P, world) * 2 > _C.compressed_allreduce_wire_bytes(P, world) * 0.9
+        assert _C.zero.compressed_reduce_scatter_wire_bytes(P, world) < _C.compressed_allreduce_wire_bytes(P, world)

@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "../compressed_allreduce.h"
 #include "../zero/bucket.h"
 
 namespace py = pybind11;
@@ -141,4 +142,22 @@ void bind_zero(py::module_& parent) {
             return a.submit([buf, op, o](Communicator& c) { c.all_reduce(buf, op, o); });
           },
           py::arg("buf"), py::arg("op") = ReduceOp::kSum, py::arg("timeout_s") = 600.0);
+
+  m.def(
+      "compressed_reduce_scatter",
+      [](Communicator& comm, const Buffer& tensor, const Buffer& worker_error, const Buffer& server_error,
+         const Buffer& out, const Buffer& workspace, double timeout_s) {
+        compressed_reduce_scatter(comm, tensor, worker_error, server_error, out, workspace, opts_of(timeout_s));
+      },
+      py::arg("comm"), py::arg("tensor"), py::arg("worker_error"), py::arg("server_error"), py::arg("out"),
+      py::arg("workspace"), py::arg("timeout_s") = 600.0, py::call_guard<py::gil_scoped_release>(),
+      "The 1-bit compressed reduce-scatter (compressed allreduce without its final all-gather).");
+  m.def(
+      "compressed_reduce_scatter_wire_bytes",
+      [](int64_t padded, int world) {
+        COMPCOMM_CHECK(world >= 1 && padded >= 0 && padded % (8 * world) == 0,
+                       "compressed_reduce_scatter_wire_bytes: padded must be a multiple of 8*world");
+        return compressed_reduce_scatter_wire_bytes(padded, world);
+      },
+      py::arg("padded"), py::arg("world"), "Bytes one rank sends in one compressed_reduce_scatter call.");
 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .checkpoint import consolidate, load_checkpoint, save_checkpoint
+from .compressed import compressed_reduce_scatter
 from .config import ZERO_DEFAULTS, validate_zero_config
 from .memory import estimate_memory
 from .optimizer import ZeroOptimizer
@@ -15,4 +16,5 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "consolidate",
+    "compressed_reduce_scatter",
 ]

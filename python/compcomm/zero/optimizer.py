@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch
@@ -45,6 +46,12 @@ from ..collectives import DEFAULT_TIMEOUT
 from .config import validate_zero_config
 
 __all__ = ["ZeroOptimizer"]
+
+# Stage 3's backward pre-hooks also fire on modules whose inputs need no gradient (the first layer);
+# torch warns about that case, which is exactly the one the hooks are meant for.
+warnings.filterwarnings(
+    "ignore", message="Full backward hook is firing when gradients are computed with respect to module outputs"
+)
 
 ALIGNMENT = 2  # DeepSpeed's nccl_start_alignment_factor
 
