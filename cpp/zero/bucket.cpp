@@ -1,5 +1,6 @@
 #include "bucket.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 
