@@ -223,6 +223,7 @@ def rank_body(rank: int, world: int, ckpt_dir: str, cases: List[Dict[str, Any]],
         "memory_ckpt": memory_and_checkpoint(rank, world, ckpt_dir),
         "mixed": mixed_precision(rank, world) if with_mixed else None,
         "compressed": compressed_rs(rank, world),
+        "bucket_sizes": bucket_sizes(rank, world),
     }
 
 
@@ -263,4 +264,48 @@ def compressed_rs(rank: int, world: int) -> Dict[str, Any]:
                                  "errors_equal": bool(torch.equal(we, we2) and torch.equal(se, se2))})
         out.setdefault("oracle", []).append({"n": n, "inputs": inputs, "outs": outs,
                                              "we": we.numpy().copy(), "se": se.numpy().copy()})
+    return out
+
+
+def bucket_sizes(rank: int, world: int) -> Dict[str, Any]:
+    """Sizes of the collectives ZeroOptimizer issues (through a recording communicator)."""
+    from compcomm._comm import TorchCommunicator
+    from compcomm.zero import ZeroOptimizer
+
+    class Recorder(TorchCommunicator):
+        def __init__(self):
+            super().__init__()
+            self.calls: List[tuple] = []
+
+        def do_reduce_scatter(self, send, recv, op, opts):
+            self.calls.append(("rs", send.count))
+            super().do_reduce_scatter(send, recv, op, opts)
+
+        def do_all_gather(self, send, recv, opts):
+            self.calls.append(("ag", recv.count))
+            super().do_all_gather(send, recv, opts)
+
+    out = {}
+    for stage, zcfg in [(1, {"reduce_bucket_size": 100, "allgather_bucket_size": 64}),
+                        (2, {"reduce_bucket_size": 100, "allgather_bucket_size": 64, "overlap_comm": True}),
+                        (3, {"stage3_prefetch_bucket_size": 300, "stage3_max_live_parameters": 700,
+                             "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0})]:
+        comm = Recorder()
+        model = make_model()
+        z = ZeroOptimizer(model.parameters(), torch.optim.Adam, stage=stage, process_group=comm,
+                          module=model, **zcfg)
+        comm.calls.clear()
+        for s in range(3):
+            x, y = batch(rank, s, 0)
+            loss_fn(model, x, y).backward()
+            z.step()
+        st = z._stage3
+        out[stage] = {
+            "rs": [n for k, n in comm.calls if k == "rs"],
+            "ag": [n for k, n in comm.calls if k == "ag"],
+            "largest": max(p.numel() if stage < 3 else p._zero_numel for p in model.parameters()),
+            "peak_live": st.peak_live if st else None,
+            "prefetched": st.prefetched if st else None,
+        }
+        z.close()
     return out

@@ -362,3 +362,19 @@ def test_compressed_reduce_scatter(per_world, world):
         P = 8 * world * 512
         assert _C.zero.compressed_reduce_scatter_wire_bytes(P, world) * 2 > _C.compressed_allreduce_wire_bytes(P, world) * 0.9
         assert _C.zero.compressed_reduce_scatter_wire_bytes(P, world) < _C.compressed_allreduce_wire_bytes(P, world)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_bucket_sizes_respected(per_world, world):
+    unit = 2 * world
+    for rr in per_world[world][0]:
+        bs = rr["bucket_sizes"]
+        for stage in (1, 2):
+            v = bs[stage]
+            limit = -(-max(100, v["largest"]) // unit) * unit
+            assert v["rs"] and max(v["rs"]) <= limit, (stage, v["rs"])
+            assert v["ag"] and max(v["ag"]) <= 64, (stage, v["ag"])  # allgather_bucket_size
+        v = bs[3]
+        assert v["prefetched"] > 0  # the recorded trace drives prefetching after step 1
+        assert v["peak_live"] <= 700  # stage3_max_live_parameters
+        assert max(v["ag"]) <= -(-v["largest"] // unit) * unit  # one parameter per gather

@@ -532,6 +532,7 @@ class _Stage3:
         self.inflight: Dict[int, tuple] = {}  # id(param) -> (work, buffer)
         self.live = 0  # gathered elements alive (not counting persistent ones)
         self.peak_live = 0
+        self.prefetched = 0  # parameters gathered ahead of use (statistics)
         self.trace: List[torch.nn.Module] = []
         self.trace_done = False
         self.handles: List[Any] = []
@@ -632,6 +633,7 @@ class _Stage3:
                     return
                 budget -= _numel(p)
                 self._submit(p)
+                self.prefetched += 1
 
     # -- hooks
     def _pre_forward(self, m: torch.nn.Module, args: Any) -> None:
