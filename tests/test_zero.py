@@ -265,6 +265,24 @@ def test_from_config(tmp_path):
             compcomm.from_config(zb.make_model(), bad)
 
 
+def test_initialize():
+    from compcomm.zero import initialize
+
+    model = zb.make_model()
+    z = initialize(model, {"type": "AdamW", "params": {"lr": 0.1}},
+                   {"stage": 3, "stage3_param_persistence_threshold": 0}, gradient_clipping=1.0)
+    assert z.stage == 3 and isinstance(z.optimizer, torch.optim.AdamW) and z.clip == 1.0
+    assert z.param_groups[0]["lr"] == 0.1
+    assert all(p.data.numel() == 0 for p in model.parameters())  # stage 3: released shards
+    x, y = zb.batch(0, 0, 0)
+    zb.loss_fn(model, x, y).backward()  # hooks gather what forward/backward need
+    z.step()
+    assert z.global_steps == 1
+    z.close()
+    with pytest.raises(ValueError, match="stage"):
+        initialize(zb.make_model(), {"type": "Adam"}, {"stage": 0})
+
+
 def test_onebit_optimizer_with_zero_is_reported(tmp_path):
     cfg = {
         "train_micro_batch_size_per_gpu": 2,

@@ -6,10 +6,11 @@ from .checkpoint import consolidate, load_checkpoint, save_checkpoint
 from .compressed import compressed_reduce_scatter
 from .config import ZERO_DEFAULTS, validate_zero_config
 from .memory import estimate_memory
-from .optimizer import ZeroOptimizer
+from .optimizer import ZeroOptimizer, initialize
 
 __all__ = [
     "ZeroOptimizer",
+    "initialize",
     "ZERO_DEFAULTS",
     "validate_zero_config",
     "estimate_memory",

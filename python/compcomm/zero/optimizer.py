@@ -45,7 +45,7 @@ from .._comm import resolve
 from ..collectives import DEFAULT_TIMEOUT
 from .config import validate_zero_config
 
-__all__ = ["ZeroOptimizer"]
+__all__ = ["ZeroOptimizer", "initialize"]
 
 # Stage 3's backward pre-hooks also fire on modules whose inputs need no gradient (the first layer);
 # torch warns about that case, which is exactly the one the hooks are meant for.
@@ -487,7 +487,15 @@ class ZeroOptimizer:
             self._stage3.remove()
         self._async.close()
 
-    # checkpoint methods are attached in checkpoint.py
+    def __del__(self) -> None:
+        # stop the worker thread with the GIL released (close() drains the queue first)
+        a = getattr(self, "_async", None)
+        if a is not None:
+            try:
+                a.close()
+            except Exception:
+                pass
+
     def state_dict(self) -> Dict[str, Any]:
         """This rank's shard of the optimizer (see :mod:`compcomm.zero.checkpoint`)."""
         from .checkpoint import shard_state_dict
@@ -664,3 +672,42 @@ class _Stage3:
 
     def after_grad(self, p: torch.Tensor) -> None:
         self._release(p)
+
+
+def initialize(
+    model: torch.nn.Module,
+    optimizer_config: Dict[str, Any],
+    zero_config: Dict[str, Any],
+    process_group: Any = None,
+    **kwargs: Any,
+) -> ZeroOptimizer:
+    """A ZeroOptimizer for ``model`` from DeepSpeed-style sections.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The model (its parameters; stage 3 also installs module hooks).
+    optimizer_config : dict
+        DeepSpeed's ``optimizer`` section, e.g. ``{"type": "AdamW", "params": {"lr": 1e-3}}``.
+    zero_config : dict
+        DeepSpeed's ``zero_optimization`` section; ``stage`` must be 1, 2 or 3.
+    process_group : optional
+        The data-parallel group.
+    **kwargs
+        Further ZeroOptimizer arguments (``gradient_accumulation_steps``, ``gradient_clipping``,
+        ``loss_scale``, ``timeout``).
+    """
+    from ..config import _optimizer_factory
+    from .config import validate_zero_config
+
+    zero = validate_zero_config(zero_config)
+    if zero["stage"] not in (1, 2, 3):
+        raise ValueError(f"zero_config.stage must be 1, 2 or 3, got {zero['stage']!r}")
+    cls, kw, onebit = _optimizer_factory(optimizer_config)
+    if onebit:
+        raise ValueError(
+            f"optimizer_config.type={optimizer_config['type']!r}: 1-bit optimizers with ZeRO are not "
+            "implemented yet"
+        )
+    return ZeroOptimizer(model.parameters(), cls, process_group=process_group, module=model,
+                         optimizer_kwargs=kw, **kwargs, **zero)
