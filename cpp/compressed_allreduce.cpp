@@ -270,13 +270,16 @@ void compressed_allreduce(Communicator& comm, const Buffer& tensor, const Buffer
 //
 // Steps 1-4 of compressed_allreduce without the record all-gather: each rank ends with its own server
 // chunk. The commit reuses worker_update_decompress by presenting it W records in which every chunk
-// but this rank's has scale 0 and all-ones signs, so the kernel writes +0 there and this rank's 1-bit
-// chunk at its own positions, while updating the worker error over all P elements as usual.
+// but this rank's has scale +0 and all-ones signs, so the kernel writes +0 there and this rank's 1-bit
+// chunk at its own positions, while updating the worker error over all P elements as usual. Host
+// buffers only (the records are built with memset/memcpy).
 
 namespace compcomm {
 
 int64_t compressed_reduce_scatter_wire_bytes(int64_t padded, int world) {
-  return (world - 1) * (static_cast<int64_t>(sizeof(Header)) + padded / world / 8);
+  const int64_t header = static_cast<int64_t>(sizeof(Header));
+  if (padded == 0) return (world - 1) * header;
+  return (world - 1) * (header + padded / world / 8);
 }
 
 void compressed_reduce_scatter(Communicator& comm, const Buffer& tensor, const Buffer& worker_error,
@@ -308,36 +311,34 @@ void compressed_reduce_scatter(Communicator& comm, const Buffer& tensor, const B
   auto* signs_send = reinterpret_cast<uint8_t*>(ws + l.signs_send);
   auto* signs_recv = reinterpret_cast<uint8_t*>(ws + l.signs_recv);
   char* record = ws + l.record_send;
-  char* records = ws + l.record_recv;
+  char* records = ws + l.record_recv;  // aliases signs_send, dead after the all_to_all
   void* scratch = ws + l.scratch;
   auto* m = tensor.data;
   auto* e = static_cast<float*>(worker_error.data);
   auto* s = static_cast<float*>(server_error.data);
   const int64_t chunk = padded / world;
+  const int32_t dtype = static_cast<int32_t>(tensor.dtype);
 
-  float sigma = 0.0f;
-  check_status(k.worker_scale(m, itype, n, e, padded, &sigma, scratch, nullptr), "worker_scale", rank);
-  *header = Header{sigma, std::isfinite(sigma) ? 0u : kFlagNonFinite, n, padded,
-                   static_cast<int32_t>(tensor.dtype), kHeaderMagic};
+  check_status(k.worker_scale_pack(m, itype, n, e, padded, &header->scale, signs_send, scratch, nullptr),
+               "worker_scale_pack", rank);
+  check_status(k.write_header(header, n, padded, dtype, kHeaderMagic, nullptr), "write_header", rank);
   const Buffer ws_buf = workspace;
   comm.all_gather(ws_buf.reinterpret(DType::kUInt8, l.header_send, sizeof(Header)),
                   ws_buf.reinterpret(DType::kUInt8, l.header_recv, sizeof(Header) * world), opts);
-  check_headers(headers, world, rank, *header);
+  check_headers(headers, world, rank, Header{0.0f, 0u, n, padded, dtype, kHeaderMagic});
   if (padded == 0) return;
 
-  check_status(k.worker_pack(m, itype, n, e, padded, signs_send, nullptr), "worker_pack", rank);
   comm.all_to_all(ws_buf.reinterpret(DType::kUInt8, l.signs_send, padded / 8),
                   ws_buf.reinterpret(DType::kUInt8, l.signs_recv, padded / 8), opts);
 
   const float* sigmas = &headers[0].scale;
   const int64_t sigma_stride = sizeof(Header) / sizeof(float);
   auto* tau = reinterpret_cast<float*>(record);
-  std::memset(record, 0, static_cast<size_t>(l.record_bytes));
   auto* packed = reinterpret_cast<uint8_t*>(record + kRecordScaleBytes);
-  check_status(k.server_scale(signs_recv, sigmas, sigma_stride, world, s, chunk, tau, scratch, nullptr),
-               "server_scale", rank);
-  check_status(k.server_pack(signs_recv, sigmas, sigma_stride, world, s, chunk, packed, nullptr),
-               "server_pack", rank);
+  std::memset(record, 0, static_cast<size_t>(l.record_bytes));
+  check_status(k.server_scale_pack(signs_recv, sigmas, sigma_stride, world, s, chunk, tau, packed, scratch,
+                                   nullptr),
+               "server_scale_pack", rank);
 
   // Commit (no collective can fail any more).
   for (int j = 0; j < world; ++j) {
@@ -349,13 +350,13 @@ void compressed_reduce_scatter(Communicator& comm, const Buffer& tensor, const B
       std::memset(rec + kRecordScaleBytes, 0xFF, static_cast<size_t>(l.record_bytes - kRecordScaleBytes));
     }
   }
-  check_status(k.server_update(signs_recv, sigmas, sigma_stride, world, s, chunk, tau, nullptr),
+  const int64_t tau_stride = l.record_bytes / static_cast<int64_t>(sizeof(float));
+  check_status(k.server_update(signs_recv, sigmas, sigma_stride, world, s, chunk, tau, nullptr, nullptr, 0),
                "server_update", rank);
   check_status(k.worker_update_decompress(m, itype, n, e, padded, &header->scale,
-                                          reinterpret_cast<const float*>(records),
-                                          l.record_bytes / static_cast<int64_t>(sizeof(float)),
+                                          reinterpret_cast<const float*>(records), tau_stride,
                                           reinterpret_cast<const uint8_t*>(records + kRecordScaleBytes),
-                                          l.record_bytes, world, nullptr),
+                                          l.record_bytes, world, nullptr, nullptr, 0),
                "worker_update_decompress", rank);
   auto* o = static_cast<float*>(out.data);
   const float t = *tau;
