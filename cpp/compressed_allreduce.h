@@ -39,3 +39,21 @@ void compressed_allreduce(Communicator& comm, const Buffer& tensor, const Buffer
                           const Buffer& server_error, const Buffer& workspace, const CallOptions& opts);
 
 }  // namespace compcomm
+
+namespace compcomm {
+
+// The 1-bit compressed reduce-scatter: the compressed allreduce without its final all-gather
+// (phase 1 + server compression). Same inputs, padding rule and error-feedback updates as
+// compressed_allreduce; the workspace is sized by compressed_allreduce_layout. On return, `out`
+// (P/W fp32 elements) holds this rank's chunk of the compressed average, tau_r * s(c_r) -- exactly
+// chunk r of what compressed_allreduce would have returned -- and tensor holds that chunk at its
+// positions [r*C, (r+1)*C) (where < n) and +0 elsewhere. worker_error and server_error are updated
+// as by compressed_allreduce. Transactional like compressed_allreduce. Host buffers only.
+void compressed_reduce_scatter(Communicator& comm, const Buffer& tensor, const Buffer& worker_error,
+                               const Buffer& server_error, const Buffer& out, const Buffer& workspace,
+                               const CallOptions& opts);
+
+// Bytes one rank sends in one compressed_reduce_scatter call.
+int64_t compressed_reduce_scatter_wire_bytes(int64_t padded, int world);
+
+}  // namespace compcomm

@@ -22,6 +22,7 @@ void bind_mpi(py::module_& m);  // mpi_bindings.cpp
 #ifdef COMPCOMM_WITH_NCCL
 void bind_nccl(py::module_& m);  // nccl_bindings.cpp
 #endif
+void bind_zero(py::module_& m);  // zero_bindings.cpp
 
 namespace {
 
@@ -286,6 +287,7 @@ PYBIND11_MODULE(_C, m) {
 #ifdef COMPCOMM_WITH_NCCL
   bind_nccl(m);
 #endif
+  bind_zero(m);
 
   m.def("build_info", &build_info_dict, "What this build contains (CUDA, NCCL, MPI) and their versions.");
 

@@ -25,6 +25,7 @@ from .collectives import (
     padded_numel,
     wire_bytes,
 )
+from .config import from_config
 
 __version__ = _C.build_info()["version"]
 
@@ -44,6 +45,7 @@ __all__ = [
     "Communicator",
     "errors",
     "DEFAULT_TIMEOUT",
+    "from_config",
     "__version__",
 ]
 

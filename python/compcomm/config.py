@@ -1,0 +1,263 @@
+"""DeepSpeed-style JSON configs: ``compcomm.from_config(model, "ds_config.json")``.
+
+Accepted sections: ``optimizer`` ({"type", "params"}), ``zero_optimization``, ``train_batch_size``,
+``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``, ``gradient_clipping``,
+``fp16``, ``bf16``. Every other key -- and every key inside those sections that compcomm does not
+implement -- raises ``ValueError`` naming it: nothing is silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Dict, Optional, Union
+
+import torch
+
+__all__ = ["from_config", "TrainingSetup", "load_config"]
+
+_TOP_KEYS = {
+    "optimizer",
+    "zero_optimization",
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "gradient_clipping",
+    "fp16",
+    "bf16",
+}
+
+# optimizer type -> (accepted params with their DeepSpeed defaults)
+_ADAM_PARAMS = {
+    "lr": 1e-3,
+    "betas": (0.9, 0.999),
+    "eps": 1e-8,
+    "weight_decay": 0.0,
+    "amsgrad": False,
+    "adam_w_mode": True,
+    "torch_adam": False,
+    "bias_correction": True,
+}
+_ONEBIT = {"onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam", "onebitlamb": "OneBitLamb"}
+_FP16_KEYS = {
+    "enabled": False,
+    "loss_scale": 0.0,
+    "initial_scale_power": 16,
+    "loss_scale_window": 1000,
+    "hysteresis": 1,
+    "min_loss_scale": 1.0,
+    "auto_cast": False,
+}
+_BF16_KEYS = {"enabled": False}
+
+
+@dataclasses.dataclass
+class TrainingSetup:
+    """What :func:`from_config` builds.
+
+    Attributes
+    ----------
+    model : torch.nn.Module
+        The model (cast to fp16/bf16 if enabled; wrapped in DistributedDataParallel for stage 0
+        with a torch optimizer on more than one rank).
+    optimizer : object
+        A :class:`compcomm.zero.ZeroOptimizer` (stage >= 1), or the optimizer itself (stage 0).
+    config : dict
+        The validated config, every default filled in.
+    train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps : int
+        Consistent batch sizes: train = micro * accumulation * world size.
+    """
+
+    model: torch.nn.Module
+    optimizer: Any
+    config: Dict[str, Any]
+    train_batch_size: int
+    train_micro_batch_size_per_gpu: int
+    gradient_accumulation_steps: int
+
+
+def load_config(config: Union[str, os.PathLike, Dict[str, Any]]) -> Dict[str, Any]:
+    """A config dict from a dict or a JSON file path (a copy; the input is not modified)."""
+    if isinstance(config, dict):
+        return json.loads(json.dumps(config))
+    with open(config) as f:
+        return json.load(f)
+
+
+def _section(cfg: Dict[str, Any], name: str, known: Dict[str, Any]) -> Dict[str, Any]:
+    sec = cfg.get(name, {}) or {}
+    if not isinstance(sec, dict):
+        raise ValueError(f"{name} must be an object, got {type(sec).__name__}")
+    for k in sec:
+        if k not in known:
+            raise ValueError(f"{name}.{k}: unknown or unsupported key (known: {', '.join(sorted(known))})")
+    return dict(known, **sec)
+
+
+def _batch_sizes(cfg: Dict[str, Any], world: int) -> tuple:
+    tb = cfg.get("train_batch_size")
+    mb = cfg.get("train_micro_batch_size_per_gpu")
+    ga = cfg.get("gradient_accumulation_steps")
+    for k, v in (("train_batch_size", tb), ("train_micro_batch_size_per_gpu", mb),
+                 ("gradient_accumulation_steps", ga)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{k} must be a positive integer, got {v!r}")
+    if tb is None and mb is None:
+        raise ValueError("train_batch_size or train_micro_batch_size_per_gpu must be given")
+    if tb is not None and mb is not None and ga is not None:
+        if tb != mb * ga * world:
+            raise ValueError(
+                f"train_batch_size={tb} != train_micro_batch_size_per_gpu={mb} * "
+                f"gradient_accumulation_steps={ga} * world_size={world}"
+            )
+    elif tb is not None and mb is not None:
+        if tb % (mb * world):
+            raise ValueError(f"train_batch_size={tb} is not a multiple of micro batch {mb} * world {world}")
+        ga = tb // (mb * world)
+    elif tb is not None:
+        ga = ga or 1
+        if tb % (ga * world):
+            raise ValueError(f"train_batch_size={tb} is not a multiple of accumulation {ga} * world {world}")
+        mb = tb // (ga * world)
+    else:
+        ga = ga or 1
+        tb = mb * ga * world
+    return tb, mb, ga
+
+
+def _optimizer_factory(opt_cfg: Dict[str, Any]):
+    if not isinstance(opt_cfg, dict) or "type" not in opt_cfg:
+        raise ValueError("optimizer must be an object with a 'type' (Adam, AdamW, OneBitAdam, ...)")
+    for k in opt_cfg:
+        if k not in ("type", "params"):
+            raise ValueError(f"optimizer.{k}: unknown key (expected 'type' and 'params')")
+    typ = str(opt_cfg["type"])
+    params = dict(opt_cfg.get("params", {}) or {})
+    low = typ.lower()
+    if low in ("adam", "adamw"):
+        for k in params:
+            if k not in _ADAM_PARAMS:
+                raise ValueError(
+                    f"optimizer.params.{k}: not a parameter of {typ} "
+                    f"(known: {', '.join(sorted(_ADAM_PARAMS))}; use gradient_clipping, not max_grad_norm)"
+                )
+        full = dict(_ADAM_PARAMS, **params)
+        if full["bias_correction"] is not True:
+            raise ValueError("optimizer.params.bias_correction=false is not supported for Adam/AdamW")
+        # DeepSpeed's Adam is AdamW unless adam_w_mode is false; AdamW is always decoupled.
+        decoupled = low == "adamw" or full["adam_w_mode"]
+        cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+        kw = {k: full[k] for k in ("lr", "eps", "weight_decay", "amsgrad")}
+        kw["betas"] = tuple(full["betas"])
+        return cls, kw, False
+    if low in _ONEBIT:
+        try:
+            from . import optim as _optim  # written on its own branch; may be absent here
+        except ImportError as e:
+            raise ValueError(
+                f"optimizer.type={typ!r} needs compcomm.optim, which this installation lacks ({e})"
+            ) from e
+        cls = getattr(_optim, _ONEBIT[low], None)
+        if cls is None:
+            raise ValueError(f"optimizer.type={typ!r}: compcomm.optim has no {_ONEBIT[low]}")
+        return cls, params, True
+    raise ValueError(
+        f"optimizer.type={typ!r} is not supported (Adam, AdamW, OneBitAdam, ZeroOneAdam, OneBitLamb)"
+    )
+
+
+def from_config(
+    model: torch.nn.Module,
+    config: Union[str, os.PathLike, Dict[str, Any]],
+    process_group: Any = None,
+) -> TrainingSetup:
+    """Build the optimizer (and ZeRO partitioning) a DeepSpeed JSON config describes.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The model, on CPU (as on every rank).
+    config : str, path or dict
+        The DeepSpeed-style config (see the module docstring for the accepted keys).
+    process_group : optional
+        The data-parallel group (default: compcomm's default).
+
+    Returns
+    -------
+    TrainingSetup
+
+    Raises
+    ------
+    ValueError
+        For an unknown or unsupported key (named in the message), inconsistent batch sizes, or a
+        combination compcomm does not implement.
+    """
+    from ._comm import resolve
+    from .zero import ZeroOptimizer
+    from .zero.config import validate_zero_config
+
+    cfg = load_config(config)
+    for k in cfg:
+        if k not in _TOP_KEYS:
+            raise ValueError(f"{k}: unknown or unsupported config key (known: {', '.join(sorted(_TOP_KEYS))})")
+    comm = resolve(process_group)
+    world = comm.size()
+    tb, mb, ga = _batch_sizes(cfg, world)
+    clip = cfg.get("gradient_clipping", 0.0)
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
+        raise ValueError(f"gradient_clipping must be a number >= 0, got {clip!r}")
+    fp16 = _section(cfg, "fp16", _FP16_KEYS)
+    bf16 = _section(cfg, "bf16", _BF16_KEYS)
+    if fp16["enabled"] and bf16["enabled"]:
+        raise ValueError("fp16.enabled and bf16.enabled are both true; pick one")
+    if fp16["hysteresis"] != 1:
+        raise ValueError("fp16.hysteresis: only 1 is supported (the scale halves at the first overflow)")
+    if fp16["auto_cast"]:
+        raise ValueError("fp16.auto_cast=true is not supported")
+    zero = validate_zero_config(cfg.get("zero_optimization", {}) or {})
+    if "optimizer" not in cfg:
+        raise ValueError("optimizer: the config needs an optimizer section")
+    opt_cls, opt_kw, onebit = _optimizer_factory(cfg["optimizer"])
+    stage = zero["stage"]
+    dtype = torch.float16 if fp16["enabled"] else torch.bfloat16 if bf16["enabled"] else None
+    if dtype is not None:
+        if stage == 0:
+            raise ValueError("fp16/bf16 need zero_optimization.stage >= 1 (fp32 master weights live there)")
+        model = model.to(dtype)
+    normalized = dict(cfg, zero_optimization=zero, fp16=fp16, bf16=bf16, train_batch_size=tb,
+                      train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=ga,
+                      gradient_clipping=float(clip))
+    if stage == 0:
+        if onebit:
+            kw = dict(opt_kw)
+            if process_group is not None:
+                kw.setdefault("process_group", process_group)
+            optimizer = opt_cls(model.parameters(), **kw)
+        else:
+            if world > 1:
+                model = torch.nn.parallel.DistributedDataParallel(model, process_group=process_group)
+            optimizer = opt_cls(model.parameters(), **opt_kw)
+        return TrainingSetup(model, optimizer, normalized, tb, mb, ga)
+    if onebit:
+        raise ValueError(
+            f"optimizer.type={cfg['optimizer']['type']!r} with zero_optimization.stage={stage}: "
+            "1-bit optimizers with ZeRO (compressed momentum reduce-scatter) are not implemented yet"
+        )
+    zkw = {k: v for k, v in zero.items() if k != "stage"}
+    optimizer = ZeroOptimizer(
+        model.parameters(),
+        opt_cls,
+        stage=stage,
+        process_group=process_group,
+        module=model,
+        optimizer_kwargs=opt_kw,
+        gradient_accumulation_steps=ga,
+        gradient_clipping=float(clip),
+        loss_scale=float(fp16["loss_scale"]) if fp16["enabled"] else 1.0,
+        initial_scale_power=int(fp16["initial_scale_power"]),
+        loss_scale_window=int(fp16["loss_scale_window"]),
+        min_loss_scale=float(fp16["min_loss_scale"]),
+        **zkw,
+    )
+    return TrainingSetup(model, optimizer, normalized, tb, mb, ga)

@@ -1,0 +1,122 @@
+"""DeepSpeed's ``zero_optimization`` keys: defaults, validation, and which ones compcomm supports."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Dict
+
+__all__ = ["ZERO_DEFAULTS", "validate_zero_config"]
+
+# DeepSpeed's defaults (runtime/zero/config.py). Sizes are element counts.
+ZERO_DEFAULTS: Dict[str, Any] = {
+    "stage": 0,
+    "reduce_bucket_size": int(5e8),
+    "allgather_bucket_size": int(5e8),
+    "overlap_comm": None,  # resolves to True for stage 3, False otherwise
+    "contiguous_gradients": True,
+    "reduce_scatter": True,
+    "use_multi_rank_bucket_allreduce": True,
+    "allgather_partitions": True,
+    "round_robin_gradients": False,
+    "sub_group_size": int(1e9),
+    "stage3_prefetch_bucket_size": int(5e7),
+    "stage3_param_persistence_threshold": int(1e5),
+    "stage3_model_persistence_threshold": sys.maxsize,
+    "stage3_max_live_parameters": int(1e9),
+    "stage3_max_reuse_distance": int(1e9),
+    "stage3_gather_16bit_weights_on_model_save": False,
+    "offload_optimizer": None,
+    "offload_param": None,
+    "elastic_checkpoint": False,
+}
+
+# Keys accepted only with a value that compcomm implements; anything else is rejected by name.
+_ONLY = {
+    "reduce_scatter": (True,),  # compcomm always reduce-scatters (the allreduce path is not provided)
+    "allgather_partitions": (True,),  # all-gather is the only way partitions are re-assembled
+    "round_robin_gradients": (False,),  # only matters for CPU offload, which is not provided
+    "elastic_checkpoint": (False,),
+    "stage3_gather_16bit_weights_on_model_save": (False,),
+}
+
+_SIZE_KEYS = (
+    "reduce_bucket_size",
+    "allgather_bucket_size",
+    "sub_group_size",
+    "stage3_prefetch_bucket_size",
+    "stage3_param_persistence_threshold",
+    "stage3_model_persistence_threshold",
+    "stage3_max_live_parameters",
+    "stage3_max_reuse_distance",
+)
+
+
+def _offload_unset(v: Any) -> bool:
+    if v is None:
+        return True
+    if isinstance(v, dict):
+        return v.get("device", "none") in ("none", None)
+    return False
+
+
+def validate_zero_config(cfg: Dict[str, Any], where: str = "zero_optimization") -> Dict[str, Any]:
+    """Fill DeepSpeed's defaults into a ``zero_optimization`` dict and check every key.
+
+    Parameters
+    ----------
+    cfg : dict
+        Keys as in DeepSpeed's ``zero_optimization`` section.
+    where : str
+        Prefix for error messages (the config path of ``cfg``).
+
+    Returns
+    -------
+    dict
+        A new dict with every key of :data:`ZERO_DEFAULTS` set; ``overlap_comm`` resolved.
+
+    Raises
+    ------
+    ValueError
+        For an unknown key, a value of the wrong type, or a setting compcomm does not implement
+        (CPU/NVMe offload, ``reduce_scatter=False``, ...); the message names the key.
+    """
+    out = dict(ZERO_DEFAULTS)
+    for key, value in cfg.items():
+        if key not in ZERO_DEFAULTS:
+            raise ValueError(
+                f"{where}.{key}: unknown ZeRO key (known keys: {', '.join(sorted(ZERO_DEFAULTS))})"
+            )
+        out[key] = value
+    stage = out["stage"]
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+        raise ValueError(f"{where}.stage must be 0, 1, 2 or 3, got {stage!r}")
+    for key in _SIZE_KEYS:
+        v = out[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or int(v) != v:
+            raise ValueError(f"{where}.{key} must be a non-negative whole number of elements, got {v!r}")
+        out[key] = int(v)
+    if out["allgather_bucket_size"] % 2:
+        raise ValueError(
+            f"{where}.allgather_bucket_size must be a multiple of 2 (as in DeepSpeed), "
+            f"got {out['allgather_bucket_size']}"
+        )
+    if out["reduce_bucket_size"] == 0:
+        raise ValueError(f"{where}.reduce_bucket_size must be > 0")
+    for key in ("overlap_comm", "contiguous_gradients", "use_multi_rank_bucket_allreduce"):
+        v = out[key]
+        if v is not None and not isinstance(v, bool):
+            raise ValueError(f"{where}.{key} must be true or false, got {v!r}")
+    for key, allowed in _ONLY.items():
+        if out[key] not in allowed:
+            raise ValueError(
+                f"{where}.{key}={out[key]!r} is not supported by compcomm (only {allowed[0]!r})"
+            )
+    for key in ("offload_optimizer", "offload_param"):
+        if not _offload_unset(out[key]):
+            raise ValueError(
+                f"{where}.{key}: CPU/NVMe offload is not supported by compcomm's ZeRO "
+                "(estimate_memory(offload=...) still reports what it would need)"
+            )
+    if out["overlap_comm"] is None:
+        out["overlap_comm"] = stage == 3
+    return out

@@ -1,0 +1,130 @@
+"""Memory estimates for ZeRO: DeepSpeed's estimator formulas and compcomm's own per-kind breakdown."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Union
+
+import torch
+
+__all__ = ["estimate_memory", "model_numels"]
+
+
+def model_numels(model: torch.nn.Module) -> tuple:
+    """(total parameters counting shared ones once, largest per-module non-recursive count)."""
+    seen = set()
+    total = 0
+    largest = 0
+    for m in model.modules():
+        own = 0
+        for p in m.parameters(recurse=False):
+            own += p.numel()
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel()
+        largest = max(largest, own)
+    return total, largest
+
+
+def estimate_memory(
+    model_or_numel: Union[torch.nn.Module, int],
+    stage: int,
+    world_size: int,
+    offload: Optional[str] = None,
+    *,
+    largest_layer: Optional[int] = None,
+    gpus_per_node: Optional[int] = None,
+    num_nodes: int = 1,
+    additional_buffer_factor: float = 1.5,
+    zero_init: bool = True,
+    param_bytes: int = 2,
+    optimizer_state_bytes: int = 8,
+) -> Dict[str, Any]:
+    """Per-rank bytes of a ZeRO setup.
+
+    Parameters
+    ----------
+    model_or_numel : torch.nn.Module or int
+        The model (shared parameters counted once; the largest layer is the largest per-module,
+        non-recursive parameter count) or the total parameter count T.
+    stage : {0, 1, 2, 3}
+        ZeRO stage.
+    world_size : int
+        Data-parallel ranks (DeepSpeed's G, total GPUs).
+    offload : {None, "optimizer", "optimizer+param"}
+        Offload choice for DeepSpeed's formulas (stage 2: "optimizer" = ``cpu_offload``).
+    largest_layer : int, optional
+        L when ``model_or_numel`` is a count (default: T).
+    gpus_per_node, num_nodes, additional_buffer_factor, zero_init
+        DeepSpeed's g (default: world_size / num_nodes), m, f and zero_init.
+    param_bytes : int
+        Bytes of a model parameter element (2 for fp16/bf16, 4 for fp32).
+    optimizer_state_bytes : int
+        Optimizer state bytes per element (8 for Adam's two fp32 moments).
+
+    Returns
+    -------
+    dict
+        ``params``, ``grads``, ``master``, ``optimizer_state``: bytes one rank of compcomm's
+        ZeroOptimizer holds for each (steady state after backward; padding and communication
+        buffers excluded), and their sum ``total``. ``gpu`` and ``cpu``: DeepSpeed's estimator
+        formulas (ONEBIT_SPEC.md section f) for stage 2 and 3 (None for stages 0/1, where DeepSpeed
+        has no estimator), in bytes.
+    """
+    if isinstance(model_or_numel, torch.nn.Module):
+        T, L = model_numels(model_or_numel)
+        if largest_layer is not None:
+            L = int(largest_layer)
+    else:
+        T = int(model_or_numel)
+        L = int(largest_layer) if largest_layer is not None else T
+    if T < 0:
+        raise ValueError(f"model_or_numel must be >= 0, got {T}")
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if offload not in (None, "none", "optimizer", "optimizer+param"):
+        raise ValueError(f"offload must be None, 'optimizer' or 'optimizer+param', got {offload!r}")
+    if offload == "none":
+        offload = None
+    if offload == "optimizer+param" and stage != 3:
+        raise ValueError("offload='optimizer+param' needs stage 3")
+    G, m, f = world_size, num_nodes, additional_buffer_factor
+    g = gpus_per_node if gpus_per_node is not None else max(1, G // max(1, m))
+    b, k = param_bytes, optimizer_state_bytes
+
+    # compcomm's own layout (no offload): what ZeroOptimizer.memory_bytes() measures.
+    params = b * T if stage < 3 else b * T / G
+    grads = b * T if stage <= 1 else 4 * T / G
+    if stage == 0:
+        master, state = 4 * T, k * T
+    else:
+        master, state = 4 * T / G, k * T / G
+    out: Dict[str, Any] = {
+        "params": int(params),
+        "grads": int(grads),
+        "master": int(master),
+        "optimizer_state": int(state),
+        "total": int(params + grads + master + state),
+        "gpu": None,
+        "cpu": None,
+    }
+    # DeepSpeed's estimators (estimate_zero2/3_model_states_mem_needs), bytes.
+    if stage == 2:
+        if offload is None:
+            gpu, cpu = 2 * T + 18 * T / G, 4 * T * g * f
+        else:
+            gpu, cpu = 2 * T, T * max(4 * G, 16) * f
+        out.update(gpu=int(gpu), cpu=int(cpu))
+    elif stage == 3:
+        if offload is None:
+            gpu = 4 * L + 18 * T / G
+            cpu = 4 * L * g * f if zero_init else 4 * T * g * f
+        elif offload == "optimizer":
+            gpu = 4 * L + 2 * T / G
+            cpu = 16 * T / m * f if zero_init else T * max(4 * g, 16 / m) * f
+        else:
+            gpu = 4 * L
+            cpu = 18 * T / m * f if zero_init else T * max(4 * g, 18 / m) * f
+        out.update(gpu=int(gpu), cpu=int(cpu))
+    return out
