@@ -16,6 +16,7 @@ from typing import Any, Dict, List
 
 from . import _C, errors
 from ._comm import TorchCommunicator, resolve as get_communicator
+from .ddp import ddp_comm_hook
 from .collectives import (
     DEFAULT_TIMEOUT,
     allreduce_wire_bytes,
@@ -29,6 +30,7 @@ __version__ = _C.build_info()["version"]
 
 __all__ = [
     "compressed_allreduce",
+    "ddp_comm_hook",
     "error_buffers",
     "padded_numel",
     "wire_bytes",
