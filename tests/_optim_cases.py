@@ -67,6 +67,11 @@ def trajectories(rank: int, world: int) -> Dict[str, Any]:
     out["adam"] = traj
     out["adam_m0"] = opt.state[ps[0]]["exp_avg"].numpy().copy()
     out["adam_dtype"] = str(opt.state[ps[0]]["exp_avg"].dtype)
+    traj, _, _, _ = run_opt(OneBitAdam, dict(lr=0.01, freeze_step=4, fused=True), p0, g, rank)
+    out["adam_fused"] = traj
+    traj, _, _, _ = run_opt(ZeroOneAdam, dict(lr=0.01, fused=True, **Z1), p0,
+                            make_grads(14, world, seed=2), rank)
+    out["zoadam_fused"] = traj
     g = make_grads(14, world, seed=2)
     traj, kinds, opt, _ = run_opt(ZeroOneAdam, dict(lr=0.01, weight_decay=0.01, **Z1), p0, g, rank)
     out["zoadam"], out["zoadam_kinds"] = traj, kinds

@@ -98,9 +98,10 @@ class _Errors:
 
 def onebit_adam(params: List[np.ndarray], grads: List[List[List[np.ndarray]]], *, lr: float,
                 freeze_step: int, betas=(0.9, 0.999), eps: float = 1e-8, wd: float = 0.0,
-                bias_correction: bool = False, masks: Optional[List[Optional[np.ndarray]]] = None
-                ) -> List[List[List[np.ndarray]]]:
+                bias_correction: bool = False, masks: Optional[List[Optional[np.ndarray]]] = None,
+                fused: bool = False) -> List[List[List[np.ndarray]]]:
     """1-bit Adam. ``grads[t][r][i]``: gradient of parameter i on rank r at step t+1 (local).
+    ``fused``: all parameters (one group) compressed as one concatenated tensor.
 
     Returns ``out[t][r][i]``: parameters after step t+1 (identical across ranks)."""
     world = len(grads[0])
@@ -113,8 +114,16 @@ def onebit_adam(params: List[np.ndarray], grads: List[List[List[np.ndarray]]], *
     for k, gstep in enumerate(grads):
         t = k + 1
         warm = t <= freeze_step
+        if fused and not warm:
+            locs = [np.concatenate([(b1 * ms[i] + (f32(1) - b1) * gstep[r][i]).astype(f32)
+                                    .reshape(-1) for i in range(len(ps))]) for r in range(world)]
+            red = errs.reduce(0, locs)
+            offs = np.cumsum([0] + [p.size for p in ps])
+            fused_m = [red[offs[i]:offs[i + 1]].reshape(ps[i].shape) for i in range(len(ps))]
         for i in range(len(ps)):
-            if warm:
+            if fused and not warm:
+                ms[i] = fused_m[i].copy()
+            elif warm:
                 g = _avg([gstep[r][i] for r in range(world)])
                 ms[i] = (b1 * ms[i] + (f32(1) - b1) * g).astype(f32)
                 vs[i] = (b2 * vs[i] + (f32(1) - b2) * g * g).astype(f32)
@@ -165,11 +174,26 @@ def zero_one_schedule(steps: int, var_freeze_step: int, var_update_scaler: int,
     return kinds
 
 
+def _reduce_many(errs: "_Errors", per_rank: List[List[np.ndarray]], fused: bool
+                 ) -> List[np.ndarray]:
+    """1-bit average of several tensors: one compressed allreduce each, or (fused) one over
+    their concatenation with one pair of error buffers."""
+    n = len(per_rank[0])
+    if not fused:
+        return [errs.reduce(i, [per_rank[r][i] for r in range(len(per_rank))]) for i in range(n)]
+    shapes = [a.shape for a in per_rank[0]]
+    flat = errs.reduce(-1, [np.concatenate([a.reshape(-1) for a in xs]) for xs in per_rank])
+    offs = np.cumsum([0] + [int(np.prod(s)) for s in shapes])
+    return [flat[offs[i]:offs[i + 1]].reshape(shapes[i]) for i in range(n)]
+
+
 def zero_one_adam(params: List[np.ndarray], grads: List[List[List[np.ndarray]]], *, lr: float,
                   var_freeze_step: int, var_update_scaler: int, local_step_scaler: int,
                   local_step_clipper: int, betas=(0.9, 0.999), eps: float = 1e-8,
-                  wd: float = 0.0, masks: Optional[List[Optional[np.ndarray]]] = None):
-    """0/1 Adam (no bias correction). Returns (``out[t][r][i]`` per-rank parameters, kinds)."""
+                  wd: float = 0.0, masks: Optional[List[Optional[np.ndarray]]] = None,
+                  fused: bool = False):
+    """0/1 Adam (no bias correction). Returns (``out[t][r][i]`` per-rank parameters, kinds).
+    ``fused``: one compressed allreduce over all parameters (one group) per communication."""
     world = len(grads[0])
     kinds = zero_one_schedule(len(grads), var_freeze_step, var_update_scaler, local_step_scaler,
                               local_step_clipper)
@@ -183,6 +207,12 @@ def zero_one_adam(params: List[np.ndarray], grads: List[List[List[np.ndarray]]],
     errs = _Errors(world)
     out = []
     was_frozen = False
+
+    def masked(a: np.ndarray, i: int) -> np.ndarray:
+        if masks is not None and masks[i] is not None:
+            return (a * masks[i]).astype(f32)
+        return a
+
     for k, gstep in enumerate(grads):
         kind = kinds[k]
         frozen = kind in ("local", "sync")
@@ -191,19 +221,22 @@ def zero_one_adam(params: List[np.ndarray], grads: List[List[List[np.ndarray]]],
             was_frozen = True
         if frozen:
             lrs += lr
+        if kind == "grad1bit":
+            red = _reduce_many(errs, [[g.astype(f32) for g in gstep[r]] for r in range(world)],
+                               fused)
+            gcomm = [masked(red[i], i) for i in range(n)]
+        denoms = []
         for i in range(n):
             if kind == "var":
                 g = _avg([gstep[r][i] for r in range(world)])
                 vs[i] = (b2 * vs[i] + (f32(1) - b2) * g * g).astype(f32)
                 gl = [g] * world
             elif kind == "grad1bit":
-                g = errs.reduce(i, [gstep[r][i].astype(f32) for r in range(world)])
-                if masks is not None and masks[i] is not None:
-                    g = (g * masks[i]).astype(f32)
-                gl = [g] * world
+                gl = [gcomm[i]] * world
             else:
                 gl = [gstep[r][i] for r in range(world)]
             denom = (np.sqrt(vs[i]) + f32(eps)).astype(f32)
+            denoms.append(denom)
             for r in range(world):
                 ms[r][i] = (b1 * ms[r][i] + (f32(1) - b1) * gl[r]).astype(f32)
                 u = (ms[r][i] / denom).astype(f32)
@@ -213,18 +246,17 @@ def zero_one_adam(params: List[np.ndarray], grads: List[List[List[np.ndarray]]],
                 ps[r][i] = (ps[r][i] + u).astype(f32)
                 if frozen:
                     us[r][i] = (us[r][i] + u).astype(f32)
-            if kind == "sync":
-                for r in range(world):
+                if kind == "sync":
                     ps[r][i] = (ps[r][i] - us[r][i]).astype(f32)
                     us[r][i] = (us[r][i] * denom).astype(f32)
-                red = errs.reduce(i, [us[r][i] for r in range(world)])
-                if masks is not None and masks[i] is not None:
-                    red = (red * masks[i]).astype(f32)
-                for r in range(world):
-                    ms[r][i] = (red / f32(-lrs)).astype(f32)
-                    ps[r][i] = (ps[r][i] + red / denom).astype(f32)
-                    us[r][i] = np.zeros_like(us[r][i])
         if kind == "sync":
+            red = _reduce_many(errs, [list(us[r]) for r in range(world)], fused)
+            for i in range(n):
+                ri = masked(red[i], i)
+                for r in range(world):
+                    ms[r][i] = (ri / f32(-lrs)).astype(f32)
+                    ps[r][i] = (ps[r][i] + ri / denoms[i]).astype(f32)
+                    us[r][i] = np.zeros_like(us[r][i])
             lrs = 0.0
         out.append([[p.copy() for p in ps[r]] for r in range(world)])
     return out, kinds

@@ -55,6 +55,21 @@ def test_onebit_adam_matches_reference(world):
 
 
 @pytest.mark.parametrize("world", WORLDS)
+def test_fused_onebit_adam_matches_reference(world):
+    outs = results(world)
+    ref = R.onebit_adam(C.make_params(), C.make_grads(10, world), lr=0.01, freeze_step=4,
+                        fused=True)
+    assert max_diff([o["traj"]["adam_fused"] for o in outs], ref) < TRAJ_ATOL
+    if world > 1:  # fused differs from per-parameter compression (different scales)
+        per_param = R.onebit_adam(C.make_params(), C.make_grads(10, world), lr=0.01,
+                                  freeze_step=4)
+        assert max_diff([o["traj"]["adam_fused"] for o in outs], per_param) > 1e-6
+    ref_z, _ = R.zero_one_adam(C.make_params(), C.make_grads(14, world, seed=2), lr=0.01,
+                               fused=True, **C.Z1)
+    assert max_diff([o["traj"]["zoadam_fused"] for o in outs], ref_z) < TRAJ_ATOL
+
+
+@pytest.mark.parametrize("world", WORLDS)
 def test_zero_one_adam_matches_reference_and_schedule(world):
     outs = results(world)
     ref, kinds = R.zero_one_adam(C.make_params(), C.make_grads(14, world, seed=2), lr=0.01,

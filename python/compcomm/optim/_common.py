@@ -236,7 +236,7 @@ class OneBitBase(torch.optim.Optimizer):
     _name = "OneBitBase"
 
     def _init_common(self, comm_backend_name: str, process_group: Any, cuda_aware: bool,
-                     grads_averaged: bool, exact_resume: bool) -> None:
+                     grads_averaged: bool, exact_resume: bool, fused: bool = False) -> None:
         self.comm = resolve_comm(self._name, comm_backend_name, process_group, cuda_aware)
         self.world_size = self.comm.size()
         self.rank = self.comm.rank()
@@ -244,6 +244,9 @@ class OneBitBase(torch.optim.Optimizer):
         self.cuda_aware = bool(cuda_aware)
         self.grads_averaged = bool(grads_averaged)
         self.exact_resume = bool(exact_resume)
+        self.fused = bool(fused)
+        #: error buffers of the fused (one per param group) compressed allreduces
+        self._group_errors: Dict[int, Dict[str, torch.Tensor]] = {}
         self._hook_averaged = False  # set by compcomm.ddp_comm_hook for the coming step
         self._user_masks = [g.get("exp_avg_mask") for g in self.param_groups]
         check_masks(self._name, self.param_groups)
@@ -260,6 +263,33 @@ class OneBitBase(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is not None and p.numel() > 0:
                     yield group, p
+
+    def _communicate(self, tensors: Dict[torch.Tensor, torch.Tensor]) -> None:
+        """1-bit average, in place, of fp32 ``tensors`` (param -> tensor): one compressed
+        allreduce per parameter with the parameter's error buffers, or with ``fused=True`` one per
+        param group over the concatenated tensors (DeepSpeed's fp16 path) with the group's."""
+        if self.world_size == 1 or not tensors:
+            return
+        for gi, group in enumerate(self.param_groups):
+            items = [(p, tensors[p]) for p in group["params"] if p in tensors]
+            if not items:
+                continue
+            if not self.fused:
+                for p, t in items:
+                    compressed_average_(t, self.state[p], self.comm)
+                continue
+            flat = torch.cat([t.reshape(-1) for _, t in items])
+            compressed_average_(flat, self._group_errors.setdefault(gi, {}), self.comm)
+            off = 0
+            for _, t in items:
+                t.copy_(flat[off:off + t.numel()].view_as(t))
+                off += t.numel()
+
+    def _zero_errors(self) -> None:
+        for st in list(self.state.values()) + list(self._group_errors.values()):
+            for k in ERROR_KEYS:
+                if k in st:
+                    st[k].zero_()
 
     def _grads(self, average: bool) -> Dict[torch.Tensor, torch.Tensor]:
         """fp32 gradients of every parameter that has one, averaged across ranks if ``average``
@@ -292,6 +322,9 @@ class OneBitBase(torch.optim.Optimizer):
         sd = super().state_dict()
         extra: Dict[str, Any] = {"sched": dict(self.sched), "world_size": self.world_size,
                                  "rank": self.rank, "exact": self.exact_resume}
+        if self.exact_resume and self._group_errors:
+            extra["group_errors"] = {gi: {k: v.clone() for k, v in e.items()}
+                                     for gi, e in self._group_errors.items()}
         extra.update(self._extra_state())
         if not self.exact_resume:
             for s in sd["state"].values():
@@ -329,7 +362,7 @@ class OneBitBase(torch.optim.Optimizer):
             if mask is not None:
                 g["exp_avg_mask"] = mask
         has_errors = any(k in s for s in self.state.values() for k in ERROR_KEYS) or \
-            extra.get("errors") is not None
+            extra.get("errors") is not None or bool(extra.get("group_errors"))
         exact = (self.exact_resume and bool(extra.get("exact")) and has_errors
                  and extra.get("world_size") == self.world_size and extra.get("rank") == self.rank)
         if has_errors and not exact:
@@ -343,6 +376,10 @@ class OneBitBase(torch.optim.Optimizer):
             for s in self.state.values():
                 for k in ERROR_KEYS:
                     s.pop(k, None)
+        self._group_errors = {}
+        if exact and extra.get("group_errors"):
+            self._group_errors = {gi: {k: v.clone() for k, v in e.items()}
+                                  for gi, e in extra["group_errors"].items()}
         if "sched" in extra:
             self.sched = dict(extra["sched"])
         else:

@@ -36,7 +36,7 @@ class ZeroOneAdam(c.OneBitBase):
     Parameters
     ----------
     params, lr, betas, eps, weight_decay, amsgrad, cuda_aware, comm_backend_name, process_group,
-    grads_averaged, exact_resume, eps_inside_sqrt, max_grad_norm :
+    grads_averaged, exact_resume, fused, eps_inside_sqrt, max_grad_norm :
         As :class:`compcomm.optim.OneBitAdam`.
     bias_correction : bool, default False
     var_freeze_step : int, default 100000
@@ -58,7 +58,8 @@ class ZeroOneAdam(c.OneBitBase):
                  var_update_scaler: int = 16, local_step_scaler: int = 32678,
                  local_step_clipper: int = 16, amsgrad: bool = False, cuda_aware: bool = False,
                  comm_backend_name: str = "torch", process_group: Any = None,
-                 grads_averaged: bool = False, exact_resume: bool = False) -> None:
+                 grads_averaged: bool = False, exact_resume: bool = False,
+                 fused: bool = False) -> None:
         n = self._name
         c.check_common(n, lr, betas, eps, weight_decay, amsgrad)
         self.var_freeze_step = c.check_int(n, "var_freeze_step", var_freeze_step, 0)
@@ -69,7 +70,7 @@ class ZeroOneAdam(c.OneBitBase):
                         bias_correction=bool(bias_correction))
         super().__init__(params, defaults)
         self._init_common(comm_backend_name, process_group, cuda_aware, grads_averaged,
-                          exact_resume)
+                          exact_resume, fused)
         self.sched.update(self._fresh_schedule())
 
     @staticmethod
@@ -120,6 +121,11 @@ class ZeroOneAdam(c.OneBitBase):
         grads = self._grads(average=(kind == "var"))
         if kind == "var":
             s["var_updates"] += 1
+        if kind == "grad1bit":
+            self._communicate(grads)
+            for group, p in self._params():
+                c.mask_(grads[p], group)
+        denoms: Dict[torch.Tensor, torch.Tensor] = {}
         for group, p in self._params():
             state = self.state[p]
             if "exp_avg" not in state:
@@ -133,9 +139,6 @@ class ZeroOneAdam(c.OneBitBase):
             lr = group["lr"]
             if kind == "var":
                 v.mul_(b2).addcmul_(g, g, value=1 - b2)
-            elif kind == "grad1bit":
-                c.compressed_average_(g, state, self.comm)
-                c.mask_(g, group)
             m.mul_(b1).add_(g, alpha=1 - b1)
             if frozen:
                 if "momentum_accumulator" not in state:
@@ -158,18 +161,26 @@ class ZeroOneAdam(c.OneBitBase):
             if frozen:
                 acc = state["momentum_accumulator"]
                 acc.add_(update)
-                if kind == "sync":
+                if kind == "sync":  # roll back to the last synchronised point; sync u*(sqrt v+eps)
                     w.sub_(acc)
                     acc.mul_(denom)
-                    c.compressed_average_(acc, state, self.comm)
-                    c.mask_(acc, group)
-                    torch.div(acc, -state["lrs"], out=m)
-                    if bc1 != 1.0:
-                        m.mul_(bc1)
-                    w.add_(acc / denom)
-                    acc.zero_()
-                    state["lrs"] = 0.0
+                    denoms[p] = denom
+                    continue
             c.write_back(p, state)
+        if kind == "sync":
+            self._communicate({p: self.state[p]["momentum_accumulator"] for p in denoms})
+            for group, p in self._params():
+                state = self.state[p]
+                acc, m, denom = state["momentum_accumulator"], state["exp_avg"], denoms[p]
+                c.mask_(acc, group)
+                torch.div(acc, -state["lrs"], out=m)
+                if group["bias_correction"]:
+                    m.mul_(1.0 - group["betas"][0] ** s["freeze_t"])
+                w = c.master(p, state)
+                w.add_(acc / denom)
+                acc.zero_()
+                state["lrs"] = 0.0
+                c.write_back(p, state)
         # schedule bookkeeping (once per step, as DeepSpeed does per parameter)
         if not frozen:
             if kind == "var" and t > 1:  # step 1 stands for DeepSpeed's uncounted init call
@@ -187,10 +198,7 @@ class ZeroOneAdam(c.OneBitBase):
         if not frozen and t > self.var_freeze_step:
             s["freeze_key"] = True
             s["freeze_t"] = t
-            for st in self.state.values():  # the buffers now serve u instead of g: restart them
-                for k in c.ERROR_KEYS:
-                    if k in st:
-                        st[k].zero_()
+            self._zero_errors()  # the buffers now serve u instead of g: restart them
         self._finish_step()
         return loss
 
