@@ -30,7 +30,7 @@ def masks_for(shapes=SHAPES) -> List[Any]:
     return [m, None, None]
 
 
-def run_opt(opt_cls, kw, params0, grads, rank, masks=None, dtype=torch.float32, hook=None):
+def run_opt(opt_cls, kw, params0, grads, rank, masks=None, dtype=torch.float32):
     """Run ``opt_cls`` with the given per-step gradients of ``rank``; parameters after each step."""
     ps = [torch.nn.Parameter(torch.tensor(p, dtype=dtype)) for p in params0]
     if masks is not None:
@@ -217,7 +217,7 @@ def amp_and_dtypes(rank: int, world: int) -> Dict[str, Any]:
         for dtype in (torch.bfloat16, torch.float16):
             p0 = make_params()
             g = make_grads(8, world, seed=7)
-            traj, _, opt, ps = run_opt(cls, dict(kw, lr=0.01), p0, g, rank, dtype=traj_dtype(dtype))
+            traj, _, opt, ps = run_opt(cls, dict(kw, lr=0.01), p0, g, rank, dtype=dtype)
             st = opt.state[ps[0]]
             res[f"{cls.__name__}_{dtype}_state_fp32"] = (
                 st["exp_avg"].dtype == torch.float32 and st["exp_avg_sq"].dtype == torch.float32
@@ -227,10 +227,6 @@ def amp_and_dtypes(rank: int, world: int) -> Dict[str, Any]:
             res[f"{cls.__name__}_{dtype}_close_to_fp32"] = max(
                 float(np.max(np.abs(a - b))) for ta, tb in zip(ref, traj) for a, b in zip(ta, tb))
     return res
-
-
-def traj_dtype(d):
-    return d
 
 
 def ddp_hook(rank: int, world: int) -> Dict[str, Any]:
