@@ -17,6 +17,7 @@ from typing import Any, Dict, List
 from . import _C, errors
 from ._comm import TorchCommunicator, resolve as get_communicator
 from ._init import init, shutdown
+from .ddp import ddp_comm_hook
 from .collectives import (
     DEFAULT_TIMEOUT,
     allreduce_wire_bytes,
@@ -33,6 +34,7 @@ __all__ = [
     "init",
     "shutdown",
     "compressed_allreduce",
+    "ddp_comm_hook",
     "error_buffers",
     "padded_numel",
     "wire_bytes",

@@ -1,0 +1,464 @@
+"""What the 1-bit optimizers share: argument checks, the communicator, gradient averaging,
+fp32 master copies, error buffers, GradScaler integration and checkpoint helpers.
+
+Every optimizer here follows the same life cycle (ONEBIT_SPEC.md, policy section):
+
+* ``step()`` number ``t`` counts real steps from 1 (no swallowed initialisation call).
+* Steps ``1 .. freeze_step`` are the warm-up: gradients are averaged in full precision (by the
+  optimizer with a bucketed allreduce, or already by DDP / the user when ``grads_averaged``).
+* Afterwards only compressed tensors (1 bit per element plus scales) cross the network, through
+  :func:`compcomm.compressed_allreduce` with per-parameter error-feedback buffers.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from .. import _C
+from .._buffers import buffer_of
+from .._comm import resolve
+from ..collectives import DEFAULT_TIMEOUT, compressed_allreduce, padded_numel
+from ..errors import UnsupportedError
+
+#: Elements per full-precision allreduce bucket in the warm-up (fp32: 16 MiB).
+BUCKET_ELEMENTS = 4 * 1024 * 1024
+
+_LOW = (torch.float16, torch.bfloat16)
+
+
+# --------------------------------------------------------------------------------------------
+# argument checks
+# --------------------------------------------------------------------------------------------
+def check_common(name: str, lr: float, betas: Tuple[float, float], eps: float, weight_decay: float,
+                 amsgrad: bool) -> None:
+    """Raise ValueError/UnsupportedError naming the bad argument of optimizer ``name``."""
+    if amsgrad:
+        raise UnsupportedError(f"{name}: argument 'amsgrad' is not supported by 1-bit optimizers "
+                               "(the frozen variance makes it meaningless); pass amsgrad=False")
+    if not (isinstance(lr, (int, float)) and lr >= 0.0):
+        raise ValueError(f"{name}: argument 'lr' must be a number >= 0, got {lr!r}")
+    if not (isinstance(eps, (int, float)) and eps >= 0.0):
+        raise ValueError(f"{name}: argument 'eps' must be >= 0, got {eps!r}")
+    if not (isinstance(weight_decay, (int, float)) and weight_decay >= 0.0):
+        raise ValueError(f"{name}: argument 'weight_decay' must be >= 0, got {weight_decay!r}")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"{name}: argument 'betas' must be two numbers in [0, 1), got {betas!r}")
+
+
+def check_int(name: str, arg: str, value: Any, minimum: int) -> int:
+    """``value`` as an int ``>= minimum`` or a ValueError naming ``arg``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}: argument '{arg}' must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def check_positive(name: str, arg: str, value: Any) -> float:
+    """``value`` as a float ``> 0`` or a ValueError naming ``arg``."""
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+        raise ValueError(f"{name}: argument '{arg}' must be a number > 0, got {value!r}")
+    return float(value)
+
+
+def check_masks(name: str, param_groups: List[Dict[str, Any]]) -> None:
+    """Each group's ``exp_avg_mask`` must broadcast against every parameter of the group."""
+    for gi, group in enumerate(param_groups):
+        mask = group.get("exp_avg_mask")
+        if mask is None:
+            continue
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(f"{name}: param group {gi}: 'exp_avg_mask' must be a torch.Tensor, "
+                            f"got {type(mask).__name__}")
+        for pi, p in enumerate(group["params"]):
+            try:
+                shape = torch.broadcast_shapes(mask.shape, p.shape)
+            except RuntimeError:
+                shape = None
+            if shape != p.shape:
+                raise ValueError(f"{name}: param group {gi}: 'exp_avg_mask' of shape "
+                                 f"{tuple(mask.shape)} does not broadcast to parameter {pi} of shape "
+                                 f"{tuple(p.shape)}")
+
+
+# --------------------------------------------------------------------------------------------
+# communicator
+# --------------------------------------------------------------------------------------------
+def resolve_comm(name: str, comm_backend_name: str, process_group: Any, cuda_aware: bool) -> Any:
+    """The compcomm Communicator the optimizer talks through.
+
+    ``'torch'`` (default): ``process_group`` (a torch ProcessGroup or compcomm Communicator;
+    ``None`` = compcomm's default group). ``'mpi'`` / ``'nccl'``: the compcomm backend of that name,
+    which must be available in this build and initialised with ``compcomm.init(backend=...)``.
+    """
+    import compcomm
+
+    if comm_backend_name in ("torch", "gloo"):
+        return resolve(process_group)
+    if comm_backend_name not in ("mpi", "nccl"):
+        raise ValueError(f"{name}: argument 'comm_backend_name' must be 'torch', 'mpi' or 'nccl', "
+                         f"got {comm_backend_name!r}")
+    if comm_backend_name not in compcomm.available_backends() or not hasattr(compcomm, "init"):
+        raise UnsupportedError(
+            f"{name}: comm_backend_name={comm_backend_name!r} is not available in this build/machine "
+            f"(available: {compcomm.available_backends()}); use comm_backend_name='torch'")
+    if process_group is not None:
+        return resolve(process_group)
+    comm = resolve(None)
+    if not comm.backend_name().startswith(comm_backend_name):
+        raise UnsupportedError(
+            f"{name}: comm_backend_name={comm_backend_name!r} needs "
+            f"compcomm.init(backend={comm_backend_name!r}) first (default group is "
+            f"{comm.backend_name()!r})")
+    return comm
+
+
+# --------------------------------------------------------------------------------------------
+# gradients
+# --------------------------------------------------------------------------------------------
+def fp32_grad(p: torch.Tensor) -> torch.Tensor:
+    """A contiguous fp32 copy of the gradient of ``p`` (the optimizer never writes ``p.grad``)."""
+    g = p.grad
+    if g.is_sparse:
+        raise UnsupportedError("compcomm optimizers do not support sparse gradients")
+    return g.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+
+
+def average_(tensors: List[torch.Tensor], comm: Any, timeout: float = DEFAULT_TIMEOUT) -> None:
+    """Average fp32 ``tensors`` across ranks in place with bucketed full-precision allreduces.
+
+    Tensors are flattened into buckets of at most :data:`BUCKET_ELEMENTS` elements (a larger tensor
+    is reduced on its own); each bucket is summed with one allreduce and multiplied by ``1/W``.
+    """
+    world = comm.size()
+    if world == 1 or not tensors:
+        return
+    inv = 1.0 / world
+    bucket: List[torch.Tensor] = []
+    count = 0
+
+    def flush() -> None:
+        if not bucket:
+            return
+        flat = torch.cat([t.reshape(-1) for t in bucket]) if len(bucket) > 1 else \
+            bucket[0].reshape(-1).clone()
+        comm.all_reduce(buffer_of(flat), _C.ReduceOp.sum, timeout)
+        flat.mul_(inv)
+        off = 0
+        for t in bucket:
+            t.copy_(flat[off:off + t.numel()].view_as(t))
+            off += t.numel()
+        bucket.clear()
+
+    for t in tensors:
+        if count + t.numel() > BUCKET_ELEMENTS:
+            flush()
+            count = 0
+        bucket.append(t)
+        count += t.numel()
+    flush()
+
+
+def all_max(flag: float, comm: Any) -> float:
+    """The maximum of a float over the ranks (for agreeing on skipped steps)."""
+    if comm.size() == 1:
+        return flag
+    t = torch.tensor([flag], dtype=torch.float32)
+    comm.all_reduce(buffer_of(t), _C.ReduceOp.max, DEFAULT_TIMEOUT)
+    return float(t.item())
+
+
+# --------------------------------------------------------------------------------------------
+# fp32 master copies of low-precision parameters
+# --------------------------------------------------------------------------------------------
+def master(p: torch.Tensor, state: Dict[str, Any]) -> torch.Tensor:
+    """The fp32 tensor the update is applied to: ``p`` itself if fp32, else a kept fp32 copy."""
+    if p.dtype == torch.float32:
+        return p.data
+    m = state.get("master_param")
+    if m is None:
+        m = p.detach().to(torch.float32).clone()
+        state["master_param"] = m
+    return m
+
+
+def write_back(p: torch.Tensor, state: Dict[str, Any]) -> None:
+    """Copy the fp32 master copy into a low-precision ``p`` (round to nearest)."""
+    if p.dtype != torch.float32:
+        p.data.copy_(state["master_param"])
+
+
+# --------------------------------------------------------------------------------------------
+# compressed communication with per-tensor error buffers
+# --------------------------------------------------------------------------------------------
+def compressed_average_(t: torch.Tensor, state: Dict[str, Any], comm: Any) -> None:
+    """1-bit average of the fp32 contiguous ``t`` in place, with error buffers kept in ``state``.
+
+    World size 1 does nothing (as DeepSpeed: no compression without peers).
+    """
+    world = comm.size()
+    if world == 1:
+        return
+    p = padded_numel(t.numel(), world)
+    we = state.get("worker_error")
+    if we is None or we.numel() != p:
+        state["worker_error"] = we = torch.zeros(p, dtype=torch.float32, device=t.device)
+        state["server_error"] = torch.zeros(p // world, dtype=torch.float32, device=t.device)
+    compressed_allreduce(t, we, state["server_error"], comm)
+
+
+def mask_(t: torch.Tensor, group: Dict[str, Any]) -> None:
+    """Multiply ``t`` by the group's ``exp_avg_mask`` (moved to ``t``'s device once)."""
+    mask = group.get("exp_avg_mask")
+    if mask is None:
+        return
+    if mask.device != t.device or mask.dtype != t.dtype:
+        mask = mask.to(device=t.device, dtype=t.dtype)
+        group["exp_avg_mask"] = mask
+    t.mul_(mask)
+
+
+ERROR_KEYS = ("worker_error", "server_error")
+
+
+# --------------------------------------------------------------------------------------------
+# the base class
+# --------------------------------------------------------------------------------------------
+class OneBitBase(torch.optim.Optimizer):
+    """Shared machinery of OneBitAdam, ZeroOneAdam and OneBitLamb (not for direct use)."""
+
+    #: GradScaler hands us the scale and the overflow flag instead of unscaling itself, so all
+    #: ranks can agree on skipping a step (see :meth:`_amp_skip`).
+    _step_supports_amp_scaling = True
+    _name = "OneBitBase"
+
+    def _init_common(self, comm_backend_name: str, process_group: Any, cuda_aware: bool,
+                     grads_averaged: bool, exact_resume: bool, fused: bool = False) -> None:
+        self.comm = resolve_comm(self._name, comm_backend_name, process_group, cuda_aware)
+        self.world_size = self.comm.size()
+        self.rank = self.comm.rank()
+        self.comm_backend_name = comm_backend_name
+        self.cuda_aware = bool(cuda_aware)
+        self.grads_averaged = bool(grads_averaged)
+        self.exact_resume = bool(exact_resume)
+        self.fused = bool(fused)
+        #: error buffers of the fused (one per param group) compressed allreduces
+        self._group_errors: Dict[int, Dict[str, torch.Tensor]] = {}
+        self._hook_averaged = False  # set by compcomm.ddp_comm_hook for the coming step
+        self._user_masks = [g.get("exp_avg_mask") for g in self.param_groups]
+        check_masks(self._name, self.param_groups)
+        #: optimizer-wide step counter and schedule, saved in state_dict()["compcomm"].
+        self.sched: Dict[str, Any] = {"step": 0}
+
+    # -- phase queries ---------------------------------------------------------------------
+    def next_step_averages(self) -> bool:
+        """Whether the next ``step()`` needs gradients averaged in full precision (warm-up)."""
+        raise NotImplementedError
+
+    def _params(self) -> Iterable[Tuple[Dict[str, Any], torch.Tensor]]:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.numel() > 0:
+                    yield group, p
+
+    def _communicate(self, tensors: Dict[torch.Tensor, torch.Tensor]) -> None:
+        """1-bit average, in place, of fp32 ``tensors`` (param -> tensor): one compressed
+        allreduce per parameter with the parameter's error buffers, or with ``fused=True`` one per
+        param group over the concatenated tensors (DeepSpeed's fp16 path) with the group's."""
+        if self.world_size == 1 or not tensors:
+            return
+        for gi, group in enumerate(self.param_groups):
+            items = [(p, tensors[p]) for p in group["params"] if p in tensors]
+            if not items:
+                continue
+            if not self.fused:
+                for p, t in items:
+                    compressed_average_(t, self.state[p], self.comm)
+                continue
+            flat = torch.cat([t.reshape(-1) for _, t in items])
+            compressed_average_(flat, self._group_errors.setdefault(gi, {}), self.comm)
+            off = 0
+            for _, t in items:
+                t.copy_(flat[off:off + t.numel()].view_as(t))
+                off += t.numel()
+
+    def _zero_errors(self) -> None:
+        for st in list(self.state.values()) + list(self._group_errors.values()):
+            for k in ERROR_KEYS:
+                if k in st:
+                    st[k].zero_()
+
+    def _grads(self, average: bool) -> Dict[torch.Tensor, torch.Tensor]:
+        """fp32 gradients of every parameter that has one, averaged across ranks if ``average``
+        (and not already averaged by DDP's hook or the user)."""
+        grads = {p: fp32_grad(p) for _, p in self._params()}
+        if getattr(self, "_grad_scale", None) is not None:
+            inv = 1.0 / float(self._grad_scale)
+            for g in grads.values():
+                g.mul_(inv)
+        if average and not (self.grads_averaged or self._hook_averaged):
+            average_(list(grads.values()), self.comm)
+        return grads
+
+    def _amp_skip(self) -> bool:
+        """GradScaler integration: True if any rank found Inf/NaN gradients (then every rank skips
+        the step, leaving parameters, moments and error buffers untouched)."""
+        self._grad_scale = getattr(self, "grad_scale", None)
+        found = getattr(self, "found_inf", None)
+        if found is None:
+            return False
+        return all_max(float(found), self.comm) > 0
+
+    def _finish_step(self) -> None:
+        self._hook_averaged = False
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """torch's optimizer state dict plus ``"compcomm"``: the step counter and schedule, and --
+        with ``exact_resume=True`` -- this rank's error buffers (save one file per rank then)."""
+        sd = super().state_dict()
+        extra: Dict[str, Any] = {"sched": dict(self.sched), "world_size": self.world_size,
+                                 "rank": self.rank, "exact": self.exact_resume}
+        if self.exact_resume and self._group_errors:
+            extra["group_errors"] = {gi: {k: v.clone() for k, v in e.items()}
+                                     for gi, e in self._group_errors.items()}
+        extra.update(self._extra_state())
+        if not self.exact_resume:
+            for s in sd["state"].values():
+                for k in ERROR_KEYS:
+                    s.pop(k, None)
+        sd["compcomm"] = extra
+        return sd
+
+    def _extra_state(self) -> Dict[str, Any]:
+        return {}
+
+    def _load_extra_state(self, extra: Dict[str, Any], exact: bool) -> None:
+        pass
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a state dict from :meth:`state_dict` (or a DeepSpeed-style one without schedule).
+
+        The parameter groups' ``exp_avg_mask`` stay the ones given to this optimizer (a
+        checkpoint's mask is ignored). Error buffers are reset to zero, as DeepSpeed does, unless
+        this optimizer was built with ``exact_resume=True`` and the checkpoint was written by the
+        same rank of a world of the same size with ``exact_resume=True``; otherwise, if the
+        checkpoint holds error buffers, a warning says they were reset.
+        """
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("compcomm", None) or {}
+        groups = []
+        for g in state_dict["param_groups"]:
+            g = dict(g)
+            g.pop("exp_avg_mask", None)
+            groups.append(g)
+        state_dict["param_groups"] = groups
+        self._load_torch_state(state_dict)
+        for g, mask in zip(self.param_groups, self._user_masks):
+            g.pop("exp_avg_mask", None)
+            if mask is not None:
+                g["exp_avg_mask"] = mask
+        has_errors = any(k in s for s in self.state.values() for k in ERROR_KEYS) or \
+            extra.get("errors") is not None or bool(extra.get("group_errors"))
+        exact = (self.exact_resume and bool(extra.get("exact")) and has_errors
+                 and extra.get("world_size") == self.world_size and extra.get("rank") == self.rank)
+        if has_errors and not exact:
+            if self.exact_resume:
+                warnings.warn(
+                    f"{self._name}: checkpoint from rank {extra.get('rank')} of world size "
+                    f"{extra.get('world_size')} loaded on rank {self.rank} of {self.world_size}: "
+                    "compression error buffers reset to zero (trajectory will differ slightly)",
+                    RuntimeWarning, stacklevel=2)
+        if not exact:
+            for s in self.state.values():
+                for k in ERROR_KEYS:
+                    s.pop(k, None)
+        self._group_errors = {}
+        if exact and extra.get("group_errors"):
+            self._group_errors = {gi: {k: v.clone() for k, v in e.items()}
+                                  for gi, e in extra["group_errors"].items()}
+        if "sched" in extra:
+            self.sched = dict(extra["sched"])
+        else:
+            self.sched = self._sched_from_state()
+        self._load_extra_state(extra, exact)
+
+    def _load_torch_state(self, state_dict: Dict[str, Any]) -> None:
+        """torch's load_state_dict without its cast of the state to the parameters' dtype (the
+        state stays fp32 for fp16/bf16 parameters)."""
+        import copy
+        from collections import defaultdict
+
+        saved = state_dict["param_groups"]
+        if len(saved) != len(self.param_groups) or any(
+                len(s["params"]) != len(g["params"]) for s, g in zip(saved, self.param_groups)):
+            raise ValueError(f"{self._name}.load_state_dict: the checkpoint's parameter groups do "
+                             "not match this optimizer's (number of groups or parameters differ)")
+        id_map = {old: p for s, g in zip(saved, self.param_groups)
+                  for old, p in zip(s["params"], g["params"])}
+        state: Dict[Any, Dict[str, Any]] = defaultdict(dict)
+        for k, v in state_dict["state"].items():
+            if k not in id_map:
+                continue
+            p = id_map[k]
+            state[p] = {kk: (vv.detach().to(p.device).clone() if isinstance(vv, torch.Tensor)
+                             else copy.deepcopy(vv)) for kk, vv in v.items()}
+        self.state = state
+        new_groups = []
+        for s, g in zip(saved, self.param_groups):
+            ng = {k: copy.deepcopy(v) for k, v in s.items() if k != "params"}
+            ng["params"] = g["params"]
+            new_groups.append(ng)
+        self.param_groups = new_groups
+
+    def _sched_from_state(self) -> Dict[str, Any]:
+        for s in self.state.values():
+            if "step" in s:
+                return {"step": int(s["step"])}
+        return {"step": 0}
+
+
+def save_rank_checkpoint(optimizer: OneBitBase, directory: str) -> str:
+    """Write this rank's ``optimizer.state_dict()`` to ``directory/optim_rank{r}_of{W}.pt``.
+
+    For exact resume (``exact_resume=True``) every rank must save its own file: error buffers,
+    and in ZeroOneAdam's local steps even the momentum, differ per rank.
+
+    Returns
+    -------
+    str
+        The path written.
+    """
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"optim_rank{optimizer.rank}_of{optimizer.world_size}.pt")
+    torch.save(optimizer.state_dict(), path)
+    return path
+
+
+def load_rank_checkpoint(optimizer: OneBitBase, directory: str) -> str:
+    """Load what :func:`save_rank_checkpoint` wrote for this rank.
+
+    If there is no file for this rank and world size (the world size changed), rank 0's file of
+    any world size is loaded instead and the error buffers are reset with a warning.
+
+    Returns
+    -------
+    str
+        The path read.
+    """
+    path = os.path.join(directory, f"optim_rank{optimizer.rank}_of{optimizer.world_size}.pt")
+    if not os.path.exists(path):
+        cands = sorted(f for f in os.listdir(directory) if f.startswith("optim_rank0_of"))
+        if not cands:
+            raise FileNotFoundError(f"no optimizer checkpoint in {directory!r}")
+        path = os.path.join(directory, cands[0])
+    optimizer.load_state_dict(torch.load(path, weights_only=False))
+    return path
+
+
+def sqrt_bc(beta: float, t: int) -> float:
+    """``sqrt(1 - beta**t)`` (1 when ``t == 0``)."""
+    return math.sqrt(1.0 - beta ** t) if t > 0 else 1.0

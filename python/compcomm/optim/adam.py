@@ -1,0 +1,148 @@
+"""1-bit Adam (DeepSpeed's OnebitAdam, ONEBIT_SPEC.md section b) as a drop-in torch optimizer."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Optional, Tuple
+
+import torch
+
+from . import _common as c
+
+
+class OneBitAdam(c.OneBitBase):
+    r"""Adam whose gradient communication drops to 1 bit per element after a warm-up.
+
+    Steps ``1 .. freeze_step`` are Adam (weight decay decoupled as AdamW) on gradients averaged in
+    full precision. From step ``freeze_step + 1`` on the variance is frozen, each rank updates its
+    momentum with its **local** gradient and the momenta are averaged with
+    :func:`compcomm.compressed_allreduce` (error feedback, one pair of error buffers per
+    parameter), about 32x fewer bytes than an fp32 allreduce of the gradients:
+
+    .. math::
+        m \leftarrow \mathrm{C}\big(\beta_1 m + (1-\beta_1) g_{local}\big) \odot mask,\quad
+        p \leftarrow p - lr\,\big(m / (\sqrt{v}+\epsilon) + wd\,p\big)
+
+    Parameters
+    ----------
+    params : iterable
+        Parameters or parameter groups (dicts), as for any torch optimizer. A group may carry
+        ``exp_avg_mask``: a tensor broadcastable to each of its parameters; the compressed momentum
+        is multiplied by it (use 0 where the momentum is constantly zero, e.g. unused embedding
+        rows, since 1 bit cannot represent 0).
+    lr : float, default 1e-3
+    freeze_step : int, default 100000
+        Number of warm-up (full-precision) steps; compression starts at step ``freeze_step + 1``.
+    bias_correction : bool, default False
+        Adam's bias correction (DeepSpeed accepts and ignores it, so the default False reproduces
+        DeepSpeed). In the compressed phase the variance correction is frozen with the variance.
+    betas : (float, float), default (0.9, 0.999)
+    eps : float, default 1e-8
+        Added outside the square root.
+    weight_decay : float, default 0
+        Decoupled: ``p -= lr * wd * p`` in every step (as DeepSpeed and AdamW).
+    amsgrad : bool, default False
+        True raises :class:`compcomm.errors.UnsupportedError`.
+    cuda_aware : bool, default False
+        Accepted for DeepSpeed compatibility (only matters for an MPI backend).
+    comm_backend_name : {'torch', 'mpi', 'nccl'}, default 'torch'
+        'torch' communicates over ``process_group`` (torch.distributed); 'mpi'/'nccl' use the
+        compcomm backend set up by ``compcomm.init(backend=...)`` and raise
+        :class:`~compcomm.errors.UnsupportedError` when it is not available.
+    process_group : ProcessGroup or compcomm Communicator, optional
+        The data-parallel group; default: compcomm's default group (torch's world group, or a
+        world of one rank without torch.distributed).
+    grads_averaged : bool, default False
+        Gradients arrive already averaged across ranks in the warm-up (for example by DDP without
+        :func:`compcomm.ddp_comm_hook`), so the optimizer does not average them again.
+    exact_resume : bool, default False
+        ``state_dict()`` also holds this rank's error buffers and ``load_state_dict`` restores them
+        when rank and world size match (save one file per rank, see
+        :func:`compcomm.optim.save_rank_checkpoint`); otherwise they are reset, as DeepSpeed does.
+    fused : bool, default False
+        Compress each param group's momenta as one flat tensor with one pair of error buffers
+        (one compressed allreduce per group per step, as DeepSpeed's fp16 path does) instead of
+        one per parameter: far fewer collectives for models with many small tensors.
+    eps_inside_sqrt, max_grad_norm :
+        Accepted and ignored, as DeepSpeed does.
+    """
+
+    _name = "OneBitAdam"
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, freeze_step: int = 100000,
+                 bias_correction: bool = False, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, eps_inside_sqrt: bool = False, weight_decay: float = 0.0,
+                 max_grad_norm: float = 0.0, amsgrad: bool = False, cuda_aware: bool = False,
+                 comm_backend_name: str = "torch", process_group: Any = None,
+                 grads_averaged: bool = False, exact_resume: bool = False,
+                 fused: bool = False) -> None:
+        c.check_common(self._name, lr, betas, eps, weight_decay, amsgrad)
+        self.freeze_step = c.check_int(self._name, "freeze_step", freeze_step, 0)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        bias_correction=bool(bias_correction))
+        super().__init__(params, defaults)
+        self._init_common(comm_backend_name, process_group, cuda_aware, grads_averaged,
+                          exact_resume, fused)
+
+    @property
+    def adam_freeze_key(self) -> bool:
+        """True once the compressed phase has started (DeepSpeed's name)."""
+        return self.sched["step"] >= self.freeze_step
+
+    def next_step_averages(self) -> bool:
+        """Whether the next ``step()`` is a warm-up step (gradients averaged in full precision)."""
+        return self.sched["step"] + 1 <= self.freeze_step
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        """One optimizer step (collective: every rank of the group must call it).
+
+        Parameters
+        ----------
+        closure : callable, optional
+            Re-evaluates the model and returns the loss.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._amp_skip():
+            self._finish_step()
+            return loss
+        t = self.sched["step"] + 1
+        warm = t <= self.freeze_step
+        grads = self._grads(average=warm)
+        for group, p in self._params():
+            state = self.state[p]
+            if "exp_avg" not in state:
+                state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            state["step"] = t
+            g = grads[p]
+            m, v = state["exp_avg"], state["exp_avg_sq"]
+            b1, b2 = group["betas"]
+            m.mul_(b1).add_(g, alpha=1 - b1)
+            if warm:
+                v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        if not warm:
+            self._communicate({p: self.state[p]["exp_avg"] for _, p in self._params()})
+        for group, p in self._params():
+            state = self.state[p]
+            w = c.master(p, state)
+            m, v = state["exp_avg"], state["exp_avg_sq"]
+            b1, b2 = group["betas"]
+            if not warm:
+                c.mask_(m, group)
+            denom = v.sqrt()
+            if group["bias_correction"]:
+                denom.div_(c.sqrt_bc(b2, min(t, self.freeze_step)))
+            denom.add_(group["eps"])
+            update = m / denom
+            if group["bias_correction"]:
+                update.div_(1.0 - b1 ** t)
+            if group["weight_decay"] > 0:
+                update.add_(w, alpha=group["weight_decay"])
+            w.add_(update, alpha=-group["lr"])
+            c.write_back(p, state)
+        self.sched["step"] = t
+        self._finish_step()
+        return loss

@@ -1,0 +1,294 @@
+"""1-bit LAMB (DeepSpeed's OnebitLamb, ONEBIT_SPEC.md section d) as a drop-in torch optimizer."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from . import _common as c
+from ..collectives import compressed_allreduce, padded_numel
+
+
+class OneBitLamb(c.OneBitBase):
+    r"""LAMB whose communication drops to one fused 1-bit allreduce of the momentum per step.
+
+    Warm-up (steps ``1 .. freeze_step``): LAMB on gradients averaged in full precision; each
+    parameter's trust ratio ``clip(||p|| / ||u||, min_coeff, max_coeff)`` (1 when a norm is 0) is
+    tracked in an exponential average ``lamb_coeff_freeze`` (``coeff_beta``), and the variance
+    is snapshotted as ``exp_avg_sq_fresh`` at step ``freeze_step``.
+
+    Compression stage: the momenta of all parameters live in **one** flat fp32 buffer (padded to
+    :func:`compcomm.padded_numel`), scaled per parameter by ``scaling_coeff`` (computed once so
+    that all parameters have the same RMS) and averaged with a single
+    :func:`compcomm.compressed_allreduce` with one pair of error buffers. The variance is frozen;
+    a fresh variance estimate from the reconstructed gradient
+    ``(m - beta1 m_last)/(1-beta1)`` gives a per-parameter factor
+    ``max((sqrt(v)+eps)/(sqrt(v_fresh)+eps))``, clipped to ``[factor_min, factor_max]`` and to
+    ``last_factor * (1 +- factor_threshold)``; the step is ``lr * lamb_coeff_freeze * factor * u``.
+
+    Differences from DeepSpeed: the first ``step()`` is a real step; a parameter whose momentum
+    is exactly zero at the freeze gets ``scaling_coeff`` 1 (DeepSpeed: inf/NaN); empty parameters
+    are skipped; bf16 works; ``bias_correction`` is honoured (variance factor frozen at the freeze).
+
+    Parameters
+    ----------
+    params, lr, freeze_step, bias_correction, betas, eps, weight_decay, amsgrad, cuda_aware,
+    comm_backend_name, process_group, grads_averaged, exact_resume, eps_inside_sqrt, max_grad_norm :
+        As :class:`compcomm.optim.OneBitAdam`.
+    max_coeff, min_coeff : float, default 10.0 and 0.01
+        Bounds of the warm-up trust ratio.
+    coeff_beta : float, default 0.9
+        Smoothing of ``lamb_coeff_freeze``.
+    factor_max, factor_min : float, default 4.0 and 0.5
+        Bounds of the compression-stage factor.
+    factor_threshold : float, default 0.1
+        Largest relative change of the factor per step.
+    """
+
+    _name = "OneBitLamb"
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, freeze_step: int = 100000,
+                 bias_correction: bool = False, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, eps_inside_sqrt: bool = False, weight_decay: float = 0.0,
+                 max_grad_norm: float = 0.0, max_coeff: float = 10.0, min_coeff: float = 0.01,
+                 amsgrad: bool = False, cuda_aware: bool = False, comm_backend_name: str = "torch",
+                 coeff_beta: float = 0.9, factor_max: float = 4.0, factor_min: float = 0.5,
+                 factor_threshold: float = 0.1, process_group: Any = None,
+                 grads_averaged: bool = False, exact_resume: bool = False) -> None:
+        n = self._name
+        c.check_common(n, lr, betas, eps, weight_decay, amsgrad)
+        self.freeze_step = c.check_int(n, "freeze_step", freeze_step, 0)
+        self.max_coeff = c.check_positive(n, "max_coeff", max_coeff)
+        self.min_coeff = c.check_positive(n, "min_coeff", min_coeff)
+        if self.min_coeff > self.max_coeff:
+            raise ValueError(f"{n}: argument 'min_coeff' ({min_coeff}) must be <= 'max_coeff' "
+                             f"({max_coeff})")
+        if not (0.0 <= coeff_beta < 1.0):
+            raise ValueError(f"{n}: argument 'coeff_beta' must be in [0, 1), got {coeff_beta!r}")
+        self.coeff_beta = float(coeff_beta)
+        self.factor_max = c.check_positive(n, "factor_max", factor_max)
+        self.factor_min = c.check_positive(n, "factor_min", factor_min)
+        if self.factor_min > self.factor_max:
+            raise ValueError(f"{n}: argument 'factor_min' ({factor_min}) must be <= 'factor_max' "
+                             f"({factor_max})")
+        if not (isinstance(factor_threshold, (int, float)) and factor_threshold >= 0):
+            raise ValueError(f"{n}: argument 'factor_threshold' must be >= 0, got "
+                             f"{factor_threshold!r}")
+        self.factor_threshold = float(factor_threshold)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        bias_correction=bool(bias_correction))
+        super().__init__(params, defaults)
+        self._init_common(comm_backend_name, process_group, cuda_aware, grads_averaged,
+                          exact_resume)
+        self._flat: Optional[torch.Tensor] = None
+        self._errors: Optional[Dict[str, torch.Tensor]] = None
+        self._pad_restore: Optional[torch.Tensor] = None
+        self.lamb_coeffs: List[float] = []
+
+    @property
+    def lamb_freeze_key(self) -> bool:
+        """True once the compression stage has started (DeepSpeed's name)."""
+        return self.sched["step"] >= self.freeze_step
+
+    def next_step_averages(self) -> bool:
+        """Whether the next ``step()`` is a warm-up step (gradients averaged in full precision)."""
+        return self.sched["step"] + 1 <= self.freeze_step
+
+    def get_lamb_coeffs(self) -> List[float]:
+        """The per-parameter LAMB coefficients applied in the last step."""
+        return list(self.lamb_coeffs)
+
+    # -- the fused momentum buffer -----------------------------------------------------------
+    def _fused_params(self) -> List[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"] if p.numel() > 0]
+
+    def _ensure_fused(self) -> None:
+        params = self._fused_params()
+        flat = self._flat
+        if flat is not None and all(
+                "exp_avg" in self.state[p]
+                and self.state[p]["exp_avg"].untyped_storage().data_ptr()
+                == flat.untyped_storage().data_ptr() for p in params):
+            return
+        total = sum(p.numel() for p in params)
+        device = params[0].device if params else torch.device("cpu")
+        flat = torch.zeros(padded_numel(total, self.world_size), dtype=torch.float32,
+                           device=device)
+        off = 0
+        for p in params:
+            st = self.state[p]
+            view = flat[off:off + p.numel()].view(p.shape)
+            if "exp_avg" in st:
+                view.copy_(st["exp_avg"])
+            st["exp_avg"] = view
+            if "exp_avg_sq" not in st:
+                st["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                st["exp_avg_sq_fresh"] = torch.zeros(p.shape, dtype=torch.float32,
+                                                     device=p.device)
+                st["lamb_coeff_freeze"] = 0.0
+                st["last_factor"] = 1.0
+                st["step"] = 0
+            off += p.numel()
+        if self._pad_restore is not None and self._pad_restore.numel() == flat.numel() - total:
+            flat[total:].copy_(self._pad_restore)
+        self._pad_restore = None
+        self._flat = flat
+        self._total = total
+
+    def _fused_errors(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        if self._errors is None or self._errors["worker_error"].numel() != self._flat.numel():
+            w = self.world_size
+            self._errors = {
+                "worker_error": torch.zeros(self._flat.numel(), dtype=torch.float32,
+                                            device=self._flat.device),
+                "server_error": torch.zeros(self._flat.numel() // w, dtype=torch.float32,
+                                            device=self._flat.device)}
+        return self._errors["worker_error"], self._errors["server_error"]
+
+    # -- step ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        """One optimizer step (collective: every rank of the group must call it).
+
+        Parameters
+        ----------
+        closure : callable, optional
+            Re-evaluates the model and returns the loss.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._amp_skip():
+            self._finish_step()
+            return loss
+        t = self.sched["step"] + 1
+        warm = t <= self.freeze_step
+        self._ensure_fused()
+        grads = self._grads(average=warm)
+        self.lamb_coeffs = []
+        if warm:
+            self._warm_step(t, grads)
+        else:
+            self._compressed_step(t, grads)
+        self.sched["step"] = t
+        self._finish_step()
+        return loss
+
+    def _warm_step(self, t: int, grads: Dict[torch.Tensor, torch.Tensor]) -> None:
+        for group, p in self._params():
+            st = self.state[p]
+            st["step"] = t
+            w = c.master(p, st)
+            g = grads[p]
+            m, v = st["exp_avg"], st["exp_avg_sq"]
+            b1, b2 = group["betas"]
+            m.mul_(b1).add_(g, alpha=1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            if t == self.freeze_step:
+                st["exp_avg_sq_fresh"] = v.clone()
+            denom = v.sqrt()
+            if group["bias_correction"]:
+                denom.div_(c.sqrt_bc(b2, t))
+            denom.add_(group["eps"])
+            update = m / denom
+            if group["bias_correction"]:
+                update.div_(1.0 - b1 ** t)
+            if group["weight_decay"] > 0:
+                update.add_(w, alpha=group["weight_decay"])
+            wn = float(w.norm())
+            un = float(update.norm())
+            coeff = 1.0
+            if wn != 0 and un != 0:
+                coeff = min(max(wn / un, self.min_coeff), self.max_coeff)
+            if coeff != 1.0:
+                st["lamb_coeff_freeze"] = (self.coeff_beta * st["lamb_coeff_freeze"]
+                                           + (1 - self.coeff_beta) * coeff)
+            self.lamb_coeffs.append(coeff)
+            w.add_(update * (-group["lr"] * coeff))
+            c.write_back(p, st)
+
+    def _compressed_step(self, t: int, grads: Dict[torch.Tensor, torch.Tensor]) -> None:
+        params = self._fused_params()
+        if params and "scaling_coeff" not in self.state[params[0]]:
+            scales = [float(self.state[p]["exp_avg"].norm()) / math.sqrt(p.numel())
+                      for p in params]
+            united = sum(scales) / len(scales)
+            for p, s in zip(params, scales):
+                self.state[p]["scaling_coeff"] = united / s if s > 0 and united > 0 else 1.0
+        m_last = self._flat.clone()
+        for group, p in self._params():
+            st = self.state[p]
+            b1 = group["betas"][0]
+            st["exp_avg"].mul_(b1).add_(grads[p], alpha=1 - b1).mul_(st["scaling_coeff"])
+        if self.world_size > 1:
+            we, se = self._fused_errors()
+            compressed_allreduce(self._flat, we, se, self.comm)
+        off = 0
+        offsets = {}
+        for p in params:
+            offsets[p] = off
+            off += p.numel()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.numel() == 0:
+                    continue
+                st = self.state[p]
+                m = st["exp_avg"]
+                m.div_(st["scaling_coeff"])
+                c.mask_(m, group)
+                if p.grad is None:
+                    continue
+                st["step"] = t
+                w = c.master(p, st)
+                b1, b2 = group["betas"]
+                last = m_last[offsets[p]:offsets[p] + p.numel()].view(p.shape)
+                ghat = (m - last * b1) / (1 - b1)
+                vf = st["exp_avg_sq_fresh"]
+                vf.mul_(b2).addcmul_(ghat, ghat, value=1 - b2)
+                denom = st["exp_avg_sq"].sqrt().add_(group["eps"])
+                denom_real = vf.sqrt().add_(group["eps"])
+                factor = float((denom / denom_real).max())
+                if group["bias_correction"]:
+                    bc2 = c.sqrt_bc(b2, self.freeze_step)
+                    u_pre = m / (st["exp_avg_sq"].sqrt().div_(bc2).add_(group["eps"]))
+                    u_pre.div_(1.0 - b1 ** t)
+                else:
+                    u_pre = m / denom
+                if group["weight_decay"] > 0:
+                    update = u_pre + group["weight_decay"] * w
+                    un = float(update.norm())
+                    ratio = min(1.0, float(u_pre.norm()) / un) if un > 0 else 1.0
+                    factor = factor * ratio + (1.0 - ratio)
+                else:
+                    update = u_pre
+                factor = min(max(factor, self.factor_min), self.factor_max)
+                lf = st["last_factor"]
+                factor = min(factor, lf * (1.0 + self.factor_threshold))
+                factor = max(factor, lf * (1.0 - self.factor_threshold))
+                st["last_factor"] = factor
+                coeff = st["lamb_coeff_freeze"] * factor
+                self.lamb_coeffs.append(coeff)
+                w.add_(update * (-group["lr"] * coeff))
+                c.write_back(p, st)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def _extra_state(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {}
+        if self._flat is not None:
+            out["fused_pad"] = self._flat[self._total:].clone()
+        if self.exact_resume and self._errors is not None:
+            out["errors"] = {k: v.clone() for k, v in self._errors.items()}
+        return out
+
+    def _load_extra_state(self, extra: Dict[str, Any], exact: bool) -> None:
+        self._flat = None  # rebuilt from the loaded exp_avg at the next step
+        self._errors = None
+        self._pad_restore = None
+        if exact:
+            if extra.get("errors") is not None:
+                self._errors = {k: v.clone() for k, v in extra["errors"].items()}
+            if extra.get("fused_pad") is not None:
+                self._pad_restore = extra["fused_pad"].clone()

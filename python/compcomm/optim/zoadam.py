@@ -1,0 +1,208 @@
+"""0/1 Adam (DeepSpeed's ZeroOneAdam, ONEBIT_SPEC.md section c) as a drop-in torch optimizer."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
+
+import torch
+
+from . import _common as c
+
+
+class ZeroOneAdam(c.OneBitBase):
+    r"""0/1 Adam: Adam with an adaptively frozen variance, 1-bit gradients and local steps.
+
+    Schedule, with ``t`` the step number (1, 2, ...), identical to DeepSpeed's by user step (step 1,
+    DeepSpeed's wasted initialisation call, is here a real variance-update step that does not count
+    towards ``var_update_scaler``):
+
+    * **Variance phase** (``t <= var_freeze_step``): if ``t % var_interval == 0`` the gradients are
+      averaged in full precision and both moments are updated; otherwise the local gradient is
+      averaged with :func:`compcomm.compressed_allreduce` and only the momentum is updated. Every
+      ``var_update_scaler`` variance updates ``var_interval`` doubles.
+    * **Frozen phase**: no gradient communication. Each rank steps with its local momentum and
+      accumulates its update ``u``; every ``local_step_interval`` steps the ranks synchronise
+      ``u`` (times ``sqrt(v)+eps``) with one compressed allreduce per parameter, roll back to the
+      last synchronised parameters and apply the averaged update; the momentum becomes the
+      lr-weighted average momentum. Every ``local_step_scaler`` steps the interval doubles, up to
+      ``local_step_clipper``. Error buffers are zeroed once when the phase starts.
+
+    Differences from DeepSpeed (all deliberate): the first ``step()`` is a real step; with one
+    rank the momentum is updated (DeepSpeed skipped it); ``load_state_dict`` restores the schedule
+    and the frozen state; ``bias_correction`` is honoured (momentum by ``1-beta1**t`` and variance by
+    ``1-beta2**k``, ``k`` variance updates; both factors freeze with the variance); ``exp_avg_mask``
+    is also applied with one rank.
+
+    Parameters
+    ----------
+    params, lr, betas, eps, weight_decay, amsgrad, cuda_aware, comm_backend_name, process_group,
+    grads_averaged, exact_resume, fused, eps_inside_sqrt, max_grad_norm :
+        As :class:`compcomm.optim.OneBitAdam`.
+    bias_correction : bool, default False
+    var_freeze_step : int, default 100000
+        Last step of the variance phase.
+    var_update_scaler : int, default 16
+        Variance updates per ``var_interval`` before it doubles.
+    local_step_scaler : int, default 32678
+        Steps per ``local_step_interval`` before it doubles.
+    local_step_clipper : int, default 16
+        Largest ``local_step_interval``.
+    """
+
+    _name = "ZeroOneAdam"
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = False,
+                 betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 eps_inside_sqrt: bool = False, weight_decay: float = 0.0,
+                 max_grad_norm: float = 0.0, var_freeze_step: int = 100000,
+                 var_update_scaler: int = 16, local_step_scaler: int = 32678,
+                 local_step_clipper: int = 16, amsgrad: bool = False, cuda_aware: bool = False,
+                 comm_backend_name: str = "torch", process_group: Any = None,
+                 grads_averaged: bool = False, exact_resume: bool = False,
+                 fused: bool = False) -> None:
+        n = self._name
+        c.check_common(n, lr, betas, eps, weight_decay, amsgrad)
+        self.var_freeze_step = c.check_int(n, "var_freeze_step", var_freeze_step, 0)
+        self.var_update_scaler = c.check_int(n, "var_update_scaler", var_update_scaler, 1)
+        self.local_step_scaler = c.check_int(n, "local_step_scaler", local_step_scaler, 1)
+        self.local_step_clipper = c.check_int(n, "local_step_clipper", local_step_clipper, 1)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        bias_correction=bool(bias_correction))
+        super().__init__(params, defaults)
+        self._init_common(comm_backend_name, process_group, cuda_aware, grads_averaged,
+                          exact_resume, fused)
+        self.sched.update(self._fresh_schedule())
+
+    @staticmethod
+    def _fresh_schedule() -> Dict[str, Any]:
+        return {"step": 0, "var_interval": 1, "var_counter": 0, "local_step_interval": 1,
+                "local_step_counter": 0, "freeze_key": False, "var_updates": 0, "freeze_t": 0}
+
+    @property
+    def freeze_key(self) -> bool:
+        """True once the variance is frozen (local-step phase)."""
+        return bool(self.sched["freeze_key"])
+
+    def next_step_averages(self) -> bool:
+        """Whether the next ``step()`` updates the variance (gradients averaged in full precision)."""
+        s = self.sched
+        return (not s["freeze_key"]) and (s["step"] + 1) % s["var_interval"] == 0
+
+    def step_kind(self, t: Optional[int] = None) -> str:
+        """What step ``t`` (default: the next) does: ``'var'`` (fp32 gradient average, variance
+        update), ``'grad1bit'`` (1-bit gradient average), ``'local'`` or ``'sync'`` (frozen
+        phase). Only meaningful for the next step, since the schedule evolves."""
+        s = self.sched
+        t = s["step"] + 1 if t is None else t
+        if not s["freeze_key"]:
+            return "var" if t % s["var_interval"] == 0 else "grad1bit"
+        return "sync" if t % s["local_step_interval"] == 0 else "local"
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        """One optimizer step (collective: every rank of the group must call it).
+
+        Parameters
+        ----------
+        closure : callable, optional
+            Re-evaluates the model and returns the loss.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._amp_skip():
+            self._finish_step()
+            return loss
+        s = self.sched
+        t = s["step"] + 1
+        kind = self.step_kind(t)
+        frozen = s["freeze_key"]
+        grads = self._grads(average=(kind == "var"))
+        if kind == "var":
+            s["var_updates"] += 1
+        if kind == "grad1bit":
+            self._communicate(grads)
+            for group, p in self._params():
+                c.mask_(grads[p], group)
+        denoms: Dict[torch.Tensor, torch.Tensor] = {}
+        for group, p in self._params():
+            state = self.state[p]
+            if "exp_avg" not in state:
+                state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            state["step"] = t
+            w = c.master(p, state)
+            g = grads[p]
+            m, v = state["exp_avg"], state["exp_avg_sq"]
+            b1, b2 = group["betas"]
+            lr = group["lr"]
+            if kind == "var":
+                v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            m.mul_(b1).add_(g, alpha=1 - b1)
+            if frozen:
+                if "momentum_accumulator" not in state:
+                    state["momentum_accumulator"] = torch.zeros_like(m)
+                    state["lrs"] = 0.0
+                state["lrs"] += lr
+            denom = v.sqrt()
+            bc1 = 1.0
+            if group["bias_correction"]:
+                denom.div_(c.sqrt_bc(b2, s["var_updates"]))
+                bc1 = 1.0 - b1 ** (s["freeze_t"] if frozen else t)
+            denom.add_(group["eps"])
+            update = m / denom
+            if bc1 != 1.0:
+                update.div_(bc1)
+            if group["weight_decay"] > 0:
+                update.add_(w, alpha=group["weight_decay"])
+            update.mul_(-lr)
+            w.add_(update)
+            if frozen:
+                acc = state["momentum_accumulator"]
+                acc.add_(update)
+                if kind == "sync":  # roll back to the last synchronised point; sync u*(sqrt v+eps)
+                    w.sub_(acc)
+                    acc.mul_(denom)
+                    denoms[p] = denom
+                    continue
+            c.write_back(p, state)
+        if kind == "sync":
+            self._communicate({p: self.state[p]["momentum_accumulator"] for p in denoms})
+            for group, p in self._params():
+                state = self.state[p]
+                acc, m, denom = state["momentum_accumulator"], state["exp_avg"], denoms[p]
+                c.mask_(acc, group)
+                torch.div(acc, -state["lrs"], out=m)
+                if group["bias_correction"]:
+                    m.mul_(1.0 - group["betas"][0] ** s["freeze_t"])
+                w = c.master(p, state)
+                w.add_(acc / denom)
+                acc.zero_()
+                state["lrs"] = 0.0
+                c.write_back(p, state)
+        # schedule bookkeeping (once per step, as DeepSpeed does per parameter)
+        if not frozen:
+            if kind == "var" and t > 1:  # step 1 stands for DeepSpeed's uncounted init call
+                s["var_counter"] += 1
+                if s["var_counter"] == self.var_update_scaler:
+                    s["var_counter"] = 0
+                    s["var_interval"] *= 2
+        else:
+            s["local_step_counter"] += 1
+            if s["local_step_counter"] == self.local_step_scaler:
+                s["local_step_counter"] = 0
+                s["local_step_interval"] = min(self.local_step_clipper,
+                                               2 * s["local_step_interval"])
+        s["step"] = t
+        if not frozen and t > self.var_freeze_step:
+            s["freeze_key"] = True
+            s["freeze_t"] = t
+            self._zero_errors()  # the buffers now serve u instead of g: restart them
+        self._finish_step()
+        return loss
+
+    def _sched_from_state(self) -> Dict[str, Any]:
+        s = self._fresh_schedule()
+        s.update(super()._sched_from_state())
+        return s

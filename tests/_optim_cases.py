@@ -1,0 +1,275 @@
+"""Rank bodies for tests/test_optim.py (module level, so run_ranks can pickle them)."""
+
+from __future__ import annotations
+
+import io
+from typing import Any, Dict, List
+
+import numpy as np
+import torch
+
+SHAPES = [(7, 5), (13,), (3, 4, 2)]
+Z1 = dict(var_freeze_step=4, var_update_scaler=1, local_step_scaler=1, local_step_clipper=2)
+
+
+def make_params(seed: int = 0, shapes=SHAPES) -> List[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(s).astype(np.float32) for s in shapes]
+
+
+def make_grads(steps: int, world: int, seed: int = 1, shapes=SHAPES) -> List[List[List[np.ndarray]]]:
+    """grads[t][r][i]: rank-dependent, so local and averaged gradients differ."""
+    rng = np.random.default_rng(seed)
+    return [[[(rng.standard_normal(s) * 0.1 + 0.02 * (r + 1)).astype(np.float32) for s in shapes]
+             for r in range(world)] for _ in range(steps)]
+
+
+def masks_for(shapes=SHAPES) -> List[Any]:
+    m = np.ones(shapes[0], np.float32)
+    m[2:4] = 0
+    return [m, None, None]
+
+
+def run_opt(opt_cls, kw, params0, grads, rank, masks=None, dtype=torch.float32):
+    """Run ``opt_cls`` with the given per-step gradients of ``rank``; parameters after each step."""
+    ps = [torch.nn.Parameter(torch.tensor(p, dtype=dtype)) for p in params0]
+    if masks is not None:
+        groups = [{"params": [p], **({"exp_avg_mask": torch.tensor(m)} if m is not None else {})}
+                  for p, m in zip(ps, masks)]
+    else:
+        groups = ps
+    opt = opt_cls(groups, **kw)
+    traj, kinds = [], []
+    for gstep in grads:
+        if hasattr(opt, "step_kind"):
+            kinds.append(opt.step_kind())
+        for p, g in zip(ps, gstep[rank]):
+            p.grad = torch.tensor(g).to(dtype)
+        opt.step()
+        traj.append([p.detach().float().numpy().copy() for p in ps])
+    return traj, kinds, opt, ps
+
+
+def _optimizers():
+    from compcomm.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
+
+    return OneBitAdam, ZeroOneAdam, OneBitLamb
+
+
+def trajectories(rank: int, world: int) -> Dict[str, Any]:
+    """Trajectories of the three optimizers with default numerics, for the numpy references."""
+    OneBitAdam, ZeroOneAdam, OneBitLamb = _optimizers()
+    p0 = make_params()
+    out: Dict[str, Any] = {}
+    g = make_grads(10, world)
+    traj, _, opt, ps = run_opt(OneBitAdam, dict(lr=0.01, freeze_step=4, weight_decay=0.01), p0, g,
+                               rank, masks=masks_for())
+    out["adam"] = traj
+    out["adam_m0"] = opt.state[ps[0]]["exp_avg"].numpy().copy()
+    out["adam_dtype"] = str(opt.state[ps[0]]["exp_avg"].dtype)
+    traj, _, _, _ = run_opt(OneBitAdam, dict(lr=0.01, freeze_step=4, fused=True), p0, g, rank)
+    out["adam_fused"] = traj
+    traj, _, _, _ = run_opt(ZeroOneAdam, dict(lr=0.01, fused=True, **Z1), p0,
+                            make_grads(14, world, seed=2), rank)
+    out["zoadam_fused"] = traj
+    g = make_grads(14, world, seed=2)
+    traj, kinds, opt, _ = run_opt(ZeroOneAdam, dict(lr=0.01, weight_decay=0.01, **Z1), p0, g, rank)
+    out["zoadam"], out["zoadam_kinds"] = traj, kinds
+    g = make_grads(10, world, seed=3)
+    traj, _, opt, _ = run_opt(OneBitLamb, dict(lr=0.01, freeze_step=4, weight_decay=0.01), p0, g,
+                              rank)
+    out["lamb"] = traj
+    out["lamb_coeffs"] = opt.get_lamb_coeffs()
+    return out
+
+
+def adamw_equivalence(rank: int, world: int) -> float:
+    """Max |OneBitAdam(bias_correction=True) - AdamW| over warm-up steps on averaged gradients."""
+    OneBitAdam = _optimizers()[0]
+    p0 = make_params()
+    g = make_grads(8, world)
+    kw = dict(lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
+    traj, _, _, _ = run_opt(OneBitAdam, dict(freeze_step=100, bias_correction=True, **kw), p0, g,
+                            rank)
+    ps = [torch.nn.Parameter(torch.tensor(p)) for p in p0]
+    ref = torch.optim.AdamW(ps, **kw)
+    worst = 0.0
+    for t, gstep in enumerate(g):
+        for i, p in enumerate(ps):
+            avg = np.mean(np.stack([gstep[r][i] for r in range(world)]).astype(np.float64), axis=0)
+            p.grad = torch.tensor(avg.astype(np.float32))
+        ref.step()
+        for i, p in enumerate(ps):
+            worst = max(worst, float(np.max(np.abs(p.detach().numpy() - traj[t][i]))))
+    return worst
+
+
+def _state_bytes(sd: Dict[str, Any]) -> bytes:
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    return buf.getvalue()
+
+
+def _load_bytes(b: bytes) -> Dict[str, Any]:
+    return torch.load(io.BytesIO(b), weights_only=False)
+
+
+def checkpoints(rank: int, world: int) -> Dict[str, Any]:
+    """Exact resume reproduces the uninterrupted run bit for bit; default resume resets errors."""
+    OneBitAdam, ZeroOneAdam, OneBitLamb = _optimizers()
+    p0 = make_params()
+    g = make_grads(12, world, seed=5)
+    res: Dict[str, Any] = {}
+    cases = {
+        "adam": (OneBitAdam, dict(lr=0.01, freeze_step=3)),
+        "zoadam": (ZeroOneAdam, dict(lr=0.01, **Z1)),
+        "lamb": (OneBitLamb, dict(lr=0.01, freeze_step=3, weight_decay=0.01)),
+    }
+    for name, (cls, kw) in cases.items():
+        full, _, _, _ = run_opt(cls, dict(kw, exact_resume=True), p0, g, rank)
+        half, _, opt, ps = run_opt(cls, dict(kw, exact_resume=True), p0, g[:7], rank)
+        blob = _state_bytes(opt.state_dict())
+        params_mid = [p.detach().numpy().copy() for p in ps]
+        # resume: fresh optimizer + fresh params loaded from the checkpoint
+        ps2 = [torch.nn.Parameter(torch.tensor(p)) for p in params_mid]
+        opt2 = cls(ps2, **dict(kw, exact_resume=True))
+        opt2.load_state_dict(_load_bytes(blob))
+        traj = []
+        for gstep in g[7:]:
+            for p, gg in zip(ps2, gstep[rank]):
+                p.grad = torch.tensor(gg)
+            opt2.step()
+            traj.append([p.detach().numpy().copy() for p in ps2])
+        res[f"{name}_exact_maxdiff"] = max(
+            float(np.max(np.abs(a - b))) for ta, tb in zip(full[7:], traj) for a, b in zip(ta, tb))
+        # default mode: errors dropped from the state dict and reset on load
+        half_d, _, optd, psd = run_opt(cls, kw, p0, g[:7], rank)
+        sd = optd.state_dict()
+        res[f"{name}_default_saved_errors"] = any(
+            "worker_error" in s for s in sd["state"].values()) or "errors" in sd["compcomm"]
+        psd2 = [torch.nn.Parameter(p.detach().clone()) for p in psd]
+        optd2 = cls(psd2, **kw)
+        optd2.load_state_dict(_load_bytes(_state_bytes(sd)))
+        res[f"{name}_default_sched_restored"] = optd2.sched == optd.sched
+        for p, gg in zip(psd2, g[7][rank]):
+            p.grad = torch.tensor(gg)
+        optd2.step()
+        res[f"{name}_default_finite"] = all(bool(torch.isfinite(p).all()) for p in psd2)
+        if rank == 0:
+            res[f"{name}_exact_sd_rank0"] = blob
+    # masks: the new optimizer's mask wins over the checkpoint's
+    ps = [torch.nn.Parameter(torch.tensor(p)) for p in p0]
+    m1 = torch.ones(SHAPES[0])
+    m1[0] = 0
+    opt = OneBitAdam([{"params": [ps[0]], "exp_avg_mask": m1}, {"params": ps[1:]}], freeze_step=2)
+    for gstep in g[:4]:
+        for p, gg in zip(ps, gstep[rank]):
+            p.grad = torch.tensor(gg)
+        opt.step()
+    sd = _load_bytes(_state_bytes(opt.state_dict()))
+    m2 = torch.ones(SHAPES[0])
+    m2[1] = 0
+    opt_new = OneBitAdam([{"params": [ps[0]], "exp_avg_mask": m2}, {"params": ps[1:]}],
+                         freeze_step=2)
+    opt_new.load_state_dict(sd)
+    res["mask_new_wins"] = opt_new.param_groups[0]["exp_avg_mask"] is m2
+    opt_none = OneBitAdam([{"params": [ps[0]]}, {"params": ps[1:]}], freeze_step=2)
+    opt_none.load_state_dict(sd)
+    res["mask_dropped"] = "exp_avg_mask" not in opt_none.param_groups[0]
+    res["freeze_key_after_load"] = opt_new.adam_freeze_key
+    return res
+
+
+def amp_and_dtypes(rank: int, world: int) -> Dict[str, Any]:
+    """GradScaler overflow skips on every rank without touching error buffers; bf16/fp16 params
+    keep fp32 state and master copies."""
+    OneBitAdam, ZeroOneAdam, OneBitLamb = _optimizers()
+    res: Dict[str, Any] = {}
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3)
+    opt = OneBitAdam(model.parameters(), lr=0.01, freeze_step=1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    x = torch.randn(4, 6) + rank
+    for it in range(4):
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        scaler.scale(loss).backward()
+        if it == 2 and rank == 0:
+            model.weight.grad[0, 0] = float("inf")
+        before_p = [p.detach().clone() for p in model.parameters()]
+        before_e = [opt.state[p]["worker_error"].clone() for p in model.parameters()
+                    if "worker_error" in opt.state[p]]
+        step_before = opt.sched["step"]
+        scaler.step(opt)
+        scaler.update()
+        if it == 2:
+            res["skipped_params_same"] = all(torch.equal(a, b) for a, b in
+                                             zip(before_p, model.parameters()))
+            res["skipped_errors_same"] = len(before_e) == 2 and all(
+                torch.equal(a, opt.state[p]["worker_error"])
+                for a, p in zip(before_e, model.parameters()))
+            res["skipped_step_same"] = opt.sched["step"] == step_before
+        elif it == 3:
+            res["next_step_ran"] = opt.sched["step"] == step_before + 1
+    # unscaling by the optimizer matches a plain (unscaled) run
+    for cls, kw in [(OneBitAdam, dict(freeze_step=2)), (ZeroOneAdam, dict(Z1)),
+                    (OneBitLamb, dict(freeze_step=2))]:
+        for dtype in (torch.bfloat16, torch.float16):
+            p0 = make_params()
+            g = make_grads(8, world, seed=7)
+            traj, _, opt, ps = run_opt(cls, dict(kw, lr=0.01), p0, g, rank, dtype=dtype)
+            st = opt.state[ps[0]]
+            res[f"{cls.__name__}_{dtype}_state_fp32"] = (
+                st["exp_avg"].dtype == torch.float32 and st["exp_avg_sq"].dtype == torch.float32
+                and st["master_param"].dtype == torch.float32
+                and torch.equal(st["master_param"].to(ps[0].dtype), ps[0].detach()))
+            ref, _, _, _ = run_opt(cls, dict(kw, lr=0.01), p0, g, rank)
+            res[f"{cls.__name__}_{dtype}_close_to_fp32"] = max(
+                float(np.max(np.abs(a - b))) for ta, tb in zip(ref, traj) for a, b in zip(ta, tb))
+    return res
+
+
+def ddp_hook(rank: int, world: int) -> Dict[str, Any]:
+    """DDP + compcomm.ddp_comm_hook follows the same trajectory as the optimizer averaging itself,
+    and leaves local gradients in the compressed phase."""
+    import compcomm
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    OneBitAdam, ZeroOneAdam, _ = _optimizers()
+    res: Dict[str, Any] = {}
+    for cls, kw in [(OneBitAdam, dict(lr=0.01, freeze_step=2)), (ZeroOneAdam, dict(lr=0.01, **Z1))]:
+        torch.manual_seed(0)
+        base = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+        plain = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+        plain.load_state_dict(base.state_dict())
+        ddp = DDP(base)
+        opt_d = cls(ddp.parameters(), **kw)
+        ddp.register_comm_hook(None, compcomm.ddp_comm_hook(opt_d))
+        opt_p = cls(plain.parameters(), **kw)
+        gen = torch.Generator().manual_seed(100 + rank)
+        worst, local_ok = 0.0, True
+        for it in range(8):
+            x = torch.randn(8, 5, generator=gen)
+            averaged = opt_d.next_step_averages()
+            for model, opt in ((ddp, opt_d), (plain, opt_p)):
+                opt.zero_grad()
+                model(x).pow(2).mean().backward()
+            if not averaged:  # compressed/local phase: DDP left local gradients
+                local_ok &= all(torch.allclose(a.grad, b.grad, atol=1e-7)
+                                for a, b in zip(ddp.parameters(), plain.parameters()))
+            opt_d.step()
+            opt_p.step()
+            worst = max(worst, max(float((a - b).abs().max())
+                                   for a, b in zip(ddp.parameters(), plain.parameters())))
+        res[f"{cls.__name__}_maxdiff"] = worst
+        res[f"{cls.__name__}_local_grads"] = local_ok
+    return res
+
+
+def all_cases(rank: int, world: int, with_extras: bool) -> Dict[str, Any]:
+    out = {"traj": trajectories(rank, world), "adamw": adamw_equivalence(rank, world)}
+    if with_extras:
+        out["ckpt"] = checkpoints(rank, world)
+        out["amp"] = amp_and_dtypes(rank, world)
+        out["ddp"] = ddp_hook(rank, world)
+    return out
