@@ -146,10 +146,19 @@ CompressedAllreduceLayout compressed_allreduce_layout(int64_t padded, int world,
   l.scratch = take(static_cast<int64_t>(std::max(k.scale_workspace_bytes(padded),
                                                  k.scale_workspace_bytes(chunk))));
   l.header_send = take(sizeof(Header));
+  if (world == 1) {
+    // A world of one rank exchanges nothing: every receive region is its send region (the local
+    // communicator's copies become no-ops). Extra memory: P/8 bytes plus a record.
+    l.header_recv = l.header_send;
+    l.signs_send = l.signs_recv = take(padded / 8);
+    l.record_send = l.record_recv = take(l.record_bytes);
+    l.total = off;
+    return l;
+  }
   l.header_recv = take(sizeof(Header) * world);
   // The received records reuse the sent signs' bytes: those are dead once the all_to_all returned (the
-  // commit recomputes the worker signs from m and e). Extra memory is then about 3P/8 bytes at W=1 and
-  // (2 + 1/W) P/8 in general: under 10% of an fp32 tensor.
+  // commit recomputes the worker signs from m and e). Extra memory is then (2 + 1/W) P/8 bytes: under
+  // 10% of an fp32 tensor.
   l.signs_send = take(std::max(padded / 8, l.record_bytes * world));
   l.record_recv = l.signs_send;
   l.signs_recv = take(padded / 8);
@@ -166,30 +175,45 @@ int64_t compressed_allreduce_wire_bytes(int64_t padded, int world) {
   return (world - 1) * (header + chunk / 8 + record);
 }
 
-void compressed_allreduce(Communicator& comm, const Buffer& tensor, const Buffer& worker_error,
-                          const Buffer& server_error, const Buffer& workspace, const CallOptions& opts) {
+int64_t compressed_reduce_scatter_wire_bytes(int64_t padded, int world) {
+  const int64_t header = static_cast<int64_t>(sizeof(Header));
+  if (padded == 0) return (world - 1) * header;
+  return (world - 1) * (header + padded / world / 8);
+}
+
+namespace {
+
+// The one algorithm behind both entry points. out == nullptr: compressed allreduce (the records are
+// all-gathered). Otherwise compressed reduce-scatter: no final all-gather; every rank's record but
+// this rank's is taken as "+0" (so the commit writes +0 outside the own chunk) and `out` receives the
+// own chunk.
+void run_compressed(const char* name, Communicator& comm, const Buffer& tensor, const Buffer& worker_error,
+                    const Buffer& server_error, const Buffer* out, const Buffer& workspace,
+                    const CallOptions& opts) {
   const int world = comm.size(), rank = comm.rank();
   const int64_t n = tensor.count, padded = worker_error.count;
   const bool cuda = !tensor.on_host();
   const kernels::InputType itype = input_type(tensor.dtype);
   COMPCOMM_CHECK(worker_error.dtype == DType::kFloat32 && server_error.dtype == DType::kFloat32,
-                 "[rank ", rank, "] compressed_allreduce: worker_error and server_error must be float32");
+                 "[rank ", rank, "] ", name, ": worker_error and server_error must be float32");
   COMPCOMM_CHECK(worker_error.device == tensor.device && server_error.device == tensor.device &&
                      workspace.device == tensor.device,
-                 "[rank ", rank, "] compressed_allreduce: tensor, worker_error, server_error and the "
-                 "workspace must be on the same device");
-  COMPCOMM_CHECK(padded >= n && padded % (8 * world) == 0, "[rank ", rank,
-                 "] compressed_allreduce: worker_error has ", padded,
-                 " elements; it needs a multiple of 8*world_size = ", 8 * world,
+                 "[rank ", rank, "] ", name, ": tensor, worker_error, server_error and the workspace must be "
+                 "on the same device");
+  COMPCOMM_CHECK(padded >= n && padded % (8 * world) == 0, "[rank ", rank, "] ", name, ": worker_error has ",
+                 padded, " elements; it needs a multiple of 8*world_size = ", 8 * world,
                  " that is >= tensor.numel() = ", n);
-  COMPCOMM_CHECK(server_error.count * world == padded, "[rank ", rank,
-                 "] compressed_allreduce: server_error has ", server_error.count,
-                 " elements; it needs worker_error.numel() / world_size = ", padded / world);
+  COMPCOMM_CHECK(server_error.count * world == padded, "[rank ", rank, "] ", name, ": server_error has ",
+                 server_error.count, " elements; it needs worker_error.numel() / world_size = ", padded / world);
+  COMPCOMM_CHECK(out == nullptr || (!cuda && out->on_host() && out->dtype == DType::kFloat32 &&
+                                    out->count * world == padded),
+                 "[rank ", rank, "] ", name, ": out must be a host float32 buffer of worker_error.numel() / "
+                 "world_size elements (and the reduce-scatter takes host buffers only)");
   const CompressedAllreduceLayout l = compressed_allreduce_layout(padded, world, cuda);
-  COMPCOMM_CHECK(workspace.bytes() >= l.total, "[rank ", rank, "] compressed_allreduce: workspace has ",
-                 workspace.bytes(), " bytes; it needs ", l.total);
-  COMPCOMM_CHECK(!cuda || kernels::cuda::built(), "[rank ", rank,
-                 "] compressed_allreduce: tensor is on a CUDA device but this build has no CUDA kernels");
+  COMPCOMM_CHECK(workspace.bytes() >= l.total, "[rank ", rank, "] ", name, ": workspace has ", workspace.bytes(),
+                 " bytes; it needs ", l.total);
+  COMPCOMM_CHECK(!cuda || kernels::cuda::built(), "[rank ", rank, "] ", name,
+                 ": tensor is on a CUDA device but this build has no CUDA kernels");
 
   const Kernels& k = kernels_for(cuda);
   char* ws = static_cast<char*>(workspace.data);
@@ -244,12 +268,24 @@ void compressed_allreduce(Communicator& comm, const Buffer& tensor, const Buffer
   const float* sigmas = &headers[0].scale;
   const int64_t sigma_stride = sizeof(Header) / sizeof(float);
   auto* tau = reinterpret_cast<float*>(record);
+  auto* packed = reinterpret_cast<uint8_t*>(record + kRecordScaleBytes);
   if (!cuda) std::memset(record, 0, static_cast<size_t>(l.record_bytes));
-  check_status(k.server_scale_pack(signs_recv, sigmas, sigma_stride, world, s, chunk, tau,
-                                   reinterpret_cast<uint8_t*>(record + kRecordScaleBytes), scratch, stream),
+  check_status(k.server_scale_pack(signs_recv, sigmas, sigma_stride, world, s, chunk, tau, packed, scratch, stream),
                "server_scale_pack", rank);
-  comm.all_gather(ws_buf.reinterpret(DType::kUInt8, l.record_send, l.record_bytes),
-                  ws_buf.reinterpret(DType::kUInt8, l.record_recv, l.record_bytes * world), opts);
+  if (out == nullptr) {
+    comm.all_gather(ws_buf.reinterpret(DType::kUInt8, l.record_send, l.record_bytes),
+                    ws_buf.reinterpret(DType::kUInt8, l.record_recv, l.record_bytes * world), opts);
+  } else {
+    for (int j = 0; j < world; ++j) {  // host only (checked above)
+      char* rec = records + j * l.record_bytes;
+      if (j == rank) {
+        if (rec != record) std::memcpy(rec, record, static_cast<size_t>(l.record_bytes));
+      } else {
+        std::memset(rec, 0, kRecordScaleBytes);  // scale +0, signs +1: the output there is +0
+        std::memset(rec + kRecordScaleBytes, 0xFF, static_cast<size_t>(l.record_bytes - kRecordScaleBytes));
+      }
+    }
+  }
 
   // 5. Commit. Without a host check, the commit kernels themselves skip the writes when any rank's
   //    server scale is not finite (a non-finite worker scale on any rank makes every server scale so).
@@ -262,105 +298,24 @@ void compressed_allreduce(Communicator& comm, const Buffer& tensor, const Buffer
                                           reinterpret_cast<const uint8_t*>(records + kRecordScaleBytes),
                                           l.record_bytes, world, stream, guard, tau_stride),
                "worker_update_decompress", rank);
+  if (out != nullptr) {
+    auto* o = static_cast<float*>(out->data);
+    const float t = *tau;
+    for (int64_t i = 0; i < chunk; ++i) o[i] = (packed[i >> 3] >> (7 - (i & 7))) & 1 ? t : -t;
+  }
 }
 
-}  // namespace compcomm
+}  // namespace
 
-// ---- compressed reduce-scatter (additive; reuses the header check and the kernels above) ----------
-//
-// Steps 1-4 of compressed_allreduce without the record all-gather: each rank ends with its own server
-// chunk. The commit reuses worker_update_decompress by presenting it W records in which every chunk
-// but this rank's has scale +0 and all-ones signs, so the kernel writes +0 there and this rank's 1-bit
-// chunk at its own positions, while updating the worker error over all P elements as usual. Host
-// buffers only (the records are built with memset/memcpy).
-
-namespace compcomm {
-
-int64_t compressed_reduce_scatter_wire_bytes(int64_t padded, int world) {
-  const int64_t header = static_cast<int64_t>(sizeof(Header));
-  if (padded == 0) return (world - 1) * header;
-  return (world - 1) * (header + padded / world / 8);
+void compressed_allreduce(Communicator& comm, const Buffer& tensor, const Buffer& worker_error,
+                          const Buffer& server_error, const Buffer& workspace, const CallOptions& opts) {
+  run_compressed("compressed_allreduce", comm, tensor, worker_error, server_error, nullptr, workspace, opts);
 }
 
 void compressed_reduce_scatter(Communicator& comm, const Buffer& tensor, const Buffer& worker_error,
                                const Buffer& server_error, const Buffer& out, const Buffer& workspace,
                                const CallOptions& opts) {
-  const int world = comm.size(), rank = comm.rank();
-  const int64_t n = tensor.count, padded = worker_error.count;
-  const kernels::InputType itype = input_type(tensor.dtype);
-  COMPCOMM_CHECK(tensor.on_host() && worker_error.on_host() && server_error.on_host() && out.on_host() &&
-                     workspace.on_host(),
-                 "[rank ", rank, "] compressed_reduce_scatter: only host buffers are supported");
-  COMPCOMM_CHECK(worker_error.dtype == DType::kFloat32 && server_error.dtype == DType::kFloat32 &&
-                     out.dtype == DType::kFloat32,
-                 "[rank ", rank, "] compressed_reduce_scatter: worker_error, server_error and out must be float32");
-  COMPCOMM_CHECK(padded >= n && padded % (8 * world) == 0, "[rank ", rank,
-                 "] compressed_reduce_scatter: worker_error has ", padded,
-                 " elements; it needs a multiple of 8*world_size = ", 8 * world, " that is >= tensor.numel() = ", n);
-  COMPCOMM_CHECK(server_error.count * world == padded && out.count * world == padded, "[rank ", rank,
-                 "] compressed_reduce_scatter: server_error and out need worker_error.numel() / world_size = ",
-                 padded / world, " elements (got ", server_error.count, " and ", out.count, ")");
-  const CompressedAllreduceLayout l = compressed_allreduce_layout(padded, world, false);
-  COMPCOMM_CHECK(workspace.bytes() >= l.total, "[rank ", rank, "] compressed_reduce_scatter: workspace has ",
-                 workspace.bytes(), " bytes; it needs ", l.total);
-
-  const Kernels& k = kernels_for(false);
-  char* ws = static_cast<char*>(workspace.data);
-  auto* header = reinterpret_cast<Header*>(ws + l.header_send);
-  auto* headers = reinterpret_cast<Header*>(ws + l.header_recv);
-  auto* signs_send = reinterpret_cast<uint8_t*>(ws + l.signs_send);
-  auto* signs_recv = reinterpret_cast<uint8_t*>(ws + l.signs_recv);
-  char* record = ws + l.record_send;
-  char* records = ws + l.record_recv;  // aliases signs_send, dead after the all_to_all
-  void* scratch = ws + l.scratch;
-  auto* m = tensor.data;
-  auto* e = static_cast<float*>(worker_error.data);
-  auto* s = static_cast<float*>(server_error.data);
-  const int64_t chunk = padded / world;
-  const int32_t dtype = static_cast<int32_t>(tensor.dtype);
-
-  check_status(k.worker_scale_pack(m, itype, n, e, padded, &header->scale, signs_send, scratch, nullptr),
-               "worker_scale_pack", rank);
-  check_status(k.write_header(header, n, padded, dtype, kHeaderMagic, nullptr), "write_header", rank);
-  const Buffer ws_buf = workspace;
-  comm.all_gather(ws_buf.reinterpret(DType::kUInt8, l.header_send, sizeof(Header)),
-                  ws_buf.reinterpret(DType::kUInt8, l.header_recv, sizeof(Header) * world), opts);
-  check_headers(headers, world, rank, Header{0.0f, 0u, n, padded, dtype, kHeaderMagic});
-  if (padded == 0) return;
-
-  comm.all_to_all(ws_buf.reinterpret(DType::kUInt8, l.signs_send, padded / 8),
-                  ws_buf.reinterpret(DType::kUInt8, l.signs_recv, padded / 8), opts);
-
-  const float* sigmas = &headers[0].scale;
-  const int64_t sigma_stride = sizeof(Header) / sizeof(float);
-  auto* tau = reinterpret_cast<float*>(record);
-  auto* packed = reinterpret_cast<uint8_t*>(record + kRecordScaleBytes);
-  std::memset(record, 0, static_cast<size_t>(l.record_bytes));
-  check_status(k.server_scale_pack(signs_recv, sigmas, sigma_stride, world, s, chunk, tau, packed, scratch,
-                                   nullptr),
-               "server_scale_pack", rank);
-
-  // Commit (no collective can fail any more).
-  for (int j = 0; j < world; ++j) {
-    char* rec = records + j * l.record_bytes;
-    if (j == rank) {
-      std::memcpy(rec, record, static_cast<size_t>(l.record_bytes));
-    } else {
-      std::memset(rec, 0, kRecordScaleBytes);  // scale +0
-      std::memset(rec + kRecordScaleBytes, 0xFF, static_cast<size_t>(l.record_bytes - kRecordScaleBytes));
-    }
-  }
-  const int64_t tau_stride = l.record_bytes / static_cast<int64_t>(sizeof(float));
-  check_status(k.server_update(signs_recv, sigmas, sigma_stride, world, s, chunk, tau, nullptr, nullptr, 0),
-               "server_update", rank);
-  check_status(k.worker_update_decompress(m, itype, n, e, padded, &header->scale,
-                                          reinterpret_cast<const float*>(records), tau_stride,
-                                          reinterpret_cast<const uint8_t*>(records + kRecordScaleBytes),
-                                          l.record_bytes, world, nullptr, nullptr, 0),
-               "worker_update_decompress", rank);
-  auto* o = static_cast<float*>(out.data);
-  const float t = *tau;
-  for (int64_t i = 0; i < chunk; ++i) o[i] = (packed[i >> 3] >> (7 - (i & 7))) & 1 ? t : -t;
+  run_compressed("compressed_reduce_scatter", comm, tensor, worker_error, server_error, &out, workspace, opts);
 }
 
 }  // namespace compcomm

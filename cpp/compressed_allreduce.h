@@ -38,10 +38,6 @@ int64_t compressed_allreduce_wire_bytes(int64_t padded, int world);
 void compressed_allreduce(Communicator& comm, const Buffer& tensor, const Buffer& worker_error,
                           const Buffer& server_error, const Buffer& workspace, const CallOptions& opts);
 
-}  // namespace compcomm
-
-namespace compcomm {
-
 // The 1-bit compressed reduce-scatter: the compressed allreduce without its final all-gather
 // (phase 1 + server compression). Same inputs, padding rule and error-feedback updates as
 // compressed_allreduce; the workspace is sized by compressed_allreduce_layout. On return, `out`
