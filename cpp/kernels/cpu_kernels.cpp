@@ -8,6 +8,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "half.h"
 #include "kernels.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -19,57 +20,17 @@
 namespace compcomm::kernels::cpu {
 namespace {
 
-float half_bits_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
-  uint32_t bits;
-  if (exp == 0) {  // zero or subnormal: mant * 2^-24 is exact in fp32
-    const float v = std::ldexp(static_cast<float>(mant), -24);
-    std::memcpy(&bits, &v, 4);
-    bits |= sign;
-  } else if (exp == 31) {
-    bits = sign | 0x7f800000u | (mant << 13);
-  } else {
-    bits = sign | ((exp + 112u) << 23) | (mant << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-// Round to nearest even, as torch's .half() does.
-uint16_t float_to_half_bits(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
-  const uint32_t sign = (x >> 16) & 0x8000u, absx = x & 0x7fffffffu;
-  if (absx >= 0x7f800000u) return static_cast<uint16_t>(sign | 0x7c00u | (absx > 0x7f800000u ? 0x200u : 0u));
-  if (absx >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to inf
-  if (absx < 0x38800000u) {                                              // half subnormal or zero
-    float a;
-    std::memcpy(&a, &absx, 4);
-    return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(a * 16777216.0f)));
-  }
-  const uint32_t mant = absx & 0x7fffffu;
-  uint32_t h = (((absx >> 23) - 127u + 15u) << 10) | (mant >> 13);
-  const uint32_t rem = mant & 0x1fffu;
-  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;
-  return static_cast<uint16_t>(sign | h);
-}
-
-uint16_t float_to_bf16_bits(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
-  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);
-  x += 0x7fffu + ((x >> 16) & 1u);
-  return static_cast<uint16_t>(x >> 16);
-}
+using half::bf16_to_float;
+using half::float_to_bf16;
+using half::float_to_half;
+using half::half_to_float;
 
 struct Tables {
   float half_to_float[65536];
   uint8_t reverse[256];  // bit-reversed byte: movemask order (LSB first) -> packed order (MSB first)
   float sign[256][8];    // sign[b][t] = +1 if bit 7-t of b is set, else -1
   Tables() {
-    for (uint32_t h = 0; h < 65536; ++h) half_to_float[h] = half_bits_to_float(static_cast<uint16_t>(h));
+    for (uint32_t h = 0; h < 65536; ++h) half_to_float[h] = half::half_to_float(static_cast<uint16_t>(h));
     for (int b = 0; b < 256; ++b) {
       uint8_t r = 0;
       for (int t = 0; t < 8; ++t) {
@@ -114,7 +75,7 @@ struct F16 {
   static float load(const void* p, int64_t k, const Tables& t) {
     return t.half_to_float[static_cast<const uint16_t*>(p)[k]];
   }
-  static uint16_t store_bits(float v) { return float_to_half_bits(v); }
+  static uint16_t store_bits(float v) { return float_to_half(v); }
 #ifdef COMPCOMM_X86
   COMPCOMM_AVX2 static __m256 load8(const void* p, int64_t k) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + k)));
@@ -124,12 +85,9 @@ struct F16 {
 struct BF16 {
   using T = uint16_t;
   static float load(const void* p, int64_t k, const Tables&) {
-    const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(p)[k]) << 16;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
+    return bf16_to_float(static_cast<const uint16_t*>(p)[k]);
   }
-  static uint16_t store_bits(float v) { return float_to_bf16_bits(v); }
+  static uint16_t store_bits(float v) { return float_to_bf16(v); }
 #ifdef COMPCOMM_X86
   COMPCOMM_AVX2 static __m256 load8(const void* p, int64_t k) {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + k));

@@ -1,5 +1,7 @@
 #include "mpi_comm.h"
 
+#include "../kernels/half.h"
+
 #if __has_include(<mpi-ext.h>)
 #include <mpi-ext.h>  // Open MPI's extensions: MPIX_Query_cuda_support
 #endif
@@ -73,53 +75,10 @@ std::string error_string(int rc) {
 
 // ---- 16-bit floats: MPI has no such types, so reductions use our own MPI_Ops ---------------------
 
-float bits_to_float(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-uint32_t float_to_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-
-float half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
-  if (exp == 0) {
-    if (mant == 0) return bits_to_float(sign);
-    exp = 127 - 15 + 1;  // subnormal: normalize
-    while (!(mant & 0x400u)) {
-      mant <<= 1;
-      --exp;
-    }
-    return bits_to_float(sign | (exp << 23) | ((mant & 0x3ffu) << 13));
-  }
-  if (exp == 31) return bits_to_float(sign | 0x7f800000u | (mant << 13));
-  return bits_to_float(sign | ((exp + 112) << 23) | (mant << 13));
-}
-
-uint16_t float_to_half(float f) {  // round to nearest even
-  const uint32_t x = float_to_bits(f);
-  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
-  const uint32_t ax = x & 0x7fffffffu;
-  if (ax >= 0x7f800000u) return sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u);
-  if (ax >= 0x477ff000u) return sign | 0x7c00u;  // >= 65520 rounds to inf
-  if (ax < 0x38800000u)                          // below 2^-14: subnormal (exact scaling, then RNE)
-    return sign | static_cast<uint16_t>(std::nearbyint(bits_to_float(ax) * 16777216.0f));
-  uint32_t h = (((ax >> 23) - 112) << 10) | ((ax & 0x7fffffu) >> 13);
-  const uint32_t rem = ax & 0x1fffu;
-  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;
-  return sign | static_cast<uint16_t>(h);
-}
-
-float bf16_to_float(uint16_t b) { return bits_to_float(static_cast<uint32_t>(b) << 16); }
-uint16_t float_to_bf16(float f) {
-  const uint32_t x = float_to_bits(f);
-  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);  // quiet NaN
-  return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
-}
+using half::bf16_to_float;
+using half::float_to_bf16;
+using half::float_to_half;
+using half::half_to_float;
 
 struct SumOp {
   float operator()(float a, float b) const { return a + b; }
