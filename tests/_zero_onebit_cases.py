@@ -10,23 +10,24 @@ import torch
 SIZES = [5, 7, 3, 11]  # none a multiple of 8, buckets of reduce_bucket_size=12 split them unevenly
 
 
-def init_params() -> List[torch.Tensor]:
+def init_params(sizes: List[int] = SIZES) -> List[torch.Tensor]:
     g = torch.Generator().manual_seed(7)
-    return [torch.randn(n, generator=g) for n in SIZES]
+    return [torch.randn(n, generator=g) for n in sizes]
 
 
-def grad(rank: int, step: int, micro: int, i: int) -> torch.Tensor:
+def grad(rank: int, step: int, micro: int, i: int, sizes: List[int] = SIZES) -> torch.Tensor:
     """Rank ``rank``'s gradient of parameter i in micro-step ``micro`` of step ``step``."""
     g = torch.Generator().manual_seed(100000 * step + 1000 * micro + 10 * i + rank)
-    return torch.randn(SIZES[i], generator=g) * (0.5 + i)
+    return torch.randn(sizes[i], generator=g) * (0.5 + i)
 
 
-def _params() -> List[torch.nn.Parameter]:
-    return [torch.nn.Parameter(t.clone()) for t in init_params()]
+def _params(sizes: List[int] = SIZES) -> List[torch.nn.Parameter]:
+    return [torch.nn.Parameter(t.clone()) for t in init_params(sizes)]
 
 
 def _backward(params, rank: int, step: int, micro: int) -> None:
-    loss = sum((p * grad(rank, step, micro, i)).sum() for i, p in enumerate(params))
+    sizes = [p.numel() for p in params]
+    loss = sum((p * grad(rank, step, micro, i, sizes)).sum() for i, p in enumerate(params))
     loss.backward()
 
 
@@ -40,7 +41,7 @@ def _optimizer(case: Dict[str, Any]):
 def run_case(rank: int, world: int, comm: Any, case: Dict[str, Any]) -> Dict[str, Any]:
     from compcomm.zero import ZeroOptimizer
 
-    params = _params()
+    params = _params(case.get("sizes", SIZES))
     z = ZeroOptimizer(params, _optimizer(case), stage=case["stage"], process_group=comm,
                       optimizer_kwargs=case["kwargs"], gradient_accumulation_steps=case["gas"],
                       reduce_bucket_size=case["bucket"])
