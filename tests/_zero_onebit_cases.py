@@ -44,6 +44,7 @@ def run_case(rank: int, world: int, comm: Any, case: Dict[str, Any]) -> Dict[str
     params = _params(case.get("sizes", SIZES))
     z = ZeroOptimizer(params, _optimizer(case), stage=case["stage"], process_group=comm,
                       optimizer_kwargs=case["kwargs"], gradient_accumulation_steps=case["gas"],
+                      gradient_clipping=case.get("clip", 0.0),
                       reduce_bucket_size=case["bucket"])
     out: Dict[str, Any] = {"params": [], "bytes": [], "compressed": []}
     for t in range(1, case["steps"] + 1):

@@ -26,6 +26,11 @@ back into the flat parameter buffer that the model's parameters are views of, in
 ``gradient_accumulation_steps`` micro-steps; ``gradient_clipping`` clips by the global norm across
 shards (one all-reduce of a scalar).
 
+With ``compcomm.optim.OneBitAdam`` or ``ZeroOneAdam`` (stage 1/2) the compressed phase reduces each
+bucket of this rank's local momentum contribution ``(1-b1) * g_local`` (ZeroOneAdam: its local gradient)
+with the 1-bit :func:`~compcomm.zero.compressed_reduce_scatter` and per-bucket error feedback; see
+docs/zero.md, "1-bit optimizers with ZeRO stage 1/2".
+
 Collectives issued from hooks run in autograd's order, which is the same on every rank for the same
 model; every rank must run the same modules.
 """
@@ -91,6 +96,13 @@ class ZeroOptimizer:
         The optimizer to wrap, e.g. ``torch.optim.AdamW`` (or a ``functools.partial`` of one). It is
         built on the fp32 master shards, one tensor per group. Must be elementwise (Adam, AdamW,
         SGD, ...): a per-tensor rule such as LAMB would see shards, not tensors.
+        ``compcomm.optim.OneBitAdam`` and ``ZeroOneAdam`` are supported with stage 1 and 2: the
+        wrapped optimizer runs on the shards without communicating, and in its compressed phase
+        ZeroOptimizer reduces ``(1-b1) * g_local`` (OneBitAdam) or ``g_local`` (ZeroOneAdam's 1-bit
+        gradient steps) with the 1-bit compressed reduce-scatter, error feedback per bucket and
+        rank, so the shard's momentum becomes ``b1*m_r + RS_1bit((1-b1) g_local)_r``. Stage 3 and
+        ``OneBitLamb`` raise ValueError; ZeroOneAdam's local-step phase raises
+        :class:`~compcomm.errors.UnsupportedError` when reached.
     stage : {1, 2, 3}
         ZeRO stage.
     process_group : torch ProcessGroup or compcomm Communicator, optional
