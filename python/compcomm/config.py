@@ -239,10 +239,11 @@ def from_config(
                 model = torch.nn.parallel.DistributedDataParallel(model, process_group=process_group)
             optimizer = opt_cls(model.parameters(), **opt_kw)
         return TrainingSetup(model, optimizer, normalized, tb, mb, ga)
-    if onebit:
+    if onebit and stage == 3:
         raise ValueError(
-            f"optimizer.type={cfg['optimizer']['type']!r} with zero_optimization.stage={stage}: "
-            "1-bit optimizers with ZeRO (compressed momentum reduce-scatter) are not implemented yet"
+            f"optimizer.type={cfg['optimizer']['type']!r} with zero_optimization.stage=3: 1-bit "
+            "optimizers are supported with ZeRO stage 1 and 2 only (the compressed momentum "
+            "reduce-scatter is not implemented for stage 3)"
         )
     zkw = {k: v for k, v in zero.items() if k != "stage"}
     optimizer = ZeroOptimizer(

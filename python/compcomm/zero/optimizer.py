@@ -26,6 +26,11 @@ back into the flat parameter buffer that the model's parameters are views of, in
 ``gradient_accumulation_steps`` micro-steps; ``gradient_clipping`` clips by the global norm across
 shards (one all-reduce of a scalar).
 
+With ``compcomm.optim.OneBitAdam`` or ``ZeroOneAdam`` (stage 1/2) the compressed phase reduces each
+bucket of this rank's local momentum contribution ``(1-b1) * g_local`` (ZeroOneAdam: its local gradient)
+with the 1-bit :func:`~compcomm.zero.compressed_reduce_scatter` and per-bucket error feedback; see
+docs/zero.md, "1-bit optimizers with ZeRO stage 1/2".
+
 Collectives issued from hooks run in autograd's order, which is the same on every rank for the same
 model; every rank must run the same modules.
 """
@@ -43,6 +48,7 @@ from .. import _C
 from .._buffers import buffer_of
 from .._comm import resolve
 from ..collectives import DEFAULT_TIMEOUT
+from ..errors import UnsupportedError
 from .config import validate_zero_config
 
 __all__ = ["ZeroOptimizer", "initialize"]
@@ -54,6 +60,7 @@ warnings.filterwarnings(
 )
 
 ALIGNMENT = 2  # DeepSpeed's nccl_start_alignment_factor
+ONEBIT_ALIGNMENT = 8  # 1-bit optimizers: chunks of whole bytes of signs
 
 
 class _Group:
@@ -89,6 +96,13 @@ class ZeroOptimizer:
         The optimizer to wrap, e.g. ``torch.optim.AdamW`` (or a ``functools.partial`` of one). It is
         built on the fp32 master shards, one tensor per group. Must be elementwise (Adam, AdamW,
         SGD, ...): a per-tensor rule such as LAMB would see shards, not tensors.
+        ``compcomm.optim.OneBitAdam`` and ``ZeroOneAdam`` are supported with stage 1 and 2: the
+        wrapped optimizer runs on the shards without communicating, and in its compressed phase
+        ZeroOptimizer reduces ``(1-b1) * g_local`` (OneBitAdam) or ``g_local`` (ZeroOneAdam's 1-bit
+        gradient steps) with the 1-bit compressed reduce-scatter, error feedback per bucket and
+        rank, so the shard's momentum becomes ``b1*m_r + RS_1bit((1-b1) g_local)_r``. Stage 3 and
+        ``OneBitLamb`` raise ValueError; ZeroOneAdam's local-step phase raises
+        :class:`~compcomm.errors.UnsupportedError` when reached.
     stage : {1, 2, 3}
         ZeRO stage.
     process_group : torch ProcessGroup or compcomm Communicator, optional
@@ -161,6 +175,14 @@ class ZeroOptimizer:
         self.skipped_steps = 0
         self.global_steps = 0
         self.overlap = bool(self.config["overlap_comm"])
+        self.onebit = _onebit_kind(optimizer_class)
+        if self.onebit is not None and stage == 3:
+            raise ValueError(
+                f"optimizer_class: {self.onebit} with ZeRO stage 3 is not supported (the compressed "
+                "momentum reduce-scatter is implemented for stage 1 and 2)"
+            )
+        self._errors: Dict[tuple, tuple] = {}  # (group, bucket) -> (worker_error, server_error)
+        self._compress_now = False  # set at the start of each compressed-phase accumulation
         self._async = _C.zero.AsyncComm(self.comm)
         self._pending: List[tuple] = []  # stage 2/3: (work, group, bucket, staging, recv)
         self._free_staging: Dict[tuple, List[torch.Tensor]] = {}
@@ -182,7 +204,10 @@ class ZeroOptimizer:
             dtypes = {p.dtype for p in ps}
             if len(dtypes) > 1:
                 raise ValueError(f"params: a parameter group mixes dtypes {sorted(map(str, dtypes))}")
-            plan = _C.zero.plan_buckets([p.numel() for p in ps], bucket, self.world, ALIGNMENT)
+            # 1-bit: chunks a multiple of 8 elements, so a bucket is directly the compressed
+            # reduce-scatter's input (P = padded, a multiple of 8 * world) and chunk r its output
+            align = ONEBIT_ALIGNMENT if self.onebit is not None else ALIGNMENT
+            plan = _C.zero.plan_buckets([p.numel() for p in ps], bucket, self.world, align)
             options = {k: v for k, v in g.items() if k != "params"}
             self.groups.append(_Group(ps, plan, options))
 
@@ -190,6 +215,8 @@ class ZeroOptimizer:
             self._partition(grp)
 
         kwargs = dict(optimizer_kwargs or {})
+        if self.onebit is not None:
+            kwargs = _onebit_inner_kwargs(self.onebit, kwargs)
         self.optimizer = optimizer_class(
             [dict(grp.options, params=[grp.master]) for grp in self.groups], **kwargs
         )
@@ -271,7 +298,10 @@ class ZeroOptimizer:
         grp.arrived[bi].add(ti)
         b = grp.buckets[bi]
         if len(grp.arrived[bi]) == b["last_tensor"] - b["first_tensor"]:
-            self._submit_bucket(gi, bi)
+            if self._compressed_phase():
+                grp.arrived[bi].clear()  # kept staged until step() compresses it
+            else:
+                self._submit_bucket(gi, bi)
         if self._stage3 is not None:
             self._stage3.after_grad(p)
 
@@ -314,6 +344,98 @@ class ZeroOptimizer:
                 grp.plan, buffer_of(flat), buffer_of(shard), timeout_s=self.timeout
             ).wait(self.timeout)
             grp.master.grad = shard.to(torch.float32)
+
+    # ---- 1-bit optimizers: the compressed phase -----------------------------------------------
+
+    def _compressed_phase(self) -> bool:
+        """Whether the coming step reduces gradients with the 1-bit compressed reduce-scatter."""
+        if self.onebit is None:
+            return False
+        if self.onebit == "ZeroOneAdam":
+            return self.optimizer.step_kind() == "grad1bit"
+        return not self.optimizer.next_step_averages()
+
+    def _momentum_factor(self, gi: int) -> float:
+        """What the compressed tensor is multiplied by: ``1 - beta1`` for OneBitAdam (its local
+        momentum contribution), 1 for ZeroOneAdam (which compresses gradients)."""
+        if self.onebit == "OneBitAdam":
+            return 1.0 - float(self.optimizer.param_groups[gi]["betas"][0])
+        return 1.0
+
+    def _error_buffers(self, gi: int, bi: int) -> tuple:
+        """(worker_error of the bucket's padded length, server_error of its chunk), fp32."""
+        key = (gi, bi)
+        if key not in self._errors:
+            b = self.groups[gi].buckets[bi]
+            self._errors[key] = (torch.zeros(b["padded"], dtype=torch.float32),
+                                 torch.zeros(b["chunk"], dtype=torch.float32))
+        return self._errors[key]
+
+    def _flush_compressed(self) -> float:
+        """Compressed phase: compress every bucket of this rank's local gradient into its fp32
+        gradient shard. Bucket ``b`` of the local gradient ``g`` (averaged over micro-steps,
+        unscaled, clipped) is sent as ``k * g_b`` (``k = 1 - beta1`` for OneBitAdam, 1 for
+        ZeroOneAdam) through :func:`compressed_reduce_scatter` with the bucket's error buffers;
+        chunk r of the 1-bit average, divided by ``k`` and zero at padding positions, becomes rank
+        r's gradient shard, so the
+        wrapped optimizer's ``m = b1*m + (1-b1)*grad`` adds ``RS_1bit((1-b1) g_local)_r``.
+
+        Returns the mean over ranks of the squared norm of the local gradients (one all-reduce),
+        used for the non-finite check and for ``gradient_clipping``.
+        """
+        from .compressed import compressed_reduce_scatter
+
+        self._complete(len(self._pending))
+        scale = 1.0 / (self.gas * self.loss_scale)
+        items = []  # (group, bucket, fp32 local gradient of the bucket, padded)
+        for gi, grp in enumerate(self.groups):
+            if self.stage >= 2:
+                for bi, b in enumerate(grp.buckets):
+                    st = grp.staging.get(bi)
+                    x = st.to(torch.float32) if st is not None else torch.zeros(b["padded"])
+                    items.append((gi, bi, x))
+                for base in grp.staging_base.values():
+                    self._free_staging.setdefault((grp.max_padded, grp.dtype), []).append(base)
+                grp.staging.clear()
+                grp.staging_base.clear()
+                for a in grp.arrived:
+                    a.clear()
+            else:
+                flat = torch.zeros(grp.plan.flat_numel, dtype=torch.float32)
+                for p, (n, off, _) in zip(grp.params, grp.tensors):
+                    if p.grad is not None:
+                        flat[off : off + n].copy_(p.grad.reshape(-1))
+                for bi, b in enumerate(grp.buckets):
+                    items.append((gi, bi, flat[b["offset"] : b["offset"] + b["padded"]]))
+                grp.master.grad = torch.zeros(grp.plan.shard_numel, dtype=torch.float32)
+        local = torch.zeros(1, dtype=torch.float64)
+        for _, _, x in items:
+            local += x.double().pow(2).sum()
+        local *= scale * scale
+        self._async.all_reduce(buffer_of(local), _C.ReduceOp.sum, self.timeout).wait(self.timeout)
+        norm_sq = float(local.item()) / self.world
+        if not math.isfinite(norm_sq):
+            return norm_sq
+        coef = scale
+        norm = math.sqrt(norm_sq)
+        if self.clip > 0 and norm > self.clip:
+            coef *= self.clip / (norm + 1e-6)
+        for gi, bi, x in items:
+            b = self.groups[gi].buckets[bi]
+            k = self._momentum_factor(gi)
+            x.mul_(coef * k)
+            out = self.groups[gi].master.grad[b["shard_offset"] : b["shard_offset"] + b["chunk"]]
+            if self.world == 1:  # as the unsharded optimizers: no compression without peers
+                out.copy_(x)
+            else:
+                we, se = self._error_buffers(gi, bi)
+                compressed_reduce_scatter(x, we, se, out=out, group=self.comm, timeout=self.timeout)
+            if k != 1.0:
+                out.div_(k)
+            pad = max(0, b["numel"] - self.rank * b["chunk"])  # 1 bit cannot say 0: mask padding
+            if pad < b["chunk"]:
+                out[pad:].zero_()
+        return norm_sq
 
     # ---- public API --------------------------------------------------------------------------
 
@@ -369,11 +491,22 @@ class ZeroOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._flush()
-        div = float(self.world * self.gas) * self.loss_scale
-        for grp in self.groups:
-            grp.master.grad.div_(div)
-        norm_sq = self._global_norm_sq()
+        compressed = self._compressed_phase()
+        if self.onebit == "ZeroOneAdam" and self.optimizer.freeze_key:
+            self.zero_grad()
+            raise UnsupportedError(
+                "ZeroOneAdam with ZeRO: the local-step phase (steps after var_freeze_step="
+                f"{self.optimizer.var_freeze_step}) is not implemented on sharded state; set "
+                "var_freeze_step to at least the number of training steps, or use OneBitAdam"
+            )
+        if compressed:
+            norm_sq = self._flush_compressed()
+        else:
+            self._flush()
+            div = float(self.world * self.gas) * self.loss_scale
+            for grp in self.groups:
+                grp.master.grad.div_(div)
+            norm_sq = self._global_norm_sq()
         self.last_grad_norm = math.sqrt(norm_sq) if math.isfinite(norm_sq) else float("inf")
         if not math.isfinite(norm_sq):
             self.skipped_steps += 1
@@ -382,7 +515,7 @@ class ZeroOptimizer:
                 self._good_steps = 0
             self.zero_grad()
             return loss
-        if self.clip > 0 and self.last_grad_norm > self.clip:
+        if self.clip > 0 and self.last_grad_norm > self.clip and not compressed:
             coef = self.clip / (self.last_grad_norm + 1e-6)
             for grp in self.groups:
                 grp.master.grad.mul_(coef)
@@ -465,6 +598,8 @@ class ZeroOptimizer:
             buffers += sum(t.numel() * t.element_size() for t in grp.staging_base.values())
         buffers += sum(e[3].numel() * e[3].element_size() + e[4].numel() * e[4].element_size()
                        for e in self._pending)
+        for we, se in self._errors.values():
+            buffers += (we.numel() + se.numel()) * 4
         for st in self.optimizer.state.values():
             for v in st.values():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
@@ -507,6 +642,43 @@ class ZeroOptimizer:
         from .checkpoint import load_shard_state_dict
 
         load_shard_state_dict(self, sd)
+
+
+def _onebit_kind(optimizer_class: Any) -> Optional[str]:
+    """'OneBitAdam' / 'ZeroOneAdam' for those compcomm optimizers (or partials of them), None for
+    any other optimizer; ValueError for OneBitLamb (its trust ratio is per tensor, not per shard)."""
+    cls = optimizer_class
+    while isinstance(cls, functools.partial):
+        cls = cls.func
+    if not isinstance(cls, type):
+        return None
+    from ..optim import OneBitAdam, OneBitLamb, ZeroOneAdam
+
+    if issubclass(cls, OneBitLamb):
+        raise ValueError(
+            "optimizer_class: OneBitLamb cannot be wrapped by ZeroOptimizer (LAMB's trust ratio is "
+            "per parameter, a shard is not one); use it with ZeRO stage 0"
+        )
+    if issubclass(cls, ZeroOneAdam):
+        return "ZeroOneAdam"
+    if issubclass(cls, OneBitAdam):
+        return "OneBitAdam"
+    return None
+
+
+def _onebit_inner_kwargs(name: str, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """Arguments for the wrapped 1-bit optimizer: it runs on this rank's shards alone (a world of
+    one rank, gradients already reduced by ZeroOptimizer), so it never communicates itself."""
+    for key, ok in (("comm_backend_name", ("torch",)), ("grads_averaged", (False,)),
+                    ("process_group", (None,)), ("exact_resume", (False,))):
+        if key in kwargs and kwargs[key] not in ok:
+            raise ValueError(
+                f"optimizer_kwargs.{key}={kwargs[key]!r} is not supported with ZeRO: ZeroOptimizer "
+                "does the communication on its own process group (and its error buffers are reset "
+                "on checkpoint load)"
+            )
+    return dict(kwargs, comm_backend_name="torch", grads_averaged=True,
+                process_group=_C.LocalCommunicator(), exact_resume=False)
 
 
 def _numel(p: torch.Tensor) -> int:
@@ -704,10 +876,10 @@ def initialize(
     if zero["stage"] not in (1, 2, 3):
         raise ValueError(f"zero_config.stage must be 1, 2 or 3, got {zero['stage']!r}")
     cls, kw, onebit = _optimizer_factory(optimizer_config)
-    if onebit:
+    if onebit and zero["stage"] == 3:
         raise ValueError(
-            f"optimizer_config.type={optimizer_config['type']!r}: 1-bit optimizers with ZeRO are not "
-            "implemented yet"
+            f"optimizer_config.type={optimizer_config['type']!r} with zero_config.stage=3: 1-bit "
+            "optimizers are supported with ZeRO stage 1 and 2 only"
         )
     return ZeroOptimizer(model.parameters(), cls, process_group=process_group, module=model,
                          optimizer_kwargs=kw, **kwargs, **zero)
