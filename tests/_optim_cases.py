@@ -75,6 +75,9 @@ def trajectories(rank: int, world: int) -> Dict[str, Any]:
     g = make_grads(14, world, seed=2)
     traj, kinds, opt, _ = run_opt(ZeroOneAdam, dict(lr=0.01, weight_decay=0.01, **Z1), p0, g, rank)
     out["zoadam"], out["zoadam_kinds"] = traj, kinds
+    traj, _, _, _ = run_opt(ZeroOneAdam, dict(lr=0.01, weight_decay=0.01, wd_in_momentum=True,
+                                              **Z1), p0, g, rank)
+    out["zoadam_wd_in_m"] = traj
     g = make_grads(10, world, seed=3)
     traj, _, opt, _ = run_opt(OneBitLamb, dict(lr=0.01, freeze_step=4, weight_decay=0.01), p0, g,
                               rank)

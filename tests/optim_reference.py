@@ -191,9 +191,12 @@ def zero_one_adam(params: List[np.ndarray], grads: List[List[List[np.ndarray]]],
                   var_freeze_step: int, var_update_scaler: int, local_step_scaler: int,
                   local_step_clipper: int, betas=(0.9, 0.999), eps: float = 1e-8,
                   wd: float = 0.0, masks: Optional[List[Optional[np.ndarray]]] = None,
-                  fused: bool = False):
+                  fused: bool = False, wd_in_momentum: bool = True):
     """0/1 Adam (no bias correction). Returns (``out[t][r][i]`` per-rank parameters, kinds).
-    ``fused``: one compressed allreduce over all parameters (one group) per communication."""
+    ``fused``: one compressed allreduce over all parameters (one group) per communication.
+    ``wd_in_momentum``: True is the spec (DeepSpeed: the momentum rebuilt at a sync keeps the
+    weight-decay part of the accumulated update); False is compcomm's default, which subtracts
+    ``wd * p_sync * (sqrt(v)+eps)`` (masked) from it."""
     world = len(grads[0])
     kinds = zero_one_schedule(len(grads), var_freeze_step, var_update_scaler, local_step_scaler,
                               local_step_clipper)
@@ -255,6 +258,9 @@ def zero_one_adam(params: List[np.ndarray], grads: List[List[List[np.ndarray]]],
                 ri = masked(red[i], i)
                 for r in range(world):
                     ms[r][i] = (ri / f32(-lrs)).astype(f32)
+                    if wd > 0 and not wd_in_momentum:  # ps[r][i] is the rolled-back point
+                        corr = masked((ps[r][i] * denoms[i] * f32(wd)).astype(f32), i)
+                        ms[r][i] = (ms[r][i] - corr).astype(f32)
                     ps[r][i] = (ps[r][i] + ri / denoms[i]).astype(f32)
                     us[r][i] = np.zeros_like(us[r][i])
             lrs = 0.0

@@ -73,13 +73,50 @@ def test_fused_onebit_adam_matches_reference(world):
 def test_zero_one_adam_matches_reference_and_schedule(world):
     outs = results(world)
     ref, kinds = R.zero_one_adam(C.make_params(), C.make_grads(14, world, seed=2), lr=0.01,
-                                 wd=0.01, **C.Z1)
+                                 wd=0.01, wd_in_momentum=False, **C.Z1)
     # the spec's timeline for this config (DeepSpeed user steps; step 1 = init call there)
     assert kinds == ["var", "var", "grad1bit", "var", "grad1bit", "sync", "local", "sync",
                      "local", "sync", "local", "sync", "local", "sync"]
     for o in outs:
         assert o["traj"]["zoadam_kinds"] == kinds
     assert max_diff([o["traj"]["zoadam"] for o in outs], ref) < TRAJ_ATOL
+    # wd_in_momentum=True is the spec's (DeepSpeed's) sync, weight decay kept in the momentum
+    ref_ds, _ = R.zero_one_adam(C.make_params(), C.make_grads(14, world, seed=2), lr=0.01,
+                                wd=0.01, **C.Z1)
+    assert max_diff([o["traj"]["zoadam_wd_in_m"] for o in outs], ref_ds) < TRAJ_ATOL
+    assert max_diff([o["traj"]["zoadam"] for o in outs], ref_ds) > 20 * TRAJ_ATOL
+
+
+def _run_single(cls, kw, steps=40, seed=5):
+    """One rank: a quadratic-ish problem with fresh gradients every step; the parameters after
+    every step (float64 copies)."""
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.nn.Parameter(torch.randn(64, generator=gen))
+    target = torch.randn(64, generator=gen)
+    opt = cls([p], **kw)
+    out = []
+    for _ in range(steps):
+        noise = 0.1 * torch.randn(64, generator=gen)
+        p.grad = (p.detach() - target) + noise
+        opt.step()
+        out.append(p.detach().double().clone())
+    return torch.stack(out)
+
+
+def test_zero_one_adam_syncing_every_step_is_onebit_adam_with_weight_decay():
+    # One rank (compression is the identity), variance updated every step of the variance phase
+    # (last variance step: var_freeze_step+1), then local steps that sync every step: 0/1 Adam is
+    # then exactly 1-bit Adam frozen after the same step -- weight decay included. DeepSpeed's sync
+    # rebuilt the momentum with the weight-decay term in it (~10x the decay at beta1=0.9).
+    # (bias_correction=False: with True, ZeroOneAdam freezes the momentum's correction factor too.)
+    common = dict(lr=0.05, weight_decay=0.2)
+    zo = dict(var_freeze_step=9, var_update_scaler=10**6, local_step_scaler=10**6,
+              local_step_clipper=1, **common)
+    ref = _run_single(OneBitAdam, dict(freeze_step=10, **common))
+    got = _run_single(ZeroOneAdam, zo)
+    assert float((got - ref).abs().max()) < 1e-5
+    ds = _run_single(ZeroOneAdam, dict(zo, wd_in_momentum=True))
+    assert float((ds - ref).abs().max()) > 1e-3
 
 
 @pytest.mark.parametrize("world", WORLDS)

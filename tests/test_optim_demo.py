@@ -40,3 +40,11 @@ def test_demo_allreduce_subcommand_dispatch(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "compcomm.demos.allreduce", fake)
     assert demo.main(["allreduce", "--sizes", "1000"]) == 0
     assert calls == [["--sizes", "1000"]]
+
+
+def test_demo_zero_one_local_step_schedule_scales_with_the_run():
+    # DeepSpeed's local_step_scaler 32678 is ~1/3 of a 100k-step run; the demo keeps that share
+    assert demo.local_step_scaler(demo.parse_args([])) == 98
+    assert demo.local_step_scaler(demo.parse_args(["--steps", "1000"])) == 327
+    assert demo.local_step_scaler(demo.parse_args(["--local-step-scaler", "7"])) == 7
+    assert demo.parse_args([]).local_step_clipper == 4

@@ -99,6 +99,18 @@ def param_groups(model: Any) -> List[Dict[str, Any]]:
     return [{"params": ps} for ps in roles.values() if ps]
 
 
+#: DeepSpeed's local_step_scaler (32678) is about a third of the ~100k-step runs it was made for
+LOCAL_STEP_FRAC = 32678 / 100_000
+
+
+def local_step_scaler(args: argparse.Namespace) -> int:
+    """ZeroOneAdam's ``local_step_scaler``: ``--local-step-scaler`` if given, else the same
+    fraction of the run as DeepSpeed's default is of a 100k-step run (98 of 300 steps)."""
+    if args.local_step_scaler:
+        return args.local_step_scaler
+    return max(1, int(round(LOCAL_STEP_FRAC * args.steps)))
+
+
 def make_optimizer(name: str, params: Any, args: argparse.Namespace) -> Any:
     from compcomm.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
 
@@ -116,7 +128,7 @@ def make_optimizer(name: str, params: Any, args: argparse.Namespace) -> Any:
     if name == "zerooneadam":
         return ZeroOneAdam(params, lr=args.lr, var_freeze_step=freeze, **common,
                            var_update_scaler=args.var_update_scaler,
-                           local_step_scaler=args.local_step_scaler,
+                           local_step_scaler=local_step_scaler(args),
                            local_step_clipper=args.local_step_clipper)
     if name == "lamb":
         return OneBitLamb(params, lr=args.lamb_lr, freeze_step=never,
@@ -312,9 +324,19 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--lamb-lr", type=float, default=1e-2)
     p.add_argument("--wd", type=float, default=0.01)
-    p.add_argument("--var-update-scaler", type=int, default=16)
-    p.add_argument("--local-step-scaler", type=int, default=32678)
-    p.add_argument("--local-step-clipper", type=int, default=16)
+    p.add_argument("--var-update-scaler", type=int, default=16,
+                   help="ZeroOneAdam: variance updates per var_interval before it doubles "
+                        "(DeepSpeed's 16: a number of variance samples, not a length of run). "
+                        "Its var_freeze_step is --freeze-frac of the steps, as OneBitAdam's "
+                        "freeze_step (DeepSpeed's 100000 is a whole long run)")
+    p.add_argument("--local-step-scaler", type=int, default=0,
+                   help="ZeroOneAdam: steps per local_step_interval before it doubles; 0 (default) "
+                        "= a third of the steps (98 of 300), the share of a 100k-step run that "
+                        "DeepSpeed's 32678 is: syncs every step, then every 2nd, then every 4th "
+                        "step. DeepSpeed's 32678 would never leave interval 1 in a short run")
+    p.add_argument("--local-step-clipper", type=int, default=4,
+                   help="ZeroOneAdam: largest local_step_interval (DeepSpeed: 16, reached after "
+                        "~130k steps; a third-of-the-run scaler reaches 4 in the last third)")
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--d-model", type=int, default=64)
@@ -333,6 +355,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         p.error("--dtypes takes fp32 and/or bf16")
     if a.steps < 1 or a.world_size < 1:
         p.error("--steps and --world-size must be >= 1")
+    if a.local_step_scaler < 0:
+        p.error("--local-step-scaler must be >= 0 (0: a third of the steps)")
     return a
 
 

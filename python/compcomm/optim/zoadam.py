@@ -31,7 +31,8 @@ class ZeroOneAdam(c.OneBitBase):
     rank the momentum is updated (DeepSpeed skipped it); ``load_state_dict`` restores the schedule
     and the frozen state; ``bias_correction`` is honoured (momentum by ``1-beta1**t`` and variance by
     ``1-beta2**k``, ``k`` variance updates; both factors freeze with the variance); ``exp_avg_mask``
-    is also applied with one rank.
+    is also applied with one rank; weight decay is kept out of the momentum rebuilt at a sync
+    (``wd_in_momentum``).
 
     Parameters
     ----------
@@ -47,6 +48,14 @@ class ZeroOneAdam(c.OneBitBase):
         Steps per ``local_step_interval`` before it doubles.
     local_step_clipper : int, default 16
         Largest ``local_step_interval``.
+    wd_in_momentum : bool, default False
+        DeepSpeed's sync rebuilds the momentum from the whole accumulated update, weight-decay
+        term included (``m = avg(-u (sqrt(v)+eps)) / lrs`` with ``u`` holding ``-lr wd p``), so
+        every sync adds ``wd p (sqrt(v)+eps)`` to the momentum and the decay is applied again
+        through ``m`` at the following steps: with syncs every step about ``1/(1-beta1)`` (10x)
+        the weight decay asked for. compcomm removes that term from the rebuilt momentum
+        (``m -= wd p_sync (sqrt(v)+eps)``, exact for one local step per sync); ``True``
+        reproduces DeepSpeed. Irrelevant when ``weight_decay == 0``.
     """
 
     _name = "ZeroOneAdam"
@@ -59,13 +68,14 @@ class ZeroOneAdam(c.OneBitBase):
                  local_step_clipper: int = 16, amsgrad: bool = False, cuda_aware: bool = False,
                  comm_backend_name: str = "torch", process_group: Any = None,
                  grads_averaged: bool = False, exact_resume: bool = False,
-                 fused: bool = False) -> None:
+                 fused: bool = False, wd_in_momentum: bool = False) -> None:
         n = self._name
         c.check_common(n, lr, betas, eps, weight_decay, amsgrad)
         self.var_freeze_step = c.check_int(n, "var_freeze_step", var_freeze_step, 0)
         self.var_update_scaler = c.check_int(n, "var_update_scaler", var_update_scaler, 1)
         self.local_step_scaler = c.check_int(n, "local_step_scaler", local_step_scaler, 1)
         self.local_step_clipper = c.check_int(n, "local_step_clipper", local_step_clipper, 1)
+        self.wd_in_momentum = bool(wd_in_momentum)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bool(bias_correction))
         super().__init__(params, defaults)
@@ -174,9 +184,18 @@ class ZeroOneAdam(c.OneBitBase):
                 acc, m, denom = state["momentum_accumulator"], state["exp_avg"], denoms[p]
                 c.mask_(acc, group)
                 torch.div(acc, -state["lrs"], out=m)
+                wd = group["weight_decay"]
+                w = c.master(p, state)  # rolled back: the last synchronised parameters
+                if wd > 0 and not self.wd_in_momentum:
+                    # acc also holds -sum(lr*wd*w)*denom (the decoupled weight decay of the local
+                    # steps); keep it out of the rebuilt momentum (else wd is re-applied through m
+                    # at every later step: ~1/(1-beta1) times the asked-for weight decay)
+                    corr = w * denom
+                    corr.mul_(wd)
+                    c.mask_(corr, group)
+                    m.sub_(corr)
                 if group["bias_correction"]:
                     m.mul_(1.0 - group["betas"][0] ** s["freeze_t"])
-                w = c.master(p, state)
                 w.add_(acc / denom)
                 acc.zero_()
                 state["lrs"] = 0.0
