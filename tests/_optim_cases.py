@@ -74,10 +74,10 @@ def trajectories(rank: int, world: int) -> Dict[str, Any]:
     out["zoadam_fused"] = traj
     g = make_grads(14, world, seed=2)
     traj, kinds, opt, _ = run_opt(ZeroOneAdam, dict(lr=0.01, weight_decay=0.01, **Z1), p0, g, rank)
-    out["zoadam"], out["zoadam_kinds"] = traj, kinds
-    traj, _, _, _ = run_opt(ZeroOneAdam, dict(lr=0.01, weight_decay=0.01, wd_in_momentum=True,
+    out["zoadam"], out["zoadam_kinds"] = traj, kinds  # defaults: DeepSpeed's numerics
+    traj, _, _, _ = run_opt(ZeroOneAdam, dict(lr=0.01, weight_decay=0.01, wd_in_momentum=False,
                                               **Z1), p0, g, rank)
-    out["zoadam_wd_in_m"] = traj
+    out["zoadam_wd_fixed"] = traj
     g = make_grads(10, world, seed=3)
     traj, _, opt, _ = run_opt(OneBitLamb, dict(lr=0.01, freeze_step=4, weight_decay=0.01), p0, g,
                               rank)

@@ -126,7 +126,8 @@ def make_optimizer(name: str, params: Any, args: argparse.Namespace) -> Any:
     if name == "onebitadam":
         return OneBitAdam(params, lr=args.lr, freeze_step=freeze, **common)
     if name == "zerooneadam":
-        return ZeroOneAdam(params, lr=args.lr, var_freeze_step=freeze, **common,
+        # wd_in_momentum=False: without DeepSpeed's weight decay compounding at syncs (docs).
+        return ZeroOneAdam(params, lr=args.lr, var_freeze_step=freeze, wd_in_momentum=False, **common,
                            var_update_scaler=args.var_update_scaler,
                            local_step_scaler=local_step_scaler(args),
                            local_step_clipper=args.local_step_clipper)

@@ -48,14 +48,15 @@ class ZeroOneAdam(c.OneBitBase):
         Steps per ``local_step_interval`` before it doubles.
     local_step_clipper : int, default 16
         Largest ``local_step_interval``.
-    wd_in_momentum : bool, default False
+    wd_in_momentum : bool, default True
         DeepSpeed's sync rebuilds the momentum from the whole accumulated update, weight-decay
         term included (``m = avg(-u (sqrt(v)+eps)) / lrs`` with ``u`` holding ``-lr wd p``), so
         every sync adds ``wd p (sqrt(v)+eps)`` to the momentum and the decay is applied again
         through ``m`` at the following steps: with syncs every step about ``1/(1-beta1)`` (10x)
-        the weight decay asked for. compcomm removes that term from the rebuilt momentum
-        (``m -= wd p_sync (sqrt(v)+eps)``, exact for one local step per sync); ``True``
-        reproduces DeepSpeed. Irrelevant when ``weight_decay == 0``.
+        the weight decay asked for. The default ``True`` keeps DeepSpeed's numerics (the spec);
+        ``False`` removes that term from the rebuilt momentum (``m -= wd p_sync (sqrt(v)+eps)``,
+        exact for one local step per sync), which we recommend with weight decay (the demo uses
+        it). Irrelevant when ``weight_decay == 0``.
     """
 
     _name = "ZeroOneAdam"
@@ -68,7 +69,7 @@ class ZeroOneAdam(c.OneBitBase):
                  local_step_clipper: int = 16, amsgrad: bool = False, cuda_aware: bool = False,
                  comm_backend_name: str = "torch", process_group: Any = None,
                  grads_averaged: bool = False, exact_resume: bool = False,
-                 fused: bool = False, wd_in_momentum: bool = False) -> None:
+                 fused: bool = False, wd_in_momentum: bool = True) -> None:
         n = self._name
         c.check_common(n, lr, betas, eps, weight_decay, amsgrad)
         self.var_freeze_step = c.check_int(n, "var_freeze_step", var_freeze_step, 0)
