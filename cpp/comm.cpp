@@ -1,5 +1,7 @@
 #include "comm.h"
 
+#include <atomic>
+
 namespace compcomm {
 
 size_t dtype_size(DType dtype) {
@@ -90,5 +92,10 @@ void Communicator::broadcast(const Buffer& buf, int root, const CallOptions& opt
 }
 
 void Communicator::barrier(const CallOptions& opts) { do_barrier(opts); }
+
+uint64_t Communicator::next_id() {
+  static std::atomic<uint64_t> counter{0};
+  return ++counter;
+}
 
 }  // namespace compcomm

@@ -40,6 +40,8 @@ class Communicator {
   // Bytes this rank has sent through this communicator (see the conventions above).
   int64_t bytes_sent() const { return bytes_sent_; }
   void reset_bytes_sent() { bytes_sent_ = 0; }
+  // Unique over the process's lifetime (unlike the address, which a later communicator may reuse).
+  uint64_t id() const { return id_; }
 
  protected:
   virtual void do_all_to_all(const Buffer& send, const Buffer& recv, const CallOptions& opts) = 0;
@@ -52,6 +54,8 @@ class Communicator {
 
  private:
   int64_t bytes_sent_ = 0;
+  uint64_t id_ = next_id();
+  static uint64_t next_id();
 };
 
 }  // namespace compcomm

@@ -113,7 +113,7 @@ void check_headers(const Header* h, int world, int rank, const Header& mine) {
 
 // Whether opts.check = false may skip the host check: only once this (communicator, numel, padded,
 // dtype) has passed one, so that size mismatches are still reported.
-using SeenKey = std::tuple<const Communicator*, int64_t, int64_t, int32_t>;
+using SeenKey = std::tuple<uint64_t, int64_t, int64_t, int32_t>;  // communicator id, n, P, dtype
 std::mutex seen_mutex;
 std::set<SeenKey> seen;
 
@@ -242,7 +242,7 @@ void run_compressed(const char* name, Communicator& comm, const Buffer& tensor, 
 
   // 2. Validate every rank's header before any variable-sized exchange and before anything is written.
   //    Device headers are copied to the host for that, unless the caller opted out (see the header).
-  const SeenKey key{&comm, n, padded, dtype};
+  const SeenKey key{comm.id(), n, padded, dtype};
   const bool host_check = !cuda || opts.check || !seen_before(key);
   if (host_check) {
     const Header mine{0.0f, 0u, n, padded, dtype, kHeaderMagic};
