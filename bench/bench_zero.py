@@ -1,25 +1,43 @@
-"""ZeRO step time and per-rank memory by stage, and plain vs 1-bit compressed reduce-scatter.
+"""ZeRO step time, bytes per step and per-rank memory by stage, plain (AdamW) vs 1-bit (OneBitAdam).
 
-Run as a script (not collected as a benchmark test):
+Run as a script (not collected as a benchmark test). The committed eth1g results
+(bench/results/zero_eth1g.{json,md}) come from, as root:
 
-    python bench/bench_zero.py --world 2 --hidden 1024 --layers 4 --steps 3
+    python bench/bench_zero.py --profile eth1g --world 2 4 --hidden 1024 --layers 4 --steps 5 \\
+        --no-rs --json bench/results/zero_eth1g.json --md bench/results/zero_eth1g.md
 
-Each configuration spawns ``--world`` processes over gloo on loopback (this script does not shape
-the network: on the namespace harness, run it inside it). Step time is the median over ``--steps``
-timed steps after one warm-up step, measured on rank 0, of forward + backward + step for one
-micro-batch. Memory is ZeroOptimizer.memory_bytes() on rank 0 after a backward (before its step).
-The reduce-scatter rows time one call on a momentum-sized fp32 tensor (numel = model parameters):
-plain = compcomm's bucketed reduce-scatter (one bucket), compressed = compcomm.zero.compressed_
-reduce_scatter; bytes are what rank 0 put on the wire (Communicator.bytes_sent).
+``--profile loopback`` (the default) spawns ``--world`` processes over gloo on 127.0.0.1 with
+compcomm.testing.run_ranks. ``eth1g``, ``eth10g`` and ``unshaped`` (root only) run one process per
+rank, each inside its own network namespace of compcomm.bench.netns (1 or 10 Gbit/s links into a
+bridge, or unshaped), launched with compcomm.bench.runner.run_on_profile; every process initializes
+torch.distributed gloo from the environment, runs the same per-rank body, and rank 0 prints its
+result as JSON. The namespaces are gone when the script exits.
+
+Rows, per world size: ZeRO stage 1, 2, 3 with torch.optim.AdamW ("adamw"), and stage 1, 2 with
+compcomm.optim.OneBitAdam ("onebit", freeze_step 1, so every timed step is in the compressed
+phase: each gradient bucket's momentum contribution goes through the 1-bit compressed
+reduce-scatter; stage 3 with a 1-bit optimizer is not supported). Each row runs ``--warmup``
+untimed steps, then ``--steps`` timed steps of forward + backward + step on one micro-batch,
+measured on rank 0 (median reported, all kept in the JSON). Bytes/step is what rank 0's
+communicator put on the wire (Communicator.bytes_sent) during the last timed step. Memory is
+ZeroOptimizer.memory_bytes() on rank 0 after the last backward (before its step). Torch runs with
+one thread per rank.
+
+Unless ``--no-rs``, it also times one reduce-scatter of a momentum-sized fp32 tensor: plain =
+compcomm's bucketed reduce-scatter (one bucket), compressed = compcomm.zero.compressed_reduce_scatter.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
-from typing import Any, Dict
+from typing import Any, Dict, List
+
+PROFILES = ("loopback", "eth1g", "eth10g", "unshaped")
 
 
 def _model(hidden: int, layers: int):
@@ -32,28 +50,42 @@ def _model(hidden: int, layers: int):
     return torch.nn.Sequential(*mods)
 
 
-def _zero_body(rank: int, world: int, stage: int, hidden: int, layers: int, steps: int,
-               bucket: int) -> Dict[str, Any]:
+def _zero_body(rank: int, world: int, stage: int, opt_name: str, hidden: int, layers: int,
+               steps: int, warmup: int, bucket: int) -> Dict[str, Any]:
     import torch
 
+    from compcomm.optim import OneBitAdam
     from compcomm.zero import ZeroOptimizer
 
+    torch.set_num_threads(1)
     model = _model(hidden, layers)
-    opt = ZeroOptimizer(model.parameters(), torch.optim.Adam, stage=stage, module=model,
-                        optimizer_kwargs={"lr": 1e-4}, reduce_bucket_size=bucket,
-                        allgather_bucket_size=bucket, overlap_comm=True)
+    if opt_name == "onebit":
+        cls, kw = OneBitAdam, {"lr": 1e-4, "freeze_step": 1}
+    else:
+        cls, kw = torch.optim.AdamW, {"lr": 1e-4}
+    opt = ZeroOptimizer(model.parameters(), cls, stage=stage, module=model, optimizer_kwargs=kw,
+                        reduce_bucket_size=bucket, allgather_bucket_size=bucket, overlap_comm=True)
+    torch.manual_seed(1 + rank)
     x = torch.randn(16, hidden)
-    times = []
+    times: List[float] = []
     mem = None
-    for s in range(steps + 1):
+    sent = 0
+    for s in range(warmup + steps):
+        opt.comm.barrier()
+        before = opt.comm.bytes_sent
         t0 = time.perf_counter()
         model(x).pow(2).mean().backward()
-        if s == steps:
+        if s == warmup + steps - 1:
             mem = opt.memory_bytes()
         opt.step()
-        times.append(time.perf_counter() - t0)
+        opt.zero_grad()
+        dt = time.perf_counter() - t0
+        sent = opt.comm.bytes_sent - before
+        if s >= warmup:
+            times.append(dt)
     opt.close()
-    return {"step_s": statistics.median(times[1:]), "mem": mem}
+    return {"step_s": statistics.median(times), "step_s_all": times, "bytes_per_step": sent,
+            "mem": mem}
 
 
 def _rs_body(rank: int, world: int, numel: int, reps: int) -> Dict[str, Any]:
@@ -65,6 +97,7 @@ def _rs_body(rank: int, world: int, numel: int, reps: int) -> Dict[str, Any]:
     from compcomm._comm import resolve
     from compcomm.zero import compressed_reduce_scatter
 
+    torch.set_num_threads(1)
     comm = resolve(None)
     P = compcomm.padded_numel(numel, world)
     plan = _C.zero.plan_buckets([numel], 0, world, 8)
@@ -88,45 +121,135 @@ def _rs_body(rank: int, world: int, numel: int, reps: int) -> Dict[str, Any]:
     return out
 
 
+_BODIES = {"zero": _zero_body, "rs": _rs_body}
+
+
+def _rank_main(spec: str) -> None:
+    """One rank of a namespace profile: gloo from the environment, run a body, rank 0 prints it."""
+    import datetime
+
+    import torch.distributed as dist
+
+    d = json.loads(spec)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = _BODIES[d["body"]](rank, world, *d["args"])
+    if rank == 0:
+        print("RESULT " + json.dumps(out), flush=True)
+    # leave together and skip interpreter teardown (see compcomm.bench.worker)
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _run(profile: str, world: int, body: str, *args: Any) -> Dict[str, Any]:
+    """Rank 0's result of ``body`` on ``world`` ranks of ``profile``."""
+    if profile == "loopback":
+        from compcomm.testing import run_ranks
+
+        return run_ranks(world, _BODIES[body], *args, timeout=600)[0]
+    from compcomm.bench.runner import run_on_profile
+
+    spec = json.dumps({"body": body, "args": list(args)})
+    lines = run_on_profile(profile, world, [os.path.abspath(__file__), "--_rank", spec],
+                           timeout=900)
+    res = [ln for ln in lines if ln.startswith("RESULT ")]
+    if not res:
+        raise RuntimeError(f"{body} on {profile} W={world}: rank 0 printed no result: {lines[-5:]}")
+    return json.loads(res[-1][len("RESULT "):])
+
+
+def _markdown(rows: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
+    mib = lambda b: b / 2**20  # noqa: E731
+    out = [f"# ZeRO on {meta['profile']}: step time, bytes/step and per-rank memory", "",
+           f"Model: {meta['layers']} x Linear({meta['hidden']}, {meta['hidden']}) + ReLU, "
+           f"{meta['numel']} fp32 parameters ({mib(meta['numel'] * 4):.1f} MiB); micro-batch 16; "
+           f"bucket {meta['bucket']} elements; overlap_comm; one torch thread per rank. Step = "
+           f"forward + backward + step, median of {meta['steps']} timed steps after "
+           f"{meta['warmup']} untimed (onebit: OneBitAdam freeze_step 1, so timed steps are "
+           "compressed). Bytes = rank 0's Communicator.bytes_sent in one step. Memory = rank 0's "
+           "ZeroOptimizer.memory_bytes() after backward.", "",
+           f"Command: `{meta['command']}`", ""]
+    for w in sorted({r["world"] for r in rows if "stage" in r}):
+        out += [f"## W = {w}", "",
+                "| stage | optimizer | step ms | bytes/step (MiB) | params MiB | grads MiB | "
+                "master MiB | optimizer state MiB | buffers MiB |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            if r.get("world") != w or "stage" not in r:
+                continue
+            m = r["mem"]
+            out.append(f"| {r['stage']} | {r['optimizer']} | {r['step_s'] * 1e3:.1f} | "
+                       f"{mib(r['bytes_per_step']):.2f} | {mib(m['params']):.2f} | "
+                       f"{mib(m['grads']):.2f} | {mib(m['master']):.2f} | "
+                       f"{mib(m['optimizer_state']):.2f} | {mib(m['buffers']):.2f} |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--_rank":
+        _rank_main(sys.argv[2])
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--profile", choices=PROFILES, default="loopback",
+                    help="network: loopback (no namespaces) or a compcomm.bench.netns profile")
     ap.add_argument("--world", type=int, nargs="+", default=[2])
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per row")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per row (>= 2 for onebit)")
     ap.add_argument("--bucket", type=int, default=int(5e5))
+    ap.add_argument("--no-rs", dest="rs", action="store_false", help="skip the plain vs "
+                    "compressed reduce-scatter rows")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--md", help="also write a markdown table per world size here")
     args = ap.parse_args()
+    if args.warmup < 2:
+        ap.error("argument --warmup must be >= 2 (OneBitAdam freeze_step 1 + the first compressed "
+                 "step)")
 
-    from compcomm.testing import run_ranks
     from compcomm.zero import estimate_memory
 
     numel = args.layers * (args.hidden * args.hidden + args.hidden)
-    rows = []
-    print(f"model: {numel} fp32 parameters ({numel * 4 / 2**20:.1f} MiB); loopback gloo; "
-          f"bucket {args.bucket} elements")
-    print(f"{'W':>2} {'stage':>5} {'step ms':>9} {'params MiB':>10} {'grads MiB':>9} {'master MiB':>10} "
-          f"{'optstate MiB':>12} {'buffers MiB':>11} {'estimate total MiB':>18}")
+    rows: List[Dict[str, Any]] = []
+    mib = lambda b: b / 2**20  # noqa: E731
+    print(f"model: {numel} fp32 parameters ({numel * 4 / 2**20:.1f} MiB); {args.profile}; "
+          f"bucket {args.bucket} elements", flush=True)
+    print(f"{'W':>2} {'stage':>5} {'opt':>6} {'step ms':>9} {'MiB/step':>9} {'params MiB':>10} "
+          f"{'grads MiB':>9} {'master MiB':>10} {'optstate MiB':>12} {'buffers MiB':>11} "
+          f"{'estimate total MiB':>18}", flush=True)
     for w in args.world:
-        for stage in (1, 2, 3):
-            r = run_ranks(w, _zero_body, stage, args.hidden, args.layers, args.steps, args.bucket,
-                          timeout=600)[0]
+        for stage, opt_name in ((1, "adamw"), (2, "adamw"), (3, "adamw"), (1, "onebit"),
+                                (2, "onebit")):
+            if opt_name == "onebit" and w == 1:
+                continue  # no compression with one rank
+            r = _run(args.profile, w, "zero", stage, opt_name, args.hidden, args.layers,
+                     args.steps, args.warmup, args.bucket)
             m = r["mem"]
             est = estimate_memory(numel, stage, w, param_bytes=4)
-            mib = lambda b: b / 2**20  # noqa: E731
-            print(f"{w:>2} {stage:>5} {r['step_s'] * 1e3:>9.1f} {mib(m['params']):>10.2f} "
-                  f"{mib(m['grads']):>9.2f} {mib(m['master']):>10.2f} {mib(m['optimizer_state']):>12.2f} "
-                  f"{mib(m['buffers']):>11.2f} {mib(est['total']):>18.2f}")
-            rows.append({"world": w, "stage": stage, **r, "estimate": est})
-        if w > 1:
-            rs = run_ranks(w, _rs_body, numel, 3, timeout=600)[0]
+            print(f"{w:>2} {stage:>5} {opt_name:>6} {r['step_s'] * 1e3:>9.1f} "
+                  f"{mib(r['bytes_per_step']):>9.2f} {mib(m['params']):>10.2f} "
+                  f"{mib(m['grads']):>9.2f} {mib(m['master']):>10.2f} "
+                  f"{mib(m['optimizer_state']):>12.2f} {mib(m['buffers']):>11.2f} "
+                  f"{mib(est['total']):>18.2f}", flush=True)
+            rows.append({"world": w, "stage": stage, "optimizer": opt_name, **r, "estimate": est})
+        if w > 1 and args.rs:
+            rs = _run(args.profile, w, "rs", numel, 3)
             for name, v in rs.items():
                 print(f"{w:>2} reduce-scatter {name:>10}: {v['s'] * 1e3:8.1f} ms, rank 0 sent "
-                      f"{v['bytes'] / 2**20:.3f} MiB")
+                      f"{v['bytes'] / 2**20:.3f} MiB", flush=True)
             rows.append({"world": w, "reduce_scatter": rs})
+    meta = {"profile": args.profile, "hidden": args.hidden, "layers": args.layers, "numel": numel,
+            "steps": args.steps, "warmup": args.warmup, "bucket": args.bucket,
+            "command": "python " + " ".join(sys.argv)}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(_markdown(rows, meta))
 
 
 if __name__ == "__main__":

@@ -329,3 +329,39 @@ def test_cli_refuses_without_root(tmp_path, monkeypatch):
         == 2
     )
     assert not (tmp_path / "results.json").exists()
+
+
+_RANK_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    if dist.get_rank() == 0:
+        print("SUM", int(t.item()), os.environ["GLOO_SOCKET_IFNAME"], flush=True)
+    if len(sys.argv) > 1 and dist.get_rank() == int(sys.argv[1]):
+        os._exit(3)
+    dist.barrier()
+    os._exit(0)  # skip gloo teardown, as compcomm.bench.worker does (it aborts now and then)
+    """
+)
+
+
+@pytest.mark.parametrize("profile", ["loopback", pytest.param("unshaped", marks=needs_netns)])
+def test_run_on_profile_runs_an_arbitrary_command(tmp_path, profile):
+    from compcomm.bench import runner
+
+    script = tmp_path / "rank.py"
+    script.write_text(_RANK_SCRIPT)
+    seen = []
+    lines = runner.run_on_profile(profile, 3, [str(script)], timeout=120, on_line=seen.append)
+    ifname = "lo" if profile == "loopback" else "eth0"
+    assert lines == [f"SUM 6 {ifname}"]
+    assert seen == [f"SUM 6 {ifname}\n"]
+    # rank 1 exits with 3 after the all-reduce; rank 0 then fails in its barrier
+    with pytest.raises(runner.SweepError, match=r"rank \d exited with [13]") as err:
+        runner.run_on_profile(profile, 2, [str(script), "1"], timeout=120)
+    assert "--- rank 1 log ---" in str(err.value)
+    assert not netns.list_ours()["netns"] or all(
+        not n.startswith(f"{netns.NS_PREFIX}{os.getpid()}-") for n in netns.list_ours()["netns"]
+    )

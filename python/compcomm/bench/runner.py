@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from .netns import PROFILES, Network, Profile
 
-__all__ = ["run_sweep", "SweepError"]
+__all__ = ["run_sweep", "run_on_profile", "SweepError"]
 
 
 class SweepError(RuntimeError):
@@ -40,6 +40,104 @@ def _kill(procs: Sequence[subprocess.Popen]) -> None:
             p.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
+
+
+def run_on_profile(
+    profile,
+    world_size: int,
+    args: Sequence[str],
+    *,
+    timeout: float = 1800.0,
+    on_line: Optional[Callable[[str], None]] = None,
+    python: str = sys.executable,
+    env: Optional[Dict[str, str]] = None,
+) -> List[str]:
+    """Run ``python *args`` as ``world_size`` rank processes on a network profile.
+
+    Each rank runs in its namespace (for namespace profiles) with the rendezvous environment of
+    :meth:`compcomm.bench.netns.Network.env` (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE,
+    GLOO_SOCKET_IFNAME) and ``OMP_NUM_THREADS=1``, so it can call
+    ``torch.distributed.init_process_group("gloo")`` with no arguments. The namespaces exist for the
+    duration of the call only.
+
+    Parameters
+    ----------
+    profile : Profile or str
+        One of :data:`compcomm.bench.netns.PROFILES` (or its name).
+    world_size : int
+        Number of rank processes.
+    args : sequence of str
+        Arguments after the interpreter (e.g. ``["-m", "pkg.mod", "--flag"]`` or a script path).
+    timeout : float
+        Seconds before all ranks are killed (raises :class:`SweepError`).
+    on_line : callable, optional
+        Called with each line rank 0 prints on stdout, as it arrives.
+    python : str
+        Interpreter.
+    env : dict, optional
+        Extra environment for every rank.
+
+    Returns
+    -------
+    list of str
+        Rank 0's stdout lines.
+
+    Raises
+    ------
+    SweepError
+        A rank exited non-zero (the message holds every rank's log tail) or the deadline passed.
+    """
+    prof: Profile = PROFILES[profile] if isinstance(profile, str) else profile
+    lines: List[str] = []
+    with tempfile.TemporaryDirectory(prefix="ccbench-") as tmp, Network(prof, world_size) as net:
+        port = _free_port()
+        procs: List[subprocess.Popen] = []
+        logs = []
+        try:
+            for r in range(world_size):
+                renv = dict(os.environ, **(env or {}), **net.env(r, port), OMP_NUM_THREADS="1")
+                log = open(os.path.join(tmp, f"rank{r}.log"), "w+")
+                logs.append(log)
+                cmd = net.command_prefix(r) + [python, *args]
+                procs.append(
+                    subprocess.Popen(
+                        cmd,
+                        env=renv,
+                        stdout=subprocess.PIPE if r == 0 else log,
+                        stderr=log,
+                        text=True,
+                        start_new_session=True,
+                    )
+                )
+            deadline = time.monotonic() + timeout
+            assert procs[0].stdout is not None
+            for line in procs[0].stdout:
+                lines.append(line.rstrip("\n"))
+                if on_line:
+                    on_line(line)
+                if time.monotonic() > deadline:
+                    raise SweepError(f"{prof.name} W={world_size} ran past {timeout} s")
+            for r, p in enumerate(procs):
+                left = max(1.0, deadline - time.monotonic())
+                try:
+                    rc = p.wait(timeout=left)
+                except subprocess.TimeoutExpired:
+                    raise SweepError(f"rank {r} did not finish within {timeout} s") from None
+                if rc != 0:
+                    tails = []
+                    for q, log in enumerate(logs):
+                        log.flush()
+                        log.seek(0)
+                        tails.append(f"--- rank {q} log ---\n{log.read()[-3000:]}")
+                    raise SweepError(
+                        f"rank {r} exited with {rc} ({prof.name}, W={world_size}):\n"
+                        + "\n".join(tails)
+                    )
+        finally:
+            _kill(procs)
+            for log in logs:
+                log.close()
+    return lines
 
 
 def run_sweep(
@@ -96,63 +194,24 @@ def run_sweep(
         timeout=min(timeout, 600),
     )
     rows: List[Dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="ccbench-") as tmp, Network(prof, world_size) as net:
+
+    def on_line(line: str) -> None:
+        if line.startswith("ROW "):
+            row = json.loads(line[4:])
+            rows.append(row)
+            if on_row:
+                on_row(row)
+
+    with tempfile.TemporaryDirectory(prefix="ccbench-") as tmp:
         cfg_path = os.path.join(tmp, "config.json")
         with open(cfg_path, "w") as f:
             json.dump(cfg, f)
-        port = _free_port()
-        procs: List[subprocess.Popen] = []
-        logs = []
-        try:
-            for r in range(world_size):
-                env = dict(os.environ, **net.env(r, port), OMP_NUM_THREADS="1")
-                log = open(os.path.join(tmp, f"rank{r}.log"), "w+")
-                logs.append(log)
-                cmd = net.command_prefix(r) + [
-                    python,
-                    "-m",
-                    "compcomm.bench.worker",
-                    "--config",
-                    cfg_path,
-                ]
-                procs.append(
-                    subprocess.Popen(
-                        cmd,
-                        env=env,
-                        stdout=subprocess.PIPE if r == 0 else log,
-                        stderr=log,
-                        text=True,
-                        start_new_session=True,
-                    )
-                )
-            deadline = time.monotonic() + timeout
-            assert procs[0].stdout is not None
-            for line in procs[0].stdout:
-                if line.startswith("ROW "):
-                    row = json.loads(line[4:])
-                    rows.append(row)
-                    if on_row:
-                        on_row(row)
-                if time.monotonic() > deadline:
-                    raise SweepError(f"sweep {profile} W={world_size} ran past {timeout} s")
-            for r, p in enumerate(procs):
-                left = max(1.0, deadline - time.monotonic())
-                try:
-                    rc = p.wait(timeout=left)
-                except subprocess.TimeoutExpired:
-                    raise SweepError(f"rank {r} did not finish within {timeout} s") from None
-                if rc != 0:
-                    tails = []
-                    for q, log in enumerate(logs):
-                        log.flush()
-                        log.seek(0)
-                        tails.append(f"--- rank {q} log ---\n{log.read()[-3000:]}")
-                    raise SweepError(
-                        f"rank {r} exited with {rc} ({profile}, W={world_size}):\n"
-                        + "\n".join(tails)
-                    )
-        finally:
-            _kill(procs)
-            for log in logs:
-                log.close()
+        run_on_profile(
+            prof,
+            world_size,
+            ["-m", "compcomm.bench.worker", "--config", cfg_path],
+            timeout=timeout,
+            on_line=on_line,
+            python=python,
+        )
     return rows
