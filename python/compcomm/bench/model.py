@@ -15,8 +15,8 @@ the same run by replaying the call with the network replaced by copies)::
     t_comp(n) = alpha_c + beta * B_c + gamma * C(n)
 
 ``beta`` is the fp32 fit's; ``alpha_c`` (four collectives instead of one) and ``gamma`` (how much of
-the compute does not overlap; ~1) are fitted. Every fit is weighted least squares on the *relative*
-error, so small and large sizes count alike; :func:`fit` reports the largest relative error on the
+the compute does not overlap; ~1) are fitted. Every fit minimises the largest *relative* error
+(minimax), so small and large sizes count alike; :func:`fit` reports the largest relative error on the
 points it was fitted on (the test requires <= 20%).
 
 Projection to a cluster (:func:`project`)
@@ -109,16 +109,26 @@ class Fit:
 
 
 def _wls(x: np.ndarray, t: np.ndarray, scale: Optional[np.ndarray] = None) -> np.ndarray:
-    """Least squares of ``x @ c = t`` minimising error relative to ``scale`` (default ``t``),
-    coefficients kept >= 0."""
-    w = 1.0 / (t if scale is None else scale)
-    a, b = x * w[:, None], t * w
-    c, *_ = np.linalg.lstsq(a, b, rcond=None)
-    if np.any(c < 0):  # a negative latency or bandwidth term is unphysical: refit without it
-        keep = c >= 0
-        c = np.zeros_like(c)
-        if keep.any():
-            c[keep], *_ = np.linalg.lstsq(a[:, keep], b, rcond=None)
+    """Coefficients ``c >= 0`` of ``x @ c ~ t`` minimising the largest error relative to ``scale``
+    (default ``t``): Lawson's iteratively reweighted least squares, which converges to the minimax
+    (Chebyshev) fit -- the criterion the model is held to is its largest relative error."""
+    scale = t if scale is None else scale
+    a, b = x / scale[:, None], t / scale
+    w = np.full(len(t), 1.0 / len(t))
+    c = np.zeros(x.shape[1])
+    for _ in range(200):
+        sw = np.sqrt(w)
+        c, *_ = np.linalg.lstsq(a * sw[:, None], b * sw, rcond=None)
+        if np.any(c < 0):  # a negative latency or bandwidth term is unphysical: refit without it
+            keep = c >= 0
+            c = np.zeros_like(c)
+            if keep.any():
+                c[keep], *_ = np.linalg.lstsq((a * sw[:, None])[:, keep], b * sw, rcond=None)
+        r = np.abs(a @ c - b)
+        if r.sum() == 0:
+            break
+        w = w * r
+        w = w / w.sum()
     return c
 
 
