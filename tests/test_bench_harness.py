@@ -16,7 +16,7 @@ from compcomm.bench import cli, model, netns
 # The committed sweep the fit is checked on: eth1g, W = 2 and 4, median-of-batches timing. (The
 # first full sweep, results.json, was timed with plain means while the 2-core machine ran at load
 # 11-13; its fit errors, up to ~60%, are reported in results.md instead.)
-RESULTS = os.path.join(os.path.dirname(__file__), "..", "bench", "results", "eth1g_newmain.json")
+RESULTS = os.path.join(os.path.dirname(__file__), "..", "bench", "results", "eth1g_quiet.json")
 
 
 def _netns_usable() -> str:
@@ -212,26 +212,16 @@ def test_model_fit_reproduces_synthetic_points():
         model.fit(rows + [dict(rows[0], profile="other")])
 
 
-def test_model_fit_reproduces_the_committed_measurements(request):
+def test_model_fit_reproduces_the_committed_measurements():
+    # The eth1g sweep measured on a machine with nothing else running (bench/results/eth1g_quiet.*).
     with open(RESULTS) as fh:
-        doc = json.load(fh)
-    rows, meta = doc["rows"], doc["meta"]
-    load = max(meta["loadavg_before"][0], meta.get("loadavg_after", [0])[0])
-    if load > meta["cpus"]:
-        # Repeated batches of one point disagreed by up to 8x at this load: no smooth model can
-        # meet 20% on such data. A sweep re-measured on a machine that is not oversubscribed makes
-        # this check strict again automatically.
-        request.applymarker(
-            pytest.mark.xfail(
-                reason=f"committed sweep measured at load average {load} on {meta['cpus']} CPUs",
-                strict=False,
-            )
-        )
+        rows = json.load(fh)["rows"]
     fits = model.fit_rows(rows)
-    assert {(f.profile, f.world_size) for f in fits} >= {("eth1g", 2), ("eth1g", 4)}
+    assert {(f.profile, f.world_size) for f in fits} == {("eth1g", 2), ("eth1g", 4)}
     for f in fits:
         worst = max(f.errors, key=lambda e: abs(e["rel_err"]))
         assert f.max_rel_err <= 0.2, f"{f.profile} W={f.world_size}: worst point {worst}"
+        assert len(f.errors) == len(rows) // 2  # every measured point of that W was fitted
 
 
 def test_projection_behaves():

@@ -7,7 +7,10 @@ Plain allreduce of ``B`` wire bytes per rank (``B = 2(W-1)/W * S`` for a ring of
     t_plain(B) = alpha + beta * B
 
 ``alpha`` lumps the 2(W-1) message latencies, ``beta`` is seconds per wire byte (network plus the
-reduction's memory traffic; on a CPU-bound profile the second dominates). One fit per dtype.
+reduction's memory traffic; on a CPU-bound profile the second dominates). One fit per dtype. gloo
+switches allreduce algorithm with message size, so the plain fit may be two such lines split at a
+size (chosen from the data when it lowers the largest error); ``alpha``/``beta`` are then the
+large-size segment's (the asymptotic bandwidth) and ``small`` holds the other.
 
 Compressed allreduce of ``n`` elements, ``B_c`` wire bytes, compression compute ``C(n)`` (measured in
 the same run by replaying the call with the network replaced by copies)::
@@ -78,7 +81,10 @@ class Fit:
     Attributes
     ----------
     alpha, beta : dict
-        Per plain method (``gloo_fp32``, ``gloo_fp16``): seconds, seconds per wire byte.
+        Per plain method (``gloo_fp32``, ``gloo_fp16``): seconds, seconds per wire byte (the
+        large-size segment).
+    small : dict
+        Per plain method, optional ``(below_wire_bytes, alpha, beta)`` of the small-size segment.
     alpha_c, gamma : float
         Compressed-call latency term and compute weight.
     compute_ns_per_elt : float
@@ -96,6 +102,7 @@ class Fit:
     compute_ns_per_elt: float = float("nan")
     max_rel_err: float = 0.0
     errors: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
+    small: Dict[str, Tuple[float, float, float]] = dataclasses.field(default_factory=dict)
 
     def predict(self, row: Dict[str, Any]) -> float:
         """Model time (s) of a measured row (needs its ``method``, ``wire_bytes``, ``compute_s``)."""
@@ -105,7 +112,10 @@ class Fit:
                 + self.beta["gloo_fp32"] * row["wire_bytes"]
                 + self.gamma * row["compute_s"]
             )
-        return self.alpha[row["method"]] + self.beta[row["method"]] * row["wire_bytes"]
+        method, wire = row["method"], row["wire_bytes"]
+        if method in self.small and wire < self.small[method][0]:
+            return self.small[method][1] + self.small[method][2] * wire
+        return self.alpha[method] + self.beta[method] * wire
 
 
 def _wls(x: np.ndarray, t: np.ndarray, scale: Optional[np.ndarray] = None) -> np.ndarray:
@@ -153,10 +163,19 @@ def fit(rows: Sequence[Dict[str, Any]]) -> Fit:
     profile, world = profiles.pop()
     f = Fit(profile, world, {}, {})
     for method in sorted({r["method"] for r in rows} - {"compressed"}):
-        pts = [r for r in rows if r["method"] == method]
+        pts = sorted((r for r in rows if r["method"] == method), key=lambda r: r["wire_bytes"])
         x = np.array([[1.0, r["wire_bytes"]] for r in pts])
         t = np.array([r["time_s"] for r in pts])
-        f.alpha[method], f.beta[method] = (float(v) for v in _wls(x, t))
+        c = _wls(x, t)
+        best = (float(np.max(np.abs(x @ c - t) / t)), c, None)
+        for k in range(3, len(pts) - 2):  # two lines, at least 3 points each
+            lo, hi = _wls(x[:k], t[:k]), _wls(x[k:], t[k:])
+            err = max(np.max(np.abs(x[:k] @ lo - t[:k]) / t[:k]), np.max(np.abs(x[k:] @ hi - t[k:]) / t[k:]))
+            if err < best[0] - 0.01:  # a split must earn its two extra coefficients
+                best = (float(err), hi, (float(pts[k]["wire_bytes"]), float(lo[0]), float(lo[1])))
+        f.alpha[method], f.beta[method] = float(best[1][0]), float(best[1][1])
+        if best[2] is not None:
+            f.small[method] = best[2]
     comp = [r for r in rows if r["method"] == "compressed"]
     if comp:
         beta = f.beta.get("gloo_fp32", 0.0)
