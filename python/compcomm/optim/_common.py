@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -302,6 +302,30 @@ class OneBitBase(torch.optim.Optimizer):
         if average and not (self.grads_averaged or self._hook_averaged):
             average_(list(grads.values()), self.comm)
         return grads
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        """One optimizer step (collective: every rank of the group must call it).
+
+        Parameters
+        ----------
+        closure : callable, optional
+            Re-evaluates the model and returns the loss.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._amp_skip():
+            self._finish_step()
+            return loss
+        self._step()
+        self._finish_step()
+        return loss
+
+    def _step(self) -> None:
+        """The optimizer's own update; subclasses implement it."""
+        raise NotImplementedError
 
     def _amp_skip(self) -> bool:
         """GradScaler integration: True if any rank found Inf/NaN gradients (then every rank skips

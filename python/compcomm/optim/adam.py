@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional, Tuple
+from typing import Any, Iterable, Tuple
 
 import torch
 
@@ -92,22 +92,8 @@ class OneBitAdam(c.OneBitBase):
         """Whether the next ``step()`` is a warm-up step (gradients averaged in full precision)."""
         return self.sched["step"] + 1 <= self.freeze_step
 
-    @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
-        """One optimizer step (collective: every rank of the group must call it).
-
-        Parameters
-        ----------
-        closure : callable, optional
-            Re-evaluates the model and returns the loss.
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if self._amp_skip():
-            self._finish_step()
-            return loss
+    def _step(self) -> None:
+        """This optimizer's update (OneBitBase.step handles the closure and AMP skips)."""
         t = self.sched["step"] + 1
         warm = t <= self.freeze_step
         grads = self._grads(average=warm)
@@ -144,5 +130,3 @@ class OneBitAdam(c.OneBitBase):
             w.add_(update, alpha=-group["lr"])
             c.write_back(p, state)
         self.sched["step"] = t
-        self._finish_step()
-        return loss

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -148,22 +148,8 @@ class OneBitLamb(c.OneBitBase):
         return self._errors["worker_error"], self._errors["server_error"]
 
     # -- step ----------------------------------------------------------------------------------
-    @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
-        """One optimizer step (collective: every rank of the group must call it).
-
-        Parameters
-        ----------
-        closure : callable, optional
-            Re-evaluates the model and returns the loss.
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if self._amp_skip():
-            self._finish_step()
-            return loss
+    def _step(self) -> None:
+        """This optimizer's update (OneBitBase.step handles the closure and AMP skips)."""
         t = self.sched["step"] + 1
         warm = t <= self.freeze_step
         self._ensure_fused()
@@ -174,8 +160,6 @@ class OneBitLamb(c.OneBitBase):
         else:
             self._compressed_step(t, grads)
         self.sched["step"] = t
-        self._finish_step()
-        return loss
 
     def _warm_step(self, t: int, grads: Dict[torch.Tensor, torch.Tensor]) -> None:
         for group, p in self._params():

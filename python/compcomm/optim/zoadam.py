@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, Optional, Tuple
+from typing import Any, Dict, Iterable, Optional, Tuple
 
 import torch
 
@@ -109,22 +109,8 @@ class ZeroOneAdam(c.OneBitBase):
             return "var" if t % s["var_interval"] == 0 else "grad1bit"
         return "sync" if t % s["local_step_interval"] == 0 else "local"
 
-    @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
-        """One optimizer step (collective: every rank of the group must call it).
-
-        Parameters
-        ----------
-        closure : callable, optional
-            Re-evaluates the model and returns the loss.
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if self._amp_skip():
-            self._finish_step()
-            return loss
+    def _step(self) -> None:
+        """This optimizer's update (OneBitBase.step handles the closure and AMP skips)."""
         s = self.sched
         t = s["step"] + 1
         kind = self.step_kind(t)
@@ -219,8 +205,6 @@ class ZeroOneAdam(c.OneBitBase):
             s["freeze_key"] = True
             s["freeze_t"] = t
             self._zero_errors()  # the buffers now serve u instead of g: restart them
-        self._finish_step()
-        return loss
 
     def _sched_from_state(self) -> Dict[str, Any]:
         s = self._fresh_schedule()
