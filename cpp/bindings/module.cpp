@@ -353,28 +353,4 @@ PYBIND11_MODULE(_C, m) {
       py::arg("out_signs"), py::arg("out_sign_stride"), py::arg("world"), py::arg("stream") = 0,
       py::arg("guard") = std::optional<Buffer>(), py::arg("guard_stride") = 1,
       py::call_guard<py::gil_scoped_release>());
-  k.def(
-      "worker_scale_pack",
-      [](const Buffer& mm, const Buffer& e, const Buffer& scale, const Buffer& signs, const Buffer& ws,
-         uintptr_t stream) {
-        COMPCOMM_CHECK(signs.bytes() * 8 >= e.count, "worker_scale_pack: signs needs P/8 bytes");
-        auto f = mm.on_host() ? kernels::cpu::worker_scale_pack : kernels::cuda::worker_scale_pack;
-        check(f(mm.data, itype(mm), mm.count, ptr<const float>(e), e.count, ptr<float>(scale),
-                ptr<uint8_t>(signs), ws.data, reinterpret_cast<void*>(stream)),
-              "worker_scale_pack");
-      },
-      py::arg("m"), py::arg("error"), py::arg("scale"), py::arg("signs"), py::arg("workspace"),
-      py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>());
-  k.def(
-      "server_scale_pack",
-      [](const Buffer& signs, const Buffer& scales, int64_t stride, int world, const Buffer& serr,
-         const Buffer& scale, const Buffer& packed, const Buffer& ws, uintptr_t stream) {
-        auto f = signs.on_host() ? kernels::cpu::server_scale_pack : kernels::cuda::server_scale_pack;
-        check(f(ptr<const uint8_t>(signs), ptr<const float>(scales), stride, world, ptr<const float>(serr),
-                serr.count, ptr<float>(scale), ptr<uint8_t>(packed), ws.data, reinterpret_cast<void*>(stream)),
-              "server_scale_pack");
-      },
-      py::arg("signs"), py::arg("scales"), py::arg("scale_stride"), py::arg("world"), py::arg("server_error"),
-      py::arg("scale"), py::arg("packed"), py::arg("workspace"), py::arg("stream") = 0,
-      py::call_guard<py::gil_scoped_release>());
 }
