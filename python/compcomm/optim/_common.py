@@ -486,3 +486,28 @@ def load_rank_checkpoint(optimizer: OneBitBase, directory: str) -> str:
 def sqrt_bc(beta: float, t: int) -> float:
     """``sqrt(1 - beta**t)`` (1 when ``t == 0``)."""
     return math.sqrt(1.0 - beta ** t) if t > 0 else 1.0
+
+
+def moments(p: torch.Tensor, state: Dict[str, Any]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``p``'s fp32 first and second moments (``exp_avg``, ``exp_avg_sq``), zeros on first use."""
+    if "exp_avg" not in state:
+        state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+    return state["exp_avg"], state["exp_avg_sq"]
+
+
+def adam_update(m: torch.Tensor, v: torch.Tensor, w: torch.Tensor, group: Dict[str, Any],
+                bc1_t: int, bc2_t: int) -> torch.Tensor:
+    """The Adam direction ``m / (sqrt(v) + eps) (+ wd * w)``, eps outside the sqrt as DeepSpeed;
+    with the group's ``bias_correction``, m and v are corrected as of steps ``bc1_t`` and ``bc2_t``."""
+    b1, b2 = group["betas"]
+    denom = v.sqrt()
+    if group["bias_correction"]:
+        denom.div_(sqrt_bc(b2, bc2_t))
+    denom.add_(group["eps"])
+    update = m / denom
+    if group["bias_correction"]:
+        update.div_(1.0 - b1 ** bc1_t)
+    if group["weight_decay"] > 0:
+        update.add_(w, alpha=group["weight_decay"])
+    return update

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Tuple
 
-import torch
-
 from . import _common as c
 
 
@@ -99,12 +97,9 @@ class OneBitAdam(c.OneBitBase):
         grads = self._grads(average=warm)
         for group, p in self._params():
             state = self.state[p]
-            if "exp_avg" not in state:
-                state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-                state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            m, v = c.moments(p, state)
             state["step"] = t
             g = grads[p]
-            m, v = state["exp_avg"], state["exp_avg_sq"]
             b1, b2 = group["betas"]
             m.mul_(b1).add_(g, alpha=1 - b1)
             if warm:
@@ -115,18 +110,9 @@ class OneBitAdam(c.OneBitBase):
             state = self.state[p]
             w = c.master(p, state)
             m, v = state["exp_avg"], state["exp_avg_sq"]
-            b1, b2 = group["betas"]
             if not warm:
                 c.mask_(m, group)
-            denom = v.sqrt()
-            if group["bias_correction"]:
-                denom.div_(c.sqrt_bc(b2, min(t, self.freeze_step)))
-            denom.add_(group["eps"])
-            update = m / denom
-            if group["bias_correction"]:
-                update.div_(1.0 - b1 ** t)
-            if group["weight_decay"] > 0:
-                update.add_(w, alpha=group["weight_decay"])
+            update = c.adam_update(m, v, w, group, t, min(t, self.freeze_step))  # v frozen after warm-up
             w.add_(update, alpha=-group["lr"])
             c.write_back(p, state)
         self.sched["step"] = t

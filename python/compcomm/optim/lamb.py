@@ -173,15 +173,7 @@ class OneBitLamb(c.OneBitBase):
             v.mul_(b2).addcmul_(g, g, value=1 - b2)
             if t == self.freeze_step:
                 st["exp_avg_sq_fresh"] = v.clone()
-            denom = v.sqrt()
-            if group["bias_correction"]:
-                denom.div_(c.sqrt_bc(b2, t))
-            denom.add_(group["eps"])
-            update = m / denom
-            if group["bias_correction"]:
-                update.div_(1.0 - b1 ** t)
-            if group["weight_decay"] > 0:
-                update.add_(w, alpha=group["weight_decay"])
+            update = c.adam_update(m, v, w, group, t, t)
             wn = float(w.norm())
             un = float(update.norm())
             coeff = 1.0

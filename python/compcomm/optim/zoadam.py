@@ -125,13 +125,10 @@ class ZeroOneAdam(c.OneBitBase):
         denoms: Dict[torch.Tensor, torch.Tensor] = {}
         for group, p in self._params():
             state = self.state[p]
-            if "exp_avg" not in state:
-                state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-                state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            m, v = c.moments(p, state)
             state["step"] = t
             w = c.master(p, state)
             g = grads[p]
-            m, v = state["exp_avg"], state["exp_avg_sq"]
             b1, b2 = group["betas"]
             lr = group["lr"]
             if kind == "var":
@@ -142,7 +139,7 @@ class ZeroOneAdam(c.OneBitBase):
                     state["momentum_accumulator"] = torch.zeros_like(m)
                     state["lrs"] = 0.0
                 state["lrs"] += lr
-            denom = v.sqrt()
+            denom = v.sqrt()  # kept: a sync scales the accumulated update by it
             bc1 = 1.0
             if group["bias_correction"]:
                 denom.div_(c.sqrt_bc(b2, s["var_updates"]))
