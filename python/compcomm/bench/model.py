@@ -124,9 +124,7 @@ def _wls(x: np.ndarray, t: np.ndarray, scale: Optional[np.ndarray] = None) -> np
     (Chebyshev) fit -- the criterion the model is held to is its largest relative error."""
     scale = t if scale is None else scale
     a, b = x / scale[:, None], t / scale
-    w = np.full(len(t), 1.0 / len(t))
-    c = np.zeros(x.shape[1])
-    for _ in range(200):
+    def solve(w: np.ndarray) -> np.ndarray:
         sw = np.sqrt(w)
         c, *_ = np.linalg.lstsq(a * sw[:, None], b * sw, rcond=None)
         if np.any(c < 0):  # a negative latency or bandwidth term is unphysical: refit without it
@@ -134,11 +132,20 @@ def _wls(x: np.ndarray, t: np.ndarray, scale: Optional[np.ndarray] = None) -> np
             c = np.zeros_like(c)
             if keep.any():
                 c[keep], *_ = np.linalg.lstsq((a * sw[:, None])[:, keep], b * sw, rcond=None)
+        return c
+
+    w = np.full(len(t), 1.0 / len(t))
+    c = solve(w)
+    for _ in range(200):
         r = np.abs(a @ c - b)
-        if r.sum() == 0:
+        if r.max() <= 1e-12:  # (near) exact fit, e.g. as many points as coefficients
             break
-        w = w * r
+        w = w * r + 1e-12 * w.max()  # keep every point weighted, so the system stays solvable
         w = w / w.sum()
+        try:
+            c = solve(w)
+        except np.linalg.LinAlgError:
+            break
     return c
 
 
