@@ -78,33 +78,113 @@ def unsharded(rank: int, world: int, comm: Any, steps: int, kwargs: Dict[str, An
     return res
 
 
-def frozen_rejected(rank: int, world: int, comm: Any) -> str:
-    """ZeroOneAdam under ZeRO reaching its local-step phase: the error message."""
-    from compcomm.errors import UnsupportedError
+def _flat(params) -> Any:
+    return torch.cat([p.detach().float().reshape(-1) for p in params]).numpy().copy()
+
+
+def _zoa_backward(params, rank: int, t: int, gas: int) -> None:
+    for micro in range(gas):
+        _backward(params, rank, t, micro)
+
+
+def local_phase_case(rank: int, world: int, comm: Any, case: Dict[str, Any]) -> Dict[str, Any]:
+    """ZeroOneAdam through its variance and local-step phases, under ZeRO and unsharded on the
+    same gradients: parameters, step kinds and bytes per step, memory in the local phase."""
     from compcomm.optim import ZeroOneAdam
     from compcomm.zero import ZeroOptimizer
 
-    params = _params()
-    z = ZeroOptimizer(params, ZeroOneAdam, stage=1, process_group=comm,
-                      optimizer_kwargs={"lr": 1e-2, "var_freeze_step": 1})
-    msg = ""
-    try:
-        for t in range(1, 4):
-            _backward(params, rank, t, 0)
-            z.step()
-    except UnsupportedError as e:
-        msg = str(e)
+    dtype = getattr(torch, case.get("dtype", "float32"))
+    params = [torch.nn.Parameter(p.to(dtype)) for p in _params()]
+    z = ZeroOptimizer(params, ZeroOneAdam, stage=case["stage"], process_group=comm,
+                      optimizer_kwargs=case["kwargs"], gradient_accumulation_steps=case["gas"],
+                      reduce_bucket_size=case["bucket"])
+    out: Dict[str, Any] = {"zero": [], "kinds": [], "bytes": []}
+    for t in range(1, case["steps"] + 1):
+        out["kinds"].append(z.optimizer.step_kind())
+        comm.reset_bytes_sent()
+        _zoa_backward(params, rank, t, case["gas"])
+        z.step()
+        out["bytes"].append(comm.bytes_sent)
+        out["zero"].append(_flat(params))
+    out["memory"] = z.memory_bytes()
+    out["local_phase"] = z._local_phase
     z.close()
-    return msg
+    # the bytes of the norm all-reduce alone (what a local step may send)
+    from compcomm import _C
+    from compcomm._buffers import buffer_of
+
+    scalar = torch.zeros(1, dtype=torch.float64)  # kept alive: the Buffer does not own it
+    comm.reset_bytes_sent()
+    comm.all_reduce(buffer_of(scalar), _C.ReduceOp.sum, 60.0)
+    out["norm_bytes"] = comm.bytes_sent
+
+    params = [torch.nn.Parameter(p.to(dtype)) for p in _params()]
+    opt = ZeroOneAdam(params, process_group=comm, **case["kwargs"])
+    out["plain"] = []
+    for t in range(1, case["steps"] + 1):
+        _zoa_backward(params, rank, t, case["gas"])
+        if case["gas"] > 1:
+            for p in params:
+                p.grad.mul_(1.0 / case["gas"])  # exact for gas = 2
+        opt.step()
+        opt.zero_grad()
+        out["plain"].append(_flat(params))
+    out["plain_state_bytes"] = sum(v.numel() * v.element_size() for st in opt.state.values()
+                                   for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return out
+
+
+def resume_case(rank: int, world: int, comm: Any, case: Dict[str, Any], directory: str) -> Dict[str, Any]:
+    """Checkpoints of ZeRO + ZeroOneAdam (exact_resume) in the variance phase and in the middle of a
+    local-step interval, resumed into fresh optimizers and into one already in the local phase."""
+    from compcomm.optim import ZeroOneAdam
+    from compcomm.zero import ZeroOptimizer, consolidate, load_checkpoint, save_checkpoint
+
+    def build():
+        params = _params()
+        z = ZeroOptimizer(params, ZeroOneAdam, stage=case["stage"], process_group=comm,
+                          optimizer_kwargs=case["kwargs"], reduce_bucket_size=case["bucket"])
+        return params, z
+
+    def run(params, z, first, last, save_at=()):
+        traj = {}
+        for t in range(first, last + 1):
+            _zoa_backward(params, rank, t, 1)
+            z.step()
+            traj[t] = _flat(params)
+            if t in save_at:
+                save_checkpoint(z, f"{directory}/step{t}")
+        return traj
+
+    params, z = build()
+    # the files of step s are all written before any rank finishes step s+1 (a collective)
+    full = run(params, z, 1, case["steps"], save_at=case["save_at"])
+    out: Dict[str, Any] = {"full": full, "resumed": {}}
+    for s in case["save_at"]:
+        p2, z2 = build()
+        load_checkpoint(z2, f"{directory}/step{s}")
+        out["resumed"][("fresh", s)] = run(p2, z2, s + 1, case["steps"])
+        z2.close()
+    # load the variance-phase checkpoint into the optimizer that finished in the local phase
+    s0 = case["save_at"][0]
+    load_checkpoint(z, f"{directory}/step{s0}")
+    out["resumed"][("reused", s0)] = run(params, z, s0 + 1, case["steps"])
+    z.close()
+    if rank == 0:
+        out["consolidated"] = {s: torch.cat([v.reshape(-1) for v in consolidate(f"{directory}/step{s}").values()]).numpy()
+                               for s in case["save_at"]}
+    return out
 
 
 def rank_body(rank: int, world: int, cases: List[Dict[str, Any]], warm_kwargs: Dict[str, Any],
-              warm_steps: int) -> Dict[str, Any]:
+              warm_steps: int, local_cases: List[Dict[str, Any]], resume: Dict[str, Any],
+              directory: str) -> Dict[str, Any]:
     from compcomm._comm import resolve
 
     comm = resolve(None)
     return {
         "cases": [run_case(rank, world, comm, c) for c in cases],
         "unsharded": unsharded(rank, world, comm, warm_steps, warm_kwargs),
-        "frozen": frozen_rejected(rank, world, comm),
+        "local": [local_phase_case(rank, world, comm, c) for c in local_cases],
+        "resume": resume_case(rank, world, comm, resume, directory),
     }

@@ -253,6 +253,14 @@ class OneBitBase(torch.optim.Optimizer):
         #: optimizer-wide step counter and schedule, saved in state_dict()["compcomm"].
         self.sched: Dict[str, Any] = {"step": 0}
 
+    def _set_comm(self, comm: Any, grads_averaged: bool) -> None:
+        """Talk through ``comm`` from now on. ZeroOptimizer runs 0/1 Adam's variance phase on
+        shards with a one-rank communicator and its local-step phase unsharded on the real group."""
+        self.comm = comm
+        self.world_size = comm.size()
+        self.rank = comm.rank()
+        self.grads_averaged = bool(grads_averaged)
+
     # -- phase queries ---------------------------------------------------------------------
     def next_step_averages(self) -> bool:
         """Whether the next ``step()`` needs gradients averaged in full precision (warm-up)."""

@@ -2,8 +2,12 @@
 
 Each rank writes ``<dir>/zero_rank<r>_of<W>.pt`` holding its fp32 master shards, the wrapped optimizer's
 state (shards), the layout needed to put shards back together (tensor sizes and shapes, bucket size,
-alignment, world size) and, if a module was given, the parameter names. ``consolidate`` reads all
-ranks' files and rebuilds the full fp32 weights, like DeepSpeed's ``zero_to_fp32``.
+alignment, world size) and, if a module was given, the parameter names. 1-bit optimizers built with
+``exact_resume=True`` also save this rank's error buffers. In ZeroOneAdam's local-step phase the
+wrapped optimizer's state is this rank's full (unsharded) state and the file also holds this rank's
+parameters, which differ between ranks until the next sync; the master shards hold the last
+synchronised parameters. ``consolidate`` reads all ranks' files and rebuilds the full fp32 weights
+(like DeepSpeed's ``zero_to_fp32``).
 """
 
 from __future__ import annotations
@@ -49,6 +53,10 @@ def shard_state_dict(opt: Any, names: Optional[Dict[int, str]] = None) -> Dict[s
         "rank": opt.rank,
         "groups": groups,
         "optimizer": opt.optimizer.state_dict(),
+        "local_phase": opt._local_phase,
+        "local_params": [grp.flat.detach().clone() for grp in opt.groups] if opt._local_phase else None,
+        "errors": ({k: (we.clone(), se.clone()) for k, (we, se) in opt._errors.items()}
+                   if opt.exact_resume else None),
         "loss_scale": opt.loss_scale,
         "global_steps": opt.global_steps,
         "skipped_steps": opt.skipped_steps,
@@ -70,11 +78,23 @@ def load_shard_state_dict(opt: Any, sd: Dict[str, Any]) -> None:
         if g["sizes"] != [t[0] for t in grp.tensors] or g["bucket_size"] != grp.plan.bucket_size:
             raise ValueError(f"state_dict: group {gi} has a different layout (sizes or bucket size)")
         grp.master.data.copy_(g["master"])
+    local = bool(sd.get("local_phase"))
+    if local and not opt._local_phase:
+        opt._enter_local_phase(gather=False)  # the state comes from the checkpoint
+    elif opt._local_phase and not local:
+        opt._leave_local_phase()
     opt.optimizer.load_state_dict(sd["optimizer"])
+    saved_errors = sd.get("errors") or {}
+    opt._errors = ({k: (we.clone(), se.clone()) for k, (we, se) in saved_errors.items()}
+                   if opt.exact_resume else {})
     opt.loss_scale = sd["loss_scale"]
     opt.global_steps = sd["global_steps"]
     opt.skipped_steps = sd["skipped_steps"]
-    opt._publish()
+    if local:
+        for grp, flat in zip(opt.groups, sd["local_params"]):
+            grp.flat.copy_(flat)
+    else:
+        opt._publish()
 
 
 def save_checkpoint(opt: Any, directory: str, module: Optional[torch.nn.Module] = None) -> str:

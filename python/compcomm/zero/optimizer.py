@@ -29,7 +29,9 @@ shards (one all-reduce of a scalar).
 With ``compcomm.optim.OneBitAdam`` or ``ZeroOneAdam`` (stage 1/2) the compressed phase reduces each
 bucket of this rank's local momentum contribution ``(1-b1) * g_local`` (ZeroOneAdam: its local gradient)
 with the 1-bit :func:`~compcomm.zero.compressed_reduce_scatter` and per-bucket error feedback; see
-docs/zero.md, "1-bit optimizers with ZeRO stage 1/2".
+docs/zero.md, "1-bit optimizers with ZeRO stage 1/2". ZeroOneAdam's local-step phase needs every
+rank's own full momentum, so from ``var_freeze_step`` on the wrapped optimizer runs unsharded on the
+model's parameters (its state all-gathered once).
 
 Collectives issued from hooks run in autograd's order, which is the same on every rank for the same
 model; every rank must run the same modules.
@@ -48,7 +50,6 @@ from .. import _C
 from .._buffers import buffer_of
 from .._comm import resolve
 from ..collectives import DEFAULT_TIMEOUT
-from ..errors import UnsupportedError
 from .config import validate_zero_config
 
 __all__ = ["ZeroOptimizer", "initialize"]
@@ -100,9 +101,11 @@ class ZeroOptimizer:
         wrapped optimizer runs on the shards without communicating, and in its compressed phase
         ZeroOptimizer reduces ``(1-b1) * g_local`` (OneBitAdam) or ``g_local`` (ZeroOneAdam's 1-bit
         gradient steps) with the 1-bit compressed reduce-scatter, error feedback per bucket and
-        rank, so the shard's momentum becomes ``b1*m_r + RS_1bit((1-b1) g_local)_r``. Stage 3 and
-        ``OneBitLamb`` raise ValueError; ZeroOneAdam's local-step phase raises
-        :class:`~compcomm.errors.UnsupportedError` when reached.
+        rank, so the shard's momentum becomes ``b1*m_r + RS_1bit((1-b1) g_local)_r``.
+        ZeroOneAdam's local-step phase (after ``var_freeze_step``) runs unsharded: its state is
+        all-gathered once and the steps are exactly unsharded ZeroOneAdam's (see docs/zero.md).
+        ``exact_resume=True`` in ``optimizer_kwargs`` makes checkpoints carry the error buffers.
+        Stage 3 and ``OneBitLamb`` raise ValueError.
     stage : {1, 2, 3}
         ZeRO stage.
     process_group : torch ProcessGroup or compcomm Communicator, optional
@@ -182,6 +185,9 @@ class ZeroOptimizer:
                 "momentum reduce-scatter is implemented for stage 1 and 2)"
             )
         self._errors: Dict[tuple, tuple] = {}  # (group, bucket) -> (worker_error, server_error)
+        # ZeroOneAdam after var_freeze_step: the wrapped optimizer runs unsharded (_enter_local_phase)
+        self._local_phase = False
+        self.exact_resume = bool((optimizer_kwargs or {}).get("exact_resume", False))
         self._compress_now = False  # set at the start of each compressed-phase accumulation
         self._async = _C.zero.AsyncComm(self.comm)
         self._pending: List[tuple] = []  # stage 2/3: (work, group, bucket, staging, recv)
@@ -220,6 +226,7 @@ class ZeroOptimizer:
         self.optimizer = optimizer_class(
             [dict(grp.options, params=[grp.master]) for grp in self.groups], **kwargs
         )
+        self._shard_comm = getattr(self.optimizer, "comm", None)  # 1-bit: the one-rank communicator
         self._hooks: List[Any] = []
         if stage >= 2:
             self._install_grad_hooks()
@@ -289,7 +296,7 @@ class ZeroOptimizer:
     def _grad_ready(self, gi: int, ti: int, p: torch.Tensor) -> None:
         grp = self.groups[gi]
         n, off, bi = grp.tensors[ti]
-        if p.grad is None:
+        if p.grad is None or self._local_phase:  # local phase: gradients stay whole and local
             return
         st = self._staging_for(gi, bi)
         lo = off - grp.buckets[bi]["offset"]
@@ -408,18 +415,10 @@ class ZeroOptimizer:
                 for bi, b in enumerate(grp.buckets):
                     items.append((gi, bi, flat[b["offset"] : b["offset"] + b["padded"]]))
                 grp.master.grad = torch.zeros(grp.plan.shard_numel, dtype=torch.float32)
-        local = torch.zeros(1, dtype=torch.float64)
-        for _, _, x in items:
-            local += x.double().pow(2).sum()
-        local *= scale * scale
-        self._async.all_reduce(buffer_of(local), _C.ReduceOp.sum, self.timeout).wait(self.timeout)
-        norm_sq = float(local.item()) / self.world
+        norm_sq = self._mean_sq_norm([x for _, _, x in items], scale)
         if not math.isfinite(norm_sq):
             return norm_sq
-        coef = scale
-        norm = math.sqrt(norm_sq)
-        if self.clip > 0 and norm > self.clip:
-            coef *= self.clip / (norm + 1e-6)
+        coef = self._local_coef(norm_sq, scale)
         for gi, bi, x in items:
             b = self.groups[gi].buckets[bi]
             k = self._momentum_factor(gi)
@@ -436,6 +435,105 @@ class ZeroOptimizer:
             if pad < b["chunk"]:
                 out[pad:].zero_()
         return norm_sq
+
+    def _mean_sq_norm(self, local_grads: List[torch.Tensor], scale: float) -> float:
+        """Mean over ranks of ``||scale * g_local||^2`` (one all-reduce of a float64): the compressed
+        and local phases never form the averaged gradient, so clipping and the non-finite check use
+        this (every rank gets the same value, so all of them clip or skip alike)."""
+        local = torch.zeros(1, dtype=torch.float64)
+        for g in local_grads:
+            local += g.double().pow(2).sum()
+        local *= scale * scale
+        self._async.all_reduce(buffer_of(local), _C.ReduceOp.sum, self.timeout).wait(self.timeout)
+        return float(local.item()) / self.world
+
+    def _local_coef(self, norm_sq: float, scale: float) -> float:
+        """What a local gradient is multiplied by: ``scale``, times the clip factor if needed."""
+        norm = math.sqrt(norm_sq)
+        if self.clip > 0 and norm > self.clip:
+            return scale * self.clip / (norm + 1e-6)
+        return scale
+
+    # ---- ZeroOneAdam's local-step phase: the wrapped optimizer runs unsharded ------------------
+
+    def _enter_local_phase(self, gather: bool = True) -> None:
+        """Switch the wrapped ZeroOneAdam from the shards to the model's own parameters.
+
+        Its local steps update each rank's own copy of every parameter with the rank's own
+        momentum, so they need the full momentum, the frozen variance and (for fp16/bf16 params)
+        the full fp32 master on every rank: they are all-gathered once here (``gather``; a checkpoint
+        load fills them instead), and the optimizer then talks through the real group, exactly as
+        unsharded ZeroOneAdam (per-parameter compressed allreduce of the accumulated update at
+        syncs). The master shards keep the last synchronised parameters (for checkpoints and
+        ``consolidate``); the bucket error buffers are dropped, as 0/1 Adam zeroes its errors at
+        the freeze.
+        """
+        opt = self.optimizer
+        self._complete(len(self._pending))
+        for gi, grp in enumerate(self.groups):
+            shard_state = opt.state.pop(grp.master, {})
+            full: Dict[str, torch.Tensor] = {}
+            if gather:
+                sources = {"exp_avg": shard_state["exp_avg"], "exp_avg_sq": shard_state["exp_avg_sq"]}
+                if grp.dtype != torch.float32:
+                    sources["master_param"] = grp.master.detach()
+                works = []
+                for key, shard in sources.items():
+                    full[key] = torch.empty(grp.plan.flat_numel, dtype=torch.float32)
+                    shard = shard.contiguous()
+                    works.append((self._async.bucketed_all_gather(
+                        grp.plan, buffer_of(shard), buffer_of(full[key]), timeout_s=self.timeout), shard))
+                for w, _ in works:
+                    w.wait(self.timeout)
+            for p, (n, off, _) in zip(grp.params, grp.tensors):
+                st: Dict[str, Any] = {}
+                if gather:
+                    st = {k: f[off : off + n].view(p.shape) for k, f in full.items()}
+                    st["step"] = shard_state.get("step", 0)
+                opt.state[p] = st
+            opt.param_groups[gi]["params"] = list(grp.params)
+            grp.master.grad = None
+        opt._set_comm(self.comm, grads_averaged=False)
+        self._errors.clear()
+        self._free_staging.clear()
+        self._local_phase = True
+
+    def _leave_local_phase(self) -> None:
+        """Back to the sharded layout (loading a variance-phase checkpoint into a local-phase
+        optimizer); the state is then filled by the load."""
+        opt = self.optimizer
+        for gi, grp in enumerate(self.groups):
+            for p in grp.params:
+                opt.state.pop(p, None)
+            opt.param_groups[gi]["params"] = [grp.master]
+            grp.master.grad = torch.zeros_like(grp.master) if self.stage >= 2 else None
+        opt._set_comm(self._shard_comm, grads_averaged=True)
+        self._local_phase = False
+
+    def _local_step(self, norm_sq: float) -> None:
+        """One local or sync step of the unsharded ZeroOneAdam on this rank's local gradients."""
+        opt = self.optimizer
+        sync = opt.step_kind() == "sync"
+        coef = self._local_coef(norm_sq, 1.0 / (self.gas * self.loss_scale))
+        # The GradScaler protocol: the optimizer divides its fp32 copies of the gradients by
+        # grad_scale (p.grad itself may be fp16/bf16 and is not touched).
+        opt.grad_scale = 1.0 / coef
+        try:
+            opt.step()
+        finally:
+            del opt.grad_scale
+        if sync:  # every rank now holds the same parameters: refresh the master shards
+            for grp in self.groups:
+                if grp.dtype == torch.float32:
+                    full = grp.flat
+                else:
+                    full = torch.zeros(grp.plan.flat_numel, dtype=torch.float32)
+                    for p, (n, off, _) in zip(grp.params, grp.tensors):
+                        full[off : off + n].copy_(opt.state[p]["master_param"].reshape(-1))
+                for b in grp.buckets:
+                    lo = b["offset"] + self.rank * b["chunk"]
+                    grp.master.data[b["shard_offset"] : b["shard_offset"] + b["chunk"]].copy_(
+                        full[lo : lo + b["chunk"]])
 
     # ---- public API --------------------------------------------------------------------------
 
@@ -463,7 +561,7 @@ class ZeroOptimizer:
                 self._free_staging.setdefault((grp.max_padded, grp.dtype), []).append(base)
             for a in grp.arrived:
                 a.clear()
-            if self.stage >= 2:
+            if self.stage >= 2 and not self._local_phase:
                 grp.master.grad.zero_()
             else:
                 grp.master.grad = None
@@ -492,14 +590,12 @@ class ZeroOptimizer:
             with torch.enable_grad():
                 loss = closure()
         compressed = self._compressed_phase()
-        if self.onebit == "ZeroOneAdam" and self.optimizer.freeze_key:
-            self.zero_grad()
-            raise UnsupportedError(
-                "ZeroOneAdam with ZeRO: the local-step phase (steps after var_freeze_step="
-                f"{self.optimizer.var_freeze_step}) is not implemented on sharded state; set "
-                "var_freeze_step to at least the number of training steps, or use OneBitAdam"
-            )
-        if compressed:
+        local = self._local_phase
+        if local:
+            self._complete(len(self._pending))
+            grads = [p.grad for grp in self.groups for p in grp.params if p.grad is not None]
+            norm_sq = self._mean_sq_norm(grads, 1.0 / (self.gas * self.loss_scale))
+        elif compressed:
             norm_sq = self._flush_compressed()
         else:
             self._flush()
@@ -515,18 +611,24 @@ class ZeroOptimizer:
                 self._good_steps = 0
             self.zero_grad()
             return loss
-        if self.clip > 0 and self.last_grad_norm > self.clip and not compressed:
+        if self.clip > 0 and self.last_grad_norm > self.clip and not (compressed or local):
             coef = self.clip / (self.last_grad_norm + 1e-6)
             for grp in self.groups:
                 grp.master.grad.mul_(coef)
-        self.optimizer.step()
+        if local:
+            self._local_step(norm_sq)
+        else:
+            self.optimizer.step()
         self.global_steps += 1
         if self.dynamic_scale:
             self._good_steps += 1
             if self._good_steps % self.scale_window == 0:
                 self.loss_scale *= 2
-        self._publish()
-        if self.stage >= 2:
+        if not local:
+            self._publish()
+        if self.onebit == "ZeroOneAdam" and not local and self.optimizer.freeze_key:
+            self._enter_local_phase()
+        if self.stage >= 2 and not self._local_phase:
             for grp in self.groups:
                 grp.master.grad.zero_()
         else:
@@ -668,17 +770,17 @@ def _onebit_kind(optimizer_class: Any) -> Optional[str]:
 
 def _onebit_inner_kwargs(name: str, kwargs: Dict[str, Any]) -> Dict[str, Any]:
     """Arguments for the wrapped 1-bit optimizer: it runs on this rank's shards alone (a world of
-    one rank, gradients already reduced by ZeroOptimizer), so it never communicates itself."""
+    one rank, gradients already reduced by ZeroOptimizer), so it never communicates itself (until
+    ZeroOneAdam's local-step phase, when ZeroOptimizer hands it its own group)."""
     for key, ok in (("comm_backend_name", ("torch",)), ("grads_averaged", (False,)),
-                    ("process_group", (None,)), ("exact_resume", (False,))):
+                    ("process_group", (None,))):
         if key in kwargs and kwargs[key] not in ok:
             raise ValueError(
                 f"optimizer_kwargs.{key}={kwargs[key]!r} is not supported with ZeRO: ZeroOptimizer "
-                "does the communication on its own process group (and its error buffers are reset "
-                "on checkpoint load)"
+                "does the communication on its own process group"
             )
     return dict(kwargs, comm_backend_name="torch", grads_averaged=True,
-                process_group=_C.LocalCommunicator(), exact_resume=False)
+                process_group=_C.LocalCommunicator())
 
 
 def _numel(p: torch.Tensor) -> int:
