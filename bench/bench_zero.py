@@ -1,4 +1,5 @@
-"""ZeRO step time, bytes per step and per-rank memory by stage, plain (AdamW) vs 1-bit (OneBitAdam).
+"""ZeRO step time, bytes per step and per-rank memory by stage, plain (AdamW) vs 1-bit (OneBitAdam,
+ZeroOneAdam).
 
 Run as a script (not collected as a benchmark test). The committed eth1g results
 (bench/results/zero_eth1g.{json,md}) come from, as root:
@@ -16,12 +17,15 @@ result as JSON. The namespaces are gone when the script exits.
 Rows, per world size: ZeRO stage 1, 2, 3 with torch.optim.AdamW ("adamw"), and stage 1, 2 with
 compcomm.optim.OneBitAdam ("onebit", freeze_step 1, so every timed step is in the compressed
 phase: each gradient bucket's momentum contribution goes through the 1-bit compressed
-reduce-scatter; stage 3 with a 1-bit optimizer is not supported). Each row runs ``--warmup``
-untimed steps, then ``--steps`` timed steps of forward + backward + step on one micro-batch,
-measured on rank 0 (median reported, all kept in the JSON). Bytes/step is what rank 0's
-communicator put on the wire (Communicator.bytes_sent) during the last timed step. Memory is
-ZeroOptimizer.memory_bytes() on rank 0 after the last backward (before its step). Torch runs with
-one thread per rank.
+reduce-scatter; stage 3 with a 1-bit optimizer is not supported), and stage 1, 2 with
+compcomm.optim.ZeroOneAdam ("zoadam", var_freeze_step 1, local_step_scaler 1, local_step_clipper
+4: steps 1-2 update the variance, then syncs at steps 3, 4, 8, 12, ... and local steps between, so
+after 4 warm-up steps every 4 timed steps are 3 local steps and one sync). Each row runs
+``--warmup`` untimed steps, then ``--steps`` timed steps of forward + backward + step on one
+micro-batch, measured on rank 0; reported: the median step time (zoadam: the mean, as its steps
+differ) and the mean bytes rank 0's communicator put on the wire per timed step
+(Communicator.bytes_sent); every step is kept in the JSON. Memory is ZeroOptimizer.memory_bytes()
+on rank 0 after the last backward (before its step). Torch runs with one thread per rank.
 
 Unless ``--no-rs``, it also times one reduce-scatter of a momentum-sized fp32 tensor: plain =
 compcomm's bucketed reduce-scatter (one bucket), compressed = compcomm.zero.compressed_reduce_scatter.
@@ -38,6 +42,7 @@ import time
 from typing import Any, Dict, List
 
 PROFILES = ("loopback", "eth1g", "eth10g", "unshaped")
+ROWS = ("adamw1", "adamw2", "adamw3", "onebit1", "onebit2", "zoadam1", "zoadam2")
 
 
 def _model(hidden: int, layers: int):
@@ -54,13 +59,16 @@ def _zero_body(rank: int, world: int, stage: int, opt_name: str, hidden: int, la
                steps: int, warmup: int, bucket: int) -> Dict[str, Any]:
     import torch
 
-    from compcomm.optim import OneBitAdam
+    from compcomm.optim import OneBitAdam, ZeroOneAdam
     from compcomm.zero import ZeroOptimizer
 
     torch.set_num_threads(1)
     model = _model(hidden, layers)
     if opt_name == "onebit":
         cls, kw = OneBitAdam, {"lr": 1e-4, "freeze_step": 1}
+    elif opt_name == "zoadam":
+        cls, kw = ZeroOneAdam, {"lr": 1e-4, "var_freeze_step": 1, "local_step_scaler": 1,
+                                "local_step_clipper": 4}
     else:
         cls, kw = torch.optim.AdamW, {"lr": 1e-4}
     opt = ZeroOptimizer(model.parameters(), cls, stage=stage, module=model, optimizer_kwargs=kw,
@@ -68,8 +76,8 @@ def _zero_body(rank: int, world: int, stage: int, opt_name: str, hidden: int, la
     torch.manual_seed(1 + rank)
     x = torch.randn(16, hidden)
     times: List[float] = []
+    sent: List[int] = []
     mem = None
-    sent = 0
     for s in range(warmup + steps):
         opt.comm.barrier()
         before = opt.comm.bytes_sent
@@ -80,12 +88,13 @@ def _zero_body(rank: int, world: int, stage: int, opt_name: str, hidden: int, la
         opt.step()
         opt.zero_grad()
         dt = time.perf_counter() - t0
-        sent = opt.comm.bytes_sent - before
         if s >= warmup:
             times.append(dt)
+            sent.append(opt.comm.bytes_sent - before)
     opt.close()
-    return {"step_s": statistics.median(times), "step_s_all": times, "bytes_per_step": sent,
-            "mem": mem}
+    step_s = statistics.mean(times) if opt_name == "zoadam" else statistics.median(times)
+    return {"step_s": step_s, "step_s_all": times, "bytes_per_step": statistics.mean(sent),
+            "bytes_all": sent, "mem": mem}
 
 
 def _rs_body(rank: int, world: int, numel: int, reps: int) -> Dict[str, Any]:
@@ -168,8 +177,9 @@ def _markdown(rows: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
            f"bucket {meta['bucket']} elements; overlap_comm; one torch thread per rank. Step = "
            f"forward + backward + step, median of {meta['steps']} timed steps after "
            f"{meta['warmup']} untimed (onebit: OneBitAdam freeze_step 1, so timed steps are "
-           "compressed). Bytes = rank 0's Communicator.bytes_sent in one step. Memory = rank 0's "
-           "ZeroOptimizer.memory_bytes() after backward.", "",
+           "compressed; zoadam: ZeroOneAdam in its local-step phase, 3 local steps and one sync in "
+           "every 4 steps, mean step time). Bytes = rank 0's Communicator.bytes_sent, mean per "
+           "timed step. Memory = rank 0's ZeroOptimizer.memory_bytes() after backward.", "",
            f"Command: `{meta['command']}`", ""]
     for w in sorted({r["world"] for r in rows if "stage" in r}):
         out += [f"## W = {w}", "",
@@ -198,17 +208,19 @@ def main() -> None:
     ap.add_argument("--world", type=int, nargs="+", default=[2])
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per row")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per row (>= 2 for onebit)")
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per row (zoadam: a multiple of 4)")
+    ap.add_argument("--warmup", type=int, default=4, help="untimed steps per row (>= 4)")
     ap.add_argument("--bucket", type=int, default=int(5e5))
     ap.add_argument("--no-rs", dest="rs", action="store_false", help="skip the plain vs "
                     "compressed reduce-scatter rows")
+    ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS),
+                    help="which stage/optimizer rows to run (default: all)")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--md", help="also write a markdown table per world size here")
     args = ap.parse_args()
-    if args.warmup < 2:
-        ap.error("argument --warmup must be >= 2 (OneBitAdam freeze_step 1 + the first compressed "
-                 "step)")
+    if args.warmup < 4:
+        ap.error("argument --warmup must be >= 4 (OneBitAdam freeze_step 1 + the first compressed "
+                 "step; ZeroOneAdam's variance steps and first syncs)")
 
     from compcomm.zero import estimate_memory
 
@@ -221,9 +233,9 @@ def main() -> None:
           f"{'grads MiB':>9} {'master MiB':>10} {'optstate MiB':>12} {'buffers MiB':>11} "
           f"{'estimate total MiB':>18}", flush=True)
     for w in args.world:
-        for stage, opt_name in ((1, "adamw"), (2, "adamw"), (3, "adamw"), (1, "onebit"),
-                                (2, "onebit")):
-            if opt_name == "onebit" and w == 1:
+        for row in args.rows:
+            opt_name, stage = row[:-1], int(row[-1])
+            if opt_name != "adamw" and w == 1:
                 continue  # no compression with one rank
             r = _run(args.profile, w, "zero", stage, opt_name, args.hidden, args.layers,
                      args.steps, args.warmup, args.bucket)
