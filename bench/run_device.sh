@@ -2,6 +2,7 @@
 # Everything the GPU machine checks, in one device call per stage:
 #   bash bench/run_device.sh tests    build, then tests/test_cuda.py, tests/test_nccl.py, GPU MPI tests
 #   bash bench/run_device.sh bench    build, then bench/gpu_bench.py and bench/bench_nccl.py
+#   bash bench/run_device.sh mpi      build, then the GPU MPI tests only (device buffers, ZeRO on GPU)
 # Run from the repository root, carrying .whl (DeepSpeed 0.19.6 + pure-Python deps, for the benches).
 # Logs go to $OUT (default out/device), results to bench/results/.
 set -u -o pipefail
@@ -34,8 +35,11 @@ if [ "$STAGE" = tests ]; then
   (ompi_info --parsable --all 2>/dev/null | grep -i "mpi_built_with_cuda_support\|opal_cuda" ; ompi_info | head -3) >"$OUT/ompi_info.txt" 2>&1
   run test_cuda 200 python3 -m pytest tests/test_cuda.py -q -rs -p no:cacheprovider
   run test_nccl 150 python3 -m pytest tests/test_nccl.py -q -rs -p no:cacheprovider --timeout 120
-  run test_mpi_gpu 150 python3 -m pytest tests/test_mpi.py -q -rs -p no:cacheprovider -k "gpu or cuda"
+  run test_mpi_gpu 400 python3 -m pytest tests/test_mpi.py -q -rs -p no:cacheprovider -k "gpu or cuda"
   grep -hE "FAILED|Error" "$OUT"/test_*.log | head -40
+elif [ "$STAGE" = mpi ]; then
+  run test_mpi_gpu 450 python3 -m pytest tests/test_mpi.py -q -rs -p no:cacheprovider -k "gpu or cuda"
+  grep -hE "FAILED|Error|RANK|assert" "$OUT"/test_mpi_gpu.log | head -60
 else
   run gpu_bench 280 python3 bench/gpu_bench.py --out "$OUT"
   run bench_nccl 200 python3 bench/bench_nccl.py --out bench/results/nccl_h200

@@ -25,8 +25,8 @@ pytestmark = [
 ]
 
 
-def launch(np: int, script: str, timeout: float, **kw) -> str:
-    cmd = mpirun_command(np, str(HERE / script), **kw)
+def launch(np: int, script: str, timeout: float, *args: str, **kw) -> str:
+    cmd = mpirun_command(np, str(HERE / script), *args, **kw)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -66,6 +66,22 @@ def test_gpu_buffers(np: int) -> None:
     if not compcomm._C.mpi_cuda_built():
         pytest.skip("compcomm's MPI backend was built without the CUDA runtime")
     text = launch(np, "check_gpu.py", timeout=200)
+    for r in range(np):
+        assert f"RANK {r} OK" in text, text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("np", [1, 2, 3])
+def test_zero_on_gpu(np: int, tmp_path) -> None:
+    """ZeroOptimizer with CUDA parameters (stages 1-3, AdamW fp32/bf16, OneBitAdam, ZeroOneAdam's
+    local phase) over host-staged MPI, ranks sharing the GPU, equals the CPU run; a GPU checkpoint
+    resumes on the CPU."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if not compcomm._C.mpi_cuda_built():
+        pytest.skip("compcomm's MPI backend was built without the CUDA runtime")
+    text = launch(np, "check_zero_gpu.py", 400, str(tmp_path))
     for r in range(np):
         assert f"RANK {r} OK" in text, text
 

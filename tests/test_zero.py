@@ -218,6 +218,9 @@ def test_zero_config_rejections():
         ZeroOptimizer(torch.nn.Linear(2, 2).parameters(), torch.optim.Adam, stage=3)
     with pytest.raises(ValueError, match="stage"):
         ZeroOptimizer(torch.nn.Linear(2, 2).parameters(), torch.optim.Adam, stage=0)
+    mixed = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3, device="meta"))]
+    with pytest.raises(ValueError, match="one device"):
+        ZeroOptimizer(mixed, torch.optim.Adam, stage=1)
 
 
 def _write(tmp_path, cfg):

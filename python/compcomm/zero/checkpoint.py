@@ -43,7 +43,7 @@ def shard_state_dict(opt: Any, names: Optional[Dict[int, str]] = None) -> Dict[s
                 "dtype": str(grp.dtype).replace("torch.", ""),
                 "bucket_size": grp.plan.bucket_size,
                 "alignment": grp.plan.alignment,
-                "master": grp.master.detach().clone(),
+                "master": grp.master.detach().cpu().clone(),
             }
         )
     return {
@@ -54,8 +54,9 @@ def shard_state_dict(opt: Any, names: Optional[Dict[int, str]] = None) -> Dict[s
         "groups": groups,
         "optimizer": opt.optimizer.state_dict(),
         "local_phase": opt._local_phase,
-        "local_params": [grp.flat.detach().clone() for grp in opt.groups] if opt._local_phase else None,
-        "errors": ({k: (we.clone(), se.clone()) for k, (we, se) in opt._errors.items()}
+        "local_params": ([grp.flat.detach().cpu().clone() for grp in opt.groups]
+                         if opt._local_phase else None),
+        "errors": ({k: (we.cpu().clone(), se.cpu().clone()) for k, (we, se) in opt._errors.items()}
                    if opt.exact_resume else None),
         "loss_scale": opt.loss_scale,
         "global_steps": opt.global_steps,
@@ -85,8 +86,8 @@ def load_shard_state_dict(opt: Any, sd: Dict[str, Any]) -> None:
         opt._leave_local_phase()
     opt.optimizer.load_state_dict(sd["optimizer"])
     saved_errors = sd.get("errors") or {}
-    opt._errors = ({k: (we.clone(), se.clone()) for k, (we, se) in saved_errors.items()}
-                   if opt.exact_resume else {})
+    opt._errors = ({k: (we.to(opt.device, copy=True), se.to(opt.device, copy=True))
+                    for k, (we, se) in saved_errors.items()} if opt.exact_resume else {})
     opt.loss_scale = sd["loss_scale"]
     opt.global_steps = sd["global_steps"]
     opt.skipped_steps = sd["skipped_steps"]
@@ -111,7 +112,7 @@ def save_checkpoint(opt: Any, directory: str, module: Optional[torch.nn.Module] 
 
 def load_checkpoint(opt: Any, directory: str) -> None:
     """Load this rank's shard file from ``directory`` into ``opt`` (every rank calls this)."""
-    sd = torch.load(shard_file(directory, opt.rank, opt.world), weights_only=False)
+    sd = torch.load(shard_file(directory, opt.rank, opt.world), map_location="cpu", weights_only=False)
     load_shard_state_dict(opt, sd)
 
 
@@ -133,7 +134,7 @@ def consolidate(directory: str) -> Dict[str, torch.Tensor]:
         path = shard_file(directory, r, world)
         if not os.path.exists(path):
             raise FileNotFoundError(f"directory: {path} is missing (world size {world})")
-        sd = torch.load(path, weights_only=False)
+        sd = torch.load(path, map_location="cpu", weights_only=False)
         if sd.get("format") != FORMAT or sd["world"] != world or sd["rank"] != r:
             raise ValueError(f"{path}: not rank {r} of {world} of a compcomm ZeRO checkpoint")
         shards.append(sd)

@@ -17,7 +17,7 @@ import torch
 from .. import _C
 from .._buffers import buffer_of
 from .._comm import Group, resolve
-from ..collectives import DEFAULT_TIMEOUT, _check_float32_vector, _workspace
+from ..collectives import DEFAULT_TIMEOUT, _check_float32_vector, _layout_total, _workspace
 
 __all__ = ["compressed_reduce_scatter"]
 
@@ -31,16 +31,18 @@ def compressed_reduce_scatter(
     *,
     timeout: Optional[float] = None,
 ) -> torch.Tensor:
-    """1-bit compressed reduce-scatter with error feedback (host tensors).
+    """1-bit compressed reduce-scatter with error feedback (CPU or CUDA tensors).
 
     Parameters
     ----------
     tensor : torch.Tensor
-        float32/float16/bfloat16, contiguous CPU tensor, same numel n on every rank. On return it
+        float32/float16/bfloat16, contiguous, on the CPU or a GPU (with a communicator that takes
+        device buffers), same numel n on every rank. On return it
         holds this rank's chunk of the compressed average at positions ``[r*C, (r+1)*C)`` and +0
         elsewhere (C = P / world_size).
     worker_error : torch.Tensor
-        float32, P elements, P >= n a multiple of ``8 * world_size`` (``compcomm.error_buffers``).
+        float32, P elements, P >= n a multiple of ``8 * world_size`` (``compcomm.error_buffers``),
+        on ``tensor``'s device.
     server_error : torch.Tensor
         float32, P / world_size elements.
     out : torch.Tensor, optional
@@ -63,9 +65,10 @@ def compressed_reduce_scatter(
     ):
         raise TypeError(f"[rank {rank}] compressed_reduce_scatter: argument 'tensor' must be a "
                         "float32/float16/bfloat16 torch.Tensor")
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+    if tensor.device.type not in ("cpu", "cuda") or not tensor.is_contiguous():
         raise ValueError(f"[rank {rank}] compressed_reduce_scatter: argument 'tensor' must be a "
-                         "contiguous CPU tensor")
+                         f"contiguous CPU or CUDA tensor (got {tensor.device}, contiguous="
+                         f"{tensor.is_contiguous()})")
     if not isinstance(worker_error, torch.Tensor):
         raise TypeError(f"[rank {rank}] compressed_reduce_scatter: argument 'worker_error' must be a tensor")
     padded = worker_error.numel()
@@ -77,11 +80,10 @@ def compressed_reduce_scatter(
     _check_float32_vector(worker_error, "worker_error", rank, padded, tensor.device)
     _check_float32_vector(server_error, "server_error", rank, padded // world, tensor.device)
     if out is None:
-        out = torch.empty(padded // world, dtype=torch.float32)
+        out = torch.empty(padded // world, dtype=torch.float32, device=tensor.device)
     _check_float32_vector(out, "out", rank, padded // world, tensor.device)
     timeout_s = DEFAULT_TIMEOUT if timeout is None else float(timeout)
-    layout = _C.compressed_allreduce_layout(padded, world, False)
-    ws = _workspace(tensor.device, layout["total"])
+    ws = _workspace(tensor.device, _layout_total(padded, world, tensor.device.type == "cuda"))
     _C.zero.compressed_reduce_scatter(
         comm, buffer_of(tensor), buffer_of(worker_error), buffer_of(server_error), buffer_of(out),
         buffer_of(ws), timeout_s,

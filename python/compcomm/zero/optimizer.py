@@ -195,6 +195,7 @@ class ZeroOptimizer:
 
         groups = self._param_groups(params)
         seen = set()
+        devices: set = set()
         self.groups: List[_Group] = []
         bucket = self.config["reduce_bucket_size"] if stage < 3 else 0
         for g in groups:
@@ -205,8 +206,7 @@ class ZeroOptimizer:
                 if id(p) in seen:
                     raise ValueError("params: a parameter appears twice")
                 seen.add(id(p))
-                if p.device.type != "cpu":
-                    raise ValueError(f"params: only CPU parameters are supported yet, got {p.device}")
+                devices.add(p.device)
             dtypes = {p.dtype for p in ps}
             if len(dtypes) > 1:
                 raise ValueError(f"params: a parameter group mixes dtypes {sorted(map(str, dtypes))}")
@@ -217,6 +217,11 @@ class ZeroOptimizer:
             options = {k: v for k, v in g.items() if k != "params"}
             self.groups.append(_Group(ps, plan, options))
 
+        if len(devices) > 1:
+            raise ValueError(f"params: all parameters must be on one device, got {sorted(map(str, devices))}")
+        #: where every buffer lives: the parameters' device (CPU, or a GPU with a communicator
+        #: that takes device buffers: NCCL, CUDA-aware or host-staged MPI, torch's NCCL group)
+        self.device = devices.pop() if devices else torch.device("cpu")
         for grp in self.groups:
             self._partition(grp)
 
@@ -247,11 +252,11 @@ class ZeroOptimizer:
 
     def _partition(self, grp: _Group) -> None:
         plan = grp.plan
-        flat = torch.zeros(plan.flat_numel, dtype=grp.dtype)
+        flat = torch.zeros(plan.flat_numel, dtype=grp.dtype, device=self.device)
         for p, (n, off, _) in zip(grp.params, grp.tensors):
             flat[off : off + n].copy_(p.detach().reshape(-1))
         self.comm.broadcast(buffer_of(flat), 0, self.timeout)  # every rank starts from rank 0's
-        shard16 = torch.empty(plan.shard_numel, dtype=grp.dtype)
+        shard16 = torch.empty(plan.shard_numel, dtype=grp.dtype, device=self.device)
         for b in grp.buckets:
             lo = b["offset"] + self.rank * b["chunk"]
             shard16[b["shard_offset"] : b["shard_offset"] + b["chunk"]].copy_(flat[lo : lo + b["chunk"]])
@@ -267,7 +272,7 @@ class ZeroOptimizer:
             for p in grp.params:
                 p._zero_shape = p.shape  # type: ignore[attr-defined]
                 p._zero_numel = p.numel()  # type: ignore[attr-defined]
-                p.data = torch.empty(0, dtype=grp.dtype)
+                p.data = torch.empty(0, dtype=grp.dtype, device=self.device)
 
     # ---- gradient reduction ------------------------------------------------------------------
 
@@ -286,7 +291,7 @@ class ZeroOptimizer:
             pool = self._free_staging.setdefault(key, [])
             if not pool and len(self._pending) >= 2:
                 self._complete(1)  # reuse a buffer in flight rather than grow the pool
-            base = pool.pop() if pool else torch.empty(grp.max_padded, dtype=grp.dtype)
+            base = pool.pop() if pool else torch.empty(grp.max_padded, dtype=grp.dtype, device=self.device)
             st = base[: grp.buckets[bi]["padded"]]
             st.zero_()
             grp.staging[bi] = st
@@ -317,7 +322,7 @@ class ZeroOptimizer:
         st = grp.staging.pop(bi)
         base = grp.staging_base.pop(bi)
         grp.arrived[bi].clear()
-        recv = torch.empty(grp.buckets[bi]["chunk"], dtype=grp.dtype)
+        recv = torch.empty(grp.buckets[bi]["chunk"], dtype=grp.dtype, device=self.device)
         work = self._async.reduce_scatter(buffer_of(st), buffer_of(recv), timeout_s=self.timeout)
         self._pending.append((work, gi, bi, base, recv))
         if not self.overlap:
@@ -342,11 +347,11 @@ class ZeroOptimizer:
             self._complete(len(self._pending))
             return
         for grp in self.groups:  # stage 1: gradients are whole in p.grad
-            flat = torch.zeros(grp.plan.flat_numel, dtype=grp.dtype)
+            flat = torch.zeros(grp.plan.flat_numel, dtype=grp.dtype, device=self.device)
             for p, (n, off, _) in zip(grp.params, grp.tensors):
                 if p.grad is not None:
                     flat[off : off + n].copy_(p.grad.reshape(-1))
-            shard = torch.empty(grp.plan.shard_numel, dtype=grp.dtype)
+            shard = torch.empty(grp.plan.shard_numel, dtype=grp.dtype, device=self.device)
             self._async.bucketed_reduce_scatter(
                 grp.plan, buffer_of(flat), buffer_of(shard), timeout_s=self.timeout
             ).wait(self.timeout)
@@ -374,8 +379,8 @@ class ZeroOptimizer:
         key = (gi, bi)
         if key not in self._errors:
             b = self.groups[gi].buckets[bi]
-            self._errors[key] = (torch.zeros(b["padded"], dtype=torch.float32),
-                                 torch.zeros(b["chunk"], dtype=torch.float32))
+            self._errors[key] = (torch.zeros(b["padded"], dtype=torch.float32, device=self.device),
+                                 torch.zeros(b["chunk"], dtype=torch.float32, device=self.device))
         return self._errors[key]
 
     def _flush_compressed(self) -> float:
@@ -399,7 +404,8 @@ class ZeroOptimizer:
             if self.stage >= 2:
                 for bi, b in enumerate(grp.buckets):
                     st = grp.staging.get(bi)
-                    x = st.to(torch.float32) if st is not None else torch.zeros(b["padded"])
+                    x = (st.to(torch.float32) if st is not None
+                         else torch.zeros(b["padded"], device=self.device))
                     items.append((gi, bi, x))
                 for base in grp.staging_base.values():
                     self._free_staging.setdefault((grp.max_padded, grp.dtype), []).append(base)
@@ -408,13 +414,14 @@ class ZeroOptimizer:
                 for a in grp.arrived:
                     a.clear()
             else:
-                flat = torch.zeros(grp.plan.flat_numel, dtype=torch.float32)
+                flat = torch.zeros(grp.plan.flat_numel, dtype=torch.float32, device=self.device)
                 for p, (n, off, _) in zip(grp.params, grp.tensors):
                     if p.grad is not None:
                         flat[off : off + n].copy_(p.grad.reshape(-1))
                 for bi, b in enumerate(grp.buckets):
                     items.append((gi, bi, flat[b["offset"] : b["offset"] + b["padded"]]))
-                grp.master.grad = torch.zeros(grp.plan.shard_numel, dtype=torch.float32)
+                grp.master.grad = torch.zeros(grp.plan.shard_numel, dtype=torch.float32,
+                                              device=self.device)
         norm_sq = self._mean_sq_norm([x for _, _, x in items], scale)
         if not math.isfinite(norm_sq):
             return norm_sq
@@ -440,7 +447,7 @@ class ZeroOptimizer:
         """Mean over ranks of ``||scale * g_local||^2`` (one all-reduce of a float64): the compressed
         and local phases never form the averaged gradient, so clipping and the non-finite check use
         this (every rank gets the same value, so all of them clip or skip alike)."""
-        local = torch.zeros(1, dtype=torch.float64)
+        local = torch.zeros(1, dtype=torch.float64, device=self.device)
         for g in local_grads:
             local += g.double().pow(2).sum()
         local *= scale * scale
@@ -479,7 +486,8 @@ class ZeroOptimizer:
                     sources["master_param"] = grp.master.detach()
                 works = []
                 for key, shard in sources.items():
-                    full[key] = torch.empty(grp.plan.flat_numel, dtype=torch.float32)
+                    full[key] = torch.empty(grp.plan.flat_numel, dtype=torch.float32,
+                                            device=self.device)
                     shard = shard.contiguous()
                     works.append((self._async.bucketed_all_gather(
                         grp.plan, buffer_of(shard), buffer_of(full[key]), timeout_s=self.timeout), shard))
@@ -527,7 +535,7 @@ class ZeroOptimizer:
                 if grp.dtype == torch.float32:
                     full = grp.flat
                 else:
-                    full = torch.zeros(grp.plan.flat_numel, dtype=torch.float32)
+                    full = torch.zeros(grp.plan.flat_numel, dtype=torch.float32, device=self.device)
                     for p, (n, off, _) in zip(grp.params, grp.tensors):
                         full[off : off + n].copy_(opt.state[p]["master_param"].reshape(-1))
                 for b in grp.buckets:
@@ -570,7 +578,7 @@ class ZeroOptimizer:
             grp.staging_base.clear()
 
     def _global_norm_sq(self) -> float:
-        local = torch.zeros(1, dtype=torch.float64)
+        local = torch.zeros(1, dtype=torch.float64, device=self.device)
         for grp in self.groups:
             if grp.master.grad is not None:
                 local += grp.master.grad.double().pow(2).sum()
@@ -648,6 +656,8 @@ class ZeroOptimizer:
             else:
                 shard16 = grp.master.to(grp.dtype)
                 big = max((b["padded"] for b in grp.buckets), default=0)
+                if self.device.type != "cpu":
+                    ag = 0  # the split all-gather scatters pieces on the host; GPU buckets go whole
                 staging = torch.empty(ag if 0 < ag < big else 0, dtype=grp.dtype)
                 works.append(
                     (
@@ -848,7 +858,7 @@ class _Stage3:
         grp = self.opt.groups[gi]
         n, _, bi = grp.tensors[ti]
         b = grp.buckets[bi]
-        buf = torch.empty(b["padded"], dtype=grp.dtype)
+        buf = torch.empty(b["padded"], dtype=grp.dtype, device=self.opt.device)
         send = grp.shard16[b["shard_offset"] : b["shard_offset"] + b["chunk"]]
         work = self.opt._async.all_gather(buffer_of(send), buffer_of(buf), timeout_s=self.opt.timeout)
         self.inflight[id(p)] = (work, buf, send)
@@ -869,7 +879,7 @@ class _Stage3:
     def _release(self, p: torch.Tensor) -> None:
         if id(p) in self.persistent or id(p) in self.inflight or not self._available(p):
             return
-        p.data = torch.empty(0, dtype=p.dtype)
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self.live -= _numel(p)
 
     def gather_all(self, persistent_only: bool = False) -> None:
@@ -882,7 +892,7 @@ class _Stage3:
         for grp in self.opt.groups:
             for p in grp.params:
                 if id(p) in self.persistent:
-                    p.data = torch.empty(0, dtype=p.dtype)
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
                 else:
                     self._release(p)
         self.live = 0
