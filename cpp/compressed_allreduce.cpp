@@ -45,16 +45,17 @@ struct Kernels {
   decltype(&kernels::cpu::server_update) server_update;
   decltype(&kernels::cpu::worker_update_decompress) worker_update_decompress;
   decltype(&kernels::cpu::scale_workspace_bytes) scale_workspace_bytes;
+  decltype(&kernels::cpu::decompress) decompress;
 };
 
 const Kernels& kernels_for(bool cuda) {
   namespace k = kernels;
   static const Kernels cpu{k::cpu::worker_scale_pack, k::cpu::write_header,  k::cpu::server_scale_pack,
                            k::cpu::server_update,     k::cpu::worker_update_decompress,
-                           k::cpu::scale_workspace_bytes};
+                           k::cpu::scale_workspace_bytes, k::cpu::decompress};
   static const Kernels gpu{k::cuda::worker_scale_pack, k::cuda::write_header,  k::cuda::server_scale_pack,
                            k::cuda::server_update,     k::cuda::worker_update_decompress,
-                           k::cuda::scale_workspace_bytes};
+                           k::cuda::scale_workspace_bytes, k::cuda::decompress};
   return cuda ? gpu : cpu;
 }
 
@@ -205,10 +206,10 @@ void run_compressed(const char* name, Communicator& comm, const Buffer& tensor, 
                  " that is >= tensor.numel() = ", n);
   COMPCOMM_CHECK(server_error.count * world == padded, "[rank ", rank, "] ", name, ": server_error has ",
                  server_error.count, " elements; it needs worker_error.numel() / world_size = ", padded / world);
-  COMPCOMM_CHECK(out == nullptr || (!cuda && out->on_host() && out->dtype == DType::kFloat32 &&
+  COMPCOMM_CHECK(out == nullptr || (out->device == tensor.device && out->dtype == DType::kFloat32 &&
                                     out->count * world == padded),
-                 "[rank ", rank, "] ", name, ": out must be a host float32 buffer of worker_error.numel() / "
-                 "world_size elements (and the reduce-scatter takes host buffers only)");
+                 "[rank ", rank, "] ", name, ": out must be a float32 buffer of worker_error.numel() / "
+                 "world_size elements on tensor's device");
   const CompressedAllreduceLayout l = compressed_allreduce_layout(padded, world, cuda);
   COMPCOMM_CHECK(workspace.bytes() >= l.total, "[rank ", rank, "] ", name, ": workspace has ", workspace.bytes(),
                  " bytes; it needs ", l.total);
@@ -275,14 +276,22 @@ void run_compressed(const char* name, Communicator& comm, const Buffer& tensor, 
   if (out == nullptr) {
     comm.all_gather(ws_buf.reinterpret(DType::kUInt8, l.record_send, l.record_bytes),
                     ws_buf.reinterpret(DType::kUInt8, l.record_recv, l.record_bytes * world), opts);
-  } else {
-    for (int j = 0; j < world; ++j) {  // host only (checked above)
+  } else {  // reduce-scatter: the other ranks' records read as scale +0, signs +1 (output +0 there)
+    const int64_t sign_bytes = l.record_bytes - kRecordScaleBytes;
+    for (int j = 0; j < world; ++j) {
       char* rec = records + j * l.record_bytes;
       if (j == rank) {
-        if (rec != record) std::memcpy(rec, record, static_cast<size_t>(l.record_bytes));
+        if (rec == record) continue;
+        if (cuda)
+          check_status(kernels::device_copy(rec, record, l.record_bytes, stream), "device_copy", rank);
+        else
+          std::memcpy(rec, record, static_cast<size_t>(l.record_bytes));
+      } else if (cuda) {
+        check_status(kernels::device_fill(rec, 0, kRecordScaleBytes, stream), "device_fill", rank);
+        check_status(kernels::device_fill(rec + kRecordScaleBytes, 0xFF, sign_bytes, stream), "device_fill", rank);
       } else {
-        std::memset(rec, 0, kRecordScaleBytes);  // scale +0, signs +1: the output there is +0
-        std::memset(rec + kRecordScaleBytes, 0xFF, static_cast<size_t>(l.record_bytes - kRecordScaleBytes));
+        std::memset(rec, 0, kRecordScaleBytes);
+        std::memset(rec + kRecordScaleBytes, 0xFF, static_cast<size_t>(sign_bytes));
       }
     }
   }
@@ -298,11 +307,10 @@ void run_compressed(const char* name, Communicator& comm, const Buffer& tensor, 
                                           reinterpret_cast<const uint8_t*>(records + kRecordScaleBytes),
                                           l.record_bytes, world, stream, guard, tau_stride),
                "worker_update_decompress", rank);
-  if (out != nullptr) {
-    auto* o = static_cast<float*>(out->data);
-    const float t = *tau;
-    for (int64_t i = 0; i < chunk; ++i) o[i] = (packed[i >> 3] >> (7 - (i & 7))) & 1 ? t : -t;
-  }
+  if (out != nullptr)
+    check_status(k.decompress(tau, packed, chunk, static_cast<float*>(out->data), stream, guard, tau_stride,
+                              world),
+                 "decompress", rank);
 }
 
 }  // namespace

@@ -263,6 +263,45 @@ def test_compressed_allreduce_gpu_equals_cpu_local(n: int, dtype: torch.dtype) -
             _same_bits(x, y)
 
 
+@pytest.mark.parametrize("count", [1, 7, 4099, 2**20 + 3])
+def test_decompress_matches_cpu(count: int) -> None:
+    gen = torch.Generator().manual_seed(count)
+    packed = torch.randint(0, 256, (-(-count // 8),), dtype=torch.uint8, generator=gen)
+    want = torch.empty(count)
+    scale = torch.tensor([0.375])  # tensors behind Buffers are kept alive here: a Buffer does not own them
+    K.decompress(_b(scale), _b(packed), _b(want))
+    got = torch.full((count + 5,), 9.0, device=DEV)  # poisoned, 5 past the end must stay
+    scale_d, packed_d, head = scale.to(DEV), packed.to(DEV), got[:count]
+    K.decompress(_b(scale_d), _b(packed_d), _b(head))
+    torch.cuda.synchronize()
+    _same_bits(got[:count], want)
+    assert torch.equal(got[count:].cpu(), torch.full((5,), 9.0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("n", [7, 4099, 2**20 + 3])
+def test_compressed_reduce_scatter_gpu_equals_cpu_local(n: int, dtype: torch.dtype) -> None:
+    """ZeRO's compressed reduce-scatter on CUDA tensors: output, input rewrite and both errors as on
+    the CPU, three rounds with the errors carried."""
+    from compcomm.zero import compressed_reduce_scatter
+
+    comm = _C.LocalCommunicator()
+    res = {}
+    for dev in ("cpu", DEV):
+        g = torch.Generator().manual_seed(n)
+        we, se = compcomm.error_buffers(n, comm, device=dev)
+        rounds = []
+        for _ in range(3):
+            t = torch.randn(n, generator=g).to(dtype).to(dev)
+            out = compressed_reduce_scatter(t, we, se, group=comm)
+            rounds.append((out.cpu().clone(), t.cpu().clone(), we.cpu().clone(), se.cpu().clone()))
+        res[dev] = rounds
+    for a, b in zip(res[DEV], res["cpu"]):
+        for x, y in zip(a, b):
+            tol = 1e-5 * max(1.0, float(y.float().abs().max()))
+            torch.testing.assert_close(x.float(), y.float(), rtol=0.0, atol=tol)
+
+
 def test_workspace_reused_across_sizes() -> None:
     """A large call then a small one share the cached workspace: the small call's results must not
     depend on what the large one left there (the norm kernels' ticket must sit at a fixed offset)."""

@@ -126,6 +126,18 @@ def test_worker_update_decompress(dtype, world):
     assert torch.equal(m, want)
 
 
+@pytest.mark.parametrize("count", [0, 1, 7, 8, 4099])
+def test_decompress(count):
+    """One chunk of a compressed reduce-scatter's result: scale * (+1 / -1) from MSB-first bits."""
+    rng = np.random.default_rng(count)
+    packed = rng.integers(0, 256, max(1, -(-count // 8)), dtype=np.uint8)
+    out = torch.full((count,), 7.0)
+    scale, packed_t = torch.tensor([0.5]), torch.from_numpy(packed)  # alive: a Buffer does not own them
+    K.decompress(buffer_of(scale), buffer_of(packed_t), buffer_of(out))
+    bits = np.unpackbits(packed, bitorder="big")[:count]
+    np.testing.assert_array_equal(out.numpy(), np.where(bits == 1, 0.5, -0.5).astype(np.float32))
+
+
 @settings(max_examples=200, deadline=None)
 @given(n=st.integers(0, 10**7), world=st.integers(1, 64))
 def test_padded_numel(n, world):

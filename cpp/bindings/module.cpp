@@ -353,4 +353,16 @@ PYBIND11_MODULE(_C, m) {
       py::arg("out_signs"), py::arg("out_sign_stride"), py::arg("world"), py::arg("stream") = 0,
       py::arg("guard") = std::optional<Buffer>(), py::arg("guard_stride") = 1,
       py::call_guard<py::gil_scoped_release>());
+  k.def(
+      "decompress",
+      [](const Buffer& scale, const Buffer& packed, const Buffer& out, uintptr_t stream) {
+        COMPCOMM_CHECK(packed.bytes() * 8 >= out.count && out.dtype == DType::kFloat32,
+                       "decompress: out must be float32 and packed hold out.numel()/8 bytes");
+        auto f = out.on_host() ? kernels::cpu::decompress : kernels::cuda::decompress;
+        check(f(ptr<const float>(scale), ptr<const uint8_t>(packed), out.count, ptr<float>(out),
+                reinterpret_cast<void*>(stream), nullptr, 0, 0),
+              "decompress");
+      },
+      py::arg("scale"), py::arg("packed"), py::arg("out"), py::arg("stream") = 0,
+      py::call_guard<py::gil_scoped_release>());
 }

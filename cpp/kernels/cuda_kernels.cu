@@ -19,6 +19,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "kernels.h"
@@ -386,6 +387,17 @@ Status server_launch(const uint8_t* signs, const float* scales, int64_t stride, 
   return launched();
 }
 
+__global__ void decompress_kernel(const float* scale, const uint8_t* packed, int64_t count, float* out,
+                                  const float* guard, int64_t guard_stride, int guard_count) {
+  if (guard != nullptr)
+    for (int i = 0; i < guard_count; ++i)
+      if (!isfinite(guard[i * guard_stride])) return;
+  const float t = *scale;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    out[i] = (packed[i >> 3] >> (7 - (i & 7))) & 1 ? t : -t;
+}
+
 }  // namespace
 
 bool built() { return true; }
@@ -434,6 +446,16 @@ Status write_header(ExchangeHeader* header, int64_t numel, int64_t padded, int32
   return launched();
 }
 
+Status decompress(const float* scale, const uint8_t* packed, int64_t count, float* out, Stream stream,
+                  const float* guard, int64_t guard_stride, int guard_count) {
+  if (count < 0 || (guard != nullptr && guard_count < 1)) return Status::kInvalidArgument;
+  if (count == 0) return Status::kSuccess;
+  const int grid = static_cast<int>(std::min<int64_t>((count + kThreads - 1) / kThreads, 4096));
+  decompress_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(scale, packed, count, out, guard,
+                                                                               guard_stride, guard_count);
+  return launched();
+}
+
 }  // namespace cuda
 
 Status device_copy(void* dst, const void* src, int64_t bytes, Stream stream) {
@@ -441,6 +463,13 @@ Status device_copy(void* dst, const void* src, int64_t bytes, Stream stream) {
   const cudaError_t err = cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyDefault,
                                           static_cast<cudaStream_t>(stream));
   return err == cudaSuccess ? Status::kSuccess : Status::kCudaError;
+}
+
+Status device_fill(void* dst, int value, int64_t bytes, Stream stream) {
+  if (bytes <= 0) return Status::kSuccess;
+  return cudaMemsetAsync(dst, value, static_cast<size_t>(bytes), static_cast<cudaStream_t>(stream)) == cudaSuccess
+             ? Status::kSuccess
+             : Status::kCudaError;
 }
 
 Status stream_sync(Stream stream) {

@@ -24,7 +24,11 @@ Status worker_update_decompress(void*, InputType, int64_t, float*, int64_t, cons
 Status write_header(ExchangeHeader*, int64_t, int64_t, int32_t, uint32_t, Stream) {
   return Status::kNotBuilt;
 }
+Status decompress(const float*, const uint8_t*, int64_t, float*, Stream, const float*, int64_t, int) {
+  return Status::kNotBuilt;
+}
 }  // namespace cuda
 Status device_copy(void*, const void*, int64_t, Stream) { return Status::kNotBuilt; }
+Status device_fill(void*, int, int64_t, Stream) { return Status::kNotBuilt; }
 Status stream_sync(Stream) { return Status::kNotBuilt; }
 }  // namespace compcomm::kernels

@@ -67,7 +67,12 @@ static_assert(sizeof(ExchangeHeader) == 32, "ExchangeHeader is exchanged as 32 r
   /* header->{flags = isfinite(header->scale) ? 0 : 1, numel, padded, dtype, magic} (the scale field   \
      is left as the worker scale kernel wrote it). Runs where the header lives. */                    \
   Status write_header(ExchangeHeader* header, int64_t numel, int64_t padded, int32_t dtype,          \
-                      uint32_t magic, Stream stream);
+                      uint32_t magic, Stream stream);                                                 \
+  /* out_k = (*scale) * (bit k of packed ? +1 : -1) for k < count: one chunk of a compressed           \
+     reduce-scatter's result, from the server's scale and packed signs. Guard (above). */             \
+  Status decompress(const float* scale, const uint8_t* packed, int64_t count, float* out,            \
+                    Stream stream, const float* guard = nullptr, int64_t guard_stride = 0,            \
+                    int guard_count = 0);
 
 namespace cpu {
 COMPCOMM_KERNEL_DECLS
@@ -85,5 +90,7 @@ bool built();
 Status device_copy(void* dst, const void* src, int64_t bytes, Stream stream);
 // Waits for the work queued on `stream` (used only where the caller asked for a host-side check).
 Status stream_sync(Stream stream);
+// Sets `bytes` bytes of device memory at dst to `value` on `stream`; kNotBuilt without CUDA.
+Status device_fill(void* dst, int value, int64_t bytes, Stream stream);
 
 }  // namespace compcomm::kernels
