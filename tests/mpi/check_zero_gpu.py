@@ -19,13 +19,13 @@ STEPS = 8
 ZOA = {"lr": 1e-2, "var_freeze_step": 4, "var_update_scaler": 1, "local_step_scaler": 1,
        "local_step_clipper": 2}
 # label, stage, optimizer, kwargs, dtype, tolerance (max |cuda - cpu| over the parameters): the
-# 1-bit rows allow a sign flipped by rounding (an update of about lr on one element)
+# 1-bit scales differ in the last bits (the fp64 norm sums run in another order); bf16: one ulp
 CASES = [
     ("adamw-stage1", 1, torch.optim.AdamW, {"lr": 1e-2}, torch.float32, 1e-5),
     ("adamw-stage2-bf16", 2, torch.optim.AdamW, {"lr": 1e-2}, torch.bfloat16, 2e-2),
     ("adamw-stage3", 3, torch.optim.AdamW, {"lr": 1e-2}, torch.float32, 1e-5),
-    ("onebit-stage2", 2, OneBitAdam, {"lr": 1e-2, "freeze_step": 2}, torch.float32, 2e-2),
-    ("zoadam-stage1", 1, ZeroOneAdam, ZOA, torch.float32, 2e-2),
+    ("onebit-stage2", 2, OneBitAdam, {"lr": 1e-2, "freeze_step": 2}, torch.float32, 1e-3),
+    ("zoadam-stage1", 1, ZeroOneAdam, ZOA, torch.float32, 1e-3),
 ]
 
 
@@ -86,7 +86,7 @@ def main() -> None:
     cpu_next = train(model, z, rank, STEPS + 1, STEPS + 1, cpu, torch.float32)[0]
     z.close()
     diff = (cpu_next - gpu_next).abs().max().item()
-    assert diff <= 3e-2, f"[rank {rank}] GPU checkpoint resumed on CPU: differs by {diff}"
+    assert diff <= 1e-3, f"[rank {rank}] GPU checkpoint resumed on CPU: differs by {diff}"
     compcomm.shutdown()
     print(f"RANK {rank} OK", flush=True)
 

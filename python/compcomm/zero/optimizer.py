@@ -92,7 +92,8 @@ class ZeroOptimizer:
     params : iterable of Parameter or of dict
         The model's parameters, or parameter groups (dicts with ``params`` and per-group options
         such as ``lr``) as for any torch optimizer. Every rank passes the same parameters in the same
-        order; rank 0's initial values are broadcast.
+        order; rank 0's initial values are broadcast. All on one device: the CPU, or a GPU with a
+        communicator that takes device buffers (see docs/zero.md, "Devices").
     optimizer_class : callable
         The optimizer to wrap, e.g. ``torch.optim.AdamW`` (or a ``functools.partial`` of one). It is
         built on the fp32 master shards, one tensor per group. Must be elementwise (Adam, AdamW,
