@@ -235,7 +235,8 @@ def compressed_rs(rank: int, world: int) -> Dict[str, Any]:
     from compcomm.zero import compressed_reduce_scatter
 
     out: Dict[str, Any] = {"cases": []}
-    for n, dtype in [(1, torch.float32), (7, torch.float32), (1000, torch.float32), (4099, torch.bfloat16)]:
+    for n, dtype in [(1, torch.float32), (7, torch.float32), (1000, torch.float32), (4099, torch.bfloat16),
+                     (515, torch.float16)]:
         P = compcomm.padded_numel(n, world)
         g = torch.Generator().manual_seed(100 + rank)
         we, se = compcomm.error_buffers(n)
