@@ -188,9 +188,13 @@ namespace {
 // all-gathered). Otherwise compressed reduce-scatter: no final all-gather; every rank's record but
 // this rank's is taken as "+0" (so the commit writes +0 outside the own chunk) and `out` receives the
 // own chunk.
+// Which part of the call runs: kExchange does steps 1-4 (collectives, validation; writes only the
+// workspace), kCommit step 5 (local writes, no communication) from a workspace an exchange filled.
+enum Phase : int { kExchange = 1, kCommit = 2, kWhole = kExchange | kCommit };
+
 void run_compressed(const char* name, Communicator& comm, const Buffer& tensor, const Buffer& worker_error,
                     const Buffer& server_error, const Buffer* out, const Buffer& workspace,
-                    const CallOptions& opts) {
+                    const CallOptions& opts, int phase = kWhole) {
   const int world = comm.size(), rank = comm.rank();
   const int64_t n = tensor.count, padded = worker_error.count;
   const bool cuda = !tensor.on_host();
@@ -232,69 +236,73 @@ void run_compressed(const char* name, Communicator& comm, const Buffer& tensor, 
   const int32_t dtype = static_cast<int32_t>(tensor.dtype);
   void* stream = opts.stream;
 
-  // 1. Worker scale and signs in one read of m and e (writes only the workspace), then the header --
-  //    filled where it lives, so on GPU the scale never leaves the device.
-  check_status(k.worker_scale_pack(m, itype, n, e, padded, &header->scale, signs_send, scratch, stream),
-               "worker_scale_pack", rank);
-  check_status(k.write_header(header, n, padded, dtype, kHeaderMagic, stream), "write_header", rank);
   const Buffer ws_buf = workspace;
-  comm.all_gather(ws_buf.reinterpret(DType::kUInt8, l.header_send, sizeof(Header)),
-                  ws_buf.reinterpret(DType::kUInt8, l.header_recv, sizeof(Header) * world), opts);
-
-  // 2. Validate every rank's header before any variable-sized exchange and before anything is written.
-  //    Device headers are copied to the host for that, unless the caller opted out (see the header).
   const SeenKey key{comm.id(), n, padded, dtype};
-  const bool host_check = !cuda || opts.check || !seen_before(key);
-  if (host_check) {
-    const Header mine{0.0f, 0u, n, padded, dtype, kHeaderMagic};
-    if (cuda) {
-      std::vector<Header> host(static_cast<size_t>(world));
-      check_status(kernels::device_copy(host.data(), headers, sizeof(Header) * world, stream), "device_copy",
-                   rank);
-      check_status(kernels::stream_sync(stream), "stream_sync", rank);
-      check_headers(host.data(), world, rank, mine);
-    } else {
-      check_headers(headers, world, rank, mine);
-    }
-    if (cuda) remember(key);
-  }
-  if (padded == 0) return;
-
-  // 3. Worker signs to their server ranks.
-  comm.all_to_all(ws_buf.reinterpret(DType::kUInt8, l.signs_send, padded / 8),
-                  ws_buf.reinterpret(DType::kUInt8, l.signs_recv, padded / 8), opts);
-
-  // 4. Server reduction of chunk `rank` (scale and signs in one pass); they go out as one record. The
-  //    record's padding bytes are never read; on the host they are zeroed so what is sent is defined.
+  // A split call is always checked on the host, so its commit needs no device-side guard.
+  const bool host_check = !cuda || opts.check || phase != kWhole || !seen_before(key);
   const float* sigmas = &headers[0].scale;
   const int64_t sigma_stride = sizeof(Header) / sizeof(float);
   auto* tau = reinterpret_cast<float*>(record);
   auto* packed = reinterpret_cast<uint8_t*>(record + kRecordScaleBytes);
-  if (!cuda) std::memset(record, 0, static_cast<size_t>(l.record_bytes));
-  check_status(k.server_scale_pack(signs_recv, sigmas, sigma_stride, world, s, chunk, tau, packed, scratch, stream),
-               "server_scale_pack", rank);
-  if (out == nullptr) {
-    comm.all_gather(ws_buf.reinterpret(DType::kUInt8, l.record_send, l.record_bytes),
-                    ws_buf.reinterpret(DType::kUInt8, l.record_recv, l.record_bytes * world), opts);
-  } else {  // reduce-scatter: the other ranks' records read as scale +0, signs +1 (output +0 there)
-    const int64_t sign_bytes = l.record_bytes - kRecordScaleBytes;
-    for (int j = 0; j < world; ++j) {
-      char* rec = records + j * l.record_bytes;
-      if (j == rank) {
-        if (rec == record) continue;
-        if (cuda)
-          check_status(kernels::device_copy(rec, record, l.record_bytes, stream), "device_copy", rank);
-        else
-          std::memcpy(rec, record, static_cast<size_t>(l.record_bytes));
-      } else if (cuda) {
-        check_status(kernels::device_fill(rec, 0, kRecordScaleBytes, stream), "device_fill", rank);
-        check_status(kernels::device_fill(rec + kRecordScaleBytes, 0xFF, sign_bytes, stream), "device_fill", rank);
+  if (phase & kExchange) {
+    // 1. Worker scale and signs in one read of m and e (writes only the workspace), then the header --
+    //    filled where it lives, so on GPU the scale never leaves the device.
+    check_status(k.worker_scale_pack(m, itype, n, e, padded, &header->scale, signs_send, scratch, stream),
+                 "worker_scale_pack", rank);
+    check_status(k.write_header(header, n, padded, dtype, kHeaderMagic, stream), "write_header", rank);
+    comm.all_gather(ws_buf.reinterpret(DType::kUInt8, l.header_send, sizeof(Header)),
+                    ws_buf.reinterpret(DType::kUInt8, l.header_recv, sizeof(Header) * world), opts);
+
+    // 2. Validate every rank's header before any variable-sized exchange and before anything is written.
+    //    Device headers are copied to the host for that, unless the caller opted out (see the header).
+    if (host_check) {
+      const Header mine{0.0f, 0u, n, padded, dtype, kHeaderMagic};
+      if (cuda) {
+        std::vector<Header> host(static_cast<size_t>(world));
+        check_status(kernels::device_copy(host.data(), headers, sizeof(Header) * world, stream), "device_copy",
+                     rank);
+        check_status(kernels::stream_sync(stream), "stream_sync", rank);
+        check_headers(host.data(), world, rank, mine);
       } else {
-        std::memset(rec, 0, kRecordScaleBytes);
-        std::memset(rec + kRecordScaleBytes, 0xFF, static_cast<size_t>(sign_bytes));
+        check_headers(headers, world, rank, mine);
+      }
+      if (cuda) remember(key);
+    }
+    if (padded == 0) return;
+
+    // 3. Worker signs to their server ranks.
+    comm.all_to_all(ws_buf.reinterpret(DType::kUInt8, l.signs_send, padded / 8),
+                    ws_buf.reinterpret(DType::kUInt8, l.signs_recv, padded / 8), opts);
+
+    // 4. Server reduction of chunk `rank` (scale and signs in one pass); they go out as one record. The
+    //    record's padding bytes are never read; on the host they are zeroed so what is sent is defined.
+    if (!cuda) std::memset(record, 0, static_cast<size_t>(l.record_bytes));
+    check_status(k.server_scale_pack(signs_recv, sigmas, sigma_stride, world, s, chunk, tau, packed, scratch, stream),
+                 "server_scale_pack", rank);
+    if (out == nullptr) {
+      comm.all_gather(ws_buf.reinterpret(DType::kUInt8, l.record_send, l.record_bytes),
+                      ws_buf.reinterpret(DType::kUInt8, l.record_recv, l.record_bytes * world), opts);
+    } else {  // reduce-scatter: the other ranks' records read as scale +0, signs +1 (output +0 there)
+      const int64_t sign_bytes = l.record_bytes - kRecordScaleBytes;
+      for (int j = 0; j < world; ++j) {
+        char* rec = records + j * l.record_bytes;
+        if (j == rank) {
+          if (rec == record) continue;
+          if (cuda)
+            check_status(kernels::device_copy(rec, record, l.record_bytes, stream), "device_copy", rank);
+          else
+            std::memcpy(rec, record, static_cast<size_t>(l.record_bytes));
+        } else if (cuda) {
+          check_status(kernels::device_fill(rec, 0, kRecordScaleBytes, stream), "device_fill", rank);
+          check_status(kernels::device_fill(rec + kRecordScaleBytes, 0xFF, sign_bytes, stream), "device_fill", rank);
+        } else {
+          std::memset(rec, 0, kRecordScaleBytes);
+          std::memset(rec + kRecordScaleBytes, 0xFF, static_cast<size_t>(sign_bytes));
+        }
       }
     }
   }
+  if (!(phase & kCommit) || padded == 0) return;
 
   // 5. Commit. Without a host check, the commit kernels themselves skip the writes when any rank's
   //    server scale is not finite (a non-finite worker scale on any rank makes every server scale so).
@@ -324,6 +332,20 @@ void compressed_reduce_scatter(Communicator& comm, const Buffer& tensor, const B
                                const Buffer& server_error, const Buffer& out, const Buffer& workspace,
                                const CallOptions& opts) {
   run_compressed("compressed_reduce_scatter", comm, tensor, worker_error, server_error, &out, workspace, opts);
+}
+
+void compressed_reduce_scatter_exchange(Communicator& comm, const Buffer& tensor, const Buffer& worker_error,
+                                        const Buffer& server_error, const Buffer& out, const Buffer& workspace,
+                                        const CallOptions& opts) {
+  run_compressed("compressed_reduce_scatter", comm, tensor, worker_error, server_error, &out, workspace, opts,
+                 kExchange);
+}
+
+void compressed_reduce_scatter_commit(Communicator& comm, const Buffer& tensor, const Buffer& worker_error,
+                                      const Buffer& server_error, const Buffer& out, const Buffer& workspace,
+                                      const CallOptions& opts) {
+  run_compressed("compressed_reduce_scatter", comm, tensor, worker_error, server_error, &out, workspace, opts,
+                 kCommit);
 }
 
 }  // namespace compcomm

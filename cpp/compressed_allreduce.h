@@ -44,10 +44,23 @@ void compressed_allreduce(Communicator& comm, const Buffer& tensor, const Buffer
 // (P/W fp32 elements) holds this rank's chunk of the compressed average, tau_r * s(c_r) -- exactly
 // chunk r of what compressed_allreduce would have returned -- and tensor holds that chunk at its
 // positions [r*C, (r+1)*C) (where < n) and +0 elsewhere. worker_error and server_error are updated
-// as by compressed_allreduce. Transactional like compressed_allreduce. Host buffers only.
+// as by compressed_allreduce. Transactional like compressed_allreduce. Host or device buffers.
 void compressed_reduce_scatter(Communicator& comm, const Buffer& tensor, const Buffer& worker_error,
                                const Buffer& server_error, const Buffer& out, const Buffer& workspace,
                                const CallOptions& opts);
+
+// The same call in two halves, so that several buckets can be exchanged (during backward) and then
+// committed together or not at all (ZeRO's overlapped 1-bit steps). The exchange does every
+// collective and validation (raising, on every rank, what compressed_reduce_scatter would) and
+// writes only the workspace; the commit, called later with the same arguments and the untouched
+// workspace, does the local writes of tensor, worker_error, server_error and out. Always checked on
+// the host (opts.check is ignored).
+void compressed_reduce_scatter_exchange(Communicator& comm, const Buffer& tensor, const Buffer& worker_error,
+                                        const Buffer& server_error, const Buffer& out, const Buffer& workspace,
+                                        const CallOptions& opts);
+void compressed_reduce_scatter_commit(Communicator& comm, const Buffer& tensor, const Buffer& worker_error,
+                                      const Buffer& server_error, const Buffer& out, const Buffer& workspace,
+                                      const CallOptions& opts);
 
 // Bytes one rank sends in one compressed_reduce_scatter call.
 int64_t compressed_reduce_scatter_wire_bytes(int64_t padded, int world);

@@ -45,7 +45,7 @@ def run_case(rank: int, world: int, comm: Any, case: Dict[str, Any]) -> Dict[str
     z = ZeroOptimizer(params, _optimizer(case), stage=case["stage"], process_group=comm,
                       optimizer_kwargs=case["kwargs"], gradient_accumulation_steps=case["gas"],
                       gradient_clipping=case.get("clip", 0.0),
-                      reduce_bucket_size=case["bucket"])
+                      reduce_bucket_size=case["bucket"], overlap_comm=case.get("overlap", False))
     out: Dict[str, Any] = {"params": [], "bytes": [], "compressed": []}
     for t in range(1, case["steps"] + 1):
         out["compressed"].append(z._compressed_phase())
@@ -176,6 +176,56 @@ def resume_case(rank: int, world: int, comm: Any, case: Dict[str, Any], director
     return out
 
 
+def overlap_nonfinite(rank: int, world: int, comm: Any) -> Dict[str, Any]:
+    """Stage 2 + overlap_comm, 1-bit steps: a NaN in one rank's gradient skips the step on every rank
+    with nothing changed (the buckets exchanged before the bad one are not committed); one backward
+    pass too many raises and zero_grad() recovers."""
+    from compcomm.optim import OneBitAdam
+    from compcomm.zero import ZeroOptimizer
+
+    params = _params()
+    z = ZeroOptimizer(params, OneBitAdam, stage=2, process_group=comm, reduce_bucket_size=12,
+                      overlap_comm=True, optimizer_kwargs={"lr": 1e-2, "freeze_step": 1})
+
+    def snapshot():
+        return ([p.detach().clone() for p in params],
+                {k: (we.clone(), se.clone()) for k, (we, se) in z._errors.items()},
+                [v.clone() for st in z.optimizer.state.values() for v in st.values()
+                 if isinstance(v, torch.Tensor) and v.dim() > 0])
+
+    def same(a, b):
+        return (all(torch.equal(x, y) for x, y in zip(a[0], b[0])) and a[1].keys() == b[1].keys()
+                and all(torch.equal(a[1][k][i], b[1][k][i]) for k in a[1] for i in (0, 1))
+                and all(torch.equal(x, y) for x, y in zip(a[2], b[2])))
+
+    for t in (1, 2):
+        _backward(params, rank, t, 0)
+        z.step()
+    before = snapshot()
+    out: Dict[str, Any] = {"exchanged_in_backward": None}
+    sizes = [p.numel() for p in params]
+    loss = sum((p * grad(rank, 3, 0, i, sizes)).sum() for i, p in enumerate(params))
+    if rank == world - 1:
+        loss = loss + params[2][0] * float("nan")  # bucket 1 of 3
+    loss.backward()
+    out["exchanged_in_backward"] = len(z._exchanges)
+    z.step()
+    out["skipped"] = z.skipped_steps
+    out["unchanged"] = same(before, snapshot())
+    _backward(params, rank, 4, 0)
+    try:
+        _backward(params, rank, 4, 1)  # one micro-step too many
+        out["too_many"] = ""
+    except RuntimeError as e:
+        out["too_many"] = str(e)
+    z.zero_grad()
+    _backward(params, rank, 4, 0)
+    z.step()
+    out["recovered"] = not same(before, snapshot())
+    z.close()
+    return out
+
+
 def rank_body(rank: int, world: int, cases: List[Dict[str, Any]], warm_kwargs: Dict[str, Any],
               warm_steps: int, local_cases: List[Dict[str, Any]], resume: Dict[str, Any],
               directory: str) -> Dict[str, Any]:
@@ -187,4 +237,5 @@ def rank_body(rank: int, world: int, cases: List[Dict[str, Any]], warm_kwargs: D
         "unsharded": unsharded(rank, world, comm, warm_steps, warm_kwargs),
         "local": [local_phase_case(rank, world, comm, c) for c in local_cases],
         "resume": resume_case(rank, world, comm, resume, directory),
+        "overlap_nonfinite": overlap_nonfinite(rank, world, comm) if world > 1 else None,
     }

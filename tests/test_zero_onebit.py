@@ -38,6 +38,11 @@ CASES = [
      "kwargs": {"lr": 1e-2}},
     # gradient clipping active in both phases (gradient norms are ~10)
     {"opt": "OneBitAdam", "stage": 1, "gas": 2, "steps": 4, "bucket": 12, "clip": 2.0, "kwargs": ONEBIT_KW},
+    # stage 2 + overlap_comm: buckets exchanged during backward, committed by step() (7 = 1, 8 = 2)
+    {"opt": "OneBitAdam", "stage": 2, "gas": 2, "steps": STEPS, "bucket": 12, "kwargs": ONEBIT_KW,
+     "overlap": True},
+    {"opt": "ZeroOneAdam", "stage": 2, "gas": 1, "steps": 6, "bucket": 10**6, "kwargs": ZOA_KW,
+     "overlap": True},
 ]
 
 
@@ -143,7 +148,7 @@ def sharded_reference(case, world, plan):
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-@pytest.mark.parametrize("ci", [0, 1, 2, 6])
+@pytest.mark.parametrize("ci", [0, 1, 2, 6, 7, 8])
 def test_compressed_phase_matches_numpy_reference(results, world, ci):
     case = CASES[ci]
     res = results[world]
@@ -162,6 +167,28 @@ def test_compressed_phase_matches_numpy_reference(results, world, ci):
                                        err_msg=f"W={world} rank {r} step {t} ({kinds[t - 1]})")
     # the compressed phase moved the parameters (not a no-op)
     assert np.abs(ref[-1] - ref[kinds.index("1bit") - 1]).max() > 1e-3
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("overlapped,staged", [(7, 1), (8, 2)])
+def test_overlapped_compression_equals_staged(results, world, overlapped, staged):
+    """Exchanging 1-bit buckets during backward and committing them in step() computes exactly what
+    compressing them all in step() does."""
+    for r in range(world):
+        a, b = results[world][r]["cases"][overlapped], results[world][r]["cases"][staged]
+        assert a["compressed"] == b["compressed"] and any(a["compressed"])
+        for x, y in zip(a["params"], b["params"]):
+            np.testing.assert_array_equal(x, y)
+        assert a["bytes"] == b["bytes"]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_overlapped_compression_nonfinite_skips_atomically(results, world):
+    for r in range(world):
+        got = results[world][r]["overlap_nonfinite"]
+        assert got["exchanged_in_backward"] == 3  # all three buckets went out during backward
+        assert got["skipped"] == 1 and got["unchanged"] and got["recovered"]
+        assert "gradient_accumulation_steps" in got["too_many"]
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

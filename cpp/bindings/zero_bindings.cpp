@@ -141,7 +141,18 @@ void bind_zero(py::module_& parent) {
             const CallOptions o = opts_of(timeout_s);
             return a.submit([buf, op, o](Communicator& c) { c.all_reduce(buf, op, o); });
           },
-          py::arg("buf"), py::arg("op") = ReduceOp::kSum, py::arg("timeout_s") = 600.0);
+          py::arg("buf"), py::arg("op") = ReduceOp::kSum, py::arg("timeout_s") = 600.0)
+      .def(
+          "compressed_reduce_scatter_exchange",
+          [](AsyncComm& a, const Buffer& tensor, const Buffer& worker_error, const Buffer& server_error,
+             const Buffer& out, const Buffer& workspace, double timeout_s) {
+            const CallOptions o = opts_of(timeout_s);
+            return a.submit([tensor, worker_error, server_error, out, workspace, o](Communicator& c) {
+              compressed_reduce_scatter_exchange(c, tensor, worker_error, server_error, out, workspace, o);
+            });
+          },
+          py::arg("tensor"), py::arg("worker_error"), py::arg("server_error"), py::arg("out"),
+          py::arg("workspace"), py::arg("timeout_s") = 600.0);
 
   m.def(
       "compressed_reduce_scatter",
@@ -152,6 +163,16 @@ void bind_zero(py::module_& parent) {
       py::arg("comm"), py::arg("tensor"), py::arg("worker_error"), py::arg("server_error"), py::arg("out"),
       py::arg("workspace"), py::arg("timeout_s") = 600.0, py::call_guard<py::gil_scoped_release>(),
       "The 1-bit compressed reduce-scatter (compressed allreduce without its final all-gather).");
+  m.def(
+      "compressed_reduce_scatter_commit",
+      [](Communicator& comm, const Buffer& tensor, const Buffer& worker_error, const Buffer& server_error,
+         const Buffer& out, const Buffer& workspace) {
+        compressed_reduce_scatter_commit(comm, tensor, worker_error, server_error, out, workspace, CallOptions{});
+      },
+      py::arg("comm"), py::arg("tensor"), py::arg("worker_error"), py::arg("server_error"), py::arg("out"),
+      py::arg("workspace"), py::call_guard<py::gil_scoped_release>(),
+      "The local writes of a compressed reduce-scatter whose exchange (AsyncComm."
+      "compressed_reduce_scatter_exchange) ran on the same arguments and workspace.");
   m.def(
       "compressed_reduce_scatter_wire_bytes",
       [](int64_t padded, int world) {

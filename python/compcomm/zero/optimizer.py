@@ -49,7 +49,8 @@ import torch
 from .. import _C
 from .._buffers import buffer_of
 from .._comm import resolve
-from ..collectives import DEFAULT_TIMEOUT
+from ..collectives import DEFAULT_TIMEOUT, _layout_total
+from ..errors import NonFiniteError
 from .config import validate_zero_config
 
 __all__ = ["ZeroOptimizer", "initialize"]
@@ -79,6 +80,9 @@ class _Group:
         self.master: Optional[torch.Tensor] = None  # fp32 shard, .grad = fp32 gradient shard
         # stage 2/3 hook bookkeeping
         self.arrived: List[set] = [set() for _ in self.buckets]
+        # stage 2 + overlap_comm, 1-bit steps: micro-steps completed per bucket, buckets exchanged
+        self.rounds: List[int] = [0] * len(self.buckets)
+        self.exchanged: set = set()
         self.staging: Dict[int, torch.Tensor] = {}  # bucket -> view being filled
         self.staging_base: Dict[int, torch.Tensor] = {}  # bucket -> the pool buffer it views
         self.max_padded = max((b["padded"] for b in self.buckets), default=0)
@@ -189,7 +193,10 @@ class ZeroOptimizer:
         # ZeroOneAdam after var_freeze_step: the wrapped optimizer runs unsharded (_enter_local_phase)
         self._local_phase = False
         self.exact_resume = bool((optimizer_kwargs or {}).get("exact_resume", False))
-        self._compress_now = False  # set at the start of each compressed-phase accumulation
+        # stage 2 + overlap_comm, 1-bit steps: (work, group, bucket, fp32 input) exchanged during
+        # backward and committed by step(); per-bucket workspaces, reused every step
+        self._exchanges: List[tuple] = []
+        self._exchange_ws: Dict[tuple, torch.Tensor] = {}
         self._async = _C.zero.AsyncComm(self.comm)
         self._pending: List[tuple] = []  # stage 2/3: (work, group, bucket, staging, recv)
         self._free_staging: Dict[tuple, List[torch.Tensor]] = {}
@@ -304,6 +311,10 @@ class ZeroOptimizer:
         n, off, bi = grp.tensors[ti]
         if p.grad is None or self._local_phase:  # local phase: gradients stay whole and local
             return
+        if bi in grp.exchanged:
+            raise RuntimeError(
+                f"ZeroOptimizer: a gradient arrived for bucket {bi} after its 1-bit exchange started: "
+                f"more than gradient_accumulation_steps={self.gas} backward passes before step()")
         st = self._staging_for(gi, bi)
         lo = off - grp.buckets[bi]["offset"]
         st[lo : lo + n].add_(p.grad.reshape(-1))
@@ -312,7 +323,11 @@ class ZeroOptimizer:
         b = grp.buckets[bi]
         if len(grp.arrived[bi]) == b["last_tensor"] - b["first_tensor"]:
             if self._compressed_phase():
-                grp.arrived[bi].clear()  # kept staged until step() compresses it
+                grp.arrived[bi].clear()  # staged: compressed in step(), or now if overlapping
+                if self._overlap_compression():
+                    grp.rounds[bi] += 1
+                    if grp.rounds[bi] == self.gas:  # the last micro-step: the bucket is complete
+                        self._submit_exchange(gi, bi)
             else:
                 self._submit_bucket(gi, bi)
         if self._stage3 is not None:
@@ -399,6 +414,8 @@ class ZeroOptimizer:
         from .compressed import compressed_reduce_scatter
 
         self._complete(len(self._pending))
+        if self._exchanges or self._overlap_compression():
+            return self._finish_exchanges()
         scale = 1.0 / (self.gas * self.loss_scale)
         items = []  # (group, bucket, fp32 local gradient of the bucket, padded)
         for gi, grp in enumerate(self.groups):
@@ -423,35 +440,125 @@ class ZeroOptimizer:
                     items.append((gi, bi, flat[b["offset"] : b["offset"] + b["padded"]]))
                 grp.master.grad = torch.zeros(grp.plan.shard_numel, dtype=torch.float32,
                                               device=self.device)
-        norm_sq = self._mean_sq_norm([x for _, _, x in items], scale)
+        norm_sq = self._mean_sq_norm([(x, scale) for _, _, x in items])
         if not math.isfinite(norm_sq):
             return norm_sq
         coef = self._local_coef(norm_sq, scale)
         for gi, bi, x in items:
             b = self.groups[gi].buckets[bi]
-            k = self._momentum_factor(gi)
-            x.mul_(coef * k)
+            x.mul_(coef * self._momentum_factor(gi))
             out = self.groups[gi].master.grad[b["shard_offset"] : b["shard_offset"] + b["chunk"]]
             if self.world == 1:  # as the unsharded optimizers: no compression without peers
                 out.copy_(x)
             else:
                 we, se = self._error_buffers(gi, bi)
                 compressed_reduce_scatter(x, we, se, out=out, group=self.comm, timeout=self.timeout)
-            if k != 1.0:
-                out.div_(k)
-            pad = max(0, b["numel"] - self.rank * b["chunk"])  # 1 bit cannot say 0: mask padding
-            if pad < b["chunk"]:
-                out[pad:].zero_()
+            self._finish_shard(gi, bi, out)
         return norm_sq
 
-    def _mean_sq_norm(self, local_grads: List[torch.Tensor], scale: float) -> float:
-        """Mean over ranks of ``||scale * g_local||^2`` (one all-reduce of a float64): the compressed
-        and local phases never form the averaged gradient, so clipping and the non-finite check use
-        this (every rank gets the same value, so all of them clip or skip alike)."""
+    def _finish_shard(self, gi: int, bi: int, out: torch.Tensor) -> None:
+        """Rank r's chunk of a bucket's 1-bit average -> its gradient shard: divided by the momentum
+        factor, zero at padding positions (1 bit cannot say 0)."""
+        b = self.groups[gi].buckets[bi]
+        k = self._momentum_factor(gi)
+        if k != 1.0:
+            out.div_(k)
+        pad = max(0, b["numel"] - self.rank * b["chunk"])
+        if pad < b["chunk"]:
+            out[pad:].zero_()
+
+    # ---- stage 2 + overlap_comm: 1-bit buckets exchanged during backward, committed together ----
+
+    def _overlap_compression(self) -> bool:
+        """Whether a 1-bit step exchanges each bucket as soon as its gradient is complete: stage 2
+        with overlap_comm and more than one rank, without gradient_clipping (clipping needs the norm
+        of the whole local gradient before the first bucket is compressed)."""
+        return (self.stage == 2 and self.overlap and self.clip == 0 and self.world > 1
+                and self._compressed_phase())
+
+    def _submit_exchange(self, gi: int, bi: int) -> None:
+        """Scale bucket bi's local gradient to what is compressed and queue the collective half of its
+        compressed reduce-scatter; the local writes (error buffers, gradient shard) wait for step(),
+        so the buckets of a step commit together, or none does if any rank's gradient is not finite."""
+        grp = self.groups[gi]
+        b = grp.buckets[bi]
+        st = self._staging_for(gi, bi)
+        x = st if st.dtype == torch.float32 else st.to(torch.float32)
+        if x is not st:  # the fp32 copy is what is exchanged: the staging buffer can be reused
+            grp.staging.pop(bi)
+            self._free_staging.setdefault((grp.max_padded, grp.dtype), []).append(grp.staging_base.pop(bi))
+        x.mul_(self._momentum_factor(gi) / (self.gas * self.loss_scale))
+        we, se = self._error_buffers(gi, bi)
+        ws = self._exchange_ws.get((gi, bi))
+        if ws is None:  # zero-filled: the GPU scratch must start zeroed (every call leaves it so)
+            total = _layout_total(b["padded"], self.world, self.device.type == "cuda")
+            ws = self._exchange_ws[(gi, bi)] = torch.zeros(total, dtype=torch.uint8, device=self.device)
+        out = grp.master.grad[b["shard_offset"] : b["shard_offset"] + b["chunk"]]
+        work = self._async.compressed_reduce_scatter_exchange(
+            buffer_of(x), buffer_of(we), buffer_of(se), buffer_of(out), buffer_of(ws), timeout_s=self.timeout)
+        self._exchanges.append((work, gi, bi, x))
+        grp.exchanged.add(bi)
+
+    def _finish_exchanges(self) -> float:
+        """step() of an overlapped 1-bit step: exchange the buckets not complete yet (parameters
+        without gradients, fewer micro-steps) in bucket order, then the norm all-reduce; if every
+        exchange succeeded and the norm is finite, commit every bucket into the gradient shards.
+        Returns the mean over ranks of the squared norm of the local gradients (inf: skip)."""
+        for gi, grp in enumerate(self.groups):
+            for bi in range(len(grp.buckets)):
+                if bi not in grp.exchanged:
+                    self._submit_exchange(gi, bi)
+        # x = k * g / (gas * loss_scale): the norm is that of x / k
+        norm_sq = self._mean_sq_norm([(x, 1.0 / self._momentum_factor(gi))
+                                      for _, gi, _, x in self._exchanges])
+        failure: Optional[BaseException] = None
+        for work, *_ in self._exchanges:
+            try:
+                work.wait(self.timeout)
+            except NonFiniteError:  # raised on every rank for the same bucket: skip the step
+                norm_sq = math.inf
+            except BaseException as e:  # noqa: BLE001 -- re-raised once every work is done
+                failure = failure or e
+        if failure is None and math.isfinite(norm_sq):
+            for _, gi, bi, x in self._exchanges:
+                grp = self.groups[gi]
+                b = grp.buckets[bi]
+                we, se = self._error_buffers(gi, bi)
+                out = grp.master.grad[b["shard_offset"] : b["shard_offset"] + b["chunk"]]
+                _C.zero.compressed_reduce_scatter_commit(
+                    self.comm, buffer_of(x), buffer_of(we), buffer_of(se), buffer_of(out),
+                    buffer_of(self._exchange_ws[(gi, bi)]))
+                self._finish_shard(gi, bi, out)
+        self._drop_exchanges()
+        if failure is not None:
+            raise failure
+        return norm_sq
+
+    def _drop_exchanges(self) -> None:
+        """Wait for queued exchanges (their errors are dropped) and release their buffers."""
+        for work, *_ in self._exchanges:
+            try:
+                work.wait(self.timeout)
+            except Exception:  # noqa: BLE001 -- nothing was committed; the step is abandoned
+                pass
+        self._exchanges.clear()
+        for grp in self.groups:
+            for base in grp.staging_base.values():
+                self._free_staging.setdefault((grp.max_padded, grp.dtype), []).append(base)
+            grp.staging.clear()
+            grp.staging_base.clear()
+            grp.exchanged.clear()
+            grp.rounds = [0] * len(grp.buckets)
+            for a in grp.arrived:
+                a.clear()
+
+    def _mean_sq_norm(self, grads: List[tuple]) -> float:
+        """Mean over ranks of ``sum ||c * g||^2`` over the given ``(g, c)`` pairs (one all-reduce of a
+        float64): the compressed and local phases never form the averaged gradient, so clipping and
+        the non-finite check use this (every rank gets the same value, so all clip or skip alike)."""
         local = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for g in local_grads:
-            local += g.double().pow(2).sum()
-        local *= scale * scale
+        for g, c in grads:
+            local += g.double().pow(2).sum() * (c * c)
         self._async.all_reduce(buffer_of(local), _C.ReduceOp.sum, self.timeout).wait(self.timeout)
         return float(local.item()) / self.world
 
@@ -563,6 +670,7 @@ class ZeroOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients (whole ones in stage 1, shards in stage 2/3)."""
         self._complete(len(self._pending))
+        self._drop_exchanges()
         for grp in self.groups:
             for p in grp.params:
                 p.grad = None
@@ -602,8 +710,9 @@ class ZeroOptimizer:
         local = self._local_phase
         if local:
             self._complete(len(self._pending))
-            grads = [p.grad for grp in self.groups for p in grp.params if p.grad is not None]
-            norm_sq = self._mean_sq_norm(grads, 1.0 / (self.gas * self.loss_scale))
+            scale = 1.0 / (self.gas * self.loss_scale)
+            norm_sq = self._mean_sq_norm([(p.grad, scale) for grp in self.groups for p in grp.params
+                                          if p.grad is not None])
         elif compressed:
             norm_sq = self._flush_compressed()
         else:
@@ -713,6 +822,7 @@ class ZeroOptimizer:
                        for e in self._pending)
         for we, se in self._errors.values():
             buffers += (we.numel() + se.numel()) * 4
+        buffers += sum(ws.numel() for ws in self._exchange_ws.values())
         for st in self.optimizer.state.values():
             for v in st.values():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
