@@ -1,6 +1,7 @@
 """Run under mpirun with 1-3 ranks sharing the GPU: ZeroOptimizer on CUDA parameters over compcomm's
 host-staged MPI communicator against the same run on CPU parameters over the same communicator --
-stage 1/2/3 with AdamW (fp32, and bf16 for stage 2), OneBitAdam stage 2 into its compressed phase,
+stage 1/2/3 with AdamW (fp32, and bf16 for stage 2), OneBitAdam stage 2 into its compressed phase
+(buckets compressed in step(), and exchanged during backward with overlap_comm),
 ZeroOneAdam stage 1 through its 1-bit gradient steps into its local phase -- and a checkpoint saved
 from the GPU run loaded into a CPU optimizer. argv[1]: a directory shared by the ranks.
 Prints "RANK r OK"."""
@@ -25,16 +26,19 @@ CASES = [
     ("adamw-stage2-bf16", 2, torch.optim.AdamW, {"lr": 1e-2}, torch.bfloat16, 2e-2),
     ("adamw-stage3", 3, torch.optim.AdamW, {"lr": 1e-2}, torch.float32, 1e-5),
     ("onebit-stage2", 2, OneBitAdam, {"lr": 1e-2, "freeze_step": 2}, torch.float32, 1e-3),
+    ("onebit-stage2-overlap", 2, OneBitAdam, {"lr": 1e-2, "freeze_step": 2}, torch.float32, 1e-3),
     ("zoadam-stage1", 1, ZeroOneAdam, ZOA, torch.float32, 1e-3),
 ]
 
 
-def build(dev, stage, cls, kw, dtype, comm):
+def build(dev, stage, cls, kw, dtype, comm, overlap=False):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(13, 32), torch.nn.Tanh(), torch.nn.Linear(32, 5))
     model = model.to(device=dev, dtype=dtype)
+    # overlap: the 1-bit exchanges run during backward, which needs no clipping
     z = ZeroOptimizer(model.parameters(), cls, stage=stage, process_group=comm, module=model,
-                      optimizer_kwargs=dict(kw), reduce_bucket_size=200, gradient_clipping=5.0)
+                      optimizer_kwargs=dict(kw), reduce_bucket_size=200, overlap_comm=overlap,
+                      gradient_clipping=0.0 if overlap else 5.0)
     return model, z
 
 
@@ -59,7 +63,7 @@ def main() -> None:
     for label, stage, cls, kw, dtype, tol in CASES:
         runs = {}
         for d in (cpu, dev):
-            model, z = build(d, stage, cls, kw, dtype, comm)
+            model, z = build(d, stage, cls, kw, dtype, comm, overlap=label.endswith("overlap"))
             runs[d.type] = train(model, z, rank, 1, STEPS, d, dtype)
             assert z.device == d and all(p.device == d for p in model.parameters()), label
             if cls is ZeroOneAdam:
