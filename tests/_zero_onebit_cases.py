@@ -134,7 +134,8 @@ def local_phase_case(rank: int, world: int, comm: Any, case: Dict[str, Any]) -> 
     return out
 
 
-def resume_case(rank: int, world: int, comm: Any, case: Dict[str, Any], directory: str) -> Dict[str, Any]:
+def resume_case(rank: int, world: int, comm: Any, case: Dict[str, Any],
+                directory: str) -> Dict[str, Any]:
     """Checkpoints of ZeRO + ZeroOneAdam (exact_resume) in the variance phase and in the middle of a
     local-step interval, resumed into fresh optimizers and into one already in the local phase."""
     from compcomm.optim import ZeroOneAdam
@@ -171,8 +172,10 @@ def resume_case(rank: int, world: int, comm: Any, case: Dict[str, Any], director
     out["resumed"][("reused", s0)] = run(params, z, s0 + 1, case["steps"])
     z.close()
     if rank == 0:
-        out["consolidated"] = {s: torch.cat([v.reshape(-1) for v in consolidate(f"{directory}/step{s}").values()]).numpy()
-                               for s in case["save_at"]}
+        out["consolidated"] = {}
+        for s in case["save_at"]:
+            full_sd = consolidate(f"{directory}/step{s}")
+            out["consolidated"][s] = torch.cat([v.reshape(-1) for v in full_sd.values()]).numpy()
     return out
 
 

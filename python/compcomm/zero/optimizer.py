@@ -226,7 +226,8 @@ class ZeroOptimizer:
             self.groups.append(_Group(ps, plan, options))
 
         if len(devices) > 1:
-            raise ValueError(f"params: all parameters must be on one device, got {sorted(map(str, devices))}")
+            raise ValueError(
+                f"params: all parameters must be on one device, got {sorted(map(str, devices))}")
         #: where every buffer lives: the parameters' device (CPU, or a GPU with a communicator
         #: that takes device buffers: NCCL, CUDA-aware or host-staged MPI, torch's NCCL group)
         self.device = devices.pop() if devices else torch.device("cpu")
@@ -299,7 +300,8 @@ class ZeroOptimizer:
             pool = self._free_staging.setdefault(key, [])
             if not pool and len(self._pending) >= 2:
                 self._complete(1)  # reuse a buffer in flight rather than grow the pool
-            base = pool.pop() if pool else torch.empty(grp.max_padded, dtype=grp.dtype, device=self.device)
+            base = (pool.pop() if pool
+                    else torch.empty(grp.max_padded, dtype=grp.dtype, device=self.device))
             st = base[: grp.buckets[bi]["padded"]]
             st.zero_()
             grp.staging[bi] = st
@@ -486,16 +488,19 @@ class ZeroOptimizer:
         x = st if st.dtype == torch.float32 else st.to(torch.float32)
         if x is not st:  # the fp32 copy is what is exchanged: the staging buffer can be reused
             grp.staging.pop(bi)
-            self._free_staging.setdefault((grp.max_padded, grp.dtype), []).append(grp.staging_base.pop(bi))
+            pool = self._free_staging.setdefault((grp.max_padded, grp.dtype), [])
+            pool.append(grp.staging_base.pop(bi))
         x.mul_(self._momentum_factor(gi) / (self.gas * self.loss_scale))
         we, se = self._error_buffers(gi, bi)
         ws = self._exchange_ws.get((gi, bi))
         if ws is None:  # zero-filled: the GPU scratch must start zeroed (every call leaves it so)
             total = _layout_total(b["padded"], self.world, self.device.type == "cuda")
-            ws = self._exchange_ws[(gi, bi)] = torch.zeros(total, dtype=torch.uint8, device=self.device)
+            ws = torch.zeros(total, dtype=torch.uint8, device=self.device)
+            self._exchange_ws[(gi, bi)] = ws
         out = grp.master.grad[b["shard_offset"] : b["shard_offset"] + b["chunk"]]
         work = self._async.compressed_reduce_scatter_exchange(
-            buffer_of(x), buffer_of(we), buffer_of(se), buffer_of(out), buffer_of(ws), timeout_s=self.timeout)
+            buffer_of(x), buffer_of(we), buffer_of(se), buffer_of(out), buffer_of(ws),
+            timeout_s=self.timeout)
         self._exchanges.append((work, gi, bi, x))
         grp.exchanged.add(bi)
 
@@ -511,13 +516,13 @@ class ZeroOptimizer:
         # x = k * g / (gas * loss_scale): the norm is that of x / k
         norm_sq = self._mean_sq_norm([(x, 1.0 / self._momentum_factor(gi))
                                       for _, gi, _, x in self._exchanges])
-        failure: Optional[BaseException] = None
+        failure: Optional[Exception] = None
         for work, *_ in self._exchanges:
             try:
                 work.wait(self.timeout)
             except NonFiniteError:  # raised on every rank for the same bucket: skip the step
                 norm_sq = math.inf
-            except BaseException as e:  # noqa: BLE001 -- re-raised once every work is done
+            except Exception as e:  # noqa: BLE001 -- re-raised once every work is done
                 failure = failure or e
         if failure is None and math.isfinite(norm_sq):
             for _, gi, bi, x in self._exchanges:
@@ -589,7 +594,7 @@ class ZeroOptimizer:
             shard_state = opt.state.pop(grp.master, {})
             full: Dict[str, torch.Tensor] = {}
             if gather:
-                sources = {"exp_avg": shard_state["exp_avg"], "exp_avg_sq": shard_state["exp_avg_sq"]}
+                sources = {k: shard_state[k] for k in ("exp_avg", "exp_avg_sq")}
                 if grp.dtype != torch.float32:
                     sources["master_param"] = grp.master.detach()
                 works = []
