@@ -229,6 +229,44 @@ def overlap_nonfinite(rank: int, world: int, comm: Any) -> Dict[str, Any]:
     return out
 
 
+def local_nonfinite(rank: int, world: int, comm: Any) -> Dict[str, Any]:
+    """ZeroOneAdam's local phase under ZeRO: a NaN in one rank's gradient skips the step on every
+    rank (the norm all-reduce sees it) with parameters and optimizer state unchanged."""
+    from compcomm.optim import ZeroOneAdam
+    from compcomm.zero import ZeroOptimizer
+
+    params = _params()
+    z = ZeroOptimizer(params, ZeroOneAdam, stage=2, process_group=comm, reduce_bucket_size=12,
+                      optimizer_kwargs={"lr": 1e-2, "var_freeze_step": 1, "local_step_scaler": 1,
+                                        "local_step_clipper": 4})
+    for t in (1, 2, 3):
+        _backward(params, rank, t, 0)
+        z.step()
+
+    def snapshot():
+        return [p.detach().clone() for p in params] + [
+            v.clone() for st in z.optimizer.state.values() for v in st.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0]
+
+    before = snapshot()
+    kind = z.optimizer.step_kind()
+    sizes = [p.numel() for p in params]
+    loss = sum((p * grad(rank, 4, 0, i, sizes)).sum() for i, p in enumerate(params))
+    if rank == world - 1:
+        loss = loss + params[1][0] * float("inf")
+    loss.backward()
+    z.step()
+    after = snapshot()
+    out = {"local_phase": z._local_phase, "kind": kind, "skipped": z.skipped_steps,
+           "unchanged": all(torch.equal(a, b) for a, b in zip(before, after)) and len(before) == len(after),
+           "kind_after": z.optimizer.step_kind()}
+    _backward(params, rank, 4, 0)
+    z.step()
+    out["recovered"] = not torch.equal(params[0].detach(), before[0])
+    z.close()
+    return out
+
+
 def rank_body(rank: int, world: int, cases: List[Dict[str, Any]], warm_kwargs: Dict[str, Any],
               warm_steps: int, local_cases: List[Dict[str, Any]], resume: Dict[str, Any],
               directory: str) -> Dict[str, Any]:
@@ -241,4 +279,5 @@ def rank_body(rank: int, world: int, cases: List[Dict[str, Any]], warm_kwargs: D
         "local": [local_phase_case(rank, world, comm, c) for c in local_cases],
         "resume": resume_case(rank, world, comm, resume, directory),
         "overlap_nonfinite": overlap_nonfinite(rank, world, comm) if world > 1 else None,
+        "local_nonfinite": local_nonfinite(rank, world, comm),
     }

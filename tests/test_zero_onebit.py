@@ -289,6 +289,15 @@ def test_zero_one_adam_local_phase_memory(results, world, ci):
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_zero_one_adam_local_phase_nonfinite_skips(results, world):
+    for r in range(world):
+        got = results[world][r]["local_nonfinite"]
+        assert got["local_phase"] and got["kind"] in ("local", "sync")
+        assert got["skipped"] == 1 and got["unchanged"] and got["recovered"]
+        assert got["kind_after"] == got["kind"]  # the schedule did not advance
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_zero_one_adam_checkpoint_resume_is_exact(results, world):
     """exact_resume=True: resuming from a 1-bit-gradient step (bucket error buffers in flight) or
     from the middle of a local interval (ranks' parameters differ) continues bit for bit; a
