@@ -101,3 +101,16 @@ def test_error_buffers_and_wire_bytes():
     n = 2**24
     ratio = compcomm.allreduce_wire_bytes(n, 4) / compcomm.wire_bytes(n, 4)
     assert 31.9 < ratio <= 32.0
+
+
+def test_buffer_keeps_its_tensor_alive():
+    """A Buffer made from a temporary holds it: the memory is still the tensor's when used."""
+    import gc
+
+    from compcomm._buffers import buffer_of, tensor_of
+
+    b = buffer_of(torch.full((4096,), 3.0))
+    gc.collect()
+    _ = [torch.zeros(4096) for _ in range(8)]  # would reuse freed memory
+    assert isinstance(b.owner, torch.Tensor)
+    assert torch.equal(tensor_of(b), torch.full((4096,), 3.0))

@@ -157,7 +157,9 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("stream",
                              [](const CallOptions& o) { return reinterpret_cast<uintptr_t>(o.stream); });
 
-  py::class_<Buffer>(m, "Buffer", py::buffer_protocol(),
+  // dynamic_attr: compcomm._buffers.buffer_of stores the viewed tensor on the Python object
+  // (`owner`), so a Buffer made from a temporary keeps it alive while the Buffer is in use.
+  py::class_<Buffer>(m, "Buffer", py::buffer_protocol(), py::dynamic_attr(),
                      "A view of memory owned by someone else (host if device < 0, else a CUDA device).")
       .def(py::init([](uintptr_t data, int64_t count, DType dtype, int device) {
              COMPCOMM_CHECK(count >= 0, "Buffer: count must be >= 0, got ", count);

@@ -20,10 +20,17 @@ TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
 
 
 def buffer_of(t: torch.Tensor) -> _C.Buffer:
-    """A Buffer viewing a contiguous tensor's memory (the tensor must outlive the Buffer's use)."""
+    """A Buffer viewing a contiguous tensor's memory.
+
+    The Buffer object holds the tensor (``owner``), so ``f(buffer_of(torch.ones(3)))`` is safe. Work
+    queued on another thread (``AsyncComm``) copies the view, not the owner: keep such tensors alive
+    until the work has been waited on.
+    """
     # get_device() is -1 for CPU tensors and the index for CUDA ones (and cheaper than t.device,
     # which matters on the GPU path where this runs 4 times per call).
-    return _C.Buffer(t.data_ptr(), t.numel(), DTYPES[t.dtype], t.get_device())
+    b = _C.Buffer(t.data_ptr(), t.numel(), DTYPES[t.dtype], t.get_device())
+    b.owner = t
+    return b
 
 
 def tensor_of(buf: _C.Buffer) -> torch.Tensor:
