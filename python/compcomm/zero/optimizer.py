@@ -200,6 +200,8 @@ class ZeroOptimizer:
         self._async = _C.zero.AsyncComm(self.comm)
         self._pending: List[tuple] = []  # stage 2/3: (work, group, bucket, staging, recv)
         self._free_staging: Dict[tuple, List[torch.Tensor]] = {}
+        # 1-bit steps stage every bucket at once: one exact-size buffer per bucket, kept across steps
+        self._bucket_staging: Dict[tuple, torch.Tensor] = {}
 
         groups = self._param_groups(params)
         seen = set()
@@ -292,21 +294,36 @@ class ZeroOptimizer:
                 self._hooks.append(h)
 
     def _staging_for(self, gi: int, bi: int) -> torch.Tensor:
-        """The staging view for bucket bi of group gi (from a pool of largest-bucket buffers)."""
+        """The staging view for bucket bi of group gi: from a pool of largest-bucket buffers (a few
+        in flight at a time), or in a 1-bit step, where every bucket stays staged until it is
+        compressed, the bucket's own exact-size buffer."""
         grp = self.groups[gi]
         st = grp.staging.get(bi)
         if st is None:
-            key = (grp.max_padded, grp.dtype)
-            pool = self._free_staging.setdefault(key, [])
-            if not pool and len(self._pending) >= 2:
-                self._complete(1)  # reuse a buffer in flight rather than grow the pool
-            base = (pool.pop() if pool
-                    else torch.empty(grp.max_padded, dtype=grp.dtype, device=self.device))
-            st = base[: grp.buckets[bi]["padded"]]
+            padded = grp.buckets[bi]["padded"]
+            if self._compressed_phase():
+                if self.onebit == "OneBitAdam":
+                    self._free_staging.clear()  # its warm-up (the pool's user) never comes back
+                base = self._bucket_staging.get((gi, bi))
+                if base is None:
+                    base = torch.empty(padded, dtype=grp.dtype, device=self.device)
+                    self._bucket_staging[(gi, bi)] = base
+            else:
+                pool = self._free_staging.setdefault((grp.max_padded, grp.dtype), [])
+                if not pool and len(self._pending) >= 2:
+                    self._complete(1)  # reuse a buffer in flight rather than grow the pool
+                base = (pool.pop() if pool
+                        else torch.empty(grp.max_padded, dtype=grp.dtype, device=self.device))
+            st = base[:padded]
             st.zero_()
             grp.staging[bi] = st
             grp.staging_base[bi] = base
         return st
+
+    def _release_staging(self, grp: _Group, base: torch.Tensor) -> None:
+        """A staging buffer is free again: back to the pool unless it is a bucket's own."""
+        if not any(base is t for t in self._bucket_staging.values()):
+            self._free_staging.setdefault((grp.max_padded, grp.dtype), []).append(base)
 
     def _grad_ready(self, gi: int, ti: int, p: torch.Tensor) -> None:
         grp = self.groups[gi]
@@ -354,7 +371,7 @@ class ZeroOptimizer:
             grp = self.groups[gi]
             b = grp.buckets[bi]
             grp.master.grad[b["shard_offset"] : b["shard_offset"] + b["chunk"]].add_(recv)
-            self._free_staging.setdefault((grp.max_padded, grp.dtype), []).append(base)
+            self._release_staging(grp, base)
 
     def _flush(self) -> None:
         """Reduce every partly filled bucket (parameters without gradients count as 0), wait all."""
@@ -428,7 +445,7 @@ class ZeroOptimizer:
                          else torch.zeros(b["padded"], device=self.device))
                     items.append((gi, bi, x))
                 for base in grp.staging_base.values():
-                    self._free_staging.setdefault((grp.max_padded, grp.dtype), []).append(base)
+                    self._release_staging(grp, base)
                 grp.staging.clear()
                 grp.staging_base.clear()
                 for a in grp.arrived:
@@ -488,8 +505,7 @@ class ZeroOptimizer:
         x = st if st.dtype == torch.float32 else st.to(torch.float32)
         if x is not st:  # the fp32 copy is what is exchanged: the staging buffer can be reused
             grp.staging.pop(bi)
-            pool = self._free_staging.setdefault((grp.max_padded, grp.dtype), [])
-            pool.append(grp.staging_base.pop(bi))
+            self._release_staging(grp, grp.staging_base.pop(bi))
         x.mul_(self._momentum_factor(gi) / (self.gas * self.loss_scale))
         we, se = self._error_buffers(gi, bi)
         ws = self._exchange_ws.get((gi, bi))
@@ -549,7 +565,7 @@ class ZeroOptimizer:
         self._exchanges.clear()
         for grp in self.groups:
             for base in grp.staging_base.values():
-                self._free_staging.setdefault((grp.max_padded, grp.dtype), []).append(base)
+                self._release_staging(grp, base)
             grp.staging.clear()
             grp.staging_base.clear()
             grp.exchanged.clear()
@@ -617,6 +633,7 @@ class ZeroOptimizer:
         opt._set_comm(self.comm, grads_averaged=False)
         self._errors.clear()
         self._free_staging.clear()
+        self._bucket_staging.clear()
         self._local_phase = True
 
     def _leave_local_phase(self) -> None:
@@ -680,7 +697,7 @@ class ZeroOptimizer:
             for p in grp.params:
                 p.grad = None
             for bi, base in grp.staging_base.items():
-                self._free_staging.setdefault((grp.max_padded, grp.dtype), []).append(base)
+                self._release_staging(grp, base)
             for a in grp.arrived:
                 a.clear()
             if self.stage >= 2 and not self._local_phase:
@@ -821,8 +838,11 @@ class ZeroOptimizer:
             master += grp.master.numel() * 4
         for pool in self._free_staging.values():
             buffers += sum(t.numel() * t.element_size() for t in pool)
+        own = list(self._bucket_staging.values())
+        buffers += sum(t.numel() * t.element_size() for t in own)
         for grp in self.groups:
-            buffers += sum(t.numel() * t.element_size() for t in grp.staging_base.values())
+            buffers += sum(t.numel() * t.element_size() for t in grp.staging_base.values()
+                           if not any(t is o for o in own))
         buffers += sum(e[3].numel() * e[3].element_size() + e[4].numel() * e[4].element_size()
                        for e in self._pending)
         for we, se in self._errors.values():
