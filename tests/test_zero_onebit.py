@@ -169,6 +169,20 @@ def test_compressed_phase_matches_numpy_reference(results, world, ci):
     assert np.abs(ref[-1] - ref[kinds.index("1bit") - 1]).max() > 1e-3
 
 
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("ci", [1, 7])
+def test_stage2_onebit_staging_is_exact(results, world, ci):
+    """Stage 2, 1-bit steps: besides the error buffers (and the overlapped exchanges' workspaces),
+    a rank holds one exact-size staging buffer per bucket -- its local gradient, once."""
+    got = results[world][0]["cases"][ci]
+    buckets = got["plan"]["buckets"]
+    errors = sum(b["padded"] + b["chunk"] for b in buckets) * 4
+    staging = sum(b["padded"] for b in buckets) * 4
+    workspaces = sum(_C.compressed_allreduce_layout(b["padded"], world, False)["total"]
+                     for b in buckets) if CASES[ci].get("overlap") else 0
+    assert got["memory"]["buffers"] == errors + staging + workspaces
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("overlapped,staged", [(7, 1), (8, 2)])
 def test_overlapped_compression_equals_staged(results, world, overlapped, staged):
