@@ -14,10 +14,10 @@ bridge, or unshaped), launched with compcomm.bench.runner.run_on_profile; every 
 torch.distributed gloo from the environment, runs the same per-rank body, and rank 0 prints its
 result as JSON. The namespaces are gone when the script exits.
 
-Rows, per world size: ZeRO stage 1, 2, 3 with torch.optim.AdamW ("adamw"), and stage 1, 2 with
+Rows, per world size: ZeRO stage 1, 2, 3 with torch.optim.AdamW ("adamw"), stage 1, 2, 3 with
 compcomm.optim.OneBitAdam ("onebit", freeze_step 1, so every timed step is in the compressed
 phase: each gradient bucket's momentum contribution goes through the 1-bit compressed
-reduce-scatter; stage 3 with a 1-bit optimizer is not supported), and stage 1, 2 with
+reduce-scatter; stage 3 compresses each parameter on its own), and stage 1, 2 with
 compcomm.optim.ZeroOneAdam ("zoadam", var_freeze_step 1, local_step_scaler 1, local_step_clipper
 4: steps 1-2 update the variance, then syncs at steps 3, 4, 8, 12, ... and local steps between, so
 after 4 warm-up steps every 4 timed steps are 3 local steps and one sync). Each row runs
@@ -42,7 +42,7 @@ import time
 from typing import Any, Dict, List
 
 PROFILES = ("loopback", "eth1g", "eth10g", "unshaped")
-ROWS = ("adamw1", "adamw2", "adamw3", "onebit1", "onebit2", "zoadam1", "zoadam2")
+ROWS = ("adamw1", "adamw2", "adamw3", "onebit1", "onebit2", "onebit3", "zoadam1", "zoadam2")
 
 
 def _model(hidden: int, layers: int):

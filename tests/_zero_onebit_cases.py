@@ -31,6 +31,21 @@ def _backward(params, rank: int, step: int, micro: int) -> None:
     loss.backward()
 
 
+class _Synthetic(torch.nn.Module):
+    """The parameters as one module, so that stage 3's hooks gather them for the synthetic loss."""
+
+    def __init__(self, params: List[torch.nn.Parameter]) -> None:
+        super().__init__()
+        self.n = len(params)
+        for i, p in enumerate(params):
+            setattr(self, f"p{i}", p)
+
+    def forward(self, rank: int, step: int, micro: int) -> torch.Tensor:
+        ps = [getattr(self, f"p{i}") for i in range(self.n)]
+        sizes = [p.numel() for p in ps]
+        return sum((p * grad(rank, step, micro, i, sizes)).sum() for i, p in enumerate(ps))
+
+
 def _optimizer(case: Dict[str, Any]):
     from compcomm.optim import OneBitAdam, ZeroOneAdam
 
@@ -42,7 +57,8 @@ def run_case(rank: int, world: int, comm: Any, case: Dict[str, Any]) -> Dict[str
     from compcomm.zero import ZeroOptimizer
 
     params = _params(case.get("sizes", SIZES))
-    z = ZeroOptimizer(params, _optimizer(case), stage=case["stage"], process_group=comm,
+    model = _Synthetic(params)  # stage 3 gathers the parameters in its forward
+    z = ZeroOptimizer(params, _optimizer(case), stage=case["stage"], process_group=comm, module=model,
                       optimizer_kwargs=case["kwargs"], gradient_accumulation_steps=case["gas"],
                       gradient_clipping=case.get("clip", 0.0),
                       reduce_bucket_size=case["bucket"], overlap_comm=case.get("overlap", False))
@@ -51,9 +67,10 @@ def run_case(rank: int, world: int, comm: Any, case: Dict[str, Any]) -> Dict[str
         out["compressed"].append(z._compressed_phase())
         comm.reset_bytes_sent()
         for micro in range(case["gas"]):
-            _backward(params, rank, t, micro)
+            model(rank, t, micro).backward()
         z.step()
         out["bytes"].append(comm.bytes_sent)
+        z.gather_parameters()  # stage 3: released after the step
         out["params"].append(torch.cat([p.detach().reshape(-1) for p in params]).numpy().copy())
     grp = z.groups[0]
     out["plan"] = {"buckets": [dict(b) for b in grp.buckets],

@@ -239,11 +239,11 @@ def from_config(
                 model = torch.nn.parallel.DistributedDataParallel(model, process_group=process_group)
             optimizer = opt_cls(model.parameters(), **opt_kw)
         return TrainingSetup(model, optimizer, normalized, tb, mb, ga)
-    if onebit and stage == 3:
+    if cfg["optimizer"]["type"].lower() == "zerooneadam" and stage == 3:
         raise ValueError(
-            f"optimizer.type={cfg['optimizer']['type']!r} with zero_optimization.stage=3: 1-bit "
-            "optimizers are supported with ZeRO stage 1 and 2 only (the compressed momentum "
-            "reduce-scatter is not implemented for stage 3)"
+            "optimizer.type='ZeroOneAdam' with zero_optimization.stage=3 is not supported: its local "
+            "steps update every rank's full copy of the parameters, which stage 3 does not keep "
+            "(use stage 1 or 2, or OneBitAdam)"
         )
     zkw = {k: v for k, v in zero.items() if k != "stage"}
     optimizer = ZeroOptimizer(

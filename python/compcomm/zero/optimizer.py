@@ -26,10 +26,10 @@ back into the flat parameter buffer that the model's parameters are views of, in
 ``gradient_accumulation_steps`` micro-steps; ``gradient_clipping`` clips by the global norm across
 shards (one all-reduce of a scalar).
 
-With ``compcomm.optim.OneBitAdam`` or ``ZeroOneAdam`` (stage 1/2) the compressed phase reduces each
-bucket of this rank's local momentum contribution ``(1-b1) * g_local`` (ZeroOneAdam: its local gradient)
-with the 1-bit :func:`~compcomm.zero.compressed_reduce_scatter` and per-bucket error feedback; see
-docs/zero.md, "1-bit optimizers with ZeRO stage 1/2". ZeroOneAdam's local-step phase needs every
+With ``compcomm.optim.OneBitAdam`` (stage 1/2/3) or ``ZeroOneAdam`` (stage 1/2) the compressed phase
+reduces each bucket of this rank's local momentum contribution ``(1-b1) * g_local`` (ZeroOneAdam: its
+local gradient) with the 1-bit :func:`~compcomm.zero.compressed_reduce_scatter` and per-bucket error
+feedback; see docs/zero.md, "1-bit optimizers with ZeRO". ZeroOneAdam's local-step phase needs every
 rank's own full momentum, so from ``var_freeze_step`` on the wrapped optimizer runs unsharded on the
 model's parameters (its state all-gathered once).
 
@@ -102,15 +102,15 @@ class ZeroOptimizer:
         The optimizer to wrap, e.g. ``torch.optim.AdamW`` (or a ``functools.partial`` of one). It is
         built on the fp32 master shards, one tensor per group. Must be elementwise (Adam, AdamW,
         SGD, ...): a per-tensor rule such as LAMB would see shards, not tensors.
-        ``compcomm.optim.OneBitAdam`` and ``ZeroOneAdam`` are supported with stage 1 and 2: the
-        wrapped optimizer runs on the shards without communicating, and in its compressed phase
+        ``compcomm.optim.OneBitAdam`` (stage 1/2/3) and ``ZeroOneAdam`` (stage 1/2) are supported:
+        the wrapped optimizer runs on the shards without communicating, and in its compressed phase
         ZeroOptimizer reduces ``(1-b1) * g_local`` (OneBitAdam) or ``g_local`` (ZeroOneAdam's 1-bit
         gradient steps) with the 1-bit compressed reduce-scatter, error feedback per bucket and
         rank, so the shard's momentum becomes ``b1*m_r + RS_1bit((1-b1) g_local)_r``.
         ZeroOneAdam's local-step phase (after ``var_freeze_step``) runs unsharded: its state is
         all-gathered once and the steps are exactly unsharded ZeroOneAdam's (see docs/zero.md).
         ``exact_resume=True`` in ``optimizer_kwargs`` makes checkpoints carry the error buffers.
-        Stage 3 and ``OneBitLamb`` raise ValueError.
+        ZeroOneAdam with stage 3, and ``OneBitLamb``, raise ValueError.
     stage : {1, 2, 3}
         ZeRO stage.
     process_group : torch ProcessGroup or compcomm Communicator, optional
@@ -184,10 +184,11 @@ class ZeroOptimizer:
         self.global_steps = 0
         self.overlap = bool(self.config["overlap_comm"])
         self.onebit = _onebit_kind(optimizer_class)
-        if self.onebit is not None and stage == 3:
+        if self.onebit == "ZeroOneAdam" and stage == 3:
             raise ValueError(
-                f"optimizer_class: {self.onebit} with ZeRO stage 3 is not supported (the compressed "
-                "momentum reduce-scatter is implemented for stage 1 and 2)"
+                "optimizer_class: ZeroOneAdam with ZeRO stage 3 is not supported (its local steps "
+                "update every rank's full copy of the parameters, which stage 3 does not keep); use "
+                "stage 1 or 2, or OneBitAdam"
             )
         self._errors: Dict[tuple, tuple] = {}  # (group, bucket) -> (worker_error, server_error)
         # ZeroOneAdam after var_freeze_step: the wrapped optimizer runs unsharded (_enter_local_phase)
@@ -489,10 +490,10 @@ class ZeroOptimizer:
     # ---- stage 2 + overlap_comm: 1-bit buckets exchanged during backward, committed together ----
 
     def _overlap_compression(self) -> bool:
-        """Whether a 1-bit step exchanges each bucket as soon as its gradient is complete: stage 2
+        """Whether a 1-bit step exchanges each bucket as soon as its gradient is complete: stage 2/3
         with overlap_comm and more than one rank, without gradient_clipping (clipping needs the norm
         of the whole local gradient before the first bucket is compressed)."""
-        return (self.stage == 2 and self.overlap and self.clip == 0 and self.world > 1
+        return (self.stage >= 2 and self.overlap and self.clip == 0 and self.world > 1
                 and self._compressed_phase())
 
     def _submit_exchange(self, gi: int, bi: int) -> None:
@@ -1123,11 +1124,6 @@ def initialize(
     zero = validate_zero_config(zero_config)
     if zero["stage"] not in (1, 2, 3):
         raise ValueError(f"zero_config.stage must be 1, 2 or 3, got {zero['stage']!r}")
-    cls, kw, onebit = _optimizer_factory(optimizer_config)
-    if onebit and zero["stage"] == 3:
-        raise ValueError(
-            f"optimizer_config.type={optimizer_config['type']!r} with zero_config.stage=3: 1-bit "
-            "optimizers are supported with ZeRO stage 1 and 2 only"
-        )
+    cls, kw, _ = _optimizer_factory(optimizer_config)
     return ZeroOptimizer(model.parameters(), cls, process_group=process_group, module=model,
                          optimizer_kwargs=kw, **kwargs, **zero)
