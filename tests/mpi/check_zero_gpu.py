@@ -1,7 +1,7 @@
 """Run under mpirun with 1-3 ranks sharing the GPU: ZeroOptimizer on CUDA parameters over compcomm's
 host-staged MPI communicator against the same run on CPU parameters over the same communicator --
 stage 1/2/3 with AdamW (fp32, and bf16 for stage 2), OneBitAdam stage 2 into its compressed phase
-(buckets compressed in step(), and exchanged during backward with overlap_comm),
+(buckets compressed in step(), and exchanged during backward with overlap_comm) and stage 3,
 ZeroOneAdam stage 1 through its 1-bit gradient steps into its local phase -- and a checkpoint saved
 from the GPU run loaded into a CPU optimizer. argv[1]: a directory shared by the ranks.
 Prints "RANK r OK"."""
@@ -27,6 +27,7 @@ CASES = [
     ("adamw-stage3", 3, torch.optim.AdamW, {"lr": 1e-2}, torch.float32, 1e-5),
     ("onebit-stage2", 2, OneBitAdam, {"lr": 1e-2, "freeze_step": 2}, torch.float32, 1e-3),
     ("onebit-stage2-overlap", 2, OneBitAdam, {"lr": 1e-2, "freeze_step": 2}, torch.float32, 1e-3),
+    ("onebit-stage3-overlap", 3, OneBitAdam, {"lr": 1e-2, "freeze_step": 2}, torch.float32, 1e-3),
     ("zoadam-stage1", 1, ZeroOneAdam, ZOA, torch.float32, 1e-3),
 ]
 
@@ -50,6 +51,7 @@ def train(model, z, rank, first, last, dev, dtype):
         loss = torch.nn.functional.mse_loss(model(x.to(dev, dtype)).float(), y.to(dev))
         loss.backward()
         z.step()
+        z.gather_parameters()  # stage 3 (no-op for 1/2)
         out.append(torch.cat([p.detach().float().cpu().reshape(-1) for p in model.parameters()]))
     return out
 
