@@ -286,14 +286,19 @@ def test_initialize():
         initialize(zb.make_model(), {"type": "Adam"}, {"stage": 0})
 
 
-def test_onebit_optimizer_with_zero_stage3_is_reported(tmp_path):
-    # stage 1/2 with 1-bit optimizers: tests/test_zero_onebit.py
+def test_onebit_optimizers_with_zero_stage3_from_config(tmp_path):
+    # the numerics of 1-bit optimizers with ZeRO: tests/test_zero_onebit.py
     cfg = {
         "train_micro_batch_size_per_gpu": 2,
         "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 10}},
         "zero_optimization": {"stage": 3},
     }
-    with pytest.raises(ValueError, match="OneBitAdam.*stage=3"):
+    model = zb.make_model()
+    opt = compcomm.from_config(model, cfg).optimizer
+    assert isinstance(opt, ZeroOptimizer) and opt.stage == 3 and opt.onebit == "OneBitAdam"
+    opt.close()
+    cfg["optimizer"] = {"type": "ZeroOneAdam", "params": {"lr": 1e-3, "var_freeze_step": 10}}
+    with pytest.raises(ValueError, match="ZeroOneAdam.*stage=3"):
         compcomm.from_config(zb.make_model(), cfg)
 
 
