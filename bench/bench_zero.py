@@ -240,7 +240,8 @@ def main() -> None:
             r = _run(args.profile, w, "zero", stage, opt_name, args.hidden, args.layers,
                      args.steps, args.warmup, args.bucket)
             m = r["mem"]
-            est = estimate_memory(numel, stage, w, param_bytes=4)
+            est = estimate_memory(numel, stage, w, param_bytes=4,
+                                  onebit={"onebit": "OneBitAdam", "zoadam": "ZeroOneAdam"}.get(opt_name))
             print(f"{w:>2} {stage:>5} {opt_name:>6} {r['step_s'] * 1e3:>9.1f} "
                   f"{mib(r['bytes_per_step']):>9.2f} {mib(m['params']):>10.2f} "
                   f"{mib(m['grads']):>9.2f} {mib(m['master']):>10.2f} "

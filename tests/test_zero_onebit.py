@@ -188,6 +188,42 @@ def test_stage2_onebit_staging_is_exact(results, world, ci):
     assert got["memory"]["buffers"] == errors + staging + workspaces
 
 
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_estimate_memory_onebit_adam(results, world):
+    """estimate_memory(onebit='OneBitAdam') against memory_bytes() of stage 2 in the compressed
+    phase (three parameters of ~4000 elements): equal up to the padding of 3 buckets."""
+    from compcomm.zero import estimate_memory
+
+    got = results[world][0]["cases"][4]
+    T = sum(CASES[4]["sizes"])
+    est = estimate_memory(T, 2, world, param_bytes=4, onebit="OneBitAdam")
+    pad = sum(b["padded"] for b in got["plan"]["buckets"]) - T
+    for key in ("master", "optimizer_state", "buffers"):
+        assert est[key] <= got["memory"][key] <= est[key] + 4 * 3 * pad, (key, got["memory"], est)
+    assert est["buffers"] == int(4 * (T + T / world) + 4 * T)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("ci", [0, 2])
+def test_estimate_memory_zero_one_adam_local_phase(results, world, ci):
+    """estimate_memory(onebit='ZeroOneAdam') is the local phase's state: measured minus the
+    per-parameter padding of the error buffers equals the estimate."""
+    from compcomm.zero import estimate_memory
+
+    got = results[world][0]["local"][ci]
+    sizes = zc.SIZES
+    T = sum(sizes)
+    b = 2 if LOCAL_CASES[ci].get("dtype") == "bfloat16" else 4
+    est = estimate_memory(T, LOCAL_CASES[ci]["stage"], world, param_bytes=b, onebit="ZeroOneAdam")
+    if world == 1:  # no compression, no error buffers with one rank
+        assert got["memory"]["optimizer_state"] == est["optimizer_state"] - int(4 * (T + T / world))
+        return
+    padded = [compcomm.padded_numel(n, world) for n in sizes]
+    error_pad = 4 * sum(p - n for p, n in zip(padded, sizes)) + 4 * sum(p // world for p in padded) \
+        - int(4 * T / world)
+    assert got["memory"]["optimizer_state"] == est["optimizer_state"] + error_pad
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("overlapped,staged", [(7, 1), (8, 2), (10, 9)])
 def test_overlapped_compression_equals_staged(results, world, overlapped, staged):

@@ -38,6 +38,7 @@ def estimate_memory(
     zero_init: bool = True,
     param_bytes: int = 2,
     optimizer_state_bytes: int = 8,
+    onebit: Optional[str] = None,
 ) -> Dict[str, Any]:
     """Per-rank bytes of a ZeRO setup.
 
@@ -60,13 +61,21 @@ def estimate_memory(
         Bytes of a model parameter element (2 for fp16/bf16, 4 for fp32).
     optimizer_state_bytes : int
         Optimizer state bytes per element (8 for Adam's two fp32 moments).
+    onebit : {None, "OneBitAdam", "ZeroOneAdam"}
+        The 1-bit optimizer wrapped by ZeroOptimizer, if any. ``"OneBitAdam"``: the compressed
+        phase, which adds ``buffers`` -- the fp32 error feedback (a full-length worker error and the
+        rank's server chunk, ``4 (T + T/G)``) and, in stage 2/3, the staged local gradient
+        (``param_bytes * T``). ``"ZeroOneAdam"`` (stage 1/2): its local-step phase, which runs
+        unsharded: whole gradients, and as optimizer state the momentum, the frozen variance, the
+        accumulated update (``12 T``), the error feedback ``4 (T + T/G)`` and, for parameters of
+        fewer than 4 bytes, fp32 masters (``4 T``).
 
     Returns
     -------
     dict
-        ``params``, ``grads``, ``master``, ``optimizer_state``: bytes one rank of compcomm's
-        ZeroOptimizer holds for each (steady state after backward; padding and communication
-        buffers excluded), and their sum ``total``. ``gpu`` and ``cpu``: DeepSpeed's estimator
+        ``params``, ``grads``, ``master``, ``optimizer_state``, ``buffers``: bytes one rank of
+        compcomm's ZeroOptimizer holds for each (steady state after backward; padding, and
+        communication buffers other than the 1-bit ones, excluded), and their sum ``total``. ``gpu`` and ``cpu``: DeepSpeed's estimator
         formulas (ONEBIT_SPEC.md section f) for stage 2 and 3 (None for stages 0/1, where DeepSpeed
         has no estimator), in bytes.
     """
@@ -89,6 +98,13 @@ def estimate_memory(
         offload = None
     if offload == "optimizer+param" and stage != 3:
         raise ValueError("offload='optimizer+param' needs stage 3")
+    if onebit not in (None, "OneBitAdam", "ZeroOneAdam"):
+        raise ValueError(f"onebit must be None, 'OneBitAdam' or 'ZeroOneAdam', got {onebit!r}")
+    if onebit is not None and stage == 0:
+        raise ValueError("onebit: the 1-bit optimizers' own memory is the unsharded one (stage 0 "
+                         "is not a ZeroOptimizer)")
+    if onebit == "ZeroOneAdam" and stage == 3:
+        raise ValueError("onebit='ZeroOneAdam' needs stage 1 or 2 (ZeroOptimizer rejects stage 3)")
     G, m, f = world_size, num_nodes, additional_buffer_factor
     g = gpus_per_node if gpus_per_node is not None else max(1, G // max(1, m))
     b, k = param_bytes, optimizer_state_bytes
@@ -100,12 +116,20 @@ def estimate_memory(
         master, state = 4 * T, k * T
     else:
         master, state = 4 * T / G, k * T / G
+    buffers = 0.0
+    errors = 4 * (T + T / G)  # 1-bit error feedback: worker error (full) + server error (chunk)
+    if onebit == "OneBitAdam":
+        buffers = errors + (b * T if stage >= 2 else 0)
+    elif onebit == "ZeroOneAdam":
+        grads = b * T
+        state = 12 * T + errors + (4 * T if b < 4 else 0)
     out: Dict[str, Any] = {
         "params": int(params),
         "grads": int(grads),
         "master": int(master),
         "optimizer_state": int(state),
-        "total": int(params + grads + master + state),
+        "buffers": int(buffers),
+        "total": int(params + grads + master + state + buffers),
         "gpu": None,
         "cpu": None,
     }
