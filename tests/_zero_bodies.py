@@ -227,6 +227,25 @@ def rank_body(rank: int, world: int, ckpt_dir: str, cases: List[Dict[str, Any]],
     }
 
 
+def _split_reduce_scatter(m: torch.Tensor, we: torch.Tensor, se: torch.Tensor) -> torch.Tensor:
+    """compressed_reduce_scatter as ZeroOptimizer's overlapped path runs it: the exchange queued on
+    an AsyncComm, then the commit."""
+    from compcomm import _C
+    from compcomm._buffers import buffer_of
+    from compcomm._comm import resolve
+    from compcomm.collectives import _layout_total
+
+    comm = resolve(None)
+    out = torch.empty(we.numel() // comm.size())
+    ws = torch.zeros(_layout_total(we.numel(), comm.size(), False), dtype=torch.uint8)
+    bufs = [buffer_of(t) for t in (m, we, se, out, ws)]
+    a = _C.zero.AsyncComm(comm)
+    a.compressed_reduce_scatter_exchange(*bufs, timeout_s=60.0).wait(60.0)
+    a.close()
+    _C.zero.compressed_reduce_scatter_commit(comm, *bufs)
+    return out
+
+
 def compressed_rs(rank: int, world: int) -> Dict[str, Any]:
     """compressed_reduce_scatter vs compressed_allreduce (same call sequence) and vs a numpy oracle."""
     import numpy as np
@@ -243,13 +262,15 @@ def compressed_rs(rank: int, world: int) -> Dict[str, Any]:
         we.copy_(torch.randn(P, generator=g) * 0.1)
         se.copy_(torch.randn(P // world, generator=g) * 0.1)
         we2, se2 = we.clone(), se.clone()
+        we3, se3 = we.clone(), se.clone()
         inputs, outs = [], []
         for it in range(2):  # two calls: error feedback carries over
             m = torch.randn(n, generator=g).to(dtype)
             inputs.append(m.float().numpy().copy())
-            m_rs, m_ar = m.clone(), m.clone()
+            m_rs, m_ar, m_split = m.clone(), m.clone(), m.clone()
             o = compressed_reduce_scatter(m_rs, we, se)
             compcomm.compressed_allreduce(m_ar, we2, se2)
+            o_split = _split_reduce_scatter(m_split, we3, se3)
             C = P // world
             full = torch.zeros(P)
             full[:n] = m_ar.float()
@@ -262,7 +283,10 @@ def compressed_rs(rank: int, world: int) -> Dict[str, Any]:
                 (m_rs.float()[~mask] == 0).all())
             outs.append(o.numpy().copy())
             out["cases"].append({"n": n, "it": it, "same_chunk": same_chunk, "tensor_ok": tensor_ok,
-                                 "errors_equal": bool(torch.equal(we, we2) and torch.equal(se, se2))})
+                                 "errors_equal": bool(torch.equal(we, we2) and torch.equal(se, se2)),
+                                 # the exchange/commit halves (ZeRO's overlapped path) == one call
+                                 "split_equal": bool(torch.equal(o_split, o) and torch.equal(m_split, m_rs)
+                                                     and torch.equal(we3, we) and torch.equal(se3, se))})
         out.setdefault("oracle", []).append({"n": n, "inputs": inputs, "outs": outs,
                                              "we": we.numpy().copy(), "se": se.numpy().copy()})
     return out

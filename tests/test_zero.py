@@ -363,6 +363,7 @@ def test_compressed_reduce_scatter(per_world, world):
     for r, rr in enumerate(res):
         for c in rr["compressed"]["cases"]:
             assert c["same_chunk"] and c["tensor_ok"] and c["errors_equal"], (r, c)
+            assert c["split_equal"], (r, c)
     # numpy oracle: replay both calls from the initial errors, reconstructed from the first call
     for k, case in enumerate(res[0]["compressed"]["oracle"]):
         n = case["n"]
