@@ -203,6 +203,7 @@ class ZeroOptimizer:
         self._free_staging: Dict[tuple, List[torch.Tensor]] = {}
         # 1-bit steps stage every bucket at once: one exact-size buffer per bucket, kept across steps
         self._bucket_staging: Dict[tuple, torch.Tensor] = {}
+        self._bucket_staging_ids: set = set()  # ids of those (alive: held in the dict above)
 
         groups = self._param_groups(params)
         seen = set()
@@ -262,16 +263,27 @@ class ZeroOptimizer:
             return [dict(g) for g in params]
         return [{"params": params}]
 
-    def _partition(self, grp: _Group) -> None:
-        plan = grp.plan
-        flat = torch.zeros(plan.flat_numel, dtype=grp.dtype, device=self.device)
-        for p, (n, off, _) in zip(grp.params, grp.tensors):
-            flat[off : off + n].copy_(p.detach().reshape(-1))
-        self.comm.broadcast(buffer_of(flat), 0, self.timeout)  # every rank starts from rank 0's
-        shard16 = torch.empty(plan.shard_numel, dtype=grp.dtype, device=self.device)
+    def _flatten(self, grp: _Group, tensors: Iterable[Optional[torch.Tensor]],
+                 dtype: torch.dtype) -> torch.Tensor:
+        """The group's flat layout (zero padding) holding ``tensors`` (one per parameter, None: 0)."""
+        flat = torch.zeros(grp.plan.flat_numel, dtype=dtype, device=self.device)
+        for t, (n, off, _) in zip(tensors, grp.tensors):
+            if t is not None:
+                flat[off : off + n].copy_(t.reshape(-1))
+        return flat
+
+    def _own_chunks(self, grp: _Group, flat: torch.Tensor, shard: torch.Tensor) -> None:
+        """Copy this rank's chunk of every bucket of the flat layout into ``shard``."""
         for b in grp.buckets:
             lo = b["offset"] + self.rank * b["chunk"]
-            shard16[b["shard_offset"] : b["shard_offset"] + b["chunk"]].copy_(flat[lo : lo + b["chunk"]])
+            _shard_of(shard, b).copy_(flat[lo : lo + b["chunk"]])
+
+    def _partition(self, grp: _Group) -> None:
+        plan = grp.plan
+        flat = self._flatten(grp, (p.detach() for p in grp.params), grp.dtype)
+        self.comm.broadcast(buffer_of(flat), 0, self.timeout)  # every rank starts from rank 0's
+        shard16 = torch.empty(plan.shard_numel, dtype=grp.dtype, device=self.device)
+        self._own_chunks(grp, flat, shard16)
         grp.master = shard16.to(torch.float32, copy=True)
         grp.shard16 = shard16 if self.stage == 3 else None  # stage 1/2: a temporary in _publish
         grp.master.grad = torch.zeros_like(grp.master) if self.stage >= 2 else None
@@ -309,6 +321,7 @@ class ZeroOptimizer:
                 if base is None:
                     base = torch.empty(padded, dtype=grp.dtype, device=self.device)
                     self._bucket_staging[(gi, bi)] = base
+                    self._bucket_staging_ids.add(id(base))
             else:
                 pool = self._free_staging.setdefault((grp.max_padded, grp.dtype), [])
                 if not pool and len(self._pending) >= 2:
@@ -323,7 +336,7 @@ class ZeroOptimizer:
 
     def _release_staging(self, grp: _Group, base: torch.Tensor) -> None:
         """A staging buffer is free again: back to the pool unless it is a bucket's own."""
-        if not any(base is t for t in self._bucket_staging.values()):
+        if id(base) not in self._bucket_staging_ids:
             self._free_staging.setdefault((grp.max_padded, grp.dtype), []).append(base)
 
     def _grad_ready(self, gi: int, ti: int, p: torch.Tensor) -> None:
@@ -370,8 +383,7 @@ class ZeroOptimizer:
             work, gi, bi, base, recv = self._pending.pop(0)
             work.wait(self.timeout)
             grp = self.groups[gi]
-            b = grp.buckets[bi]
-            grp.master.grad[b["shard_offset"] : b["shard_offset"] + b["chunk"]].add_(recv)
+            _shard_of(grp.master.grad, grp.buckets[bi]).add_(recv)
             self._release_staging(grp, base)
 
     def _flush(self) -> None:
@@ -383,10 +395,7 @@ class ZeroOptimizer:
             self._complete(len(self._pending))
             return
         for grp in self.groups:  # stage 1: gradients are whole in p.grad
-            flat = torch.zeros(grp.plan.flat_numel, dtype=grp.dtype, device=self.device)
-            for p, (n, off, _) in zip(grp.params, grp.tensors):
-                if p.grad is not None:
-                    flat[off : off + n].copy_(p.grad.reshape(-1))
+            flat = self._flatten(grp, (p.grad for p in grp.params), grp.dtype)
             shard = torch.empty(grp.plan.shard_numel, dtype=grp.dtype, device=self.device)
             self._async.bucketed_reduce_scatter(
                 grp.plan, buffer_of(flat), buffer_of(shard), timeout_s=self.timeout
@@ -445,29 +454,20 @@ class ZeroOptimizer:
                     x = (st.to(torch.float32) if st is not None
                          else torch.zeros(b["padded"], device=self.device))
                     items.append((gi, bi, x))
-                for base in grp.staging_base.values():
-                    self._release_staging(grp, base)
-                grp.staging.clear()
-                grp.staging_base.clear()
-                for a in grp.arrived:
-                    a.clear()
             else:
-                flat = torch.zeros(grp.plan.flat_numel, dtype=torch.float32, device=self.device)
-                for p, (n, off, _) in zip(grp.params, grp.tensors):
-                    if p.grad is not None:
-                        flat[off : off + n].copy_(p.grad.reshape(-1))
+                flat = self._flatten(grp, (p.grad for p in grp.params), torch.float32)
                 for bi, b in enumerate(grp.buckets):
                     items.append((gi, bi, flat[b["offset"] : b["offset"] + b["padded"]]))
                 grp.master.grad = torch.zeros(grp.plan.shard_numel, dtype=torch.float32,
                                               device=self.device)
+        self._reset_staging()  # the fp32 views in items stay valid: nothing reuses them before
         norm_sq = self._mean_sq_norm([(x, scale) for _, _, x in items])
         if not math.isfinite(norm_sq):
             return norm_sq
         coef = self._local_coef(norm_sq, scale)
         for gi, bi, x in items:
-            b = self.groups[gi].buckets[bi]
             x.mul_(coef * self._momentum_factor(gi))
-            out = self.groups[gi].master.grad[b["shard_offset"] : b["shard_offset"] + b["chunk"]]
+            out = _shard_of(self.groups[gi].master.grad, self.groups[gi].buckets[bi])
             if self.world == 1:  # as the unsharded optimizers: no compression without peers
                 out.copy_(x)
             else:
@@ -514,7 +514,7 @@ class ZeroOptimizer:
             total = _layout_total(b["padded"], self.world, self.device.type == "cuda")
             ws = torch.zeros(total, dtype=torch.uint8, device=self.device)
             self._exchange_ws[(gi, bi)] = ws
-        out = grp.master.grad[b["shard_offset"] : b["shard_offset"] + b["chunk"]]
+        out = _shard_of(grp.master.grad, b)
         work = self._async.compressed_reduce_scatter_exchange(
             buffer_of(x), buffer_of(we), buffer_of(se), buffer_of(out), buffer_of(ws),
             timeout_s=self.timeout)
@@ -544,9 +544,8 @@ class ZeroOptimizer:
         if failure is None and math.isfinite(norm_sq):
             for _, gi, bi, x in self._exchanges:
                 grp = self.groups[gi]
-                b = grp.buckets[bi]
                 we, se = self._error_buffers(gi, bi)
-                out = grp.master.grad[b["shard_offset"] : b["shard_offset"] + b["chunk"]]
+                out = _shard_of(grp.master.grad, grp.buckets[bi])
                 _C.zero.compressed_reduce_scatter_commit(
                     self.comm, buffer_of(x), buffer_of(we), buffer_of(se), buffer_of(out),
                     buffer_of(self._exchange_ws[(gi, bi)]))
@@ -564,6 +563,10 @@ class ZeroOptimizer:
             except Exception:  # noqa: BLE001 -- nothing was committed; the step is abandoned
                 pass
         self._exchanges.clear()
+        self._reset_staging()
+
+    def _reset_staging(self) -> None:
+        """Forget every staged gradient and the bookkeeping of the current accumulation."""
         for grp in self.groups:
             for base in grp.staging_base.values():
                 self._release_staging(grp, base)
@@ -575,14 +578,20 @@ class ZeroOptimizer:
                 a.clear()
 
     def _mean_sq_norm(self, grads: List[tuple]) -> float:
-        """Mean over ranks of ``sum ||c * g||^2`` over the given ``(g, c)`` pairs (one all-reduce of a
-        float64): the compressed and local phases never form the averaged gradient, so clipping and
-        the non-finite check use this (every rank gets the same value, so all clip or skip alike)."""
+        """Mean over ranks of ``sum ||c * g||^2`` over the given ``(g, c)`` pairs: the compressed
+        and local phases never form the averaged gradient, so clipping and the non-finite check use
+        this (every rank gets the same value, so all clip or skip alike)."""
+        return self._sum_sq_norm(grads) / self.world
+
+    def _sum_sq_norm(self, grads: List[tuple]) -> float:
+        """Sum over ranks of ``sum ||c * g||^2`` over the given ``(g, c)`` pairs (one all-reduce of
+        a float64)."""
         local = torch.zeros(1, dtype=torch.float64, device=self.device)
         for g, c in grads:
             local += g.double().pow(2).sum() * (c * c)
+        # through the worker thread: it must not overtake collectives still queued there
         self._async.all_reduce(buffer_of(local), _C.ReduceOp.sum, self.timeout).wait(self.timeout)
-        return float(local.item()) / self.world
+        return float(local.item())
 
     def _local_coef(self, norm_sq: float, scale: float) -> float:
         """What a local gradient is multiplied by: ``scale``, times the clip factor if needed."""
@@ -635,6 +644,7 @@ class ZeroOptimizer:
         self._errors.clear()
         self._free_staging.clear()
         self._bucket_staging.clear()
+        self._bucket_staging_ids.clear()
         self._local_phase = True
 
     def _leave_local_phase(self) -> None:
@@ -663,16 +673,9 @@ class ZeroOptimizer:
             del opt.grad_scale
         if sync:  # every rank now holds the same parameters: refresh the master shards
             for grp in self.groups:
-                if grp.dtype == torch.float32:
-                    full = grp.flat
-                else:
-                    full = torch.zeros(grp.plan.flat_numel, dtype=torch.float32, device=self.device)
-                    for p, (n, off, _) in zip(grp.params, grp.tensors):
-                        full[off : off + n].copy_(opt.state[p]["master_param"].reshape(-1))
-                for b in grp.buckets:
-                    lo = b["offset"] + self.rank * b["chunk"]
-                    grp.master.data[b["shard_offset"] : b["shard_offset"] + b["chunk"]].copy_(
-                        full[lo : lo + b["chunk"]])
+                full = grp.flat if grp.dtype == torch.float32 else self._flatten(
+                    grp, (opt.state[p]["master_param"] for p in grp.params), torch.float32)
+                self._own_chunks(grp, full, grp.master.data)
 
     # ---- public API --------------------------------------------------------------------------
 
@@ -693,30 +696,19 @@ class ZeroOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients (whole ones in stage 1, shards in stage 2/3)."""
         self._complete(len(self._pending))
-        self._drop_exchanges()
+        self._drop_exchanges()  # and the staged gradients
         for grp in self.groups:
             for p in grp.params:
                 p.grad = None
-            for bi, base in grp.staging_base.items():
-                self._release_staging(grp, base)
-            for a in grp.arrived:
-                a.clear()
             if self.stage >= 2 and not self._local_phase:
                 grp.master.grad.zero_()
             else:
                 grp.master.grad = None
-        for grp in self.groups:
-            grp.staging.clear()
-            grp.staging_base.clear()
 
     def _global_norm_sq(self) -> float:
-        local = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for grp in self.groups:
-            if grp.master.grad is not None:
-                local += grp.master.grad.double().pow(2).sum()
-        # through the worker thread: it must not overtake collectives still queued there
-        self._async.all_reduce(buffer_of(local), _C.ReduceOp.sum, self.timeout).wait(self.timeout)
-        return float(local.item())
+        """Squared norm of the averaged gradient: the sum over ranks of their shards'."""
+        return self._sum_sq_norm(
+            [(grp.master.grad, 1.0) for grp in self.groups if grp.master.grad is not None])
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Optional[Any]:
         """Reduce the remaining gradients, step the wrapped optimizer on the shards, and re-assemble
@@ -843,7 +835,7 @@ class ZeroOptimizer:
         buffers += sum(t.numel() * t.element_size() for t in own)
         for grp in self.groups:
             buffers += sum(t.numel() * t.element_size() for t in grp.staging_base.values()
-                           if not any(t is o for o in own))
+                           if id(t) not in self._bucket_staging_ids)
         buffers += sum(e[3].numel() * e[3].element_size() + e[4].numel() * e[4].element_size()
                        for e in self._pending)
         for we, se in self._errors.values():
@@ -930,6 +922,11 @@ def _onebit_inner_kwargs(name: str, kwargs: Dict[str, Any]) -> Dict[str, Any]:
                 process_group=_C.LocalCommunicator())
 
 
+def _shard_of(t: torch.Tensor, b: Dict[str, int]) -> torch.Tensor:
+    """Bucket ``b``'s range of a shard-layout tensor (the rank's chunk of that bucket)."""
+    return t[b["shard_offset"] : b["shard_offset"] + b["chunk"]]
+
+
 def _numel(p: torch.Tensor) -> int:
     """Elements of a parameter, also while stage 3 holds it released (empty)."""
     return getattr(p, "_zero_numel", None) or p.numel()
@@ -996,7 +993,7 @@ class _Stage3:
         n, _, bi = grp.tensors[ti]
         b = grp.buckets[bi]
         buf = torch.empty(b["padded"], dtype=grp.dtype, device=self.opt.device)
-        send = grp.shard16[b["shard_offset"] : b["shard_offset"] + b["chunk"]]
+        send = _shard_of(grp.shard16, b)
         work = self.opt._async.all_gather(buffer_of(send), buffer_of(buf), timeout_s=self.opt.timeout)
         self.inflight[id(p)] = (work, buf, send)
         if id(p) not in self.persistent:
