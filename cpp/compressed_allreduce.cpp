@@ -38,6 +38,14 @@ constexpr int64_t kRecordScaleBytes = 16;  // the fp32 tau, padded so the signs 
 
 int64_t align(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 
+// Bytes of one server record: the fp32 scale (padded) and the chunk's packed signs, 16-byte aligned.
+int64_t record_bytes(int64_t chunk) { return kRecordScaleBytes + align(chunk / 8, 16); }
+
+void check_padded(int64_t padded, int world, const char* name) {
+  COMPCOMM_CHECK(world >= 1 && padded >= 0 && padded % (8 * world) == 0, name,
+                 ": padded must be a multiple of 8*world");
+}
+
 struct Kernels {
   decltype(&kernels::cpu::worker_scale_pack) worker_scale_pack;
   decltype(&kernels::cpu::write_header) write_header;
@@ -70,6 +78,21 @@ void check_status(kernels::Status s, const char* kernel, int rank) {
                      kernel, "kernels", static_cast<int>(s), rank);
 }
 
+// memset/memcpy on host memory, their stream-ordered CUDA counterparts on device memory.
+void fill(bool cuda, void* dst, int value, int64_t bytes, void* stream, int rank) {
+  if (cuda)
+    check_status(kernels::device_fill(dst, value, bytes, stream), "device_fill", rank);
+  else
+    std::memset(dst, value, static_cast<size_t>(bytes));
+}
+
+void copy(bool cuda, void* dst, const void* src, int64_t bytes, void* stream, int rank) {
+  if (cuda)
+    check_status(kernels::device_copy(dst, src, bytes, stream), "device_copy", rank);
+  else
+    std::memcpy(dst, src, static_cast<size_t>(bytes));
+}
+
 kernels::InputType input_type(DType t) {
   switch (t) {
     case DType::kFloat32: return kernels::InputType::kFloat32;
@@ -83,7 +106,6 @@ kernels::InputType input_type(DType t) {
 
 // Every rank sees every header, so every rank raises the same error.
 void check_headers(const Header* h, int world, int rank, const Header& mine) {
-  std::string sizes;
   bool mismatch = false;
   std::vector<int> nonfinite;
   for (int i = 0; i < world; ++i) {
@@ -92,15 +114,18 @@ void check_headers(const Header* h, int world, int rank, const Header& mine) {
                                         " sent a malformed header (is every rank running compcomm?)"),
                          "compressed_allreduce", "", 0, rank);
     mismatch |= h[i].numel != mine.numel || h[i].padded != mine.padded || h[i].dtype != mine.dtype;
-    sizes += detail::concat(i ? ", " : "", "rank ", i, ": numel=", h[i].numel, " padded=", h[i].padded,
-                            " dtype=", dtype_name(static_cast<DType>(h[i].dtype)));
     if (h[i].flags & kFlagNonFinite) nonfinite.push_back(i);
   }
-  if (mismatch)
+  if (mismatch) {
+    std::string sizes;  // only built for the error
+    for (int i = 0; i < world; ++i)
+      sizes += detail::concat(i ? ", " : "", "rank ", i, ": numel=", h[i].numel, " padded=", h[i].padded,
+                              " dtype=", dtype_name(static_cast<DType>(h[i].dtype)));
     throw RankMismatchError(detail::concat("[rank ", rank, "] compressed_allreduce: ranks passed "
                                            "different tensor or error-buffer sizes (",
                                            sizes, ")"),
                             "compressed_allreduce", "", 0, rank);
+  }
   if (!nonfinite.empty()) {
     std::string who;
     for (size_t i = 0; i < nonfinite.size(); ++i) who += detail::concat(i ? ", " : "", nonfinite[i]);
@@ -131,9 +156,10 @@ void remember(const SeenKey& key) {
 }  // namespace
 
 CompressedAllreduceLayout compressed_allreduce_layout(int64_t padded, int world, bool cuda) {
-  const int64_t chunk = world > 0 ? padded / world : 0;
+  COMPCOMM_CHECK(world >= 1 && padded >= 0, "compressed_allreduce_layout: bad padded/world");
+  const int64_t chunk = padded / world;
   CompressedAllreduceLayout l{};
-  l.record_bytes = kRecordScaleBytes + align(chunk / 8, 16);
+  l.record_bytes = record_bytes(chunk);
   int64_t off = 0;
   auto take = [&](int64_t bytes) {
     const int64_t at = off;
@@ -169,14 +195,15 @@ CompressedAllreduceLayout compressed_allreduce_layout(int64_t padded, int world,
 }
 
 int64_t compressed_allreduce_wire_bytes(int64_t padded, int world) {
+  check_padded(padded, world, "compressed_allreduce_wire_bytes");
   const int64_t header = static_cast<int64_t>(sizeof(Header));
   if (padded == 0) return (world - 1) * header;  // only the header exchange runs
   const int64_t chunk = padded / world;
-  const int64_t record = kRecordScaleBytes + align(chunk / 8, 16);
-  return (world - 1) * (header + chunk / 8 + record);
+  return (world - 1) * (header + chunk / 8 + record_bytes(chunk));
 }
 
 int64_t compressed_reduce_scatter_wire_bytes(int64_t padded, int world) {
+  check_padded(padded, world, "compressed_reduce_scatter_wire_bytes");
   const int64_t header = static_cast<int64_t>(sizeof(Header));
   if (padded == 0) return (world - 1) * header;
   return (world - 1) * (header + padded / world / 8);
@@ -287,17 +314,10 @@ void run_compressed(const char* name, Communicator& comm, const Buffer& tensor, 
       for (int j = 0; j < world; ++j) {
         char* rec = records + j * l.record_bytes;
         if (j == rank) {
-          if (rec == record) continue;
-          if (cuda)
-            check_status(kernels::device_copy(rec, record, l.record_bytes, stream), "device_copy", rank);
-          else
-            std::memcpy(rec, record, static_cast<size_t>(l.record_bytes));
-        } else if (cuda) {
-          check_status(kernels::device_fill(rec, 0, kRecordScaleBytes, stream), "device_fill", rank);
-          check_status(kernels::device_fill(rec + kRecordScaleBytes, 0xFF, sign_bytes, stream), "device_fill", rank);
+          if (rec != record) copy(cuda, rec, record, l.record_bytes, stream, rank);
         } else {
-          std::memset(rec, 0, kRecordScaleBytes);
-          std::memset(rec + kRecordScaleBytes, 0xFF, static_cast<size_t>(sign_bytes));
+          fill(cuda, rec, 0, kRecordScaleBytes, stream, rank);
+          fill(cuda, rec + kRecordScaleBytes, 0xFF, sign_bytes, stream, rank);
         }
       }
     }

@@ -429,9 +429,7 @@ Status write_header(ExchangeHeader* h, int64_t numel, int64_t padded, int32_t dt
 Status decompress(const float* scale, const uint8_t* packed, int64_t count, float* out, Stream,
                   const float* guard, int64_t guard_stride, int guard_count) {
   if (count < 0 || (guard != nullptr && guard_count < 1)) return Status::kInvalidArgument;
-  if (guard != nullptr)
-    for (int i = 0; i < guard_count; ++i)
-      if (!std::isfinite(guard[i * guard_stride])) return Status::kSuccess;
+  if (guard_trips(guard, guard_stride, guard_count)) return Status::kSuccess;
   const float t = *scale;
   for (int64_t i = 0; i < count; ++i) out[i] = (packed[i >> 3] >> (7 - (i & 7))) & 1 ? t : -t;
   return Status::kSuccess;

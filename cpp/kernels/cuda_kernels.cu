@@ -253,7 +253,7 @@ __device__ bool guard_trips(const float* guard, int64_t stride, int world) {
 
 // ---- kernels -------------------------------------------------------------------------------------
 
-template <int kType, bool kVec, bool kScale, bool kPack>
+template <int kType, bool kVec>
 __global__ void __launch_bounds__(kThreads)
     worker_kernel(const void* __restrict__ m, int64_t n, const float* __restrict__ e, int64_t padded,
                   uint8_t* __restrict__ signs, float* scale, void* scratch) {
@@ -266,10 +266,10 @@ __global__ void __launch_bounds__(kThreads)
     load_f8<kVec>(e, 8 * g, y);
 #pragma unroll
     for (int i = 0; i < 8; ++i) x[i] += y[i];
-    if (kScale) acc += sumsq8(x);
-    if (kPack) signs[g] = pack8(x);
+    acc += sumsq8(x);
+    signs[g] = pack8(x);
   }
-  if (kScale) finish_norm(acc, scratch, scale, padded);
+  finish_norm(acc, scratch, scale, padded);
 }
 
 enum : int { kServerScale = 1, kServerPack = 2, kServerUpdate = 4 };
@@ -356,16 +356,14 @@ Status dispatch(InputType dtype, bool vec, F&& f) {
   return launched();
 }
 
-template <bool kScale, bool kPack>
 Status worker_launch(const void* m, InputType dtype, int64_t n, const float* e, int64_t padded,
                      float* scale, uint8_t* signs, void* ws, Stream stream) {
   if (bad_sizes(n, padded)) return Status::kInvalidArgument;
-  if (!kScale && padded == 0) return Status::kSuccess;
-  const int grid = grid_for(padded / 8, kScale);
+  const int grid = grid_for(padded / 8, true);
   auto s = static_cast<cudaStream_t>(stream);
   return dispatch(dtype, aligned16(m) && aligned16(e), [&](auto tag) {
     using T = decltype(tag);
-    worker_kernel<T::kType, T::kVec, kScale, kPack><<<grid, kThreads, 0, s>>>(m, n, e, padded, signs, scale, ws);
+    worker_kernel<T::kType, T::kVec><<<grid, kThreads, 0, s>>>(m, n, e, padded, signs, scale, ws);
   });
 }
 
@@ -389,9 +387,7 @@ Status server_launch(const uint8_t* signs, const float* scales, int64_t stride, 
 
 __global__ void decompress_kernel(const float* scale, const uint8_t* packed, int64_t count, float* out,
                                   const float* guard, int64_t guard_stride, int guard_count) {
-  if (guard != nullptr)
-    for (int i = 0; i < guard_count; ++i)
-      if (!isfinite(guard[i * guard_stride])) return;
+  if (guard_trips(guard, guard_stride, guard_count)) return;
   const float t = *scale;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
@@ -406,7 +402,7 @@ size_t scale_workspace_bytes(int64_t) { return kScratchBytes; }
 
 Status worker_scale_pack(const void* m, InputType dtype, int64_t n, const float* error, int64_t padded,
                          float* scale, uint8_t* signs, void* workspace, Stream stream) {
-  return worker_launch<true, true>(m, dtype, n, error, padded, scale, signs, workspace, stream);
+  return worker_launch(m, dtype, n, error, padded, scale, signs, workspace, stream);
 }
 
 Status server_scale_pack(const uint8_t* signs, const float* scales, int64_t stride, int world,
