@@ -16,7 +16,6 @@ DTYPES = {
     torch.int64: _C.DType.int64,
     torch.float64: _C.DType.float64,
 }
-TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
 
 
 def buffer_of(t: torch.Tensor) -> _C.Buffer:

@@ -8,19 +8,18 @@ factory (see :func:`register_backend`).
 from __future__ import annotations
 
 import atexit
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional
 
 from . import _C
-from ._comm import TorchCommunicator, resolve, set_default_communicator
+from ._comm import TorchCommunicator, set_default_communicator
+from .collectives import DEFAULT_TIMEOUT
 from .errors import UnsupportedError
 
-__all__ = ["init", "shutdown", "make_communicator", "communicator_for", "register_backend"]
+__all__ = ["init", "shutdown", "make_communicator", "register_backend"]
 
 Factory = Callable[[Optional[bool], Any, float], _C.Communicator]
 
 _FACTORIES: Dict[str, Factory] = {}
-_current: Optional[_C.Communicator] = None
-_cache: Dict[Tuple[str, Optional[bool]], _C.Communicator] = {}
 _atexit_registered = False
 
 
@@ -100,7 +99,7 @@ def make_communicator(
     cuda_aware: Optional[bool] = None,
     comm: Any = None,
     *,
-    timeout: float = 600.0,
+    timeout: float = DEFAULT_TIMEOUT,
 ) -> _C.Communicator:
     """A new Communicator of the given backend (not made the default; see :func:`init`).
 
@@ -146,7 +145,7 @@ def init(
     cuda_aware: Optional[bool] = None,
     comm: Any = None,
     *,
-    timeout: float = 600.0,
+    timeout: float = DEFAULT_TIMEOUT,
 ) -> _C.Communicator:
     """Create a communicator and make it the default (what ``group=None`` means everywhere).
 
@@ -168,10 +167,9 @@ def init(
     >>> half = MPI.COMM_WORLD.Split(MPI.COMM_WORLD.rank % 2)   # doctest: +SKIP
     >>> comm = compcomm.init(backend="mpi", comm=half)         # doctest: +SKIP
     """
-    global _current, _atexit_registered
+    global _atexit_registered
     new = make_communicator(backend, cuda_aware, comm, timeout=timeout)
     _shutdown(keep=new)
-    _current = new
     set_default_communicator(new)
     if not _atexit_registered:  # drop the communicator before MPI is finalized at exit
         atexit.register(shutdown)
@@ -180,7 +178,7 @@ def init(
 
 
 def shutdown() -> None:
-    """Forget the communicator made by :func:`init` (and those cached for optimizers).
+    """Forget the communicator made by :func:`init`.
 
     ``group=None`` then means torch's default process group again (or a world of one rank).
     The MPI communicator is freed once nothing else refers to it; MPI itself stays initialised
@@ -191,34 +189,8 @@ def shutdown() -> None:
 
 
 def _shutdown(keep: Optional[_C.Communicator]) -> None:
-    global _current
-    if _current is not None:
-        set_default_communicator(None)
-        _current = None
-    _cache.clear()
+    set_default_communicator(None)  # only init() sets one
     if _C.build_info()["nccl"]:
         from ._nccl import shutdown_nccl
 
         shutdown_nccl(keep=keep)
-
-
-def communicator_for(
-    backend: Optional[str], cuda_aware: Optional[bool] = None, group: Any = None
-) -> _C.Communicator:
-    """The communicator an optimizer with ``comm_backend_name=backend`` should use.
-
-    ``group`` (a Communicator or process group) wins when given. ``"torch"`` (or ``None``) is
-    the default group. ``"mpi"``/``"nccl"``: the default communicator from :func:`init` when it is
-    of that backend (and, for MPI, of the requested ``cuda_aware``), else one made here once and
-    cached until :func:`shutdown`.
-    """
-    if group is not None or backend in (None, "torch"):
-        return resolve(group)
-    default = _current
-    if default is not None and default.backend_name() == backend:
-        if cuda_aware is None or getattr(default, "cuda_aware", cuda_aware) == cuda_aware:
-            return default
-    key = (backend, cuda_aware)
-    if key not in _cache:
-        _cache[key] = make_communicator(backend, cuda_aware)
-    return _cache[key]

@@ -44,12 +44,12 @@ def ddp_comm_hook(optimizer: Any) -> Callable[[Any, Any], torch.futures.Future]:
 
     def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buf = bucket.buffer()
-        if optimizer.next_step_averages() and world > 1:
-            optimizer._hook_averaged = True
+        averages = optimizer.next_step_averages()
+        optimizer._hook_averaged = averages  # world 1: local == average
+        if averages and world > 1:
             buf.div_(world)
             work = dist.all_reduce(buf, group=group, async_op=True)
             return work.get_future().then(lambda f: f.value()[0])
-        optimizer._hook_averaged = optimizer.next_step_averages()  # world 1: local == average
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         fut.set_result(buf)
         return fut

@@ -22,7 +22,7 @@ import torch
 from .. import _C
 from .._buffers import buffer_of
 from .._comm import resolve
-from ..collectives import DEFAULT_TIMEOUT, compressed_allreduce, padded_numel
+from ..collectives import DEFAULT_TIMEOUT, compressed_allreduce, error_buffers, padded_numel
 from ..errors import UnsupportedError
 
 #: Elements per full-precision allreduce bucket in the warm-up (fp32: 16 MiB).
@@ -87,7 +87,7 @@ def check_masks(name: str, param_groups: List[Dict[str, Any]]) -> None:
 # --------------------------------------------------------------------------------------------
 # communicator
 # --------------------------------------------------------------------------------------------
-def resolve_comm(name: str, comm_backend_name: str, process_group: Any, cuda_aware: bool) -> Any:
+def resolve_comm(name: str, comm_backend_name: str, process_group: Any) -> Any:
     """The compcomm Communicator the optimizer talks through.
 
     ``'torch'`` (default): ``process_group`` (a torch ProcessGroup or compcomm Communicator;
@@ -101,10 +101,11 @@ def resolve_comm(name: str, comm_backend_name: str, process_group: Any, cuda_awa
     if comm_backend_name not in ("mpi", "nccl"):
         raise ValueError(f"{name}: argument 'comm_backend_name' must be 'torch', 'mpi' or 'nccl', "
                          f"got {comm_backend_name!r}")
-    if comm_backend_name not in compcomm.available_backends() or not hasattr(compcomm, "init"):
+    available = compcomm.available_backends()
+    if comm_backend_name not in available:
         raise UnsupportedError(
             f"{name}: comm_backend_name={comm_backend_name!r} is not available in this build/machine "
-            f"(available: {compcomm.available_backends()}); use comm_backend_name='torch'")
+            f"(available: {available}); use comm_backend_name='torch'")
     if process_group is not None:
         return resolve(process_group)
     comm = resolve(None)
@@ -202,12 +203,10 @@ def compressed_average_(t: torch.Tensor, state: Dict[str, Any], comm: Any) -> No
     world = comm.size()
     if world == 1:
         return
-    p = padded_numel(t.numel(), world)
     we = state.get("worker_error")
-    if we is None or we.numel() != p:
-        state["worker_error"] = we = torch.zeros(p, dtype=torch.float32, device=t.device)
-        state["server_error"] = torch.zeros(p // world, dtype=torch.float32, device=t.device)
-    compressed_allreduce(t, we, state["server_error"], comm)
+    if we is None or we.numel() != padded_numel(t.numel(), world):
+        state["worker_error"], state["server_error"] = error_buffers(t, comm)
+    compressed_allreduce(t, state["worker_error"], state["server_error"], comm)
 
 
 def mask_(t: torch.Tensor, group: Dict[str, Any]) -> None:
@@ -237,7 +236,7 @@ class OneBitBase(torch.optim.Optimizer):
 
     def _init_common(self, comm_backend_name: str, process_group: Any, cuda_aware: bool,
                      grads_averaged: bool, exact_resume: bool, fused: bool = False) -> None:
-        self.comm = resolve_comm(self._name, comm_backend_name, process_group, cuda_aware)
+        self.comm = resolve_comm(self._name, comm_backend_name, process_group)
         self.world_size = self.comm.size()
         self.rank = self.comm.rank()
         self.comm_backend_name = comm_backend_name
@@ -324,10 +323,8 @@ class OneBitBase(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._amp_skip():
-            self._finish_step()
-            return loss
-        self._step()
+        if not self._amp_skip():
+            self._step()
         self._finish_step()
         return loss
 
@@ -394,7 +391,7 @@ class OneBitBase(torch.optim.Optimizer):
             if mask is not None:
                 g["exp_avg_mask"] = mask
         has_errors = any(k in s for s in self.state.values() for k in ERROR_KEYS) or \
-            extra.get("errors") is not None or bool(extra.get("group_errors"))
+            bool(extra.get("group_errors"))
         exact = (self.exact_resume and bool(extra.get("exact")) and has_errors
                  and extra.get("world_size") == self.world_size and extra.get("rank") == self.rank)
         if has_errors and not exact:
@@ -504,18 +501,25 @@ def moments(p: torch.Tensor, state: Dict[str, Any]) -> Tuple[torch.Tensor, torch
     return state["exp_avg"], state["exp_avg_sq"]
 
 
-def adam_update(m: torch.Tensor, v: torch.Tensor, w: torch.Tensor, group: Dict[str, Any],
-                bc1_t: int, bc2_t: int) -> torch.Tensor:
-    """The Adam direction ``m / (sqrt(v) + eps) (+ wd * w)``, eps outside the sqrt as DeepSpeed;
-    with the group's ``bias_correction``, m and v are corrected as of steps ``bc1_t`` and ``bc2_t``."""
-    b1, b2 = group["betas"]
+def adam_denom(v: torch.Tensor, group: Dict[str, Any], bc2_t: int) -> torch.Tensor:
+    """``sqrt(v) + eps`` (eps outside the sqrt, as DeepSpeed); with the group's
+    ``bias_correction``, v corrected as of step ``bc2_t``."""
     denom = v.sqrt()
     if group["bias_correction"]:
-        denom.div_(sqrt_bc(b2, bc2_t))
-    denom.add_(group["eps"])
+        denom.div_(sqrt_bc(group["betas"][1], bc2_t))
+    return denom.add_(group["eps"])
+
+
+def adam_update(m: torch.Tensor, v: torch.Tensor, w: torch.Tensor, group: Dict[str, Any],
+                bc1_t: int, bc2_t: int, denom: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The Adam direction ``m / (sqrt(v) + eps) (+ wd * w)``; with the group's
+    ``bias_correction``, m and v are corrected as of steps ``bc1_t`` and ``bc2_t``. ``denom``:
+    :func:`adam_denom` already computed by the caller."""
+    if denom is None:
+        denom = adam_denom(v, group, bc2_t)
     update = m / denom
     if group["bias_correction"]:
-        update.div_(1.0 - b1 ** bc1_t)
+        update.div_(1.0 - group["betas"][0] ** bc1_t)
     if group["weight_decay"] > 0:
         update.add_(w, alpha=group["weight_decay"])
     return update

@@ -8,7 +8,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from . import _common as c
-from ..collectives import compressed_allreduce, padded_numel
+from ..collectives import padded_numel
 
 
 class OneBitLamb(c.OneBitBase):
@@ -83,7 +83,6 @@ class OneBitLamb(c.OneBitBase):
         self._init_common(comm_backend_name, process_group, cuda_aware, grads_averaged,
                           exact_resume)
         self._flat: Optional[torch.Tensor] = None
-        self._errors: Optional[Dict[str, torch.Tensor]] = None
         self._pad_restore: Optional[torch.Tensor] = None
         self.lamb_coeffs: List[float] = []
 
@@ -137,16 +136,6 @@ class OneBitLamb(c.OneBitBase):
         self._flat = flat
         self._total = total
 
-    def _fused_errors(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        if self._errors is None or self._errors["worker_error"].numel() != self._flat.numel():
-            w = self.world_size
-            self._errors = {
-                "worker_error": torch.zeros(self._flat.numel(), dtype=torch.float32,
-                                            device=self._flat.device),
-                "server_error": torch.zeros(self._flat.numel() // w, dtype=torch.float32,
-                                            device=self._flat.device)}
-        return self._errors["worker_error"], self._errors["server_error"]
-
     # -- step ----------------------------------------------------------------------------------
     def _step(self) -> None:
         """This optimizer's update (OneBitBase.step handles the closure and AMP skips)."""
@@ -199,9 +188,8 @@ class OneBitLamb(c.OneBitBase):
             st = self.state[p]
             b1 = group["betas"][0]
             st["exp_avg"].mul_(b1).add_(grads[p], alpha=1 - b1).mul_(st["scaling_coeff"])
-        if self.world_size > 1:
-            we, se = self._fused_errors()
-            compressed_allreduce(self._flat, we, se, self.comm)
+        # one compressed allreduce of the whole fused momentum, with the group-0 error buffers
+        c.compressed_average_(self._flat, self._group_errors.setdefault(0, {}), self.comm)
         off = 0
         offsets = {}
         for p in params:
@@ -255,16 +243,10 @@ class OneBitLamb(c.OneBitBase):
         out: Dict[str, Any] = {}
         if self._flat is not None:
             out["fused_pad"] = self._flat[self._total:].clone()
-        if self.exact_resume and self._errors is not None:
-            out["errors"] = {k: v.clone() for k, v in self._errors.items()}
         return out
 
     def _load_extra_state(self, extra: Dict[str, Any], exact: bool) -> None:
         self._flat = None  # rebuilt from the loaded exp_avg at the next step
-        self._errors = None
         self._pad_restore = None
-        if exact:
-            if extra.get("errors") is not None:
-                self._errors = {k: v.clone() for k, v in extra["errors"].items()}
-            if extra.get("fused_pad") is not None:
-                self._pad_restore = extra["fused_pad"].clone()
+        if exact and extra.get("fused_pad") is not None:
+            self._pad_restore = extra["fused_pad"].clone()

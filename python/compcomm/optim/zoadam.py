@@ -139,17 +139,9 @@ class ZeroOneAdam(c.OneBitBase):
                     state["momentum_accumulator"] = torch.zeros_like(m)
                     state["lrs"] = 0.0
                 state["lrs"] += lr
-            denom = v.sqrt()  # kept: a sync scales the accumulated update by it
-            bc1 = 1.0
-            if group["bias_correction"]:
-                denom.div_(c.sqrt_bc(b2, s["var_updates"]))
-                bc1 = 1.0 - b1 ** (s["freeze_t"] if frozen else t)
-            denom.add_(group["eps"])
-            update = m / denom
-            if bc1 != 1.0:
-                update.div_(bc1)
-            if group["weight_decay"] > 0:
-                update.add_(w, alpha=group["weight_decay"])
+            denom = c.adam_denom(v, group, s["var_updates"])  # kept: a sync scales u by it
+            update = c.adam_update(m, v, w, group, s["freeze_t"] if frozen else t,
+                                   s["var_updates"], denom=denom)
             update.mul_(-lr)
             w.add_(update)
             if frozen:

@@ -422,7 +422,7 @@ class ZeroOptimizer:
     def _error_buffers(self, gi: int, bi: int) -> tuple:
         """(worker_error of the bucket's padded length, server_error of its chunk), fp32."""
         key = (gi, bi)
-        if key not in self._errors:
+        if key not in self._errors:  # not error_buffers(): its padded_numel would pad further
             b = self.groups[gi].buckets[bi]
             self._errors[key] = (torch.zeros(b["padded"], dtype=torch.float32, device=self.device),
                                  torch.zeros(b["chunk"], dtype=torch.float32, device=self.device))
