@@ -25,11 +25,6 @@ import time
 import torch
 
 
-def parse_size(s: str) -> int:
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    return int(float(s[:-1]) * mult[s[-1].upper()]) if s[-1].upper() in mult else int(s)
-
-
 def timeit(fn, comm, min_time: float = 0.3, max_iters: int = 50) -> float:
     from compcomm._buffers import buffer_of
 
@@ -52,10 +47,15 @@ def main() -> None:
     import compcomm
     import compcomm.testing
     from compcomm._buffers import buffer_of
+    from compcomm.bench.cli import parse_sizes
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sizes", default="4K,256K,4M,32M")
+    ap.add_argument("--sizes", default="4K,256K,4M,32M", help="bytes: 4K,1M, 2^12..2^20")
     args = ap.parse_args()
+    try:
+        sizes = parse_sizes(args.sizes)
+    except ValueError as e:
+        ap.error(str(e))
     comm = compcomm.init("mpi", cuda_aware=False)
     rank, W = comm.rank(), comm.size()
     port = torch.zeros(1, dtype=torch.int64)
@@ -75,7 +75,7 @@ def main() -> None:
         print(f"# compcomm MPI bench: {W} ranks, {compcomm._C.mpi_library_version()}")
         print(f"# {'path':>15} {'op':>11} {'size':>10} {'count':>9} {'dtype':>6} {'time(us)':>10} "
               f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'wire(B)':>10} {'#wrong':>6}")
-    for size in map(parse_size, args.sizes.split(",")):
+    for size in sizes:
         count = size // 4
         for name, c, dev in paths:
             # plain all_reduce (sum), first iteration checked

@@ -41,8 +41,11 @@ import sys
 import time
 from typing import Any, Dict, List
 
-PROFILES = ("loopback", "eth1g", "eth10g", "unshaped")
 ROWS = ("adamw1", "adamw2", "adamw3", "onebit1", "onebit2", "onebit3", "zoadam1", "zoadam2")
+
+
+def _mib(nbytes: float) -> float:
+    return nbytes / 2**20
 
 
 def _model(hidden: int, layers: int):
@@ -170,10 +173,9 @@ def _run(profile: str, world: int, body: str, *args: Any) -> Dict[str, Any]:
 
 
 def _markdown(rows: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
-    mib = lambda b: b / 2**20  # noqa: E731
     out = [f"# ZeRO on {meta['profile']}: step time, bytes/step and per-rank memory", "",
            f"Model: {meta['layers']} x Linear({meta['hidden']}, {meta['hidden']}) + ReLU, "
-           f"{meta['numel']} fp32 parameters ({mib(meta['numel'] * 4):.1f} MiB); micro-batch 16; "
+           f"{meta['numel']} fp32 parameters ({_mib(meta['numel'] * 4):.1f} MiB); micro-batch 16; "
            f"bucket {meta['bucket']} elements; overlap_comm; one torch thread per rank. Step = "
            f"forward + backward + step, median of {meta['steps']} timed steps after "
            f"{meta['warmup']} untimed (onebit: OneBitAdam freeze_step 1, so timed steps are "
@@ -191,9 +193,9 @@ def _markdown(rows: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
                 continue
             m = r["mem"]
             out.append(f"| {r['stage']} | {r['optimizer']} | {r['step_s'] * 1e3:.1f} | "
-                       f"{mib(r['bytes_per_step']):.2f} | {mib(m['params']):.2f} | "
-                       f"{mib(m['grads']):.2f} | {mib(m['master']):.2f} | "
-                       f"{mib(m['optimizer_state']):.2f} | {mib(m['buffers']):.2f} |")
+                       f"{_mib(r['bytes_per_step']):.2f} | {_mib(m['params']):.2f} | "
+                       f"{_mib(m['grads']):.2f} | {_mib(m['master']):.2f} | "
+                       f"{_mib(m['optimizer_state']):.2f} | {_mib(m['buffers']):.2f} |")
         out.append("")
     return "\n".join(out)
 
@@ -202,8 +204,10 @@ def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--_rank":
         _rank_main(sys.argv[2])
         return
+    from compcomm.bench.netns import PROFILES
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--profile", choices=PROFILES, default="loopback",
+    ap.add_argument("--profile", choices=list(PROFILES), default="loopback",
                     help="network: loopback (no namespaces) or a compcomm.bench.netns profile")
     ap.add_argument("--world", type=int, nargs="+", default=[2])
     ap.add_argument("--hidden", type=int, default=1024)
@@ -226,8 +230,7 @@ def main() -> None:
 
     numel = args.layers * (args.hidden * args.hidden + args.hidden)
     rows: List[Dict[str, Any]] = []
-    mib = lambda b: b / 2**20  # noqa: E731
-    print(f"model: {numel} fp32 parameters ({numel * 4 / 2**20:.1f} MiB); {args.profile}; "
+    print(f"model: {numel} fp32 parameters ({_mib(numel * 4):.1f} MiB); {args.profile}; "
           f"bucket {args.bucket} elements", flush=True)
     print(f"{'W':>2} {'stage':>5} {'opt':>6} {'step ms':>9} {'MiB/step':>9} {'params MiB':>10} "
           f"{'grads MiB':>9} {'master MiB':>10} {'optstate MiB':>12} {'buffers MiB':>11} "
@@ -243,16 +246,16 @@ def main() -> None:
             est = estimate_memory(numel, stage, w, param_bytes=4,
                                   onebit={"onebit": "OneBitAdam", "zoadam": "ZeroOneAdam"}.get(opt_name))
             print(f"{w:>2} {stage:>5} {opt_name:>6} {r['step_s'] * 1e3:>9.1f} "
-                  f"{mib(r['bytes_per_step']):>9.2f} {mib(m['params']):>10.2f} "
-                  f"{mib(m['grads']):>9.2f} {mib(m['master']):>10.2f} "
-                  f"{mib(m['optimizer_state']):>12.2f} {mib(m['buffers']):>11.2f} "
-                  f"{mib(est['total']):>18.2f}", flush=True)
+                  f"{_mib(r['bytes_per_step']):>9.2f} {_mib(m['params']):>10.2f} "
+                  f"{_mib(m['grads']):>9.2f} {_mib(m['master']):>10.2f} "
+                  f"{_mib(m['optimizer_state']):>12.2f} {_mib(m['buffers']):>11.2f} "
+                  f"{_mib(est['total']):>18.2f}", flush=True)
             rows.append({"world": w, "stage": stage, "optimizer": opt_name, **r, "estimate": est})
         if w > 1 and args.rs:
             rs = _run(args.profile, w, "rs", numel, 3)
             for name, v in rs.items():
                 print(f"{w:>2} reduce-scatter {name:>10}: {v['s'] * 1e3:8.1f} ms, rank 0 sent "
-                      f"{v['bytes'] / 2**20:.3f} MiB", flush=True)
+                      f"{_mib(v['bytes']):.3f} MiB", flush=True)
             rows.append({"world": w, "reduce_scatter": rs})
     meta = {"profile": args.profile, "hidden": args.hidden, "layers": args.layers, "numel": numel,
             "steps": args.steps, "warmup": args.warmup, "bucket": args.bucket,

@@ -27,6 +27,11 @@ def make_input(seed: int, shape, dtype: str, rank: int) -> torch.Tensor:
     return t.to(DTYPES[dtype])
 
 
+def _seed(rnd: int, n: int, rank: int, dtype: str) -> int:
+    """Seed of rank ``rank``'s input in round ``rnd`` of the (n, dtype) case."""
+    return 1000003 * rnd + 7919 * n + 17 * rank + 3 * list(DTYPES).index(dtype)
+
+
 def _signs_received(padded: int, world: int) -> np.ndarray:
     """The packed worker signs this rank received in the last call ([W][C/8]: row i from rank i),
     read from the cached CPU workspace."""
@@ -71,7 +76,6 @@ def compare(ref, outs, wes, ses, signs, dtype: str, world: int) -> dict:
     r["out_tol"] = 1e-5 + DTYPE_EPS[dtype]
     server_signs = np.where(c_all < 0, -1, 1)
     r["sign_flips"] = int(np.sum((np.sign(outs[0]) != server_signs[:n]) & (outs[0] != 0)))
-    r["flips_allowed"] = int(np.sum(near_zero[:n]))
     r["flips_outside_allowed"] = int(
         np.sum((np.sign(outs[0]) != server_signs[:n]) & (outs[0] != 0) & okn)
     )
@@ -92,8 +96,7 @@ def collective_cases(rank: int, world: int, sizes, dtypes, rounds: int, shapes=N
             se_prev = [np.zeros(p // world, np.float32) for _ in range(world)]
             we, se = compcomm.error_buffers(n)
             for rnd in range(rounds):
-                seed = 1000003 * rnd + 7919 * n + 17 * rank + 3 * list(DTYPES).index(dtype)
-                t = make_input(seed, shape, dtype, rank)
+                t = make_input(_seed(rnd, n, rank, dtype), shape, dtype, rank)
                 comm.reset_bytes_sent()
                 out = compcomm.compressed_allreduce(t, we, se)
                 assert out is t and t.shape == tuple(shape) and t.dtype == DTYPES[dtype]
@@ -109,10 +112,8 @@ def collective_cases(rank: int, world: int, sizes, dtypes, rounds: int, shapes=N
                 dist.gather_object(mine, gathered, dst=0)
                 if rank != 0:
                     continue
-                ms = []
-                for i in range(world):
-                    s_i = 1000003 * rnd + 7919 * n + 17 * i + 3 * list(DTYPES).index(dtype)
-                    ms.append(make_input(s_i, shape, dtype, i).float().numpy().ravel())
+                ms = [make_input(_seed(rnd, n, i, dtype), shape, dtype, i).float().numpy().ravel()
+                      for i in range(world)]
                 ref = simulate(ms, we_prev, se_prev)
                 outs, wes, ses, received, sents = zip(*gathered)
                 signs = [_signs_sent_by(list(received), i, world) for i in range(world)]
@@ -144,8 +145,6 @@ def feedback_case(rank: int, world: int, n: int, calls: int) -> dict:
 
 def bad_input_cases(rank: int, world: int) -> dict:
     """Cross-rank problems: every rank must raise the same typed error and change nothing."""
-    from compcomm.errors import CommTimeoutError, NonFiniteError, RankMismatchError
-
     out = {}
 
     def attempt(name, t, we, se, **kw):
@@ -195,9 +194,4 @@ def bad_input_cases(rank: int, world: int) -> dict:
         out["timeout_seconds"] = time.monotonic() - start
     else:
         time.sleep(8.0)  # stay alive (but silent) past rank 0's deadline
-    out["types"] = {
-        "RankMismatchError": RankMismatchError.__name__,
-        "NonFiniteError": NonFiniteError.__name__,
-        "CommTimeoutError": CommTimeoutError.__name__,
-    }
     return out

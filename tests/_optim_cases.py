@@ -50,6 +50,11 @@ def run_opt(opt_cls, kw, params0, grads, rank, masks=None, dtype=torch.float32):
     return traj, kinds, opt, ps
 
 
+def _max_diff(xs, ys) -> float:
+    """Max |a - b| over two trajectories (``traj[t][i]`` arrays)."""
+    return max(float(np.max(np.abs(a - b))) for sx, sy in zip(xs, ys) for a, b in zip(sx, sy))
+
+
 def _optimizers():
     from compcomm.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
 
@@ -69,10 +74,9 @@ def trajectories(rank: int, world: int) -> Dict[str, Any]:
     out["adam_dtype"] = str(opt.state[ps[0]]["exp_avg"].dtype)
     traj, _, _, _ = run_opt(OneBitAdam, dict(lr=0.01, freeze_step=4, fused=True), p0, g, rank)
     out["adam_fused"] = traj
-    traj, _, _, _ = run_opt(ZeroOneAdam, dict(lr=0.01, fused=True, **Z1), p0,
-                            make_grads(14, world, seed=2), rank)
-    out["zoadam_fused"] = traj
     g = make_grads(14, world, seed=2)
+    traj, _, _, _ = run_opt(ZeroOneAdam, dict(lr=0.01, fused=True, **Z1), p0, g, rank)
+    out["zoadam_fused"] = traj
     traj, kinds, opt, _ = run_opt(ZeroOneAdam, dict(lr=0.01, weight_decay=0.01, **Z1), p0, g, rank)
     out["zoadam"], out["zoadam_kinds"] = traj, kinds  # defaults: DeepSpeed's numerics
     traj, _, _, _ = run_opt(ZeroOneAdam, dict(lr=0.01, weight_decay=0.01, wd_in_momentum=False,
@@ -143,8 +147,7 @@ def checkpoints(rank: int, world: int) -> Dict[str, Any]:
                 p.grad = torch.tensor(gg)
             opt2.step()
             traj.append([p.detach().numpy().copy() for p in ps2])
-        res[f"{name}_exact_maxdiff"] = max(
-            float(np.max(np.abs(a - b))) for ta, tb in zip(full[7:], traj) for a, b in zip(ta, tb))
+        res[f"{name}_exact_maxdiff"] = _max_diff(full[7:], traj)
         # default mode: errors dropped from the state dict and reset on load
         half_d, _, optd, psd = run_opt(cls, kw, p0, g[:7], rank)
         sd = optd.state_dict()
@@ -215,20 +218,19 @@ def amp_and_dtypes(rank: int, world: int) -> Dict[str, Any]:
         elif it == 3:
             res["next_step_ran"] = opt.sched["step"] == step_before + 1
     # unscaling by the optimizer matches a plain (unscaled) run
+    p0, g = make_params(), make_grads(8, world, seed=7)
     for cls, kw in [(OneBitAdam, dict(freeze_step=2)), (ZeroOneAdam, dict(Z1)),
                     (OneBitLamb, dict(freeze_step=2))]:
+        kw = dict(kw, lr=0.01)
+        ref = run_opt(cls, kw, p0, g, rank)[0]  # fp32
         for dtype in (torch.bfloat16, torch.float16):
-            p0 = make_params()
-            g = make_grads(8, world, seed=7)
-            traj, _, opt, ps = run_opt(cls, dict(kw, lr=0.01), p0, g, rank, dtype=dtype)
+            traj, _, opt, ps = run_opt(cls, kw, p0, g, rank, dtype=dtype)
             st = opt.state[ps[0]]
             res[f"{cls.__name__}_{dtype}_state_fp32"] = (
                 st["exp_avg"].dtype == torch.float32 and st["exp_avg_sq"].dtype == torch.float32
                 and st["master_param"].dtype == torch.float32
                 and torch.equal(st["master_param"].to(ps[0].dtype), ps[0].detach()))
-            ref, _, _, _ = run_opt(cls, dict(kw, lr=0.01), p0, g, rank)
-            res[f"{cls.__name__}_{dtype}_close_to_fp32"] = max(
-                float(np.max(np.abs(a - b))) for ta, tb in zip(ref, traj) for a, b in zip(ta, tb))
+            res[f"{cls.__name__}_{dtype}_close_to_fp32"] = _max_diff(ref, traj)
     return res
 
 

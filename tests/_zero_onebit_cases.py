@@ -25,10 +25,24 @@ def _params(sizes: List[int] = SIZES) -> List[torch.nn.Parameter]:
     return [torch.nn.Parameter(t.clone()) for t in init_params(sizes)]
 
 
-def _backward(params, rank: int, step: int, micro: int) -> None:
+def _loss(params, rank: int, step: int, micro: int) -> torch.Tensor:
+    """The synthetic loss sum(p * G): its gradient is exactly ``grad(rank, step, micro, i)``."""
     sizes = [p.numel() for p in params]
-    loss = sum((p * grad(rank, step, micro, i, sizes)).sum() for i, p in enumerate(params))
-    loss.backward()
+    return sum((p * grad(rank, step, micro, i, sizes)).sum() for i, p in enumerate(params))
+
+
+def _backward(params, rank: int, step: int, micro: int) -> None:
+    _loss(params, rank, step, micro).backward()
+
+
+def _flat(params) -> Any:
+    return torch.cat([p.detach().float().reshape(-1) for p in params]).numpy().copy()
+
+
+def _state_tensors(opt) -> List[torch.Tensor]:
+    """The optimizer's non-scalar state tensors."""
+    return [v for st in opt.state.values() for v in st.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0]
 
 
 class _Synthetic(torch.nn.Module):
@@ -41,9 +55,7 @@ class _Synthetic(torch.nn.Module):
             setattr(self, f"p{i}", p)
 
     def forward(self, rank: int, step: int, micro: int) -> torch.Tensor:
-        ps = [getattr(self, f"p{i}") for i in range(self.n)]
-        sizes = [p.numel() for p in ps]
-        return sum((p * grad(rank, step, micro, i, sizes)).sum() for i, p in enumerate(ps))
+        return _loss([getattr(self, f"p{i}") for i in range(self.n)], rank, step, micro)
 
 
 def _optimizer(case: Dict[str, Any]):
@@ -71,7 +83,7 @@ def run_case(rank: int, world: int, comm: Any, case: Dict[str, Any]) -> Dict[str
         z.step()
         out["bytes"].append(comm.bytes_sent)
         z.gather_parameters()  # stage 3: released after the step
-        out["params"].append(torch.cat([p.detach().reshape(-1) for p in params]).numpy().copy())
+        out["params"].append(_flat(params))
     grp = z.groups[0]
     out["plan"] = {"buckets": [dict(b) for b in grp.buckets],
                    "tensors": [tuple(x) for x in grp.tensors]}
@@ -91,12 +103,8 @@ def unsharded(rank: int, world: int, comm: Any, steps: int, kwargs: Dict[str, An
         _backward(params, rank, t, 0)
         opt.step()
         opt.zero_grad()
-        res.append(torch.cat([p.detach().reshape(-1) for p in params]).numpy().copy())
+        res.append(_flat(params))
     return res
-
-
-def _flat(params) -> Any:
-    return torch.cat([p.detach().float().reshape(-1) for p in params]).numpy().copy()
 
 
 def _zoa_backward(params, rank: int, t: int, gas: int) -> None:
@@ -146,8 +154,7 @@ def local_phase_case(rank: int, world: int, comm: Any, case: Dict[str, Any]) -> 
         opt.step()
         opt.zero_grad()
         out["plain"].append(_flat(params))
-    out["plain_state_bytes"] = sum(v.numel() * v.element_size() for st in opt.state.values()
-                                   for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    out["plain_state_bytes"] = sum(v.numel() * v.element_size() for v in _state_tensors(opt))
     return out
 
 
@@ -210,8 +217,7 @@ def overlap_nonfinite(rank: int, world: int, comm: Any) -> Dict[str, Any]:
     def snapshot():
         return ([p.detach().clone() for p in params],
                 {k: (we.clone(), se.clone()) for k, (we, se) in z._errors.items()},
-                [v.clone() for st in z.optimizer.state.values() for v in st.values()
-                 if isinstance(v, torch.Tensor) and v.dim() > 0])
+                [v.clone() for v in _state_tensors(z.optimizer)])
 
     def same(a, b):
         return (all(torch.equal(x, y) for x, y in zip(a[0], b[0])) and a[1].keys() == b[1].keys()
@@ -223,8 +229,7 @@ def overlap_nonfinite(rank: int, world: int, comm: Any) -> Dict[str, Any]:
         z.step()
     before = snapshot()
     out: Dict[str, Any] = {"exchanged_in_backward": None}
-    sizes = [p.numel() for p in params]
-    loss = sum((p * grad(rank, 3, 0, i, sizes)).sum() for i, p in enumerate(params))
+    loss = _loss(params, rank, 3, 0)
     if rank == world - 1:
         loss = loss + params[2][0] * float("nan")  # bucket 1 of 3
     loss.backward()
@@ -261,14 +266,12 @@ def local_nonfinite(rank: int, world: int, comm: Any) -> Dict[str, Any]:
         z.step()
 
     def snapshot():
-        return [p.detach().clone() for p in params] + [
-            v.clone() for st in z.optimizer.state.values() for v in st.values()
-            if isinstance(v, torch.Tensor) and v.dim() > 0]
+        return ([p.detach().clone() for p in params]
+                + [v.clone() for v in _state_tensors(z.optimizer)])
 
     before = snapshot()
     kind = z.optimizer.step_kind()
-    sizes = [p.numel() for p in params]
-    loss = sum((p * grad(rank, 4, 0, i, sizes)).sum() for i, p in enumerate(params))
+    loss = _loss(params, rank, 4, 0)
     if rank == world - 1:
         loss = loss + params[1][0] * float("inf")
     loss.backward()

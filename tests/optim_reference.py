@@ -12,30 +12,22 @@ import math
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
+from reference import padded_numel, worker_scale
 
 f32 = np.float32
-
-
-def padded_numel(n: int, world: int) -> int:
-    """DeepSpeed's optimizer padding rule: n rounded up to a multiple of W*lcm(W, 8)."""
-    unit = world * (world * 8 // math.gcd(world, 8))
-    return -(-n // unit) * unit
 
 
 def _sign(x: np.ndarray) -> np.ndarray:
     return np.where(x < 0, f32(-1), f32(1)).astype(f32)
 
 
-def _scale(x: np.ndarray) -> np.float32:
-    return f32(f32(np.sqrt(np.sum(x.astype(np.float64) ** 2))) / f32(np.sqrt(x.size)))
-
-
-def compressed_allreduce(xs: List[np.ndarray], wes: List[np.ndarray], ses: List[np.ndarray]
-                         ) -> np.ndarray:
+def compressed_allreduce_padded(xs: List[np.ndarray], wes: List[np.ndarray],
+                                ses: List[np.ndarray]) -> np.ndarray:
     """Simulated compressed allreduce (spec a.2) of W flat float32 inputs of n elements.
 
     ``wes``/``ses`` (float32, P and P/W elements per rank) are updated in place. Returns the
-    output (float32, n), identical on all ranks.
+    padded output (float32, P), identical on all ranks; chunk j (P/W elements) is rank j's
+    reduce-scatter result.
     """
     world = len(xs)
     n = xs[0].size
@@ -47,7 +39,7 @@ def compressed_allreduce(xs: List[np.ndarray], wes: List[np.ndarray], ses: List[
         x = np.zeros(p, f32)
         x[:n] = xs[r].reshape(-1)
         x = (x + wes[r]).astype(f32)
-        s = _scale(x)
+        s = worker_scale(x)
         sg = _sign(x)
         wes[r][:] = (x - s * sg).astype(f32)
         signs.append(sg)
@@ -59,11 +51,17 @@ def compressed_allreduce(xs: List[np.ndarray], wes: List[np.ndarray], ses: List[
         for i in range(world):
             c = (c + signs[i][sl] * weights[i]).astype(f32)
         c = (c + ses[j]).astype(f32)
-        tau = _scale(c)
+        tau = worker_scale(c)
         sc = _sign(c)
         ses[j][:] = (c - tau * sc).astype(f32)
         out[sl] = tau * sc
-    return out[:n]
+    return out
+
+
+def compressed_allreduce(xs: List[np.ndarray], wes: List[np.ndarray], ses: List[np.ndarray]
+                         ) -> np.ndarray:
+    """:func:`compressed_allreduce_padded` cut to the input's n elements."""
+    return compressed_allreduce_padded(xs, wes, ses)[:xs[0].size]
 
 
 def _avg(gs: Sequence[np.ndarray]) -> np.ndarray:

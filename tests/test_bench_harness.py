@@ -44,25 +44,21 @@ def _mine(net: netns.Network) -> dict:
     }
 
 
+def _in_ns(net: netns.Network, rank: int, *argv: str, timeout=None) -> str:
+    """stdout of ``argv`` run in rank ``rank``'s namespace (raises on a non-zero exit)."""
+    return subprocess.run(net.command_prefix(rank) + list(argv), capture_output=True, text=True,
+                          timeout=timeout, check=True).stdout
+
+
 @needs_netns
 def test_namespaces_exist_inside_and_are_gone_after():
     with netns.Network("eth1g", 3) as net:
         mine = _mine(net)
         assert sorted(mine["netns"]) == sorted(net.ns_name(r) for r in range(3))
         assert len(mine["links"]) == 4  # bridge + 3 host veth ends
-        out = subprocess.run(
-            net.command_prefix(2) + ["ip", "-4", "addr", "show", "eth0"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
+        out = _in_ns(net, 2, "ip", "-4", "addr", "show", "eth0")
         assert f"{net.address(2)}/24" in out
-        qd = subprocess.run(
-            net.command_prefix(0) + ["tc", "qdisc", "show", "dev", "eth0"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
+        qd = _in_ns(net, 0, "tc", "qdisc", "show", "dev", "eth0")
         assert "tbf" in qd and "1Gbit" in qd
     assert _mine(net) == {"netns": [], "links": []}
 
@@ -138,14 +134,8 @@ def _transfer_seconds(profile: str, nbytes: int) -> float:
         )
         try:
             assert srv.stdout.readline().strip() == "ready"
-            out = subprocess.run(
-                net.command_prefix(1)
-                + [sys.executable, "-c", client.replace("{addr}", net.address(0))],
-                capture_output=True,
-                text=True,
-                timeout=60,
-                check=True,
-            ).stdout
+            out = _in_ns(net, 1, sys.executable, "-c", client.replace("{addr}", net.address(0)),
+                         timeout=60)
             srv.wait(timeout=30)
         finally:
             if srv.poll() is None:
@@ -352,6 +342,5 @@ def test_run_on_profile_runs_an_arbitrary_command(tmp_path, profile):
     with pytest.raises(runner.SweepError, match=r"rank \d exited with [13]") as err:
         runner.run_on_profile(profile, 2, [str(script), "1"], timeout=120)
     assert "--- rank 1 log ---" in str(err.value)
-    assert not netns.list_ours()["netns"] or all(
-        not n.startswith(f"{netns.NS_PREFIX}{os.getpid()}-") for n in netns.list_ours()["netns"]
-    )
+    assert not any(n.startswith(f"{netns.NS_PREFIX}{os.getpid()}-")
+                   for n in netns.list_ours()["netns"])

@@ -29,6 +29,11 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DEV = "cuda"
 
 
+def _dtype_id(d: torch.dtype) -> str:
+    """Test id of a dtype parameter: "float32" for torch.float32."""
+    return str(d).split(".")[-1]
+
+
 def _rand(n: int, dtype: torch.dtype, gen: torch.Generator, special: bool = True) -> torch.Tensor:
     """Normal values on the GPU; with `special`, some exact +0, -0 and tiny values (sign edge cases)."""
     t = torch.randn(n, generator=gen, device=DEV).to(dtype)
@@ -84,7 +89,7 @@ def _padded(n: int, world: int) -> int:
 # ---- worker kernels ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
 @pytest.mark.parametrize("n", SIZES)
 def test_worker_kernels_match_cpu(n: int, dtype: torch.dtype) -> None:
     g = _gen(n * 7 + DTYPES.index(dtype))
@@ -105,7 +110,7 @@ def test_worker_kernels_match_cpu(n: int, dtype: torch.dtype) -> None:
         _same_bits(sg, sgc)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
 @pytest.mark.parametrize("n", [5, 4099, 2**20 + 3])
 def test_worker_kernels_unaligned(n: int, dtype: torch.dtype) -> None:
     """Pointers that are not 16-byte aligned take the scalar path; results must not change."""
@@ -158,7 +163,7 @@ def test_server_kernels_match_cpu(n: int, world: int) -> None:
 # ---- the commit kernel ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
 @pytest.mark.parametrize("world", [1, 3])
 @pytest.mark.parametrize("n", SIZES)
 def test_update_decompress_matches_cpu(n: int, world: int, dtype: torch.dtype) -> None:
@@ -183,7 +188,7 @@ def test_update_decompress_matches_cpu(n: int, world: int, dtype: torch.dtype) -
     assert bool((mbase[n:].float() == sentinel).all())
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
 def test_update_decompress_unaligned(dtype: torch.dtype) -> None:
     g = _gen(99 + DTYPES.index(dtype))
     n, world = 4099, 2
@@ -243,14 +248,16 @@ def _rounds(n: int, dtype: torch.dtype, device: str, rounds: int, group=None, ch
 
 
 def _assert_rounds_close(gpu, cpu) -> None:
-    for (tg, wg, sg), (tc, wc, sc) in zip(gpu, cpu):
-        for a, b in ((tg, tc), (wg, wc), (sg, sc)):
+    """Each round's tensors (tuples of the same length) equal to 1e-5 of max(1, max|cpu|)."""
+    for rg, rc in zip(gpu, cpu):
+        assert len(rg) == len(rc)
+        for a, b in zip(rg, rc):
             a, b = a.float(), b.float()
             tol = 1e-5 * max(1.0, float(b.abs().max()))
             torch.testing.assert_close(a, b, rtol=0.0, atol=tol)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
 @pytest.mark.parametrize("n", [1, 7, 4099, 2**20 + 3])
 def test_compressed_allreduce_gpu_equals_cpu_local(n: int, dtype: torch.dtype) -> None:
     comm = _C.LocalCommunicator()
@@ -278,7 +285,7 @@ def test_decompress_matches_cpu(count: int) -> None:
     assert torch.equal(got[count:].cpu(), torch.full((5,), 9.0))
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
 @pytest.mark.parametrize("n", [7, 4099, 2**20 + 3])
 def test_compressed_reduce_scatter_gpu_equals_cpu_local(n: int, dtype: torch.dtype) -> None:
     """ZeRO's compressed reduce-scatter on CUDA tensors: output, input rewrite and both errors as on
@@ -296,10 +303,7 @@ def test_compressed_reduce_scatter_gpu_equals_cpu_local(n: int, dtype: torch.dty
             out = compressed_reduce_scatter(t, we, se, group=comm)
             rounds.append((out.cpu().clone(), t.cpu().clone(), we.cpu().clone(), se.cpu().clone()))
         res[dev] = rounds
-    for a, b in zip(res[DEV], res["cpu"]):
-        for x, y in zip(a, b):
-            tol = 1e-5 * max(1.0, float(y.float().abs().max()))
-            torch.testing.assert_close(x.float(), y.float(), rtol=0.0, atol=tol)
+    _assert_rounds_close(res[DEV], res["cpu"])
 
 
 def test_workspace_reused_across_sizes() -> None:
@@ -364,7 +368,7 @@ def test_compressed_allreduce_nccl_one_rank() -> None:
         compcomm._comm.forget_process_groups()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_dtype_id)
 def test_cuda_graph_capture_and_replay(dtype: torch.dtype) -> None:
     comm = _C.LocalCommunicator()
     n = 2**20 + 3
@@ -412,7 +416,7 @@ def test_build_info_reports_cuda() -> None:
 # ---- the 1-bit optimizers on CUDA tensors ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_dtype_id)
 @pytest.mark.parametrize("name", ["OneBitAdam", "ZeroOneAdam", "OneBitLamb"])
 def test_optimizers_on_cuda_match_cpu(name: str, dtype: torch.dtype) -> None:
     """Same parameters and gradients on the GPU and on the CPU, through warm-up and the compressed

@@ -8,9 +8,7 @@ need one GPU per rank and skip otherwise. Run on a GPU machine by bench/run_nccl
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import sys
 import textwrap
 
 import _nccl_cases as cases
@@ -19,7 +17,7 @@ import pytest
 import torch
 from compcomm import _C
 from compcomm.errors import BackendError
-from compcomm.testing import run_ranks
+from compcomm.testing import mpirun_command, run_ranks
 
 NCCL_BUILT = _C.build_info()["nccl"]
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -289,12 +287,13 @@ def test_silent_peer_gives_timeout_then_closed(warm, blocking):
 @pytest.mark.mpi
 @needs_gpu
 def test_bootstrap_from_mpirun(tmp_path):
-    mpirun = shutil.which("mpirun")
-    if mpirun is None:
-        pytest.skip("mpirun not found")
-    pytest.importorskip("mpi4py")
     world = min(GPUS, 2)
     script = tmp_path / "boot.py"
+    try:
+        cmd = mpirun_command(world, str(script))
+    except FileNotFoundError:
+        pytest.skip("mpirun not found")
+    pytest.importorskip("mpi4py")
     script.write_text(
         textwrap.dedent(
             """
@@ -310,15 +309,6 @@ def test_bootstrap_from_mpirun(tmp_path):
             """
         )
     )
-    cmd = [
-        mpirun,
-        "--allow-run-as-root",
-        "--oversubscribe",
-        "-np",
-        str(world),
-        sys.executable,
-        str(script),
-    ]
     p = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stdout + p.stderr
     lines = sorted(line.split()[1:] for line in p.stdout.splitlines() if line.startswith("RESULT"))

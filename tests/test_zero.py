@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,8 +16,8 @@ from compcomm import _C
 from compcomm.testing import run_ranks
 from compcomm.zero import ZeroOptimizer, estimate_memory, validate_zero_config
 
-sys.path.insert(0, os.path.dirname(__file__))
-import _zero_bodies as zb  # noqa: E402
+import _zero_bodies as zb
+from optim_reference import compressed_allreduce_padded
 
 # ---------------------------------------------------------------------------- planner (no spawn)
 
@@ -323,42 +324,14 @@ def test_fp16_dynamic_loss_scale_skips_overflow():
 
 
 def _oracle_rs(inputs, we0, se0, world):
-    """numpy simulation of W ranks (ONEBIT_SPEC.md a.2 stopped before the final all-gather)."""
-    import numpy as np
-
-    f32 = np.float32
-    n = inputs[0].size
-    P = we0[0].size
-    C = P // world
-    def sign(v):  # +1 for v >= 0, -0.0 and NaN
-        return np.where(~(v < 0), f32(1), f32(-1))
-
-    xs, sig, we = [], [], []
-    for r in range(world):
-        x = np.zeros(P, f32)
-        x[:n] = inputs[r]
-        x = (x + we0[r]).astype(f32)
-        s = f32(f32(np.sqrt(np.sum(x.astype(np.float64) ** 2))) / f32(np.sqrt(P)))
-        xs.append(x)
-        sig.append(s)
-        we.append((x - s * sign(x)).astype(f32))
-    outs, se = [], []
-    inv = f32(1.0 / world)
-    for j in range(world):
-        c = np.zeros(C, f32)
-        for i in range(world):
-            c = (c + sign(xs[i][j * C:(j + 1) * C]) * f32(sig[i] * inv)).astype(f32)
-        c = (c + se0[j]).astype(f32)
-        tau = f32(f32(np.sqrt(np.sum(c.astype(np.float64) ** 2))) / f32(np.sqrt(C)))
-        outs.append((tau * sign(c)).astype(f32))
-        se.append((c - tau * sign(c)).astype(f32))
-    return outs, we, se
+    """numpy simulation of W ranks (ONEBIT_SPEC.md a.2 stopped before the final all-gather):
+    (each rank's output chunk, new worker errors, new server errors)."""
+    we, se = [e.copy() for e in we0], [e.copy() for e in se0]
+    return np.split(compressed_allreduce_padded(inputs, we, se), world), we, se
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_compressed_reduce_scatter(per_world, world):
-    import numpy as np
-
     res = per_world[world][0]
     for r, rr in enumerate(res):
         for c in rr["compressed"]["cases"]:

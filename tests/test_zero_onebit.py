@@ -5,9 +5,6 @@ wire bytes against plain ZeRO, exact checkpoint resume, and the rejections."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import numpy as np
 import pytest
 import torch
@@ -17,9 +14,9 @@ from compcomm import _C
 from compcomm.testing import run_ranks
 from compcomm.zero import ZeroOptimizer
 
-sys.path.insert(0, os.path.dirname(__file__))
-import _zero_onebit_cases as zc  # noqa: E402
-import reference  # noqa: E402
+import _zero_onebit_cases as zc
+import reference
+from optim_reference import zero_one_schedule
 
 FREEZE = 2
 STEPS = 5  # 2 warm-up + 3 compressed
@@ -79,15 +76,10 @@ def _kinds(case):
     if case["opt"] == "OneBitAdam":
         return ["var" if t <= case["kwargs"]["freeze_step"] else "1bit"
                 for t in range(1, case["steps"] + 1)]
-    interval, counter, kinds = 1, 0, []
-    for t in range(1, case["steps"] + 1):
-        kind = "var" if t % interval == 0 else "1bit"
-        kinds.append(kind)
-        if kind == "var" and t > 1:
-            counter += 1
-            if counter == case["kwargs"]["var_update_scaler"]:
-                counter, interval = 0, interval * 2
-    return kinds
+    # the ZeroOneAdam cases end before var_freeze_step: no local/sync steps (scalers unused)
+    kw = case["kwargs"]
+    kinds = zero_one_schedule(case["steps"], kw["var_freeze_step"], kw["var_update_scaler"], 1, 1)
+    return ["1bit" if k == "grad1bit" else k for k in kinds]
 
 
 def sharded_reference(case, world, plan):

@@ -22,15 +22,11 @@ import platform
 import re
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Collection, Dict, List, Optional, Sequence
+
+from .netns import PROFILES
 
 __all__ = ["main", "parse_sizes", "augment", "write_outputs", "run_main", "project_main"]
-
-METHOD_LABEL = {
-    "compressed": "compcomm compressed (fp32, 1-bit)",
-    "gloo_fp32": "gloo allreduce fp32",
-    "gloo_fp16": "gloo allreduce fp16",
-}
 
 
 def _int_expr(s: str) -> int:
@@ -99,20 +95,19 @@ def augment(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 def _human(nbytes: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if nbytes < 1024 or unit == "GiB":
-            return f"{nbytes:.0f} {unit}" if nbytes == int(nbytes) else f"{nbytes:.1f} {unit}"
+            break
         nbytes /= 1024
-    return str(nbytes)
-
-
-PROFILE_ORDER = ["eth1g", "eth10g", "unshaped", "loopback"]
+    return f"{nbytes:.0f} {unit}" if nbytes == int(nbytes) else f"{nbytes:.1f} {unit}"
 
 
 def _order(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    meth = list(METHOD_LABEL)
+    from .worker import METHODS
+
+    profs, meth = list(PROFILES), list(METHODS)
     return sorted(
         rows,
         key=lambda r: (
-            PROFILE_ORDER.index(r["profile"]) if r["profile"] in PROFILE_ORDER else 99,
+            profs.index(r["profile"]) if r["profile"] in profs else 99,
             r["world_size"],
             r["count"],
             meth.index(r["method"]) if r["method"] in meth else 99,
@@ -182,7 +177,7 @@ def plot(rows: List[Dict[str, Any]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    profs = [p for p in PROFILE_ORDER if any(r["profile"] == p for r in rows)]
+    profs = [p for p in PROFILES if any(r["profile"] == p for r in rows)]
     profs += sorted({r["profile"] for r in rows} - set(profs))
     fig, axes = plt.subplots(2, len(profs), figsize=(4.2 * len(profs), 7), squeeze=False)
     colors = {"compressed": "tab:red", "gloo_fp32": "tab:blue", "gloo_fp16": "tab:green"}
@@ -264,6 +259,16 @@ def write_outputs(
     return paths
 
 
+def _names(ap: argparse.ArgumentParser, text: str, flag: str, what: str,
+           valid: Collection[str]) -> List[str]:
+    """The names of a comma list (blanks dropped); ``ap.error`` on one not in ``valid``."""
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    for v in names:
+        if v not in valid:
+            ap.error(f"argument --{flag}: unknown {what} {v!r}; choose from {', '.join(valid)}")
+    return names
+
+
 def _meta(argv: Sequence[str]) -> Dict[str, Any]:
     import torch
 
@@ -331,18 +336,8 @@ def run_main(argv: Sequence[str]) -> int:
         sizes = parse_sizes(args.sizes)
     except ValueError as e:
         ap.error(str(e))
-    profiles = [p.strip() for p in args.profile.split(",") if p.strip()]
-    for p in profiles:
-        if p not in netns.PROFILES:
-            ap.error(
-                f"argument --profile: unknown profile {p!r}; choose from {', '.join(netns.PROFILES)}"
-            )
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    for m in methods:
-        if m not in worker.METHODS:
-            ap.error(
-                f"argument --methods: unknown method {m!r}; choose from {', '.join(worker.METHODS)}"
-            )
+    profiles = _names(ap, args.profile, "profile", "profile", netns.PROFILES)
+    methods = _names(ap, args.methods, "methods", "method", worker.METHODS)
     try:
         worlds = [int(w) for w in args.world_size.split(",")]
     except ValueError:
@@ -515,13 +510,9 @@ def project_main(argv: Sequence[str]) -> int:
     elif args.compute == "measured":
         ap.error(f"argument --results: {args.results} not found (needed for --compute measured)")
     clusters = []
-    for name in args.preset.split(","):
-        if name.strip() not in model.PRESETS:
-            ap.error(
-                f"argument --preset: unknown preset {name!r}; choose from {', '.join(model.PRESETS)}"
-            )
+    for name in _names(ap, args.preset, "preset", "preset", model.PRESETS):
         clusters.append(
-            model.PRESETS[name.strip()].with_(
+            model.PRESETS[name].with_(
                 nodes=args.nodes,
                 gpus_per_node=args.gpus_per_node,
                 link_gbit=args.link_gbit,

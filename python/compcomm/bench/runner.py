@@ -11,6 +11,7 @@ import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from ..testing import free_port
 from .netns import PROFILES, Network, Profile
 
 __all__ = ["run_sweep", "run_on_profile", "SweepError"]
@@ -18,14 +19,6 @@ __all__ = ["run_sweep", "run_on_profile", "SweepError"]
 
 class SweepError(RuntimeError):
     """A worker rank failed or the sweep ran past its deadline; the message holds the rank's log."""
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _kill(procs: Sequence[subprocess.Popen]) -> None:
@@ -87,10 +80,10 @@ def run_on_profile(
     SweepError
         A rank exited non-zero (the message holds every rank's log tail) or the deadline passed.
     """
-    prof: Profile = PROFILES[profile] if isinstance(profile, str) else profile
     lines: List[str] = []
-    with tempfile.TemporaryDirectory(prefix="ccbench-") as tmp, Network(prof, world_size) as net:
-        port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="ccbench-") as tmp, Network(profile, world_size) as net:
+        prof = net.profile
+        port = free_port()
         procs: List[subprocess.Popen] = []
         logs = []
         try:

@@ -49,10 +49,9 @@ def plain_input(n: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
 
 def plain_expected(n: int, world: int, dtype: torch.dtype) -> torch.Tensor:
     """The exact elementwise sum of every rank's :func:`plain_input`."""
-    i = torch.arange(n, dtype=torch.int64)
     tot = torch.zeros(n, dtype=torch.int64)
     for r in range(world):
-        tot += (i * 7 + r * 13) % 17 - 8
+        tot += plain_input(n, r, torch.int64)
     return tot.to(dtype)
 
 
@@ -159,7 +158,9 @@ def _time_batches(op: Callable[[], None], iters: int, batches: int) -> Tuple[flo
     means = [_time_loop(op, k) for k in per]
     total = sum(m * k for m, k in zip(means, per)) / iters
     return float(sorted(means)[len(means) // 2]), total, means
-def _decide_iters(op: Callable[[], None], cfg: Dict[str, Any]) -> Tuple[int, float]:
+
+
+def _decide_iters(op: Callable[[], None], cfg: Dict[str, Any]) -> int:
     """Rank 0 times one call and broadcasts how many calls fill ``target_time`` (nccl-tests style)."""
     one = _time_loop(op, 1)
     n = torch.tensor([0], dtype=torch.int64)
@@ -167,7 +168,7 @@ def _decide_iters(op: Callable[[], None], cfg: Dict[str, Any]) -> Tuple[int, flo
         want = int(math.ceil(cfg["target_time"] / max(one, 1e-6)))
         n[0] = max(cfg["min_iters"], min(cfg["max_iters"], want))
     dist.broadcast(n, 0)
-    return int(n.item()), one
+    return int(n.item())
 
 
 def prepare(method: str, n: int) -> Dict[str, Any]:
@@ -233,7 +234,7 @@ def measure(method: str, n: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
     """Collective: one row for ``method`` at ``n`` elements (checked first call, rank 0's iteration
     count, slowest rank's mean time; for ``compressed`` also ``compute_s``)."""
     prep = prepare(method, n)
-    iters, _ = _decide_iters(prep["op"], cfg)
+    iters = _decide_iters(prep["op"], cfg)
     nb = cfg.get("batches", 5)
     sec, mean, means = _time_batches(prep["op"], iters, nb)
     row = {k: prep[k] for k in ("wrong", "size_bytes", "wire_bytes", "dtype")}
@@ -302,7 +303,7 @@ def main(argv: List[str] = None) -> int:
     elif not args.follow:
         ap.error("argument --config is required (unless --follow)")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=cfg.get("timeout", 600)))
-    torch.set_num_threads(cfg.get("threads", 1))
+    torch.set_num_threads(1)  # one core per rank
     rank, world = dist.get_rank(), dist.get_world_size()
     out = sys.stdout
     if args.follow:
