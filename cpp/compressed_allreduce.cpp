@@ -248,6 +248,7 @@ void run_compressed(const char* name, Communicator& comm, const Buffer& tensor, 
                  ": tensor is on a CUDA device but this build has no CUDA kernels");
 
   const Kernels& k = kernels_for(cuda);
+  const kernels::ScopedDevice on_device(tensor.device);  // callers may be on any thread and device
   char* ws = static_cast<char*>(workspace.data);
   auto* header = reinterpret_cast<Header*>(ws + l.header_send);
   auto* headers = reinterpret_cast<Header*>(ws + l.header_recv);

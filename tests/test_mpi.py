@@ -82,7 +82,7 @@ def test_zero_on_gpu(np: int, tmp_path) -> None:
     local phase) over host-staged MPI, ranks sharing the GPU, equals the CPU run; a GPU checkpoint
     resumes on the CPU."""
     _skip_without_gpu()
-    launch(np, "check_zero_gpu.py", 400, str(tmp_path))
+    launch(np, "check_zero_gpu.py", 240, str(tmp_path))
 
 
 def test_mpirun_command_flags() -> None:

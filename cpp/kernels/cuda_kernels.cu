@@ -461,6 +461,16 @@ Status device_copy(void* dst, const void* src, int64_t bytes, Stream stream) {
   return err == cudaSuccess ? Status::kSuccess : Status::kCudaError;
 }
 
+ScopedDevice::ScopedDevice(int device) {
+  int current = -1;
+  if (device < 0 || cudaGetDevice(&current) != cudaSuccess || current == device) return;
+  if (cudaSetDevice(device) == cudaSuccess) prev_ = current;
+}
+
+ScopedDevice::~ScopedDevice() {
+  if (prev_ >= 0) cudaSetDevice(prev_);
+}
+
 Status device_fill(void* dst, int value, int64_t bytes, Stream stream) {
   if (bytes <= 0) return Status::kSuccess;
   return cudaMemsetAsync(dst, value, static_cast<size_t>(bytes), static_cast<cudaStream_t>(stream)) == cudaSuccess

@@ -90,6 +90,19 @@ bool built();
 Status device_copy(void* dst, const void* src, int64_t bytes, Stream stream);
 // Waits for the work queued on `stream` (used only where the caller asked for a host-side check).
 Status stream_sync(Stream stream);
+// Makes `device` the calling thread's current CUDA device while it lives (kernels launch on the
+// current device; a communication thread's is device 0). No-op for device < 0 or without CUDA.
+class ScopedDevice {
+ public:
+  explicit ScopedDevice(int device);
+  ~ScopedDevice();
+  ScopedDevice(const ScopedDevice&) = delete;
+  ScopedDevice& operator=(const ScopedDevice&) = delete;
+
+ private:
+  int prev_ = -1;
+};
+
 // Sets `bytes` bytes of device memory at dst to `value` on `stream`; kNotBuilt without CUDA.
 Status device_fill(void* dst, int value, int64_t bytes, Stream stream);
 

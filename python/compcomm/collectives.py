@@ -235,11 +235,7 @@ def compressed_allreduce(
     if not cuda:
         _C.compressed_allreduce(*args, timeout_s, 0, True)
         return tensor
-    # Kernels launch on the current device and run on torch's current stream of the tensor's device.
+    # On torch's current stream of the tensor's device (the core switches to that device itself).
     stream = torch.cuda.current_stream(tensor.device).cuda_stream
-    if torch.cuda.current_device() == tensor.device.index:
-        _C.compressed_allreduce(*args, timeout_s, stream, bool(check))
-    else:
-        with torch.cuda.device(tensor.device):
-            _C.compressed_allreduce(*args, timeout_s, stream, bool(check))
+    _C.compressed_allreduce(*args, timeout_s, stream, bool(check))
     return tensor
