@@ -355,6 +355,18 @@ void compressed_reduce_scatter(Communicator& comm, const Buffer& tensor, const B
   run_compressed("compressed_reduce_scatter", comm, tensor, worker_error, server_error, &out, workspace, opts);
 }
 
+void compressed_allreduce_exchange(Communicator& comm, const Buffer& tensor, const Buffer& worker_error,
+                                   const Buffer& server_error, const Buffer& workspace, const CallOptions& opts) {
+  run_compressed("compressed_allreduce", comm, tensor, worker_error, server_error, nullptr, workspace, opts,
+                 kExchange);
+}
+
+void compressed_allreduce_commit(Communicator& comm, const Buffer& tensor, const Buffer& worker_error,
+                                 const Buffer& server_error, const Buffer& workspace, const CallOptions& opts) {
+  run_compressed("compressed_allreduce", comm, tensor, worker_error, server_error, nullptr, workspace, opts,
+                 kCommit);
+}
+
 void compressed_reduce_scatter_exchange(Communicator& comm, const Buffer& tensor, const Buffer& worker_error,
                                         const Buffer& server_error, const Buffer& out, const Buffer& workspace,
                                         const CallOptions& opts) {

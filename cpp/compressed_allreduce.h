@@ -62,6 +62,14 @@ void compressed_reduce_scatter_commit(Communicator& comm, const Buffer& tensor, 
                                       const Buffer& server_error, const Buffer& out, const Buffer& workspace,
                                       const CallOptions& opts);
 
+// The compressed allreduce in the same two halves (the 1-bit optimizers' buckets: every bucket of a
+// step exchanged, pipelined with the staging of the next, then all committed or none). Same contract
+// as the reduce-scatter pair above; always checked on the host.
+void compressed_allreduce_exchange(Communicator& comm, const Buffer& tensor, const Buffer& worker_error,
+                                   const Buffer& server_error, const Buffer& workspace, const CallOptions& opts);
+void compressed_allreduce_commit(Communicator& comm, const Buffer& tensor, const Buffer& worker_error,
+                                 const Buffer& server_error, const Buffer& workspace, const CallOptions& opts);
+
 // Bytes one rank sends in one compressed_reduce_scatter call.
 int64_t compressed_reduce_scatter_wire_bytes(int64_t padded, int world);
 

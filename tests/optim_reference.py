@@ -97,9 +97,11 @@ class _Errors:
 def onebit_adam(params: List[np.ndarray], grads: List[List[List[np.ndarray]]], *, lr: float,
                 freeze_step: int, betas=(0.9, 0.999), eps: float = 1e-8, wd: float = 0.0,
                 bias_correction: bool = False, masks: Optional[List[Optional[np.ndarray]]] = None,
-                fused: bool = False) -> List[List[List[np.ndarray]]]:
+                fused: bool = False, buckets: Optional[List[List[int]]] = None
+                ) -> List[List[List[np.ndarray]]]:
     """1-bit Adam. ``grads[t][r][i]``: gradient of parameter i on rank r at step t+1 (local).
-    ``fused``: all parameters (one group) compressed as one concatenated tensor.
+    ``buckets``: lists of parameter indices compressed as one concatenated tensor each (None: one
+    compressed allreduce per parameter); ``fused``: all parameters in one bucket.
 
     Returns ``out[t][r][i]``: parameters after step t+1 (identical across ranks)."""
     world = len(grads[0])
@@ -112,15 +114,17 @@ def onebit_adam(params: List[np.ndarray], grads: List[List[List[np.ndarray]]], *
     for k, gstep in enumerate(grads):
         t = k + 1
         warm = t <= freeze_step
-        if fused and not warm:
-            locs = [np.concatenate([(b1 * ms[i] + (f32(1) - b1) * gstep[r][i]).astype(f32)
-                                    .reshape(-1) for i in range(len(ps))]) for r in range(world)]
-            red = errs.reduce(0, locs)
-            offs = np.cumsum([0] + [p.size for p in ps])
-            fused_m = [red[offs[i]:offs[i + 1]].reshape(ps[i].shape) for i in range(len(ps))]
+        if fused:
+            buckets = [list(range(len(ps)))]
+        if buckets is not None and not warm:
+            locs = [[(b1 * ms[i] + (f32(1) - b1) * gstep[r][i]).astype(f32) for i in range(len(ps))]
+                    for r in range(world)]
+            fused_m = _reduce_many(errs, locs, buckets)
         for i in range(len(ps)):
-            if fused and not warm:
+            if buckets is not None and not warm:
                 ms[i] = fused_m[i].copy()
+                if masks is not None and masks[i] is not None:
+                    ms[i] = (ms[i] * masks[i]).astype(f32)
             elif warm:
                 g = _avg([gstep[r][i] for r in range(world)])
                 ms[i] = (b1 * ms[i] + (f32(1) - b1) * g).astype(f32)
@@ -172,26 +176,33 @@ def zero_one_schedule(steps: int, var_freeze_step: int, var_update_scaler: int,
     return kinds
 
 
-def _reduce_many(errs: "_Errors", per_rank: List[List[np.ndarray]], fused: bool
-                 ) -> List[np.ndarray]:
-    """1-bit average of several tensors: one compressed allreduce each, or (fused) one over
-    their concatenation with one pair of error buffers."""
+def _reduce_many(errs: "_Errors", per_rank: List[List[np.ndarray]],
+                 buckets: Optional[List[List[int]]]) -> List[np.ndarray]:
+    """1-bit average of several tensors: one compressed allreduce each (``buckets`` None), or one
+    per bucket over the concatenation of its tensors, with one pair of error buffers each."""
     n = len(per_rank[0])
-    if not fused:
+    if buckets is None:
         return [errs.reduce(i, [per_rank[r][i] for r in range(len(per_rank))]) for i in range(n)]
-    shapes = [a.shape for a in per_rank[0]]
-    flat = errs.reduce(-1, [np.concatenate([a.reshape(-1) for a in xs]) for xs in per_rank])
-    offs = np.cumsum([0] + [int(np.prod(s)) for s in shapes])
-    return [flat[offs[i]:offs[i + 1]].reshape(shapes[i]) for i in range(n)]
+    out: List[np.ndarray] = [None] * n  # type: ignore[list-item]
+    for k, idx in enumerate(buckets):
+        shapes = [per_rank[0][i].shape for i in idx]
+        flat = errs.reduce(("bucket", k),
+                           [np.concatenate([xs[i].reshape(-1) for i in idx]) for xs in per_rank])
+        offs = np.cumsum([0] + [int(np.prod(s)) for s in shapes])
+        for j, i in enumerate(idx):
+            out[i] = flat[offs[j]:offs[j + 1]].reshape(shapes[j])
+    return out
 
 
 def zero_one_adam(params: List[np.ndarray], grads: List[List[List[np.ndarray]]], *, lr: float,
                   var_freeze_step: int, var_update_scaler: int, local_step_scaler: int,
                   local_step_clipper: int, betas=(0.9, 0.999), eps: float = 1e-8,
                   wd: float = 0.0, masks: Optional[List[Optional[np.ndarray]]] = None,
-                  fused: bool = False, wd_in_momentum: bool = True):
+                  fused: bool = False, wd_in_momentum: bool = True,
+                  buckets: Optional[List[List[int]]] = None):
     """0/1 Adam (no bias correction). Returns (``out[t][r][i]`` per-rank parameters, kinds).
-    ``fused``: one compressed allreduce over all parameters (one group) per communication.
+    ``fused``: one compressed allreduce over all parameters (one group) per communication;
+    ``buckets``: one per bucket of parameter indices (None: one per parameter).
     ``wd_in_momentum``: True is the spec (DeepSpeed: the momentum rebuilt at a sync keeps the
     weight-decay part of the accumulated update); False is compcomm's default, which subtracts
     ``wd * p_sync * (sqrt(v)+eps)`` (masked) from it."""
@@ -208,6 +219,8 @@ def zero_one_adam(params: List[np.ndarray], grads: List[List[List[np.ndarray]]],
     errs = _Errors(world)
     out = []
     was_frozen = False
+    if fused:
+        buckets = [list(range(n))]
 
     def masked(a: np.ndarray, i: int) -> np.ndarray:
         if masks is not None and masks[i] is not None:
@@ -224,7 +237,7 @@ def zero_one_adam(params: List[np.ndarray], grads: List[List[List[np.ndarray]]],
             lrs += lr
         if kind == "grad1bit":
             red = _reduce_many(errs, [[g.astype(f32) for g in gstep[r]] for r in range(world)],
-                               fused)
+                               buckets)
             gcomm = [masked(red[i], i) for i in range(n)]
         denoms = []
         for i in range(n):
@@ -251,7 +264,7 @@ def zero_one_adam(params: List[np.ndarray], grads: List[List[List[np.ndarray]]],
                     ps[r][i] = (ps[r][i] - us[r][i]).astype(f32)
                     us[r][i] = (us[r][i] * denom).astype(f32)
         if kind == "sync":
-            red = _reduce_many(errs, [list(us[r]) for r in range(world)], fused)
+            red = _reduce_many(errs, [list(us[r]) for r in range(world)], buckets)
             for i in range(n):
                 ri = masked(red[i], i)
                 for r in range(world):

@@ -11,9 +11,9 @@ using namespace compcomm;
 using namespace compcomm::zero;
 
 namespace {
-CallOptions opts_of(double timeout_s) {
+CallOptions opts_of(double timeout_s, uintptr_t stream = 0) {
   COMPCOMM_CHECK(timeout_s > 0, "timeout must be positive, got ", timeout_s);
-  return CallOptions{timeout_s, nullptr};
+  return CallOptions{timeout_s, reinterpret_cast<void*>(stream)};
 }
 int last_of(const BucketPlan& p, int last) { return last < 0 ? static_cast<int>(p.buckets.size()) : last; }
 }  // namespace
@@ -152,7 +152,20 @@ void bind_zero(py::module_& parent) {
             });
           },
           py::arg("tensor"), py::arg("worker_error"), py::arg("server_error"), py::arg("out"),
-          py::arg("workspace"), py::arg("timeout_s") = 600.0);
+          py::arg("workspace"), py::arg("timeout_s") = 600.0)
+      .def(
+          "compressed_allreduce_exchange",
+          [](AsyncComm& a, const Buffer& tensor, const Buffer& worker_error, const Buffer& server_error,
+             const Buffer& workspace, double timeout_s, uintptr_t stream) {
+            const CallOptions o = opts_of(timeout_s, stream);
+            return a.submit([tensor, worker_error, server_error, workspace, o](Communicator& c) {
+              compressed_allreduce_exchange(c, tensor, worker_error, server_error, workspace, o);
+            });
+          },
+          py::arg("tensor"), py::arg("worker_error"), py::arg("server_error"), py::arg("workspace"),
+          py::arg("timeout_s") = 600.0, py::arg("stream") = 0,
+          "Queue the exchange half of a compressed allreduce (all collectives and checks; writes only the "
+          "workspace); compressed_allreduce_commit does the local writes.");
 
   m.def(
       "compressed_reduce_scatter",
@@ -173,6 +186,16 @@ void bind_zero(py::module_& parent) {
       py::arg("workspace"), py::call_guard<py::gil_scoped_release>(),
       "The local writes of a compressed reduce-scatter whose exchange (AsyncComm."
       "compressed_reduce_scatter_exchange) ran on the same arguments and workspace.");
+  m.def(
+      "compressed_allreduce_commit",
+      [](Communicator& comm, const Buffer& tensor, const Buffer& worker_error, const Buffer& server_error,
+         const Buffer& workspace, uintptr_t stream) {
+        compressed_allreduce_commit(comm, tensor, worker_error, server_error, workspace, opts_of(600.0, stream));
+      },
+      py::arg("comm"), py::arg("tensor"), py::arg("worker_error"), py::arg("server_error"), py::arg("workspace"),
+      py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+      "The local writes of a compressed allreduce whose exchange (AsyncComm.compressed_allreduce_exchange) "
+      "ran on the same arguments and workspace.");
   m.def(
       "compressed_reduce_scatter_wire_bytes",
       [](int64_t padded, int world) {

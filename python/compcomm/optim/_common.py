@@ -6,8 +6,13 @@ Every optimizer here follows the same life cycle (ONEBIT_SPEC.md, policy section
 * ``step()`` number ``t`` counts real steps from 1 (no swallowed initialisation call).
 * Steps ``1 .. freeze_step`` are the warm-up: gradients are averaged in full precision (by the
   optimizer with a bucketed allreduce, or already by DDP / the user when ``grads_averaged``).
-* Afterwards only compressed tensors (1 bit per element plus scales) cross the network, through
-  :func:`compcomm.compressed_allreduce` with per-parameter error-feedback buffers.
+* Afterwards only compressed tensors (1 bit per element plus scales) cross the network: the
+  parameters' tensors packed in order into buckets of at most ``reduce_bucket_size`` elements, one
+  compressed allreduce and one pair of error-feedback buffers per bucket (``per_parameter=True``:
+  one per parameter, DeepSpeed's fp32 layout), exchanged bucket after bucket while the next one is
+  staged, and committed together (:class:`compcomm.compress.OneBitCompressor`).
+* A step that meets a non-finite value on any rank changes nothing on any rank and counts in
+  ``skipped_steps``.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from .. import _C
 from .._buffers import buffer_of
 from .._comm import resolve
 from ..collectives import DEFAULT_TIMEOUT, compressed_allreduce, error_buffers, padded_numel
-from ..errors import UnsupportedError
+from ..compress import DEFAULT_BUCKET_ELEMENTS, OneBitCompressor, plan_buckets
+from ..errors import NonFiniteError, UnsupportedError
 
 #: Elements per full-precision allreduce bucket in the warm-up (fp32: 16 MiB).
 BUCKET_ELEMENTS = 4 * 1024 * 1024
@@ -172,6 +178,12 @@ def all_max(flag: float, comm: Any) -> float:
     return float(t.item())
 
 
+def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether every element of ``tensors`` is finite (one host synchronisation)."""
+    flags = [torch.isfinite(t).all() for t in tensors if t.numel()]
+    return bool(torch.stack(flags).all()) if flags else True
+
+
 # --------------------------------------------------------------------------------------------
 # fp32 master copies of low-precision parameters
 # --------------------------------------------------------------------------------------------
@@ -193,22 +205,8 @@ def write_back(p: torch.Tensor, state: Dict[str, Any]) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# compressed communication with per-tensor error buffers
+# masks
 # --------------------------------------------------------------------------------------------
-def compressed_average_(t: torch.Tensor, state: Dict[str, Any], comm: Any) -> None:
-    """1-bit average of the fp32 contiguous ``t`` in place, with error buffers kept in ``state``.
-
-    World size 1 does nothing (as DeepSpeed: no compression without peers).
-    """
-    world = comm.size()
-    if world == 1:
-        return
-    we = state.get("worker_error")
-    if we is None or we.numel() != padded_numel(t.numel(), world):
-        state["worker_error"], state["server_error"] = error_buffers(t, comm)
-    compressed_allreduce(t, state["worker_error"], state["server_error"], comm)
-
-
 def mask_(t: torch.Tensor, group: Dict[str, Any]) -> None:
     """Multiply ``t`` by the group's ``exp_avg_mask`` (moved to ``t``'s device once)."""
     mask = group.get("exp_avg_mask")
@@ -235,17 +233,32 @@ class OneBitBase(torch.optim.Optimizer):
     _name = "OneBitBase"
 
     def _init_common(self, comm_backend_name: str, process_group: Any, cuda_aware: bool,
-                     grads_averaged: bool, exact_resume: bool, fused: bool = False) -> None:
+                     grads_averaged: bool, exact_resume: bool, fused: Optional[bool] = None,
+                     reduce_bucket_size: Optional[int] = None, per_parameter: bool = False) -> None:
         self.comm = resolve_comm(self._name, comm_backend_name, process_group)
+        self.process_group = process_group
         self.world_size = self.comm.size()
         self.rank = self.comm.rank()
         self.comm_backend_name = comm_backend_name
         self.cuda_aware = bool(cuda_aware)
         self.grads_averaged = bool(grads_averaged)
         self.exact_resume = bool(exact_resume)
-        self.fused = bool(fused)
-        #: error buffers of the fused (one per param group) compressed allreduces
-        self._group_errors: Dict[int, Dict[str, torch.Tensor]] = {}
+        if reduce_bucket_size is None:
+            reduce_bucket_size = DEFAULT_BUCKET_ELEMENTS
+        self.reduce_bucket_size = check_int(self._name, "reduce_bucket_size", reduce_bucket_size, 1)
+        self.per_parameter = bool(per_parameter)
+        if fused is not None:  # the earlier switch: True = one bucket per group, False = per parameter
+            self.per_parameter = not fused
+            if fused:
+                self.reduce_bucket_size = 1 << 62
+        self.compressor = OneBitCompressor(self.comm)
+        #: steps skipped because some rank met a non-finite value (nothing changed in them)
+        self.skipped_steps = 0
+        self._plan_key: Optional[Tuple[Any, ...]] = None
+        self._buckets: List[List[int]] = []
+        self._plan_desc: List[List[Tuple[int, int]]] = []
+        self._staging: Dict[int, torch.Tensor] = {}
+        self._loaded_errors: Optional[Tuple[List[List[Tuple[int, int]]], Dict[Any, Any]]] = None
         self._hook_averaged = False  # set by compcomm.ddp_comm_hook for the coming step
         self._user_masks = [g.get("exp_avg_mask") for g in self.param_groups]
         check_masks(self._name, self.param_groups)
@@ -255,6 +268,9 @@ class OneBitBase(torch.optim.Optimizer):
     def _set_comm(self, comm: Any, grads_averaged: bool) -> None:
         """Talk through ``comm`` from now on. ZeroOptimizer runs 0/1 Adam's variance phase on
         shards with a one-rank communicator and its local-step phase unsharded on the real group."""
+        self.compressor.close()
+        self.compressor = OneBitCompressor(comm)
+        self._plan_key = None
         self.comm = comm
         self.world_size = comm.size()
         self.rank = comm.rank()
@@ -271,32 +287,82 @@ class OneBitBase(torch.optim.Optimizer):
                 if p.grad is not None and p.numel() > 0:
                     yield group, p
 
-    def _communicate(self, tensors: Dict[torch.Tensor, torch.Tensor]) -> None:
-        """1-bit average, in place, of fp32 ``tensors`` (param -> tensor): one compressed
-        allreduce per parameter with the parameter's error buffers, or with ``fused=True`` one per
-        param group over the concatenated tensors (DeepSpeed's fp16 path) with the group's."""
-        if self.world_size == 1 or not tensors:
+    def _bucket_plan(self, items: List[Tuple[Dict[str, Any], torch.Tensor]]) -> List[List[int]]:
+        """Buckets (indices into ``items``) for the compressed average of ``items``' tensors.
+
+        The plan is kept while the same parameters communicate; when they change (a parameter
+        without gradient), the error buffers restart at zero, as their layout no longer fits.
+        """
+        gidx = {id(g): gi for gi, g in enumerate(self.param_groups)}
+        key = tuple((gidx[id(g)], id(p)) for g, p in items)
+        if key != self._plan_key:
+            limit = 0 if self.per_parameter else self.reduce_bucket_size
+            self._buckets = plan_buckets([(gi, p.numel()) for (gi, _), (_, p) in zip(key, items)],
+                                         limit)
+            self._staging = {}
+            self.compressor.reset()
+            self._plan_key = key
+            self._plan_desc = self._plan_description(items)
+            self._restore_loaded_errors()
+        return self._buckets
+
+    def _plan_description(self, items: List[Tuple[Dict[str, Any], torch.Tensor]]
+                          ) -> List[List[Tuple[int, int]]]:
+        """The bucket plan as (group index, index in group) pairs (what checkpoints record)."""
+        where = {id(p): (gi, pi) for gi, g in enumerate(self.param_groups)
+                 for pi, p in enumerate(g["params"])}
+        return [[where[id(items[j][1])] for j in b] for b in self._buckets]
+
+    def _restore_loaded_errors(self) -> None:
+        if self._loaded_errors is None:
             return
-        for gi, group in enumerate(self.param_groups):
-            items = [(p, tensors[p]) for p in group["params"] if p in tensors]
-            if not items:
-                continue
-            if not self.fused:
-                for p, t in items:
-                    compressed_average_(t, self.state[p], self.comm)
-                continue
-            flat = torch.cat([t.reshape(-1) for _, t in items])
-            compressed_average_(flat, self._group_errors.setdefault(gi, {}), self.comm)
+        plan, errors = self._loaded_errors
+        self._loaded_errors = None
+        if plan == self._plan_desc:
+            self.compressor.load_state_dict(errors)
+        else:
+            warnings.warn(f"{self._name}: the checkpoint's compression buckets differ from this "
+                          "optimizer's (bucket size, per_parameter or parameters with gradients "
+                          "changed): error buffers reset to zero", RuntimeWarning, stacklevel=4)
+
+    def _compressed_average(self, items: List[Tuple[Dict[str, Any], torch.Tensor]],
+                            fill: Callable[[Dict[str, Any], torch.Tensor, torch.Tensor], None]
+                            ) -> Dict[torch.Tensor, torch.Tensor]:
+        """1-bit average across ranks of one fp32 tensor per parameter of ``items``.
+
+        ``fill(group, p, out)`` writes the tensor to average for ``p`` into ``out`` (fp32, shaped
+        like ``p``); the buckets are filled one by one, each while the previous is on the wire.
+        Returns ``{p: averaged tensor}`` (views into staging buffers, valid until the next call).
+        All or nothing: on an exception nothing outside the staging buffers was written, on any
+        rank. One rank: the filled tensors themselves (no compression without peers).
+        """
+        if not items:
+            return {}
+        buckets = self._bucket_plan(items)
+        device = items[0][1].device
+        views: Dict[torch.Tensor, torch.Tensor] = {}
+
+        def stage(b: int) -> torch.Tensor:
+            idx = buckets[b]
+            n = sum(items[j][1].numel() for j in idx)
+            flat = self._staging.get(b)
+            if flat is None or flat.numel() != n or flat.device != device:
+                flat = torch.empty(n, dtype=torch.float32, device=device)
+                self._staging[b] = flat
             off = 0
-            for _, t in items:
-                t.copy_(flat[off:off + t.numel()].view_as(t))
-                off += t.numel()
+            for j in idx:
+                group, p = items[j]
+                view = flat[off:off + p.numel()].view(p.shape)
+                fill(group, p, view)
+                views[p] = view
+                off += p.numel()
+            return flat
+
+        self.compressor.average_(list(range(len(buckets))), stage)
+        return views
 
     def _zero_errors(self) -> None:
-        for st in list(self.state.values()) + list(self._group_errors.values()):
-            for k in ERROR_KEYS:
-                if k in st:
-                    st[k].zero_()
+        self.compressor.zero_()
 
     def _grads(self, average: bool) -> Dict[torch.Tensor, torch.Tensor]:
         """fp32 gradients of every parameter that has one, averaged across ranks if ``average``
@@ -308,11 +374,19 @@ class OneBitBase(torch.optim.Optimizer):
                 g.mul_(inv)
         if average and not (self.grads_averaged or self._hook_averaged):
             average_(list(grads.values()), self.comm)
+        if average or self.world_size == 1:
+            # averaged gradients are the same on every rank, so are their checks; the compressed
+            # average checks its inputs itself, on every rank
+            self._check_finite(grads.values(), agree=False)
         return grads
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         """One optimizer step (collective: every rank of the group must call it).
+
+        If any rank meets a non-finite gradient (or compressed value), every rank skips the step:
+        parameters, moments, error buffers and schedule stay as they were, and
+        ``skipped_steps`` grows by one.
 
         Parameters
         ----------
@@ -323,13 +397,29 @@ class OneBitBase(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self._amp_skip():
-            self._step()
+        if self._amp_skip():
+            self.skipped_steps += 1
+        else:
+            try:
+                self._step()
+            except NonFiniteError:
+                self.skipped_steps += 1
         self._finish_step()
         return loss
 
+    def _check_finite(self, tensors: Iterable[torch.Tensor], agree: bool) -> None:
+        """Raise NonFiniteError (a skipped step) if ``tensors`` hold Inf/NaN -- on this rank, or
+        with ``agree`` on any rank (one small all-reduce; needed where nothing else is sent)."""
+        bad = 0.0 if all_finite(tensors) else 1.0
+        if agree:
+            bad = all_max(bad, self.comm)
+        if bad:
+            raise NonFiniteError(f"[rank {self.rank}] {self._name}: non-finite gradient; step "
+                                 "skipped on every rank")
+
     def _step(self) -> None:
-        """The optimizer's own update; subclasses implement it."""
+        """The optimizer's own update; subclasses implement it. Everything that can fail (the
+        checks, the communication) runs before the first write of any state."""
         raise NotImplementedError
 
     def _amp_skip(self) -> bool:
@@ -347,18 +437,19 @@ class OneBitBase(torch.optim.Optimizer):
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         """torch's optimizer state dict plus ``"compcomm"``: the step counter and schedule, and --
-        with ``exact_resume=True`` -- this rank's error buffers (save one file per rank then)."""
+        with ``exact_resume=True`` -- this rank's error buffers and the bucket layout they belong to
+        (save one file per rank then)."""
         sd = super().state_dict()
         extra: Dict[str, Any] = {"sched": dict(self.sched), "world_size": self.world_size,
-                                 "rank": self.rank, "exact": self.exact_resume}
-        if self.exact_resume and self._group_errors:
-            extra["group_errors"] = {gi: {k: v.clone() for k, v in e.items()}
-                                     for gi, e in self._group_errors.items()}
+                                 "rank": self.rank, "exact": self.exact_resume,
+                                 "skipped_steps": self.skipped_steps}
+        if self.exact_resume:
+            if self._loaded_errors is not None:  # loaded, not used yet: pass it on unchanged
+                extra["bucket_plan"], extra["bucket_errors"] = self._loaded_errors
+            elif self.compressor.keys():  # no plan: a layout of the optimizer's own (OneBitLamb)
+                extra["bucket_plan"] = self._plan_desc if self._plan_key is not None else None
+                extra["bucket_errors"] = self.compressor.state_dict()
         extra.update(self._extra_state())
-        if not self.exact_resume:
-            for s in sd["state"].values():
-                for k in ERROR_KEYS:
-                    s.pop(k, None)
         sd["compcomm"] = extra
         return sd
 
@@ -368,14 +459,35 @@ class OneBitBase(torch.optim.Optimizer):
     def _load_extra_state(self, extra: Dict[str, Any], exact: bool) -> None:
         pass
 
+    def _saved_errors(self, extra: Dict[str, Any]) -> Optional[Tuple[Any, Dict[Any, Any]]]:
+        """(bucket plan, errors) of a checkpoint, also of the layouts before buckets: per-parameter
+        errors in the parameters' state, or ``fused`` errors per group. None if it has none."""
+        if extra.get("bucket_errors"):
+            return extra.get("bucket_plan"), extra["bucket_errors"]
+        if extra.get("group_errors"):
+            plan = [[(gi, pi) for pi, p in enumerate(self.param_groups[gi]["params"])
+                     if p.numel() > 0] for gi in sorted(extra["group_errors"])]
+            return plan, dict(enumerate(extra["group_errors"][gi]
+                                        for gi in sorted(extra["group_errors"])))
+        plan, errors = [], {}
+        for gi, g in enumerate(self.param_groups):
+            for pi, p in enumerate(g["params"]):
+                st = self.state.get(p, {})
+                if all(k in st for k in ERROR_KEYS):
+                    errors[len(plan)] = {k: st[k] for k in ERROR_KEYS}
+                    plan.append([(gi, pi)])
+        return (plan, errors) if errors else None
+
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a state dict from :meth:`state_dict` (or a DeepSpeed-style one without schedule).
 
         The parameter groups' ``exp_avg_mask`` stay the ones given to this optimizer (a
         checkpoint's mask is ignored). Error buffers are reset to zero, as DeepSpeed does, unless
         this optimizer was built with ``exact_resume=True`` and the checkpoint was written by the
-        same rank of a world of the same size with ``exact_resume=True``; otherwise, if the
-        checkpoint holds error buffers, a warning says they were reset.
+        same rank of a world of the same size with ``exact_resume=True`` and the same bucket layout
+        (checkpoints of the per-parameter layout, from before bucketing, need
+        ``per_parameter=True``); otherwise, if the checkpoint holds error buffers, a warning says
+        they were reset.
         """
         state_dict = dict(state_dict)
         extra = state_dict.pop("compcomm", None) or {}
@@ -390,29 +502,34 @@ class OneBitBase(torch.optim.Optimizer):
             g.pop("exp_avg_mask", None)
             if mask is not None:
                 g["exp_avg_mask"] = mask
-        has_errors = any(k in s for s in self.state.values() for k in ERROR_KEYS) or \
-            bool(extra.get("group_errors"))
-        exact = (self.exact_resume and bool(extra.get("exact")) and has_errors
+        saved = self._saved_errors(extra)
+        for st in self.state.values():  # per-parameter errors of old checkpoints: now in `saved`
+            for k in ERROR_KEYS:
+                st.pop(k, None)
+        exact = (self.exact_resume and bool(extra.get("exact")) and saved is not None
                  and extra.get("world_size") == self.world_size and extra.get("rank") == self.rank)
-        if has_errors and not exact:
-            if self.exact_resume:
-                warnings.warn(
-                    f"{self._name}: checkpoint from rank {extra.get('rank')} of world size "
-                    f"{extra.get('world_size')} loaded on rank {self.rank} of {self.world_size}: "
-                    "compression error buffers reset to zero (trajectory will differ slightly)",
-                    RuntimeWarning, stacklevel=2)
-        if not exact:
-            for s in self.state.values():
-                for k in ERROR_KEYS:
-                    s.pop(k, None)
-        self._group_errors = {}
-        if exact and extra.get("group_errors"):
-            self._group_errors = {gi: {k: v.clone() for k, v in e.items()}
-                                  for gi, e in extra["group_errors"].items()}
+        if saved is not None and not exact and self.exact_resume:
+            warnings.warn(
+                f"{self._name}: checkpoint from rank {extra.get('rank')} of world size "
+                f"{extra.get('world_size')} loaded on rank {self.rank} of {self.world_size}: "
+                "compression error buffers reset to zero (trajectory will differ slightly)",
+                RuntimeWarning, stacklevel=2)
+        self.compressor.reset()
+        self._plan_key = None
+        self._loaded_errors = None
+        if exact:
+            plan, errors = saved
+            errors = {k: {kk: vv.detach().clone() for kk, vv in v.items()}
+                      for k, v in errors.items()}
+            if plan is None:  # a layout of the optimizer's own (OneBitLamb's fused momentum)
+                self.compressor.load_state_dict(errors)
+            else:  # restored when the next step builds the same buckets
+                self._loaded_errors = ([[tuple(x) for x in b] for b in plan], errors)
         if "sched" in extra:
             self.sched = dict(extra["sched"])
         else:
             self.sched = self._sched_from_state()
+        self.skipped_steps = int(extra.get("skipped_steps", 0))
         self._load_extra_state(extra, exact)
 
     def _load_torch_state(self, state_dict: Dict[str, Any]) -> None:

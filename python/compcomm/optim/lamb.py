@@ -177,7 +177,8 @@ class OneBitLamb(c.OneBitBase):
 
     def _compressed_step(self, t: int, grads: Dict[torch.Tensor, torch.Tensor]) -> None:
         params = self._fused_params()
-        if params and "scaling_coeff" not in self.state[params[0]]:
+        new_coeffs = bool(params) and "scaling_coeff" not in self.state[params[0]]
+        if new_coeffs:
             scales = [float(self.state[p]["exp_avg"].norm()) / math.sqrt(p.numel())
                       for p in params]
             united = sum(scales) / len(scales)
@@ -188,8 +189,16 @@ class OneBitLamb(c.OneBitBase):
             st = self.state[p]
             b1 = group["betas"][0]
             st["exp_avg"].mul_(b1).add_(grads[p], alpha=1 - b1).mul_(st["scaling_coeff"])
-        # one compressed allreduce of the whole fused momentum, with the group-0 error buffers
-        c.compressed_average_(self._flat, self._group_errors.setdefault(0, {}), self.comm)
+        # one compressed allreduce of the whole fused momentum; if it fails (on any rank), the
+        # momentum and the coefficients frozen just now are put back: the step changed nothing
+        try:
+            self.compressor.average_(["fused"], lambda i: self._flat)
+        except Exception:
+            self._flat.copy_(m_last)
+            if new_coeffs:
+                for p in params:
+                    self.state[p].pop("scaling_coeff", None)
+            raise
         off = 0
         offsets = {}
         for p in params:
@@ -244,6 +253,12 @@ class OneBitLamb(c.OneBitBase):
         if self._flat is not None:
             out["fused_pad"] = self._flat[self._total:].clone()
         return out
+
+    def _saved_errors(self, extra: Dict[str, Any]) -> Optional[Tuple[Any, Dict[Any, Any]]]:
+        # one fused momentum, one bucket (checkpoints from before buckets: group 0's errors)
+        if extra.get("group_errors"):
+            return None, {"fused": extra["group_errors"][0]}
+        return super()._saved_errors(extra)
 
     def _load_extra_state(self, extra: Dict[str, Any], exact: bool) -> None:
         self._flat = None  # rebuilt from the loaded exp_avg at the next step

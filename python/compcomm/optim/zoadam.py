@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -22,7 +22,7 @@ class ZeroOneAdam(c.OneBitBase):
       ``var_update_scaler`` variance updates ``var_interval`` doubles.
     * **Frozen phase**: no gradient communication. Each rank steps with its local momentum and
       accumulates its update ``u``; every ``local_step_interval`` steps the ranks synchronise
-      ``u`` (times ``sqrt(v)+eps``) with one compressed allreduce per parameter, roll back to the
+      ``u`` (times ``sqrt(v)+eps``) with one compressed allreduce per bucket, roll back to the
       last synchronised parameters and apply the averaged update; the momentum becomes the
       lr-weighted average momentum. Every ``local_step_scaler`` steps the interval doubles, up to
       ``local_step_clipper``. Error buffers are zeroed once when the phase starts.
@@ -37,7 +37,8 @@ class ZeroOneAdam(c.OneBitBase):
     Parameters
     ----------
     params, lr, betas, eps, weight_decay, amsgrad, cuda_aware, comm_backend_name, process_group,
-    grads_averaged, exact_resume, fused, eps_inside_sqrt, max_grad_norm :
+    grads_averaged, exact_resume, reduce_bucket_size, per_parameter, fused, eps_inside_sqrt,
+    max_grad_norm :
         As :class:`compcomm.optim.OneBitAdam`.
     bias_correction : bool, default False
     var_freeze_step : int, default 100000
@@ -69,7 +70,8 @@ class ZeroOneAdam(c.OneBitBase):
                  local_step_clipper: int = 16, amsgrad: bool = False, cuda_aware: bool = False,
                  comm_backend_name: str = "torch", process_group: Any = None,
                  grads_averaged: bool = False, exact_resume: bool = False,
-                 fused: bool = False, wd_in_momentum: bool = True) -> None:
+                 reduce_bucket_size: Optional[int] = None, per_parameter: bool = False,
+                 fused: Optional[bool] = None, wd_in_momentum: bool = True) -> None:
         n = self._name
         c.check_common(n, lr, betas, eps, weight_decay, amsgrad)
         self.var_freeze_step = c.check_int(n, "var_freeze_step", var_freeze_step, 0)
@@ -81,7 +83,7 @@ class ZeroOneAdam(c.OneBitBase):
                         bias_correction=bool(bias_correction))
         super().__init__(params, defaults)
         self._init_common(comm_backend_name, process_group, cuda_aware, grads_averaged,
-                          exact_resume, fused)
+                          exact_resume, fused, reduce_bucket_size, per_parameter)
         self.sched.update(self._fresh_schedule())
 
     @staticmethod
@@ -116,14 +118,18 @@ class ZeroOneAdam(c.OneBitBase):
         kind = self.step_kind(t)
         frozen = s["freeze_key"]
         grads = self._grads(average=(kind == "var"))
+        items = list(self._params())
+        if kind == "local":  # nothing else is sent: agree on skipping with one small all-reduce
+            self._check_finite(grads.values(), agree=True)
+        elif kind == "grad1bit":
+            grads = self._compressed_average(items, lambda group, p, out: out.copy_(grads[p]))
+            for group, p in items:
+                c.mask_(grads[p], group)
+        elif kind == "sync":
+            self._sync_step(items, grads)
         if kind == "var":
             s["var_updates"] += 1
-        if kind == "grad1bit":
-            self._communicate(grads)
-            for group, p in self._params():
-                c.mask_(grads[p], group)
-        denoms: Dict[torch.Tensor, torch.Tensor] = {}
-        for group, p in self._params():
+        for group, p in items if kind != "sync" else ():
             state = self.state[p]
             m, v = c.moments(p, state)
             state["step"] = t
@@ -134,48 +140,15 @@ class ZeroOneAdam(c.OneBitBase):
             if kind == "var":
                 v.mul_(b2).addcmul_(g, g, value=1 - b2)
             m.mul_(b1).add_(g, alpha=1 - b1)
-            if frozen:
-                if "momentum_accumulator" not in state:
-                    state["momentum_accumulator"] = torch.zeros_like(m)
-                    state["lrs"] = 0.0
-                state["lrs"] += lr
-            denom = c.adam_denom(v, group, s["var_updates"])  # kept: a sync scales u by it
             update = c.adam_update(m, v, w, group, s["freeze_t"] if frozen else t,
-                                   s["var_updates"], denom=denom)
+                                   s["var_updates"])
             update.mul_(-lr)
             w.add_(update)
             if frozen:
-                acc = state["momentum_accumulator"]
+                acc = self._accumulator(p, state)
+                state["lrs"] += lr
                 acc.add_(update)
-                if kind == "sync":  # roll back to the last synchronised point; sync u*(sqrt v+eps)
-                    w.sub_(acc)
-                    acc.mul_(denom)
-                    denoms[p] = denom
-                    continue
             c.write_back(p, state)
-        if kind == "sync":
-            self._communicate({p: self.state[p]["momentum_accumulator"] for p in denoms})
-            for group, p in self._params():
-                state = self.state[p]
-                acc, m, denom = state["momentum_accumulator"], state["exp_avg"], denoms[p]
-                c.mask_(acc, group)
-                torch.div(acc, -state["lrs"], out=m)
-                wd = group["weight_decay"]
-                w = c.master(p, state)  # rolled back: the last synchronised parameters
-                if wd > 0 and not self.wd_in_momentum:
-                    # acc also holds -sum(lr*wd*w)*denom (the decoupled weight decay of the local
-                    # steps); keep it out of the rebuilt momentum (else wd is re-applied through m
-                    # at every later step: ~1/(1-beta1) times the asked-for weight decay)
-                    corr = w * denom
-                    corr.mul_(wd)
-                    c.mask_(corr, group)
-                    m.sub_(corr)
-                if group["bias_correction"]:
-                    m.mul_(1.0 - group["betas"][0] ** s["freeze_t"])
-                w.add_(acc / denom)
-                acc.zero_()
-                state["lrs"] = 0.0
-                c.write_back(p, state)
         # schedule bookkeeping (once per step, as DeepSpeed does per parameter)
         if not frozen:
             if kind == "var" and t > 1:  # step 1 stands for DeepSpeed's uncounted init call
@@ -194,6 +167,66 @@ class ZeroOneAdam(c.OneBitBase):
             s["freeze_key"] = True
             s["freeze_t"] = t
             self._zero_errors()  # the buffers now serve u instead of g: restart them
+
+    @staticmethod
+    def _accumulator(p: torch.Tensor, state: Dict[str, Any]) -> torch.Tensor:
+        """The update accumulated since the last sync (created at the first frozen step)."""
+        if "momentum_accumulator" not in state:
+            state["momentum_accumulator"] = torch.zeros_like(state["exp_avg"])
+            state["lrs"] = 0.0
+        return state["momentum_accumulator"]
+
+    def _sync_step(self, items: List[Tuple[Dict[str, Any], torch.Tensor]],
+                   grads: Dict[torch.Tensor, torch.Tensor]) -> None:
+        """A sync step: this step's update is added to the accumulated one ``u``, ``u (sqrt(v) +
+        eps)`` is 1-bit averaged, the parameters roll back to the last synchronised point and take
+        the averaged update, and the momentum becomes the lr-weighted average momentum. The update
+        is computed while staging, and nothing is written before the average has succeeded."""
+        s = self.sched
+        t = s["step"] + 1
+        pending: Dict[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def stage(group: Dict[str, Any], p: torch.Tensor, out: torch.Tensor) -> None:
+            state = self.state[p]
+            m, v = c.moments(p, state)
+            b1 = group["betas"][0]
+            m_new = torch.mul(m, b1).add_(grads[p], alpha=1 - b1)
+            denom = c.adam_denom(v, group, s["var_updates"])
+            update = c.adam_update(m_new, v, c.master(p, state), group, s["freeze_t"],
+                                   s["var_updates"], denom=denom).mul_(-group["lr"])
+            acc = state.get("momentum_accumulator")
+            (torch.add(acc, update, out=out) if acc is not None else out.copy_(update)).mul_(denom)
+            pending[p] = (update, denom)
+
+        averaged = self._compressed_average(items, stage)
+        for group, p in items:
+            state = self.state[p]
+            update, denom = pending[p]
+            state["step"] = t
+            w = c.master(p, state)
+            acc, m = self._accumulator(p, state), state["exp_avg"]
+            state["lrs"] += group["lr"]
+            w.add_(update)
+            acc.add_(update)
+            w.sub_(acc)  # roll back to the last synchronised parameters
+            acc.copy_(averaged[p])
+            c.mask_(acc, group)
+            torch.div(acc, -state["lrs"], out=m)
+            wd = group["weight_decay"]
+            if wd > 0 and not self.wd_in_momentum:
+                # acc also holds -sum(lr*wd*w)*denom (the decoupled weight decay of the local
+                # steps); keep it out of the rebuilt momentum (else wd is re-applied through m
+                # at every later step: ~1/(1-beta1) times the asked-for weight decay)
+                corr = w * denom
+                corr.mul_(wd)
+                c.mask_(corr, group)
+                m.sub_(corr)
+            if group["bias_correction"]:
+                m.mul_(1.0 - group["betas"][0] ** s["freeze_t"])
+            w.add_(acc / denom)
+            acc.zero_()
+            state["lrs"] = 0.0
+            c.write_back(p, state)
 
     def _sched_from_state(self) -> Dict[str, Any]:
         s = self._fresh_schedule()

@@ -1,0 +1,167 @@
+"""The 1-bit compressor of the optimizers: error-feedback buffers of a set of buckets, and the
+compressed average of all of them as one transaction.
+
+A step of a 1-bit optimizer averages several buckets (flat fp32 tensors: the momenta of a run of
+parameters). Each bucket is exchanged (every collective and check of the compressed allreduce; only
+the bucket's own workspace is written) on the communicator's worker thread while the caller stages
+the next bucket, so staging overlaps the wire. Only when every exchange has succeeded on this rank
+are the buckets committed (tensor and both error buffers written). An exchange that fails -- a rank
+with non-finite values, sizes that differ between ranks, a dead or hung peer -- fails on every rank,
+so either every rank commits every bucket or none commits anything.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Hashable, List, Sequence, Tuple
+
+import torch
+
+from . import _C
+from ._buffers import buffer_of
+from .collectives import DEFAULT_TIMEOUT, padded_numel
+
+__all__ = ["DEFAULT_BUCKET_ELEMENTS", "OneBitCompressor", "plan_buckets"]
+
+#: Elements per compressed bucket when the optimizer is not told otherwise (``reduce_bucket_size``):
+#: 64 MiB of fp32 momentum. Few enough collectives that a slow link's latency is paid a handful of
+#: times per step, small enough that a large model's buckets pipeline (staging under the wire).
+DEFAULT_BUCKET_ELEMENTS = 1 << 24
+
+
+def plan_buckets(sizes: Sequence[Tuple[Hashable, int]], limit: int) -> List[List[int]]:
+    """Cut a sequence of tensors into buckets of consecutive tensors.
+
+    Parameters
+    ----------
+    sizes : sequence of (group key, numel)
+        Tensors in order; tensors of different group keys never share a bucket.
+    limit : int
+        Most elements in a bucket; a tensor larger than ``limit`` gets a bucket of its own.
+        ``0`` puts every tensor in its own bucket (per-tensor compression).
+
+    Returns
+    -------
+    list of list of int
+        Indices into ``sizes``, bucket by bucket.
+    """
+    buckets: List[List[int]] = []
+    count, key = 0, object()
+    for i, (k, n) in enumerate(sizes):
+        if not buckets or k != key or limit == 0 or count + n > limit:
+            buckets.append([])
+            count, key = 0, k
+        buckets[-1].append(i)
+        count += n
+    return buckets
+
+
+class OneBitCompressor:
+    """Owns the error-feedback buffers of named buckets and averages buckets with 1-bit compression.
+
+    Parameters
+    ----------
+    comm : compcomm Communicator
+        The group the average runs over.
+    timeout : float
+        Seconds each collective may wait for peers.
+    """
+
+    def __init__(self, comm: _C.Communicator, timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.comm = comm
+        self.timeout = float(timeout)
+        # key -> (worker_error, server_error, workspace); zero on creation
+        self._buffers: Dict[Hashable, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._async = None
+
+    def _buffers_for(self, key: Hashable, padded: int, device: torch.device):
+        world = self.comm.size()
+        bufs = self._buffers.get(key)
+        if (bufs is not None and bufs[0].numel() == padded and bufs[0].device == device
+                and bufs[2].numel() > 0):
+            return bufs
+        total = _C.compressed_allreduce_layout(padded, world, device.type == "cuda")["total"]
+        if bufs is not None and bufs[0].numel() == padded:  # loaded on another device: move it
+            we, se = bufs[0].to(device), bufs[1].to(device)
+        else:
+            we = torch.zeros(padded, dtype=torch.float32, device=device)
+            se = torch.zeros(padded // world, dtype=torch.float32, device=device)
+        # zeroed workspace: the GPU norm kernels need a zero scratch on first use
+        bufs = (we, se, torch.zeros(max(total, 1), dtype=torch.uint8, device=device))
+        self._buffers[key] = bufs
+        return bufs
+
+    def average_(self, keys: Sequence[Hashable], stage: Callable[[int], torch.Tensor]) -> None:
+        """1-bit average, in place and on every rank, of the buckets ``stage(0), stage(1), ...``.
+
+        ``stage(i)`` fills and returns bucket ``i`` (a contiguous fp32 tensor, the same numel on
+        every rank); it is called in order, bucket ``i + 1`` while bucket ``i`` is on the wire. The
+        bucket named ``keys[i]`` keeps its error buffers across calls. All or nothing: if any
+        exchange fails (on any rank), no bucket and no error buffer is written and the exception
+        (:class:`~compcomm.errors.NonFiniteError`, ``RankMismatchError``, ``CommTimeoutError``,
+        ``BackendError``) is raised on every rank. With one rank nothing is sent and the buckets
+        keep their values (as DeepSpeed: no compression without peers).
+        """
+        tensors = []
+        if self.comm.size() == 1:
+            for i in range(len(keys)):
+                stage(i)
+            return
+        if self._async is None:
+            self._async = _C.zero.AsyncComm(self.comm)
+        works = []
+        for i, key in enumerate(keys):
+            t = stage(i)
+            we, se, ws = self._buffers_for(key, padded_numel(t.numel(), self.comm.size()), t.device)
+            stream = torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+            args = (buffer_of(t), buffer_of(we), buffer_of(se), buffer_of(ws))
+            works.append(self._async.compressed_allreduce_exchange(*args, self.timeout, stream))
+            tensors.append((args, stream))
+        error = None
+        for w in works:  # wait for every exchange, even after a failure: they use our buffers
+            try:
+                w.wait(self.timeout * 3)
+            except Exception as e:  # noqa: BLE001 -- re-raised below, after the others finished
+                error = error or e
+        if error is not None:
+            raise error
+        for args, stream in tensors:
+            _C.zero.compressed_allreduce_commit(self.comm, *args, stream)
+
+    def keys(self) -> List[Hashable]:
+        """The bucket names that have error buffers."""
+        return list(self._buffers)
+
+    def reset(self) -> None:
+        """Forget every error buffer (they restart at zero on next use)."""
+        self._buffers.clear()
+
+    def zero_(self) -> None:
+        """Set every error buffer to zero (keeping the allocations)."""
+        for we, se, _ in self._buffers.values():
+            we.zero_()
+            se.zero_()
+
+    def state_dict(self) -> Dict[Hashable, Dict[str, torch.Tensor]]:
+        """This rank's error buffers: ``{key: {"worker_error", "server_error"}}`` (copies)."""
+        return {k: {"worker_error": we.clone(), "server_error": se.clone()}
+                for k, (we, se, _) in self._buffers.items()}
+
+    def load_state_dict(self, state: Dict[Hashable, Dict[str, torch.Tensor]]) -> None:
+        """Restore what :meth:`state_dict` returned (same world size)."""
+        world = self.comm.size()
+        for k, bufs in state.items():
+            we, se = bufs["worker_error"], bufs["server_error"]
+            if we.numel() % (8 * world) or se.numel() * world != we.numel():
+                raise ValueError(f"OneBitCompressor.load_state_dict: bucket {k!r} has error buffers "
+                                 f"of {we.numel()} / {se.numel()} elements, not a world of {world}")
+        self._buffers = {}
+        for k, bufs in state.items():
+            we, se = bufs["worker_error"], bufs["server_error"]
+            self._buffers[k] = (we.detach().clone(), se.detach().clone(),
+                                torch.zeros(0, dtype=torch.uint8))  # workspace made on first use
+
+    def close(self) -> None:
+        """Stop the worker thread (idempotent)."""
+        if self._async is not None:
+            self._async.close()
+            self._async = None
