@@ -154,7 +154,10 @@ def local_phase_case(rank: int, world: int, comm: Any, case: Dict[str, Any]) -> 
         opt.step()
         opt.zero_grad()
         out["plain"].append(_flat(params))
-    out["plain_state_bytes"] = sum(v.numel() * v.element_size() for v in _state_tensors(opt))
+    inner = opt.memory_bytes()
+    out["plain_state_bytes"] = sum(v.numel() * v.element_size()
+                                   for v in _state_tensors(opt)) + inner["error_feedback"]
+    out["plain_buffer_bytes"] = inner["buffers"]
     return out
 
 

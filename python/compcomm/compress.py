@@ -127,6 +127,11 @@ class OneBitCompressor:
         for args, stream in tensors:
             _C.zero.compressed_allreduce_commit(self.comm, *args, stream)
 
+    def nbytes(self) -> Tuple[int, int]:
+        """(bytes of error buffers, bytes of exchange workspaces) held now."""
+        errors = sum((we.numel() + se.numel()) * 4 for we, se, _ in self._buffers.values())
+        return errors, sum(ws.numel() for _, _, ws in self._buffers.values())
+
     def keys(self) -> List[Hashable]:
         """The bucket names that have error buffers."""
         return list(self._buffers)

@@ -234,7 +234,8 @@ class OneBitBase(torch.optim.Optimizer):
 
     def _init_common(self, comm_backend_name: str, process_group: Any, cuda_aware: bool,
                      grads_averaged: bool, exact_resume: bool, fused: Optional[bool] = None,
-                     reduce_bucket_size: Optional[int] = None, per_parameter: bool = False) -> None:
+                     reduce_bucket_size: Optional[int] = None, per_parameter: bool = False,
+                     check_finite: bool = True) -> None:
         self.comm = resolve_comm(self._name, comm_backend_name, process_group)
         self.process_group = process_group
         self.world_size = self.comm.size()
@@ -243,6 +244,7 @@ class OneBitBase(torch.optim.Optimizer):
         self.cuda_aware = bool(cuda_aware)
         self.grads_averaged = bool(grads_averaged)
         self.exact_resume = bool(exact_resume)
+        self.check_finite = bool(check_finite)
         if reduce_bucket_size is None:
             reduce_bucket_size = DEFAULT_BUCKET_ELEMENTS
         self.reduce_bucket_size = check_int(self._name, "reduce_bucket_size", reduce_bucket_size, 1)
@@ -338,6 +340,12 @@ class OneBitBase(torch.optim.Optimizer):
         """
         if not items:
             return {}
+        if self.world_size == 1:  # nothing is sent: no buckets, no staging kept between steps
+            views = {}
+            for group, p in items:
+                views[p] = torch.empty(p.shape, dtype=torch.float32, device=p.device)
+                fill(group, p, views[p])
+            return views
         buckets = self._bucket_plan(items)
         device = items[0][1].device
         views: Dict[torch.Tensor, torch.Tensor] = {}
@@ -363,6 +371,14 @@ class OneBitBase(torch.optim.Optimizer):
 
     def _zero_errors(self) -> None:
         self.compressor.zero_()
+
+    def memory_bytes(self) -> Dict[str, int]:
+        """Bytes of communication state this rank holds beyond ``self.state``:
+        ``error_feedback`` (worker and server error buffers of every bucket) and ``buffers``
+        (the buckets' fp32 staging and exchange workspaces)."""
+        errors, workspaces = self.compressor.nbytes()
+        staging = sum(t.numel() * t.element_size() for t in self._staging.values())
+        return {"error_feedback": errors, "buffers": staging + workspaces}
 
     def _grads(self, average: bool) -> Dict[torch.Tensor, torch.Tensor]:
         """fp32 gradients of every parameter that has one, averaged across ranks if ``average``
@@ -410,6 +426,8 @@ class OneBitBase(torch.optim.Optimizer):
     def _check_finite(self, tensors: Iterable[torch.Tensor], agree: bool) -> None:
         """Raise NonFiniteError (a skipped step) if ``tensors`` hold Inf/NaN -- on this rank, or
         with ``agree`` on any rank (one small all-reduce; needed where nothing else is sent)."""
+        if not self.check_finite:
+            return
         bad = 0.0 if all_finite(tensors) else 1.0
         if agree:
             bad = all_max(bad, self.comm)

@@ -71,6 +71,10 @@ class OneBitAdam(c.OneBitBase):
     fused : bool, optional
         The earlier switch: ``True`` is one bucket per param group (DeepSpeed's fp16 layout),
         ``False`` is ``per_parameter=True``.
+    check_finite : bool, default True
+        Skip (on every rank, counted in ``skipped_steps``) a step whose averaged gradients hold
+        Inf/NaN: one host synchronisation per warm-up step. The compressed phase is checked by the
+        compressed allreduce itself. ``False`` when the caller checks already (ZeroOptimizer).
     eps_inside_sqrt, max_grad_norm :
         Accepted and ignored, as DeepSpeed does.
     """
@@ -84,14 +88,15 @@ class OneBitAdam(c.OneBitBase):
                  comm_backend_name: str = "torch", process_group: Any = None,
                  grads_averaged: bool = False, exact_resume: bool = False,
                  reduce_bucket_size: Optional[int] = None, per_parameter: bool = False,
-                 fused: Optional[bool] = None) -> None:
+                 fused: Optional[bool] = None, check_finite: bool = True) -> None:
         c.check_common(self._name, lr, betas, eps, weight_decay, amsgrad)
         self.freeze_step = c.check_int(self._name, "freeze_step", freeze_step, 0)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bool(bias_correction))
         super().__init__(params, defaults)
         self._init_common(comm_backend_name, process_group, cuda_aware, grads_averaged,
-                          exact_resume, fused, reduce_bucket_size, per_parameter)
+                          exact_resume, fused, reduce_bucket_size, per_parameter,
+                          check_finite)
 
     @property
     def adam_freeze_key(self) -> bool:

@@ -37,8 +37,8 @@ class ZeroOneAdam(c.OneBitBase):
     Parameters
     ----------
     params, lr, betas, eps, weight_decay, amsgrad, cuda_aware, comm_backend_name, process_group,
-    grads_averaged, exact_resume, reduce_bucket_size, per_parameter, fused, eps_inside_sqrt,
-    max_grad_norm :
+    grads_averaged, exact_resume, reduce_bucket_size, per_parameter, fused, check_finite,
+    eps_inside_sqrt, max_grad_norm :
         As :class:`compcomm.optim.OneBitAdam`.
     bias_correction : bool, default False
     var_freeze_step : int, default 100000
@@ -71,7 +71,7 @@ class ZeroOneAdam(c.OneBitBase):
                  comm_backend_name: str = "torch", process_group: Any = None,
                  grads_averaged: bool = False, exact_resume: bool = False,
                  reduce_bucket_size: Optional[int] = None, per_parameter: bool = False,
-                 fused: Optional[bool] = None, wd_in_momentum: bool = True) -> None:
+                 fused: Optional[bool] = None, check_finite: bool = True, wd_in_momentum: bool = True) -> None:
         n = self._name
         c.check_common(n, lr, betas, eps, weight_decay, amsgrad)
         self.var_freeze_step = c.check_int(n, "var_freeze_step", var_freeze_step, 0)
@@ -83,7 +83,8 @@ class ZeroOneAdam(c.OneBitBase):
                         bias_correction=bool(bias_correction))
         super().__init__(params, defaults)
         self._init_common(comm_backend_name, process_group, cuda_aware, grads_averaged,
-                          exact_resume, fused, reduce_bucket_size, per_parameter)
+                          exact_resume, fused, reduce_bucket_size, per_parameter,
+                          check_finite)
         self.sched.update(self._fresh_schedule())
 
     @staticmethod
@@ -119,7 +120,7 @@ class ZeroOneAdam(c.OneBitBase):
         frozen = s["freeze_key"]
         grads = self._grads(average=(kind == "var"))
         items = list(self._params())
-        if kind == "local":  # nothing else is sent: agree on skipping with one small all-reduce
+        if kind == "local":  # nothing else is sent: agree on skipping with one 4-byte all-reduce
             self._check_finite(grads.values(), agree=True)
         elif kind == "grad1bit":
             grads = self._compressed_average(items, lambda group, p, out: out.copy_(grads[p]))

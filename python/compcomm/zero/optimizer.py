@@ -845,6 +845,10 @@ class ZeroOptimizer:
             for v in st.values():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
                     state += v.numel() * v.element_size()
+        if hasattr(self.optimizer, "memory_bytes"):  # a 1-bit optimizer's own error feedback
+            inner = self.optimizer.memory_bytes()
+            state += inner["error_feedback"]
+            buffers += inner["buffers"]
         return {
             "params": params,
             "grads": grads,
@@ -918,7 +922,8 @@ def _onebit_inner_kwargs(name: str, kwargs: Dict[str, Any]) -> Dict[str, Any]:
                 f"optimizer_kwargs.{key}={kwargs[key]!r} is not supported with ZeRO: ZeroOptimizer "
                 "does the communication on its own process group"
             )
-    return dict(kwargs, comm_backend_name="torch", grads_averaged=True,
+    # ZeroOptimizer skips non-finite steps itself (global norm / overflow flag, on every rank)
+    return dict(kwargs, comm_backend_name="torch", grads_averaged=True, check_finite=False,
                 process_group=_C.LocalCommunicator())
 
 
