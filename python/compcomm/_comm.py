@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import os
+import warnings
 from typing import Any, Optional, Union
 
 import torch.distributed as dist
 
-from . import _C
+from . import _C, _nccl
 from ._buffers import tensor_of
-from .errors import BackendError, CommTimeoutError
+from .errors import BackendError, CommTimeoutError, UnsupportedError
 
 # torch 2.13 renamed the tensor forms of all_gather/reduce_scatter; older releases have only these.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -116,13 +118,30 @@ def set_default_communicator(comm: Optional[_C.Communicator]) -> None:
     _default = comm
 
 
+def _native_nccl(group: Optional[Any]) -> Optional[_C.Communicator]:
+    """compcomm's own NCCL communicator for a torch ``nccl`` process group, when this build has one
+    (``$COMPCOMM_NATIVE_NCCL=0`` turns it off); None otherwise or if NCCL cannot be loaded here."""
+    pg = group if group is not None else dist.group.WORLD
+    if (os.environ.get("COMPCOMM_NATIVE_NCCL", "1") == "0" or not _C.build_info()["nccl"]
+            or dist.get_backend(pg) != "nccl"):
+        return None
+    try:
+        return _nccl.make_nccl_communicator(group)
+    except UnsupportedError as e:  # e.g. no libnccl.so.2 here: the adapter still works
+        warnings.warn(f"compcomm: native NCCL unavailable ({e}); using the torch adapter",
+                      RuntimeWarning, stacklevel=3)
+        return None
+
+
 def resolve(group: Group) -> _C.Communicator:
     """The communicator for a ``group`` argument.
 
     ``None`` means: the communicator set by :func:`compcomm.init` if any, else torch's default
     process group if torch.distributed is initialized, else a world of one rank (no network).
-    A ``torch.distributed`` process group gets a cached :class:`TorchCommunicator`; a compcomm
-    Communicator is used as it is.
+    A ``torch.distributed`` process group gets a cached communicator: compcomm's native NCCL
+    communicator for an ``nccl`` group (created once from the group: its unique id travels over
+    it; CUDA tensors only, on the caller's stream) when the build has NCCL, else a
+    :class:`TorchCommunicator`. A compcomm Communicator is used as it is.
     """
     if isinstance(group, _C.Communicator):
         return group
@@ -134,14 +153,19 @@ def resolve(group: Group) -> _C.Communicator:
     pg = group if group is not None else dist.group.WORLD
     entry = _torch_comms.get(id(pg))  # the entry holds pg, so its id cannot be reused meanwhile
     if entry is None or entry[0] is not pg:
-        entry = (pg, TorchCommunicator(group))
+        entry = (pg, _native_nccl(group) or TorchCommunicator(group))
         _torch_comms[id(pg)] = entry
     return entry[1]
 
 
 def forget_process_groups() -> None:
-    """Drop cached adapters (call after torch.distributed.destroy_process_group)."""
+    """Drop the communicators made for torch process groups (call after
+    ``torch.distributed.destroy_process_group``); native NCCL ones are destroyed."""
+    comms = [c for _, c in _torch_comms.values()]
     _torch_comms.clear()
+    for c in comms:
+        if hasattr(c, "destroy") and not c.closed:
+            c.destroy(30.0)
 
 
 # The adapters hold their process groups; dropping them while the interpreter is still whole avoids

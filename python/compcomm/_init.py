@@ -10,7 +10,7 @@ from __future__ import annotations
 import atexit
 from typing import Any, Callable, Dict, Optional
 
-from . import _C
+from . import _C, _nccl
 from ._comm import TorchCommunicator, set_default_communicator
 from .collectives import DEFAULT_TIMEOUT
 from .errors import UnsupportedError
@@ -83,9 +83,7 @@ def _make_nccl(cuda_aware: Optional[bool], comm: Any, timeout_s: float) -> _C.Co
             "init",
             "nccl",
         )
-    from ._nccl import make_nccl_communicator
-
-    return make_nccl_communicator(comm, timeout=timeout_s)
+    return _nccl.make_nccl_communicator(comm, timeout=timeout_s)
 
 
 register_backend("mpi", _make_mpi)
@@ -191,6 +189,4 @@ def shutdown() -> None:
 def _shutdown(keep: Optional[_C.Communicator]) -> None:
     set_default_communicator(None)  # only init() sets one
     if _C.build_info()["nccl"]:
-        from ._nccl import shutdown_nccl
-
-        shutdown_nccl(keep=keep)
+        _nccl.shutdown_nccl(keep=keep)

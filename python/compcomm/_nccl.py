@@ -215,18 +215,13 @@ def shutdown_nccl(timeout: float = 30.0, keep: Any = None) -> int:
     """Destroy every cached NCCL communicator but ``keep`` (each waits at most ``timeout`` s for its
     pending work, then aborts).
 
-    If one of them is the default communicator (``compcomm.init``), the default is reset. Returns
-    how many were destroyed. Safe to call more than once; registered with ``atexit``;
-    ``compcomm.shutdown()`` calls it.
+    Returns how many were destroyed. Safe to call more than once; registered with ``atexit``;
+    ``compcomm.shutdown()`` calls it (after resetting the default communicator).
     """
-    from . import _comm
-
     comms = [c for _, c in _cache.values() if c is not keep]
     for key in [k for k, (_, c) in _cache.items() if c is not keep]:
         del _cache[key]
     for c in comms:
-        if _comm._default is c:
-            _comm.set_default_communicator(None)
         c.destroy(timeout)
     return len(comms)
 

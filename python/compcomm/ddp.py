@@ -6,6 +6,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from . import _C
+
 __all__ = ["ddp_comm_hook"]
 
 
@@ -38,8 +40,10 @@ def ddp_comm_hook(optimizer: Any) -> Callable[[Any, Any], torch.futures.Future]:
     if not hasattr(optimizer, "next_step_averages"):
         raise TypeError("ddp_comm_hook: argument 'optimizer' must be a compcomm.optim optimizer, "
                         f"got {type(optimizer).__name__}")
-    comm = optimizer.comm
-    group = getattr(comm, "group", None)
+    # the torch process group DDP's warm-up allreduce runs on: the optimizer's (its communicator
+    # may be compcomm's native NCCL one, which DDP cannot use)
+    group = getattr(optimizer, "process_group", None)
+    group = getattr(group, "group", None) if isinstance(group, _C.Communicator) else group
     world = optimizer.world_size
 
     def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -1,0 +1,95 @@
+"""Which communicator ``group=None`` (or a passed torch process group) means: the torch adapter for
+gloo, compcomm's native NCCL communicator for an ``nccl`` group when built (created once, cached),
+the adapter again when native NCCL is switched off or cannot load. NCCL needs a GPU, so the
+``nccl`` backend name and the native communicator are stood in for here; the GPU machine runs the
+real thing (bench/run_device.sh)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch.distributed as dist
+
+import compcomm
+from compcomm import _C, _comm
+from compcomm.optim import OneBitAdam
+from compcomm.errors import UnsupportedError
+
+
+@pytest.fixture
+def gloo_world():
+    fd, path = tempfile.mkstemp()
+    os.close(fd)
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+    _comm.forget_process_groups()
+    yield
+    _comm.forget_process_groups()
+    dist.destroy_process_group()
+    if os.path.exists(path):  # the file store may have removed it
+        os.unlink(path)
+
+
+@pytest.fixture
+def as_nccl(monkeypatch):
+    """The world group reports backend 'nccl', the build has NCCL, and the native communicator
+    is a LocalCommunicator whose creations are counted."""
+    made = []
+
+    def fake_make(group=None, *a, **k):
+        made.append(group)
+        return _C.LocalCommunicator()
+
+    info = dict(_C.build_info(), nccl=True)
+    monkeypatch.setattr(_comm.dist, "get_backend", lambda pg=None: "nccl")
+    monkeypatch.setattr(_comm._C, "build_info", lambda: info)
+    monkeypatch.setattr(_comm._nccl, "make_nccl_communicator", fake_make)
+    return made
+
+
+def test_gloo_group_uses_the_torch_adapter(gloo_world):
+    comm = compcomm.get_communicator(None)
+    assert isinstance(comm, compcomm.TorchCommunicator)
+    assert compcomm.get_communicator(dist.group.WORLD) is comm  # one cached adapter per group
+
+
+def test_nccl_group_uses_native_nccl_once(gloo_world, as_nccl):
+    comm = compcomm.get_communicator(None)
+    assert isinstance(comm, _C.LocalCommunicator) and as_nccl == [None]
+    assert compcomm.get_communicator(None) is comm  # cached: made once per process group
+    assert compcomm.get_communicator(dist.group.WORLD) is comm and as_nccl == [None]
+    opt = OneBitAdam([torch_param()], freeze_step=1)
+    assert opt.comm is comm  # the optimizers (and so the DDP hook, ZeRO) get it with no change
+
+
+def test_native_nccl_switched_off(gloo_world, as_nccl, monkeypatch):
+    monkeypatch.setenv("COMPCOMM_NATIVE_NCCL", "0")
+    assert isinstance(compcomm.get_communicator(None), compcomm.TorchCommunicator)
+    assert as_nccl == []
+
+
+def test_native_nccl_unloadable_falls_back_with_warning(gloo_world, as_nccl, monkeypatch):
+    def broken(*a, **k):
+        raise UnsupportedError("no libnccl.so.2", "load", "nccl")
+
+    monkeypatch.setattr(_comm._nccl, "make_nccl_communicator", broken)
+    with pytest.warns(RuntimeWarning, match="native NCCL unavailable"):
+        comm = compcomm.get_communicator(None)
+    assert isinstance(comm, compcomm.TorchCommunicator)
+
+
+def test_init_overrides_and_no_torch_means_local():
+    assert not dist.is_initialized()
+    assert isinstance(compcomm.get_communicator(None), _C.LocalCommunicator)
+    local = compcomm.init("local")
+    try:
+        assert compcomm.get_communicator(None) is local
+    finally:
+        compcomm.shutdown()
+
+
+def torch_param():
+    import torch
+
+    return torch.nn.Parameter(torch.zeros(3))
