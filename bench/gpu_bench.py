@@ -12,8 +12,9 @@ the same run, the fraction of the HBM floor, and the peak extra GPU memory of on
 * HBM floor: bytes that must move / device-to-device copy bandwidth measured in the same run. Bytes
   that must move = the tensor read and written once, the fp32 worker error read and written once, and
   the fp32 server error (P/W elements) read and written once. Fraction = floor / measured time.
-* compcomm modes: ``check`` (the default, check=True: one small device-to-host copy + stream sync per
-  call), ``nocheck`` (check=False: no host sync) and ``graph`` (check=False captured once in a CUDA
+* compcomm modes: ``default`` (what a torchrun user calls: ``group=None`` under a torch ``nccl``
+  process group, check=True), ``check`` (a LocalCommunicator, check=True: one small device-to-host copy
+  + stream sync per call), ``nocheck`` (check=False: no host sync) and ``graph`` (check=False captured once in a CUDA
   graph and replayed).
 * DeepSpeed's backend computes in the dtype of its buffer and its 1-bit optimizers hold fp32
   momentum; it was never run on bf16 buffers. For bf16 we time what a DeepSpeed user would have to do:
@@ -93,6 +94,9 @@ def bench_compcomm(n: int, dtype: torch.dtype, comm) -> Dict[str, object]:
     res["nocheck"] = _events_median(
         lambda: compcomm.compressed_allreduce(t, we, se, comm, check=False), iters, 3
     )
+    # what a user calls: group=None under an initialized torch 'nccl' process group (compcomm's
+    # native NCCL communicator when built, else the torch adapter)
+    res["default"] = _events_median(lambda: compcomm.compressed_allreduce(t, we, se), iters, 3)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -189,13 +193,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         "copy_bandwidth_Bps": bw,
         "python": platform.python_version(),
         "world_size": 1,
+        "default_communicator": compcomm.get_communicator(None).backend_name(),
         "command": "python bench/gpu_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
     }
     print(f"# {meta['device']}  copy bandwidth {bw / 1e12:.2f} TB/s  torch {torch.__version__}  "
           f"deepspeed {ds_version}")
     rows = []
-    hdr = (f"{'dtype':>8} {'size':>6} {'check(us)':>10} {'nocheck':>9} {'graph':>9} {'DS(us)':>10} "
+    hdr = (f"{'dtype':>8} {'size':>6} {'default':>9} {'check(us)':>10} {'nocheck':>9} {'graph':>9} {'DS(us)':>10} "
            f"{'GB/s':>7} {'xDS':>6} {'floor%':>7} {'extraMB':>8} {'%tensor':>7} {'DSextraMB':>9} {'agree':>8}")
     print(hdr)
     for dname in args.dtypes.split(","):
@@ -214,6 +219,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 "log2_numel": k,
                 "numel": n,
                 "tensor_bytes": n * elt,
+                "compcomm_default_s": c["default"],
+                "speedup_vs_deepspeed_default": d["time"] / c["default"] if d else None,
                 "compcomm_check_s": c["check"],
                 "compcomm_nocheck_s": c["nocheck"],
                 "compcomm_graph_s": c["graph"],
@@ -231,7 +238,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             }
             rows.append(row)
             print(
-                f"{dname:>8} {'2^' + str(k):>6} {c['check'] * 1e6:10.1f} {c['nocheck'] * 1e6:9.1f} "
+                f"{dname:>8} {'2^' + str(k):>6} {c['default'] * 1e6:9.1f} {c['check'] * 1e6:10.1f} {c['nocheck'] * 1e6:9.1f} "
                 f"{c['graph'] * 1e6:9.1f} {(d['time'] * 1e6 if d else float('nan')):10.1f} "
                 f"{row['effective_GBps']:7.1f} {(row['speedup_vs_deepspeed'] or float('nan')):6.1f} "
                 f"{100 * row['fraction_of_floor']:6.1f}% {c['peak_extra_bytes'] / 2**20:8.2f} "

@@ -85,6 +85,15 @@ def test_zero_on_gpu(np: int, tmp_path) -> None:
     launch(np, "check_zero_gpu.py", 240, str(tmp_path))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("np", [2, 3])
+def test_optim_on_gpu(np: int) -> None:
+    """OneBitAdam/ZeroOneAdam with CUDA parameters (several buckets exchanged on the communication
+    thread) over host-staged MPI equal the CPU run; a NaN on one rank skips everywhere."""
+    _skip_without_gpu()
+    launch(np, "check_optim_gpu.py", 200)
+
+
 def test_mpirun_command_flags() -> None:
     cmd = mpirun_command(2, "x.py", "a", python="py")
     assert cmd[-3:] == ["py", "x.py", "a"] and ("-np" in cmd or "-n" in cmd)
