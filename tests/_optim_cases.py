@@ -292,3 +292,100 @@ def all_cases(rank: int, world: int, with_extras: bool) -> Dict[str, Any]:
         out["amp"] = amp_and_dtypes(rank, world)
         out["ddp"] = ddp_hook(rank, world)
     return out
+
+
+def legacy_checkpoint(rank: int, world: int) -> Dict[str, Any]:
+    """A checkpoint in the layout before buckets (per-parameter errors in each parameter's state,
+    as compcomm wrote them) loads: restored bit for bit into per_parameter=True, reset with a
+    warning into the default bucketed layout."""
+    import warnings
+
+    OneBitAdam = _optimizers()[0]
+    p0, g = make_params(), make_grads(6, world, seed=11)
+    kw = dict(lr=0.01, freeze_step=2, exact_resume=True, per_parameter=True)
+    _, _, opt, ps = run_opt(OneBitAdam, kw, p0, g, rank)
+    sd = opt.state_dict()
+    errors = sd["compcomm"].pop("bucket_errors")
+    plan = sd["compcomm"].pop("bucket_plan")
+    for k, ((gi, pi),) in zip(sorted(errors), plan):  # one parameter per bucket
+        sd["state"][pi].update(errors[k])
+    legacy = _load_bytes(_state_bytes(sd))
+    res: Dict[str, Any] = {}
+    same = OneBitAdam([torch.nn.Parameter(torch.tensor(p)) for p in p0], **kw)
+    same.load_state_dict(legacy)
+    for gg, p in zip(g[0][rank], same.param_groups[0]["params"]):
+        p.grad = torch.tensor(gg)
+    same.step()  # the plan is built here, and the loaded errors taken over
+    res["restored"] = {k: v["worker_error"].numel() for k, v in same.compressor.state_dict().items()}
+    res["want"] = {k: v["worker_error"].numel() for k, v in errors.items()}
+    other = OneBitAdam([torch.nn.Parameter(torch.tensor(p)) for p in p0],
+                       **dict(kw, per_parameter=False))
+    other.load_state_dict(legacy)
+    for gg, p in zip(g[0][rank], other.param_groups[0]["params"]):
+        p.grad = torch.tensor(gg)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        other.step()
+    res["reset_warned"] = any("buckets differ" in str(w.message) for w in caught)
+    # bit-exact continuation: the restored errors equal the saved ones before the step
+    fresh = OneBitAdam([torch.nn.Parameter(torch.tensor(p)) for p in p0], **kw)
+    fresh.load_state_dict(legacy)
+    fresh._bucket_plan(list(fresh._params()) or [(fresh.param_groups[0], p)
+                                                  for p in fresh.param_groups[0]["params"]])
+    res["equal"] = all(torch.equal(fresh.compressor.state_dict()[k]["worker_error"],
+                                   errors[k]["worker_error"]) for k in errors)
+    return res
+
+
+def _snapshot(opt, ps) -> List[torch.Tensor]:
+    """Every tensor a step may write: parameters, optimizer state, error buffers."""
+    out = [p.detach().clone() for p in ps]
+    for st in opt.state.values():
+        out += [v.clone() for _, v in sorted(st.items()) if isinstance(v, torch.Tensor)]
+    for e in opt.compressor.state_dict().values():
+        out += [e["worker_error"], e["server_error"]]
+    return out
+
+
+def nonfinite_skips(rank: int, world: int) -> Dict[str, Any]:
+    """A NaN on one rank (rank 1; rank 0 alone) in each phase of each optimizer: every rank skips the step with
+    parameters, state, error buffers and schedule unchanged, and the run then equals one that
+    never saw the failed step."""
+    import copy
+
+    OneBitAdam, ZeroOneAdam, OneBitLamb = _optimizers()
+    z1 = dict(var_freeze_step=6, var_update_scaler=1, local_step_scaler=1, local_step_clipper=2)
+    cases = {  # name -> (class, kwargs, steps at which to inject, by phase)
+        "adam": (OneBitAdam, dict(freeze_step=3, reduce_bucket_size=40), {"warmup": 2, "1bit": 5}),
+        "zoadam": (ZeroOneAdam, dict(z1, reduce_bucket_size=40),
+                   {"var": 1, "grad1bit": 2, "sync": 9, "local": 10}),
+        "lamb": (OneBitLamb, dict(freeze_step=3), {"warmup": 2, "1bit": 5}),
+    }
+    res: Dict[str, Any] = {}
+    p0 = make_params()
+    for name, (cls, kw, phases) in cases.items():
+        g = make_grads(12, world, seed=13)
+        for phase, bad in phases.items():
+            ps = [torch.nn.Parameter(torch.tensor(p)) for p in p0]
+            opt = cls(ps, lr=0.01, **kw)
+            kinds = []
+            for t, gstep in enumerate(g):
+                for p, gg in zip(ps, gstep[rank]):
+                    p.grad = torch.tensor(gg)
+                if t == bad:
+                    kinds.append(opt.step_kind() if hasattr(opt, "step_kind") else phase)
+                    if rank == min(1, world - 1):
+                        ps[2].grad.view(-1)[5] = float("nan")
+                    before, sched = _snapshot(opt, ps), copy.deepcopy(opt.sched)
+                    opt.step()
+                    after = _snapshot(opt, ps)
+                    res[f"{name}_{phase}_unchanged"] = (
+                        opt.skipped_steps == 1 and opt.sched == sched and len(before) == len(after)
+                        and all(torch.equal(a, b) for a, b in zip(before, after)))
+                    continue
+                opt.step()
+            clean = run_opt(cls, dict(kw, lr=0.01), p0, g[:bad] + g[bad + 1:], rank)[0]
+            res[f"{name}_{phase}_then_clean"] = float(np.max(np.abs(
+                clean[-1][2] - ps[2].detach().numpy())))
+            res[f"{name}_{phase}_kind"] = kinds[0]
+    return res

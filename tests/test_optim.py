@@ -197,6 +197,29 @@ def test_exact_checkpoint_on_other_world_size_warns_and_resets():
     assert opt.sched["step"] == 7 and opt.adam_freeze_key
 
 
+@pytest.mark.parametrize("world", [1, 3])
+def test_nonfinite_on_one_rank_skips_every_phase(world):
+    """Issue 14: a NaN on one rank in warm-up, compressed, variance, 1-bit-gradient, local and sync
+    steps skips the step on every rank with nothing changed; the run goes on as if the step never
+    happened."""
+    outs = [C.nonfinite_skips(0, 1)] if world == 1 else run_ranks(world, C.nonfinite_skips,
+                                                                     timeout=240)
+    for res in outs:
+        assert res["zoadam_var_kind"] == "var" and res["zoadam_grad1bit_kind"] == "grad1bit"
+        assert res["zoadam_sync_kind"] == "sync" and res["zoadam_local_kind"] == "local"
+        for key, value in res.items():
+            if key.endswith("_unchanged"):
+                assert value is True, key
+            elif key.endswith("_then_clean"):
+                assert value == 0.0, (key, value)
+
+
+def test_checkpoint_of_the_per_parameter_layout_still_loads():
+    for res in run_ranks(2, C.legacy_checkpoint, timeout=120):
+        assert res["restored"] == res["want"] and len(res["want"]) == 3
+        assert res["equal"] and res["reset_warned"]
+
+
 def test_grad_scaler_overflow_skips_on_all_ranks():
     for o in results(EXTRAS_WORLD):
         amp = o["amp"]

@@ -109,6 +109,7 @@ class OneBitCompressor:
         if self._async is None:
             self._async = _C.zero.AsyncComm(self.comm)
         works = []
+        created = [k for k in keys if k not in self._buffers]
         for i, key in enumerate(keys):
             t = stage(i)
             we, se, ws = self._buffers_for(key, padded_numel(t.numel(), self.comm.size()), t.device)
@@ -123,6 +124,8 @@ class OneBitCompressor:
             except Exception as e:  # noqa: BLE001 -- re-raised below, after the others finished
                 error = error or e
         if error is not None:
+            for k in created:  # a failed call leaves no trace, not even new zero buffers
+                self._buffers.pop(k, None)
             raise error
         for args, stream in tensors:
             _C.zero.compressed_allreduce_commit(self.comm, *args, stream)
