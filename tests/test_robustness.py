@@ -1,0 +1,247 @@
+"""Nothing half-done (issue 14): every bad input raises a typed error naming the argument before
+any communication and changes nothing, on every rank; checkpoint loads validate first (and ZeRO's
+ranks agree) so a failed load changes nothing; a process killed while saving leaves the previous
+checkpoint loadable; two threads on two communicators get the sequential results, and two threads
+on one communicator get a clear CommError instead of wrong results.
+
+Multi-rank bodies are the module-level ``_rank_*`` functions, run by compcomm.testing.run_ranks."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+import compcomm
+from compcomm import errors
+from compcomm.testing import run_ranks
+
+N = 1000  # elements per collective call in these tests
+
+
+def _snapshot(obj) -> bytes:
+    """Bytes of a (nested) state: two equal snapshots mean nothing changed, bit for bit."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _expect(exc, match, fn, state):
+    """``fn()`` raises ``exc`` matching ``match``, and ``state()`` (what the call could change) is
+    bit for bit the same afterwards."""
+    before = _snapshot(state())
+    with pytest.raises(exc, match=match):
+        fn()
+    assert _snapshot(state()) == before, f"state changed by a failed call ({match})"
+
+
+# --------------------------------------------------------------------------------------------
+# compressed_allreduce / compressed_reduce_scatter: overlap and timeout, before communicating
+# --------------------------------------------------------------------------------------------
+def _collective_bad_inputs(rank: int, world: int) -> int:
+    from compcomm.zero import compressed_reduce_scatter as crs
+
+    comm = compcomm.get_communicator(None)
+    g = torch.Generator().manual_seed(rank)
+    t = torch.randn(N, generator=g)
+    we, se = compcomm.error_buffers(t)
+    we.normal_(generator=g)
+    se.normal_(generator=g)
+    p, c = we.numel(), se.numel()
+    ar, cases = compcomm.compressed_allreduce, []
+    cases += [
+        (ValueError, "'tensor' and 'worker_error' overlap", lambda: ar(we, we, se)),
+        (ValueError, "'worker_error' and 'server_error' overlap", lambda: ar(t, we, we[:c])),
+        (ValueError, "'worker_error' and 'server_error' overlap", lambda: ar(t, we, we[p - c:])),
+        (ValueError, "'tensor' and 'worker_error' overlap", lambda: ar(we[:N], we, se)),
+        (ValueError, "'tensor' and 'server_error' overlap", lambda: ar(se[: min(N, c)], we, se)),
+        (TypeError, "'timeout'.*number", lambda: ar(t, we, se, timeout="5")),
+        (ValueError, "'timeout'.*positive", lambda: ar(t, we, se, timeout=float("nan"))),
+        (ValueError, "'server_error' and 'out' overlap", lambda: crs(t, we, se, out=se)),
+        (ValueError, "'tensor' and 'out' overlap", lambda: crs(t, we, se, out=t[:c])),
+        (ValueError, "'timeout'.*positive", lambda: crs(t, we, se, timeout=-1)),
+    ]
+    comm.reset_bytes_sent()
+    for exc, match, fn in cases:
+        _expect(exc, rf"\[rank {rank}\].*{match}", fn, lambda: (t, we, se))
+    assert comm.bytes_sent == 0, "a rejected call communicated"
+    ar(t, we, se)  # the buffers still work, and the ranks are still in step
+    return len(cases)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_collective_overlap_and_timeout_rejected_on_every_rank(world):
+    if world == 1:
+        assert _collective_bad_inputs(0, 1) == 10
+    else:
+        assert run_ranks(world, _collective_bad_inputs, timeout=240) == [10] * world
+
+
+# --------------------------------------------------------------------------------------------
+# threads
+# --------------------------------------------------------------------------------------------
+def _inputs(k: int, rank: int, i: int) -> torch.Tensor:
+    return torch.randn(N + 97 * k, generator=torch.Generator().manual_seed(1000 * k + 10 * i + rank))
+
+
+def _run_calls(k: int, rank: int, group, calls: int) -> list:
+    t0 = _inputs(k, rank, 0)
+    we, se = compcomm.error_buffers(t0, group)
+    outs = []
+    for i in range(calls):
+        t = _inputs(k, rank, i)
+        compcomm.compressed_allreduce(t, we, se, group)
+        outs.append(t)
+    return outs + [we, se]
+
+
+def _rank_two_threads_two_groups(rank: int, world: int) -> bool:
+    import torch.distributed as dist
+
+    groups = [dist.new_group(list(range(world))) for _ in range(2)]
+    calls, got = 15, [None, None]
+
+    def work(k):
+        got[k] = _run_calls(k, rank, groups[k], calls)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    for k in range(2):  # the same calls, one after another
+        want = _run_calls(k, rank, groups[k], calls)
+        assert all(torch.equal(a, b) for a, b in zip(got[k], want)), f"thread {k} differs"
+    return True
+
+
+def test_two_threads_on_two_communicators_match_sequential():
+    assert run_ranks(2, _rank_two_threads_two_groups, timeout=240) == [True, True]
+
+
+def _rank_one_communicator_two_threads(rank: int, world: int) -> bool:
+    comm = compcomm.get_communicator(None)
+    t = _inputs(0, rank, 0)
+    we, se = compcomm.error_buffers(t)
+    if rank == 1:
+        time.sleep(3.0)  # keeps rank 0's first call waiting inside the collective
+        compcomm.compressed_allreduce(t, we, se)
+        return True
+    first = threading.Thread(target=compcomm.compressed_allreduce, args=(t, we, se))
+    first.start()
+    time.sleep(1.0)
+    t2 = _inputs(1, rank, 0)[:N]
+    we2, se2 = compcomm.error_buffers(t2)
+    before = _snapshot((t2, we2, se2))
+    with pytest.raises(errors.CommError, match=r"\[rank 0\].*in use by another thread"):
+        compcomm.compressed_allreduce(t2, we2, se2)
+    assert _snapshot((t2, we2, se2)) == before
+    first.join()
+    assert comm.bytes_sent > 0  # the first call completed
+    return True
+
+
+def test_one_communicator_two_threads_raises_comm_error():
+    assert run_ranks(2, _rank_one_communicator_two_threads, timeout=240) == [True, True]
+
+
+# --------------------------------------------------------------------------------------------
+# 1-bit optimizers: load_state_dict validates everything first
+# --------------------------------------------------------------------------------------------
+def _trained(cls, rank: int, steps: int = 4, **kw):
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
+    opt = cls(ps, lr=0.01, exact_resume=True, **kw)
+    for s in range(steps):
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(s * 10 + rank))
+        opt.step()
+    return ps, opt
+
+
+def _bad_optimizer_states(sd: dict, zoadam: bool) -> list:
+    """(mutation of a good state dict, exception, message regex)."""
+
+    def edit(f):
+        def make():
+            bad = copy.deepcopy(sd)
+            f(bad)
+            return bad
+        return make
+
+    pg, st, cc = "param_groups", "state", "compcomm"
+    cases = [
+        (lambda: "garbage", TypeError, r"state_dict must be a dict, got str"),
+        (edit(lambda b: b.update(param_groups="garbage")), TypeError, r"\['param_groups'\] must be a list"),
+        (edit(lambda b: b[pg].append(dict(b[pg][0]))), ValueError, r"\['param_groups'\] has 2 groups"),
+        (edit(lambda b: b[pg][0]["params"].pop()), ValueError, r"\['params'\] lists 1 parameters"),
+        (edit(lambda b: b[pg][0].update(lr="fast")), TypeError, r"\['lr'\] must be a number"),
+        (edit(lambda b: b[pg][0].update(betas=(0.9,))), TypeError, r"\['betas'\] must be two numbers"),
+        (edit(lambda b: b[pg][0].pop("eps")), ValueError, r"lacks 'eps'"),
+        (edit(lambda b: b.pop(st)), ValueError, r"lacks the 'state' entry"),
+        (edit(lambda b: b[st][0].update(exp_avg=torch.zeros(4))), ValueError, r"\['exp_avg'\] has shape"),
+        (edit(lambda b: b[st][1].update(exp_avg_sq="x")), TypeError, r"\['exp_avg_sq'\] must be a torch.Tensor"),
+        (edit(lambda b: b[st].update({99: {}})), ValueError, r"parameter id 99"),
+        (edit(lambda b: b[st][0].update(step="x")), TypeError, r"\['step'\] must be a number"),
+        (edit(lambda b: b.update(compcomm=5)), TypeError, r"\['compcomm'\] must be a dict"),
+        (edit(lambda b: b[cc]["sched"].update(step=-1)), ValueError, r"\['sched'\]\['step'\] must be >= 0"),
+        (edit(lambda b: b[cc].update(world_size="2")), TypeError, r"\['world_size'\] must be an integer"),
+        (edit(lambda b: b[cc].update(rank=5)), ValueError, r"\['rank'\]=5 is not below"),
+        (edit(lambda b: b[cc].update(exact="yes")), TypeError, r"\['exact'\] must be true or false"),
+        (edit(lambda b: b[cc].update(group_errors=[1])), TypeError, r"\['group_errors'\] must be a dict"),
+    ]
+    if zoadam:
+        cases += [
+            (edit(lambda b: b[cc]["sched"].pop("var_interval")), ValueError, r"lacks 'var_interval'"),
+            (edit(lambda b: b[cc]["sched"].update(freeze_key=1)), TypeError, r"'freeze_key'\] must be true"),
+            (edit(lambda b: b[cc]["sched"].update(local_step_interval=0)), ValueError,
+             r"'local_step_interval'\] must be >= 1"),
+        ]
+    else:
+        cases += [
+            (edit(lambda b: b[st][0].update(worker_error=torch.zeros(8))), ValueError,
+             r"\['worker_error'\] has 8 elements"),
+            (edit(lambda b: b[st][0].pop("server_error")), ValueError, r"'worker_error' without 'server_error'"),
+        ]
+    return cases
+
+
+def _rank_optimizer_bad_loads(rank: int, world: int) -> int:
+    from compcomm.optim import OneBitAdam, ZeroOneAdam
+
+    count = 0
+    for cls, kw in ((OneBitAdam, {"freeze_step": 2}), (ZeroOneAdam, {"var_freeze_step": 2})):
+        ps, opt = _trained(cls, rank, **kw)
+        sd = opt.state_dict()
+        if cls is OneBitAdam and world > 1:
+            assert "worker_error" in sd["state"][0]  # the error-buffer cases below need them
+        for make, exc, match in _bad_optimizer_states(sd, cls is ZeroOneAdam):
+            if "worker_error" in match and world == 1:
+                continue  # a world of one keeps no error buffers
+            _expect(exc, rf"{cls.__name__}\.load_state_dict: .*{match}",
+                    lambda: opt.load_state_dict(make()),
+                    lambda: (opt.state_dict(), opt.param_groups, ps))
+            count += 1
+        good = copy.deepcopy(sd)
+        good["compcomm"]["bucket_errors"] = {0: "a newer version's entry"}  # tolerated
+        opt.load_state_dict(good)
+        assert _snapshot(opt.state_dict()["state"]) == _snapshot(sd["state"])
+    return count
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_optimizer_load_rejects_bad_state_and_changes_nothing(world):
+    if world == 1:
+        assert _rank_optimizer_bad_loads(0, 1) == 39
+    else:
+        assert run_ranks(world, _rank_optimizer_bad_loads, timeout=240) == [41, 41]
