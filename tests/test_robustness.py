@@ -245,3 +245,94 @@ def test_optimizer_load_rejects_bad_state_and_changes_nothing(world):
         assert _rank_optimizer_bad_loads(0, 1) == 39
     else:
         assert run_ranks(world, _rank_optimizer_bad_loads, timeout=240) == [41, 41]
+
+
+# --------------------------------------------------------------------------------------------
+# ZeRO: a bad shard on any rank -> every rank raises, no rank changes
+# --------------------------------------------------------------------------------------------
+def _zero_opt(onebit: bool):
+    from compcomm.optim import OneBitAdam
+    from compcomm.zero import ZeroOptimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    cls, kw = (OneBitAdam, {"freeze_step": 1, "exact_resume": True}) if onebit else (
+        torch.optim.AdamW, {})
+    opt = ZeroOptimizer(model.parameters(), cls, stage=2, optimizer_kwargs=dict(lr=0.01, **kw))
+    return model, opt
+
+
+def _zero_step(model, opt, rank: int, seed: int) -> None:
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(seed * 7 + rank))
+    opt.zero_grad()
+    model(x).pow(2).sum().backward()
+    opt.step()
+
+
+def _bad_shards(sd: dict) -> list:
+    def edit(f):
+        def make():
+            bad = copy.deepcopy(sd)
+            f(bad)
+            return bad
+        return make
+
+    o = "optimizer"
+    return [
+        (lambda: [], TypeError, r"sd must be a dict, got list"),
+        (edit(lambda b: b.update(format="other/1")), ValueError, r"not a compcomm ZeRO shard"),
+        (edit(lambda b: b.update(world=b["world"] + 1)), ValueError, r"saved by rank \d+ of \d+"),
+        (edit(lambda b: b["groups"][0].update(master=torch.zeros(3))), ValueError, r"\['master'\] has shape"),
+        (edit(lambda b: b["groups"][0].update(bucket_size=7)), ValueError, r"different layout"),
+        (edit(lambda b: b[o]["state"][0].update(exp_avg=torch.zeros(2))), ValueError, r"\['exp_avg'\] has shape"),
+        (edit(lambda b: b[o]["param_groups"][0].update(lr="fast")), TypeError, r"\['lr'\] must be a number"),
+        (edit(lambda b: b.update(loss_scale="x")), ValueError, r"\['loss_scale'\] must be a number > 0"),
+        (edit(lambda b: b.update(global_steps=-1)), ValueError, r"\['global_steps'\] must be >= 0"),
+        (edit(lambda b: b.update(local_phase="yes")), TypeError, r"\['local_phase'\] must be true or false"),
+        (edit(lambda b: b.update(errors={(5, 0): None})), ValueError, r"not a \(group, bucket\)"),
+    ]
+
+
+def _rank_zero_bad_loads(rank: int, world: int, ckpt_dir: str) -> int:
+    from compcomm.zero import load_checkpoint, save_checkpoint
+
+    count = 0
+    for onebit in (False, True):
+        model, opt = _zero_opt(onebit)
+        for s in range(3):
+            _zero_step(model, opt, rank, s)
+        sd = opt.state_dict()
+        state = lambda: (opt.state_dict(), list(model.parameters()))  # noqa: E731
+        cases = _bad_shards(sd)
+        if onebit and sd["errors"]:  # a world of one compresses nothing, keeps no errors
+            cases.append((lambda: dict(sd, errors={k: (v[0][:8], v[1]) for k, v in sd["errors"].items()}),
+                          ValueError, r"\[0\] has 8 elements"))
+        for make, exc, match in cases:
+            _expect(exc, rf"ZeroOptimizer\.load_state_dict: .*{match}", lambda: opt.load_state_dict(make()),
+                    state)
+            count += 1
+        # only the last rank's shard is bad: the others refuse too, naming it, and keep their state
+        last = world - 1
+        bad = _bad_shards(sd)[3][0]() if rank == last else sd
+        match = r"\['master'\] has shape" if rank == last else rf"rank\(s\) \[{last}\] rejected"
+        _expect(ValueError, match, lambda: opt.load_state_dict(bad), state)
+        # the same through files: a truncated file on the last rank
+        d = os.path.join(ckpt_dir, f"onebit{int(onebit)}")
+        path = save_checkpoint(opt, d, module=model)
+        _zero_step(model, opt, rank, 9)  # state now differs from the file
+        if rank == last:
+            with open(path, "r+b") as f:
+                f.truncate(os.path.getsize(path) // 2)
+        match = r"unreadable" if rank == last else r"rejected"
+        _expect(ValueError, match, lambda: load_checkpoint(opt, d), state)
+        opt.load_state_dict(sd)  # a good shard still loads everywhere afterwards
+        opt.close()
+    return count
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_zero_load_rejects_bad_shard_on_every_rank(world, tmp_path):
+    if world == 1:
+        assert _rank_zero_bad_loads(0, 1, str(tmp_path)) == 22
+    else:
+        assert run_ranks(world, _rank_zero_bad_loads, str(tmp_path), timeout=300) == [23, 23]

@@ -63,7 +63,8 @@ def _check_error_pair(where: str, st: Mapping, world: int, exact: bool,
 
 
 def validate_state_dict(opt: Any, state_dict: Any, params: Optional[List[List[torch.Tensor]]] = None,
-                        world_size: Optional[int] = None, rank: Optional[int] = None) -> LoadPlan:
+                        world_size: Optional[int] = None, rank: Optional[int] = None,
+                        where: Optional[str] = None) -> LoadPlan:
     """Check a state dict for ``opt`` (a OneBitBase) without changing anything.
 
     Parameters
@@ -75,6 +76,8 @@ def validate_state_dict(opt: Any, state_dict: Any, params: Optional[List[List[to
     params, world_size, rank : optional
         The parameters per group, world size and rank ``opt`` will have when it loads (defaults:
         its current ones; ZeroOptimizer switches them when it changes phase).
+    where : str, optional
+        How messages name the state dict (default ``"<Optimizer>.load_state_dict: state_dict"``).
 
     Returns
     -------
@@ -85,7 +88,7 @@ def validate_state_dict(opt: Any, state_dict: Any, params: Optional[List[List[to
     TypeError, ValueError
         Naming the argument and the bad entry.
     """
-    where = f"{opt._name}.load_state_dict: state_dict"
+    where = where or f"{opt._name}.load_state_dict: state_dict"
     params = [list(g["params"]) for g in opt.param_groups] if params is None else params
     world = opt.world_size if world_size is None else world_size
     rank = opt.rank if rank is None else rank

@@ -135,7 +135,7 @@ def validate_shard_state_dict(opt: Any, sd: Any) -> None:
     if hasattr(inner, "sched") and hasattr(inner, "exact_resume"):  # a compcomm 1-bit optimizer
         from ..optim._state import validate_state_dict
 
-        validate_state_dict(inner, sd.get("optimizer"), params, iworld, irank)
+        validate_state_dict(inner, sd.get("optimizer"), params, iworld, irank, f"{w}['optimizer']")
     else:
         check_optimizer_state(f"{w}['optimizer']", sd.get("optimizer"), params, inner.param_groups)
     errors = sd.get("errors")
