@@ -336,3 +336,154 @@ def test_zero_load_rejects_bad_shard_on_every_rank(world, tmp_path):
         assert _rank_zero_bad_loads(0, 1, str(tmp_path)) == 22
     else:
         assert run_ranks(world, _rank_zero_bad_loads, str(tmp_path), timeout=300) == [23, 23]
+
+
+# --------------------------------------------------------------------------------------------
+# from_config: every value checked before the broadcast, the cast and DDP
+# --------------------------------------------------------------------------------------------
+_BASE = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+         "zero_optimization": {"stage": 1}}
+
+
+def _bad_configs(tmp: str) -> list:
+    def cfg(path, value, base=_BASE):
+        c = copy.deepcopy(base)
+        *keys, last = path
+        node = c
+        for k in keys:
+            node = node.setdefault(k, {})
+        node[last] = value
+        return c
+
+    onebit = cfg(("optimizer",), {"type": "OneBitAdam", "params": {"lr": 1e-3}})
+    as_list = os.path.join(tmp, "list.json")
+    broken = os.path.join(tmp, "broken.json")
+    with open(as_list, "w") as f:
+        json.dump([_BASE], f)
+    with open(broken, "w") as f:
+        f.write('{"optimizer": ')
+    p = ("optimizer", "params")
+    return [
+        (cfg(p + ("lr",), "fast"), TypeError, r"optimizer\.params\.lr must be a number, got str 'fast'"),
+        (cfg(p + ("lr",), -1), ValueError, r"optimizer\.params\.lr must be >= 0"),
+        (cfg(p + ("betas",), [0.9]), ValueError, r"optimizer\.params\.betas must be two numbers"),
+        (cfg(p + ("betas",), [0.9, 1.5]), ValueError, r"optimizer\.params\.betas\[1\] must be < 1"),
+        (cfg(p + ("amsgrad",), "no"), TypeError, r"optimizer\.params\.amsgrad must be true or false"),
+        (cfg(p, "fast"), TypeError, r"optimizer\.params must be an object"),
+        (cfg(("optimizer", "type"), 3), TypeError, r"optimizer\.type must be a string"),
+        (cfg(p + ("freeze_step",), "x", onebit), ValueError, r"optimizer\.params.*'freeze_step'"),
+        (cfg(p + ("bogus",), 1, onebit), ValueError, r"optimizer\.params\.bogus: not a parameter"),
+        (cfg(("optimizer", "type"), "OneBitLamb"), ValueError, r"optimizer\.type='OneBitLamb'.*stage=1"),
+        (cfg(("fp16", "enabled"), "yes"), TypeError, r"fp16\.enabled must be true or false"),
+        (cfg(("fp16", "loss_scale"), "x"), TypeError, r"fp16\.loss_scale must be a number"),
+        (cfg(("bf16", "enabled"), 1), TypeError, r"bf16\.enabled must be true or false"),
+        (cfg(("zero_optimization",), [1]), ValueError, r"zero_optimization must be an object"),
+        (cfg(("gradient_clipping",), "x"), ValueError, r"gradient_clipping must be a number"),
+        (as_list, TypeError, r"top level of .*list\.json.* must be a JSON object, got a JSON list"),
+        (broken, ValueError, r"broken\.json.* is not valid JSON"),
+        (42, TypeError, r"config must be a dict or a path"),
+    ]
+
+
+def _rank_from_config(rank: int, world: int, tmp: str) -> int:
+    comm = compcomm.get_communicator(None)
+    model = torch.nn.Linear(4, 3)
+    tmp = os.path.join(tmp, f"rank{rank}")  # each rank its own files: no rank reads a half-written one
+    os.makedirs(tmp)
+    cases = _bad_configs(tmp) + [(_BASE, TypeError, r"model must be a torch\.nn\.Module")]
+    for i, (config, exc, match) in enumerate(cases):
+        target = "not a model" if i == len(cases) - 1 else model
+        comm.reset_bytes_sent()
+        _expect(exc, match, lambda: compcomm.from_config(target, config), lambda: list(model.parameters()))
+        assert comm.bytes_sent == 0, f"from_config communicated before raising ({match})"
+        assert all(p.dtype == torch.float32 for p in model.parameters())  # not cast either
+    setup = compcomm.from_config(model, _BASE)  # the good config broadcasts: the check above bites
+    assert world == 1 or comm.bytes_sent > 0
+    setup.optimizer.close()
+    return len(cases)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_from_config_rejects_bad_values_before_communicating(world, tmp_path):
+    if world == 1:
+        assert _rank_from_config(0, 1, str(tmp_path)) == 19
+    else:
+        assert run_ranks(world, _rank_from_config, str(tmp_path), timeout=240) == [19, 19]
+
+
+# --------------------------------------------------------------------------------------------
+# kill -9 while saving: the previous checkpoint still loads
+# --------------------------------------------------------------------------------------------
+_SAVER = textwrap.dedent("""
+    import io, os, sys, time
+    import torch
+    kind, d = sys.argv[1], sys.argv[2]
+    torch.manual_seed(0)
+    if kind == "optim":
+        from compcomm.optim import OneBitAdam, save_rank_checkpoint
+        p = torch.nn.Parameter(torch.randn(1 << 20))
+        opt = OneBitAdam([p], lr=0.01)
+        def step():
+            p.grad = torch.ones_like(p)
+            opt.step()
+        save = lambda: save_rank_checkpoint(opt, d)
+    else:
+        from compcomm.zero import ZeroOptimizer, save_checkpoint
+        model = torch.nn.Linear(512, 512)
+        opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=1)
+        def step():
+            opt.zero_grad()
+            model(torch.ones(2, 512)).sum().backward()
+            opt.step()
+        save = lambda: save_checkpoint(opt, d, module=model)
+    step()
+    save()  # the checkpoint that must survive: one step
+    step()
+    real_save = torch.save
+    def slow_save(obj, f, *args, **kwargs):  # writes half, then hangs until killed
+        buf = io.BytesIO()
+        real_save(obj, buf, *args, **kwargs)
+        data = buf.getvalue()
+        if isinstance(f, (str, os.PathLike)):
+            f = open(f, "wb")
+        f.write(data[: len(data) // 2])
+        f.flush()
+        os.fsync(f.fileno())
+        print("HALF", flush=True)
+        time.sleep(300)
+        f.write(data[len(data) // 2 :])
+    torch.save = slow_save
+    save()
+""")
+
+
+@pytest.mark.parametrize("kind", ["optim", "zero"])
+def test_kill_during_save_leaves_previous_checkpoint(kind, tmp_path):
+    d = str(tmp_path / "ckpt")
+    proc = subprocess.Popen([sys.executable, "-c", _SAVER, kind, d], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.strip() == "HALF", f"saver did not reach the second save: {line!r}"
+        os.kill(proc.pid, signal.SIGKILL)  # mid-write of the second checkpoint
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    torch.manual_seed(0)
+    if kind == "optim":
+        from compcomm.optim import OneBitAdam, load_rank_checkpoint
+
+        p = torch.nn.Parameter(torch.randn(1 << 20))
+        opt = OneBitAdam([p], lr=0.01)
+        load_rank_checkpoint(opt, d)
+        assert opt.sched["step"] == 1
+        assert torch.allclose(opt.state[p]["exp_avg"], torch.full_like(p, 0.1))
+    else:
+        from compcomm.zero import ZeroOptimizer, consolidate, load_checkpoint
+
+        model = torch.nn.Linear(512, 512)
+        opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=1)
+        load_checkpoint(opt, d)
+        assert opt.global_steps == 1 and opt.state_dict()["optimizer"]["state"][0]["step"] == 1
+        assert set(consolidate(d)) == {"weight", "bias"}  # the dead writer's temporary is ignored
+        opt.close()
