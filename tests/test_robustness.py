@@ -112,13 +112,18 @@ def _rank_two_threads_two_groups(rank: int, world: int) -> bool:
     calls, got = 15, [None, None]
 
     def work(k):
-        got[k] = _run_calls(k, rank, groups[k], calls)
+        try:
+            got[k] = _run_calls(k, rank, groups[k], calls)
+        except Exception as e:  # reported below, not lost in the thread
+            got[k] = e
 
     threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
     for th in threads:
         th.start()
     for th in threads:
         th.join()
+    for k in range(2):
+        assert not isinstance(got[k], Exception), f"thread {k} raised {got[k]!r}"
     for k in range(2):  # the same calls, one after another
         want = _run_calls(k, rank, groups[k], calls)
         assert all(torch.equal(a, b) for a, b in zip(got[k], want)), f"thread {k} differs"
