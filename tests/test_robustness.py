@@ -79,6 +79,13 @@ def _collective_bad_inputs(rank: int, world: int) -> int:
     return len(cases)
 
 
+def test_error_buffers_rejects_bad_sizes():
+    with pytest.raises(TypeError, match="error_buffers: argument 'numel_or_tensor'.*got str"):
+        compcomm.error_buffers("1000")
+    with pytest.raises(ValueError, match="error_buffers: argument 'numel_or_tensor' must be >= 0"):
+        compcomm.error_buffers(-8)
+
+
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_collective_overlap_and_timeout_rejected_on_every_rank(world):
     if world == 1:

@@ -78,8 +78,13 @@ def error_buffers(
     if isinstance(numel_or_tensor, torch.Tensor):
         numel = numel_or_tensor.numel()
         device = numel_or_tensor.device if device is None else device
-    else:
+    elif isinstance(numel_or_tensor, numbers.Integral) and not isinstance(numel_or_tensor, bool):
         numel = int(numel_or_tensor)
+        if numel < 0:
+            raise ValueError(f"error_buffers: argument 'numel_or_tensor' must be >= 0, got {numel}")
+    else:
+        raise TypeError("error_buffers: argument 'numel_or_tensor' must be a torch.Tensor or an int, "
+                        f"got {type(numel_or_tensor).__name__}")
     world = resolve(group).size()
     p = padded_numel(numel, world)
     return (
