@@ -19,8 +19,14 @@ import torch
 
 #: Per-parameter state entries that must have the parameter's shape (torch's Adam/AdamW/SGD
 #: names and compcomm's).
-SHAPED_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "master_param",
-               "exp_avg_sq_fresh")
+SHAPED_KEYS = (
+    "exp_avg",
+    "exp_avg_sq",
+    "max_exp_avg_sq",
+    "momentum_buffer",
+    "master_param",
+    "exp_avg_sq_fresh",
+)
 #: Hyper-parameters checked in each saved param group (when the optimizer's own groups have them).
 _HPARAMS = ("lr", "betas", "eps", "weight_decay", "bias_correction")
 
@@ -34,7 +40,8 @@ def atomic_save(obj: Any, path: str) -> None:
     """
     directory = os.path.dirname(os.path.abspath(path))
     # hidden and not ending in ".pt": directory scans for checkpoints never pick it up
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{threading.get_ident()}.tmp")
+    unique = f"{os.getpid()}.{threading.get_ident()}"
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{unique}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -103,8 +110,13 @@ def need_int(where: str, v: Any, minimum: int = 0) -> int:
     return int(v)
 
 
-def need_tensor(where: str, v: Any, shape: Optional[tuple] = None,
-                dtype: Optional[torch.dtype] = None, numel: Optional[int] = None) -> torch.Tensor:
+def need_tensor(
+    where: str,
+    v: Any,
+    shape: Optional[tuple] = None,
+    dtype: Optional[torch.dtype] = None,
+    numel: Optional[int] = None,
+) -> torch.Tensor:
     """``v`` if it is a floating tensor of the given shape/dtype/numel, else a typed error."""
     if not isinstance(v, torch.Tensor):
         raise TypeError(f"{where} must be a torch.Tensor, got {type(v).__name__}")
@@ -141,8 +153,9 @@ def _check_hparams(where: str, saved: Mapping, current: Mapping) -> None:
                 raise ValueError(f"{where}[{key!r}] must be >= 0, got {v!r}")
 
 
-def check_optimizer_state(where: str, sd: Any, params: List[List[torch.Tensor]],
-                          current_groups: List[Mapping]) -> Dict[int, torch.Tensor]:
+def check_optimizer_state(
+    where: str, sd: Any, params: List[List[torch.Tensor]], current_groups: List[Mapping]
+) -> Dict[int, torch.Tensor]:
     """Validate a torch-style optimizer state dict against the parameters it will be loaded into.
 
     Parameters
@@ -172,16 +185,18 @@ def check_optimizer_state(where: str, sd: Any, params: List[List[torch.Tensor]],
             raise ValueError(f"{where} lacks the {key!r} entry")
     groups = need_list(f"{where}['param_groups']", sd["param_groups"])
     if len(groups) != len(params):
-        raise ValueError(f"{where}['param_groups'] has {len(groups)} groups, this optimizer has "
-                         f"{len(params)}")
+        raise ValueError(
+            f"{where}['param_groups'] has {len(groups)} groups, this optimizer has {len(params)}"
+        )
     id_map: Dict[int, torch.Tensor] = {}
     for gi, (g, ps, cur) in enumerate(zip(groups, params, current_groups)):
         gw = f"{where}['param_groups'][{gi}]"
         g = need_mapping(gw, g)
         ids = need_list(f"{gw}['params']", g.get("params"))
         if len(ids) != len(ps):
-            raise ValueError(f"{gw}['params'] lists {len(ids)} parameters, this optimizer's group "
-                             f"has {len(ps)}")
+            raise ValueError(
+                f"{gw}['params'] lists {len(ids)} parameters, this optimizer's group has {len(ps)}"
+            )
         for pid, p in zip(ids, ps):
             if not is_int(pid) or pid in id_map:
                 raise ValueError(f"{gw}['params'] must list distinct integer ids, got {pid!r}")

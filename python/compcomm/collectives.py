@@ -83,8 +83,8 @@ def error_buffers(
         if numel < 0:
             raise ValueError(f"error_buffers: argument 'numel_or_tensor' must be >= 0, got {numel}")
     else:
-        raise TypeError("error_buffers: argument 'numel_or_tensor' must be a torch.Tensor or an int, "
-                        f"got {type(numel_or_tensor).__name__}")
+        raise TypeError("error_buffers: argument 'numel_or_tensor' must be a torch.Tensor or an "
+                        f"int, got {type(numel_or_tensor).__name__}")
     world = resolve(group).size()
     p = padded_numel(numel, world)
     return (
@@ -120,7 +120,8 @@ def _check_timeout(call: str, rank: int, timeout: object) -> float:
         raise TypeError(f"[rank {rank}] {call}: argument 'timeout' must be a number of seconds, "
                         f"got {type(timeout).__name__}")
     if not timeout > 0:  # also rejects NaN
-        raise ValueError(f"[rank {rank}] {call}: argument 'timeout' must be positive, got {timeout}")
+        raise ValueError(
+            f"[rank {rank}] {call}: argument 'timeout' must be positive, got {timeout}")
     return float(timeout)
 
 
@@ -319,6 +320,7 @@ def compressed_allreduce(
     stream = torch.cuda.current_stream(tensor.device).cuda_stream if cuda else 0
     with _exclusive(comm, "compressed_allreduce", rank):
         ws = _workspace(comm, tensor.device, _layout_total(padded, world, cuda))
-        args = (comm, buffer_of(tensor), buffer_of(worker_error), buffer_of(server_error), buffer_of(ws))
-        _C.compressed_allreduce(*args, timeout_s, stream, bool(check) or not cuda)
+        _C.compressed_allreduce(comm, buffer_of(tensor), buffer_of(worker_error),
+                                buffer_of(server_error), buffer_of(ws), timeout_s, stream,
+                                bool(check) or not cuda)
     return tensor

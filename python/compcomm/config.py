@@ -97,7 +97,8 @@ def load_config(config: Union[str, os.PathLike, Dict[str, Any]]) -> Dict[str, An
             raise ValueError(f"config: not representable as JSON ({e})") from e
         return cfg
     if not isinstance(config, (str, os.PathLike)):
-        raise TypeError(f"config must be a dict or a path to a JSON file, got {type(config).__name__}")
+        raise TypeError(
+            f"config must be a dict or a path to a JSON file, got {type(config).__name__}")
     with open(config) as f:
         try:
             cfg = json.load(f)
@@ -332,9 +333,9 @@ def from_config(
     _dry_run(cfg["optimizer"]["type"], opt_cls, opt_kw)
     if cfg["optimizer"]["type"].lower() == "zerooneadam" and stage == 3:
         raise ValueError(
-            "optimizer.type='ZeroOneAdam' with zero_optimization.stage=3 is not supported: its local "
-            "steps update every rank's full copy of the parameters, which stage 3 does not keep "
-            "(use stage 1 or 2, or OneBitAdam)"
+            "optimizer.type='ZeroOneAdam' with zero_optimization.stage=3 is not supported: its "
+            "local steps update every rank's full copy of the parameters, which stage 3 does not "
+            "keep (use stage 1 or 2, or OneBitAdam)"
         )
     dtype = torch.float16 if fp16["enabled"] else torch.bfloat16 if bf16["enabled"] else None
     if dtype is not None:

@@ -21,9 +21,9 @@ import torch
 
 from .. import _C
 from .._buffers import buffer_of
+from .._checkpoint import atomic_save, read_checkpoint
 from .._comm import resolve
 from ..collectives import DEFAULT_TIMEOUT, compressed_allreduce, error_buffers, padded_numel
-from .._checkpoint import atomic_save, read_checkpoint
 from ..errors import UnsupportedError
 from ._state import ERROR_KEYS, validate_state_dict
 

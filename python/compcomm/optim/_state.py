@@ -40,8 +40,9 @@ def _check_sched(where: str, sched: Any, template: Mapping) -> None:
             need_int(f"{where}[{key!r}]", v, 1 if key.endswith("_interval") else 0)
 
 
-def _check_error_pair(where: str, st: Mapping, world: int, exact: bool,
-                      padded: Optional[int]) -> None:
+def _check_error_pair(
+    where: str, st: Mapping, world: int, exact: bool, padded: Optional[int]
+) -> None:
     """Both error buffers, float32 1-D; with ``exact`` also sized for ``world`` ranks."""
     if not any(k in st for k in ERROR_KEYS):
         return
@@ -55,16 +56,25 @@ def _check_error_pair(where: str, st: Mapping, world: int, exact: bool,
         return  # they are dropped, whatever their size
     we, se = st["worker_error"], st["server_error"]
     if padded is not None and we.numel() != padded:
-        raise ValueError(f"{where}['worker_error'] has {we.numel()} elements, expected {padded} "
-                         f"for world size {world}")
+        raise ValueError(
+            f"{where}['worker_error'] has {we.numel()} elements, expected {padded} "
+            f"for world size {world}"
+        )
     if we.numel() % (8 * world) or se.numel() * world != we.numel():
-        raise ValueError(f"{where}: error buffers of {we.numel()} and {se.numel()} elements do not "
-                         f"fit world size {world}")
+        raise ValueError(
+            f"{where}: error buffers of {we.numel()} and {se.numel()} elements do not "
+            f"fit world size {world}"
+        )
 
 
-def validate_state_dict(opt: Any, state_dict: Any, params: Optional[List[List[torch.Tensor]]] = None,
-                        world_size: Optional[int] = None, rank: Optional[int] = None,
-                        where: Optional[str] = None) -> LoadPlan:
+def validate_state_dict(
+    opt: Any,
+    state_dict: Any,
+    params: Optional[List[List[torch.Tensor]]] = None,
+    world_size: Optional[int] = None,
+    rank: Optional[int] = None,
+    where: Optional[str] = None,
+) -> LoadPlan:
     """Check a state dict for ``opt`` (a OneBitBase) without changing anything.
 
     Parameters
@@ -101,8 +111,9 @@ def validate_state_dict(opt: Any, state_dict: Any, params: Optional[List[List[to
     if "rank" in extra:
         need_int(f"{ew}['rank']", extra["rank"], 0)
         if "world_size" in extra and extra["rank"] >= extra["world_size"]:
-            raise ValueError(f"{ew}['rank']={extra['rank']} is not below its world_size "
-                             f"{extra['world_size']}")
+            raise ValueError(
+                f"{ew}['rank']={extra['rank']} is not below its world_size {extra['world_size']}"
+            )
     if "exact" in extra and not isinstance(extra["exact"], bool):
         raise TypeError(f"{ew}['exact'] must be true or false, got {extra['exact']!r}")
     if "sched" in extra:
@@ -114,13 +125,20 @@ def validate_state_dict(opt: Any, state_dict: Any, params: Optional[List[List[to
         need_mapping(f"{ew}['group_errors']", group_errors)
     has_errors = bool(group_errors) or any(
         isinstance(st, Mapping) and any(k in st for k in ERROR_KEYS)
-        for st in state_dict["state"].values())
-    exact = (opt.exact_resume and extra.get("exact") is True and has_errors
-             and extra.get("world_size") == world and extra.get("rank") == rank)
+        for st in state_dict["state"].values()
+    )
+    exact = (
+        opt.exact_resume
+        and extra.get("exact") is True
+        and has_errors
+        and extra.get("world_size") == world
+        and extra.get("rank") == rank
+    )
     for pid, st in state_dict["state"].items():
         p = id_map[pid]
-        _check_error_pair(f"{where}['state'][{pid!r}]", st, world, exact,
-                          padded_numel(p.numel(), world))
+        _check_error_pair(
+            f"{where}['state'][{pid!r}]", st, world, exact, padded_numel(p.numel(), world)
+        )
     for gi, errs in (group_errors or {}).items():
         gw = f"{ew}['group_errors'][{gi!r}]"
         need_int(f"{ew}['group_errors'] key", gi, 0)

@@ -101,7 +101,8 @@ def validate_shard_state_dict(opt: Any, sd: Any) -> None:
     sd = need_mapping(w, sd)
     if sd.get("format") != FORMAT:
         raise ValueError(f"{w}: not a compcomm ZeRO shard (format {sd.get('format')!r})")
-    world, rank = need_int(f"{w}['world']", sd.get("world"), 1), need_int(f"{w}['rank']", sd.get("rank"))
+    world = need_int(f"{w}['world']", sd.get("world"), 1)
+    rank = need_int(f"{w}['rank']", sd.get("rank"))
     if world != opt.world or rank != opt.rank:
         raise ValueError(
             f"{w}: saved by rank {rank} of {world}, loading on rank {opt.rank} of "
@@ -114,7 +115,8 @@ def validate_shard_state_dict(opt: Any, sd: Any) -> None:
     for gi, (g, grp) in enumerate(zip(groups, opt.groups)):
         gw = f"{w}['groups'][{gi}]"
         g = need_mapping(gw, g)
-        if (g.get("sizes") != [t[0] for t in grp.tensors] or g.get("bucket_size") != grp.plan.bucket_size
+        if (g.get("sizes") != [t[0] for t in grp.tensors]
+                or g.get("bucket_size") != grp.plan.bucket_size
                 or g.get("alignment", grp.plan.alignment) != grp.plan.alignment):
             raise ValueError(f"{gw} has a different layout (sizes, bucket size or alignment)")
         need_tensor(f"{gw}['master']", g.get("master"), shape=tuple(grp.master.shape))
@@ -127,7 +129,8 @@ def validate_shard_state_dict(opt: Any, sd: Any) -> None:
     if local:
         flats = need_list(f"{w}['local_params']", sd.get("local_params"))
         if len(flats) != len(opt.groups):
-            raise ValueError(f"{w}['local_params'] has {len(flats)} entries, expected {len(opt.groups)}")
+            raise ValueError(f"{w}['local_params'] has {len(flats)} entries, expected "
+                             f"{len(opt.groups)}")
         for gi, (f, grp) in enumerate(zip(flats, opt.groups)):
             need_tensor(f"{w}['local_params'][{gi}]", f, shape=tuple(grp.flat.shape))
     params, iworld, irank = _inner_target(opt, local)

@@ -101,7 +101,8 @@ def compressed_reduce_scatter(
                     server_error=server_error, out=out)
     timeout_s = _check_timeout(call, rank, timeout)
     with _exclusive(comm, call, rank):  # the workspace is the communicator's: one call at a time
-        ws = _workspace(comm, tensor.device, _layout_total(padded, world, tensor.device.type == "cuda"))
+        total = _layout_total(padded, world, tensor.device.type == "cuda")
+        ws = _workspace(comm, tensor.device, total)
         _C.zero.compressed_reduce_scatter(
             comm, buffer_of(tensor), buffer_of(worker_error), buffer_of(server_error),
             buffer_of(out), buffer_of(ws), timeout_s,

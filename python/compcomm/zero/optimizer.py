@@ -882,7 +882,8 @@ class ZeroOptimizer:
         """Restore this rank's shard saved by :meth:`state_dict` (same world size and layout).
 
         Collective: the shard is validated and the ranks agree first, so a bad shard on any rank
-        raises on every rank and changes nothing (:func:`compcomm.zero.checkpoint.load_shard_state_dict`).
+        raises on every rank and changes nothing
+        (:func:`compcomm.zero.checkpoint.load_shard_state_dict`).
         """
         from .checkpoint import load_shard_state_dict
 
