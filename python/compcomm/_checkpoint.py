@@ -61,11 +61,11 @@ def atomic_save(obj: Any, path: str) -> None:
             os.close(dfd)
 
 
-def read_checkpoint(path: str) -> Any:
-    """``torch.load(path)`` on the CPU; a file that exists but does not unpickle raises ValueError
-    naming it (a missing file raises FileNotFoundError)."""
+def read_checkpoint(path: str, map_location: Any = None) -> Any:
+    """``torch.load(path, map_location)``; a file that exists but does not unpickle raises
+    ValueError naming it (a missing file raises FileNotFoundError)."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location=map_location, weights_only=False)
     except FileNotFoundError:
         raise
     except Exception as e:  # truncated or foreign files raise a zoo of unpickling errors

@@ -401,7 +401,8 @@ class OneBitBase(torch.optim.Optimizer):
                     s.pop(k, None)
         self._group_errors = {}
         if exact and extra.get("group_errors"):
-            self._group_errors = {gi: {k: v.clone() for k, v in e.items()}
+            device = next((p.device for g in self.param_groups for p in g["params"]), None)
+            self._group_errors = {gi: {k: v.to(device, copy=True) for k, v in e.items()}
                                   for gi, e in extra["group_errors"].items()}
         if "sched" in extra:
             self.sched = dict(extra["sched"])

@@ -238,7 +238,7 @@ def load_checkpoint(opt: Any, directory: str) -> None:
     """
     sd, error = None, None
     try:
-        sd = read_checkpoint(shard_file(directory, opt.rank, opt.world))
+        sd = read_checkpoint(shard_file(directory, opt.rank, opt.world), map_location="cpu")
     except (OSError, ValueError) as e:  # reported to the peers by _load_agreed, then raised
         error = e
     _load_agreed(opt, sd, error)
