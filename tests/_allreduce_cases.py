@@ -32,10 +32,10 @@ def _seed(rnd: int, n: int, rank: int, dtype: str) -> int:
     return 1000003 * rnd + 7919 * n + 17 * rank + 3 * list(DTYPES).index(dtype)
 
 
-def _signs_received(padded: int, world: int) -> np.ndarray:
+def _signs_received(comm, padded: int, world: int) -> np.ndarray:
     """The packed worker signs this rank received in the last call ([W][C/8]: row i from rank i),
-    read from the cached CPU workspace."""
-    ws = compcomm.collectives._workspaces[torch.device("cpu")]
+    read from ``comm``'s cached CPU workspace."""
+    ws = compcomm.collectives._workspaces[comm][torch.device("cpu")]
     at = _C.compressed_allreduce_layout(padded, world, False)["signs_recv"]
     return ws[at : at + padded // 8].numpy().copy()
 
@@ -105,7 +105,7 @@ def collective_cases(rank: int, world: int, sizes, dtypes, rounds: int, shapes=N
                     t.float().numpy().ravel().copy(),
                     we.numpy().copy(),
                     se.numpy().copy(),
-                    _signs_received(p, world) if p else np.zeros(0, np.uint8),
+                    _signs_received(comm, p, world) if p else np.zeros(0, np.uint8),
                     sent,
                 )
                 gathered = [None] * world if rank == 0 else None

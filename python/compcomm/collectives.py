@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Optional, Tuple, Union
+import numbers
+import threading
+import weakref
+from typing import Iterator, Optional, Tuple, Union
 
 import torch
 
 from . import _C
 from ._buffers import buffer_of
 from ._comm import Group, resolve
+from .errors import CommError
 
 __all__ = [
     "compressed_allreduce",
@@ -24,7 +29,13 @@ __all__ = [
 DEFAULT_TIMEOUT = 600.0
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-_workspaces: dict = {}
+# communicator -> {device: uint8 scratch}. Per communicator, not per device: the scratch holds the
+# call's headers and signs while it runs, so two communicators used from two threads at once must
+# not share it. Weak keys: a dropped communicator takes its scratch with it.
+_workspaces: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# communicator -> Lock held for the duration of one compressed call on it (see _exclusive).
+_locks: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_registry = threading.Lock()  # guards the two dicts above (WeakKeyDictionary is not thread-safe)
 
 
 def padded_numel(numel: int, world_size: int) -> int:
@@ -67,8 +78,13 @@ def error_buffers(
     if isinstance(numel_or_tensor, torch.Tensor):
         numel = numel_or_tensor.numel()
         device = numel_or_tensor.device if device is None else device
-    else:
+    elif isinstance(numel_or_tensor, numbers.Integral) and not isinstance(numel_or_tensor, bool):
         numel = int(numel_or_tensor)
+        if numel < 0:
+            raise ValueError(f"error_buffers: argument 'numel_or_tensor' must be >= 0, got {numel}")
+    else:
+        raise TypeError("error_buffers: argument 'numel_or_tensor' must be a torch.Tensor or an "
+                        f"int, got {type(numel_or_tensor).__name__}")
     world = resolve(group).size()
     p = padded_numel(numel, world)
     return (
@@ -96,6 +112,19 @@ def _fail(cls: type, rank: int, arg: str, problem: str) -> Exception:
     return cls(f"[rank {rank}] compressed_allreduce: argument '{arg}' {problem}")
 
 
+def _check_timeout(call: str, rank: int, timeout: object) -> float:
+    """``timeout`` in seconds (``None``: the default) or a TypeError/ValueError naming it."""
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(f"[rank {rank}] {call}: argument 'timeout' must be a number of seconds, "
+                        f"got {type(timeout).__name__}")
+    if not timeout > 0:  # also rejects NaN
+        raise ValueError(
+            f"[rank {rank}] {call}: argument 'timeout' must be positive, got {timeout}")
+    return float(timeout)
+
+
 def _check_float32_vector(t: object, name: str, rank: int, numel: int, device: torch.device) -> None:
     if not isinstance(t, torch.Tensor):
         raise _fail(TypeError, rank, name, f"must be a torch.Tensor, got {type(t).__name__}")
@@ -114,18 +143,71 @@ def _check_float32_vector(t: object, name: str, rank: int, numel: int, device: t
         )
 
 
-def _workspace(device: torch.device, nbytes: int) -> torch.Tensor:
-    """A cached uint8 scratch tensor per device, grown on demand (through torch's allocator).
+def _workspace(comm: object, device: torch.device, nbytes: int) -> torch.Tensor:
+    """``comm``'s cached uint8 scratch tensor on ``device``, grown on demand (torch's allocator).
 
     Zero-filled when allocated: the GPU norm kernels need a zeroed scratch on first use and leave it
     zeroed. Growing it replaces the tensor, so it must not happen while a CUDA graph is being captured
-    (run one eager call of the largest size first).
+    (run one eager call of the largest size first). Call it only inside :func:`_exclusive` on
+    ``comm``: the lock is what keeps two calls from sharing the scratch.
     """
-    ws = _workspaces.get(device)
+    with _registry:
+        per_device = _workspaces.setdefault(comm, {})
+    ws = per_device.get(device)
     if ws is None or ws.numel() < nbytes:
         ws = torch.zeros(max(nbytes, 1), dtype=torch.uint8, device=device)
-        _workspaces[device] = ws
+        per_device[device] = ws
     return ws
+
+
+@contextlib.contextmanager
+def _exclusive(comm: object, call: str, rank: int) -> Iterator[None]:
+    """Hold ``comm`` for one call; raise CommError at once if another thread holds it.
+
+    The rule: a communicator runs one compressed call at a time. Waiting would be no fix: two
+    threads' calls on one communicator can reach the ranks in different orders and pair the wrong
+    messages (wrong results or a hang), so a second concurrent call is refused, not queued.
+    Different communicators may be used from different threads at the same time.
+    """
+    with _registry:
+        lock = _locks.get(comm)
+        if lock is None:
+            lock = _locks[comm] = threading.Lock()
+    if not lock.acquire(blocking=False):
+        name = comm.backend_name() if hasattr(comm, "backend_name") else type(comm).__name__
+        raise CommError(
+            f"[rank {rank}] {call}: the communicator ({name}) is in use by another thread; a "
+            "communicator runs one compressed call at a time (give each thread its own process "
+            "group or communicator)",
+            call,
+            name,
+            0,
+            rank,
+        )
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _check_disjoint(call: str, rank: int, **tensors: Optional[torch.Tensor]) -> None:
+    """ValueError naming two arguments whose memory overlaps (all are contiguous tensors).
+
+    The call reads and writes every buffer, so shared memory would be read after it was written.
+    """
+    spans = []
+    for name, t in tensors.items():
+        if t is None or t.numel() == 0:
+            continue
+        lo = t.data_ptr()
+        spans.append((name, t.device, lo, lo + t.numel() * t.element_size()))
+    for i, (a, dev_a, lo_a, hi_a) in enumerate(spans):
+        for b, dev_b, lo_b, hi_b in spans[i + 1 :]:
+            if dev_a == dev_b and lo_a < hi_b and lo_b < hi_a:
+                raise ValueError(
+                    f"[rank {rank}] {call}: arguments '{a}' and '{b}' overlap in memory; they must "
+                    "be distinct buffers (allocate the errors with compcomm.error_buffers)"
+                )
 
 
 _layouts: dict = {}
@@ -191,7 +273,11 @@ def compressed_allreduce(
     Raises
     ------
     TypeError, ValueError
-        Wrong type, dtype, device, contiguity or size of an argument (message names it and the rank).
+        Wrong type, dtype, device, contiguity or size of an argument, or two arguments that share
+        memory (message names them and the rank).
+    compcomm.errors.CommError
+        Another thread is running a compressed call on the same communicator (one call at a time
+        per communicator; different communicators may run concurrently from different threads).
     compcomm.errors.RankMismatchError
         Ranks passed different numels, padded sizes or dtypes (raised on every rank).
     compcomm.errors.NonFiniteError
@@ -225,17 +311,16 @@ def compressed_allreduce(
         )
     _check_float32_vector(worker_error, "worker_error", rank, padded, tensor.device)
     _check_float32_vector(server_error, "server_error", rank, padded // world, tensor.device)
-    timeout_s = DEFAULT_TIMEOUT if timeout is None else float(timeout)
-    if not timeout_s > 0:
-        raise _fail(ValueError, rank, "timeout", f"must be positive, got {timeout}")
+    _check_disjoint("compressed_allreduce", rank, tensor=tensor, worker_error=worker_error,
+                    server_error=server_error)
+    timeout_s = _check_timeout("compressed_allreduce", rank, timeout)
 
     cuda = tensor.device.type == "cuda"
-    ws = _workspace(tensor.device, _layout_total(padded, world, cuda))
-    args = (comm, buffer_of(tensor), buffer_of(worker_error), buffer_of(server_error), buffer_of(ws))
-    if not cuda:
-        _C.compressed_allreduce(*args, timeout_s, 0, True)
-        return tensor
     # On torch's current stream of the tensor's device (the core switches to that device itself).
-    stream = torch.cuda.current_stream(tensor.device).cuda_stream
-    _C.compressed_allreduce(*args, timeout_s, stream, bool(check))
+    stream = torch.cuda.current_stream(tensor.device).cuda_stream if cuda else 0
+    with _exclusive(comm, "compressed_allreduce", rank):
+        ws = _workspace(comm, tensor.device, _layout_total(padded, world, cuda))
+        _C.compressed_allreduce(comm, buffer_of(tensor), buffer_of(worker_error),
+                                buffer_of(server_error), buffer_of(ws), timeout_s, stream,
+                                bool(check) or not cuda)
     return tensor

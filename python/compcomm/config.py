@@ -9,9 +9,12 @@ implement -- raises ``ValueError`` naming it: nothing is silently ignored.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
+import numbers
 import os
-from typing import Any, Dict, Union
+from collections.abc import Mapping
+from typing import Any, Callable, Dict, Union
 
 import torch
 
@@ -78,11 +81,81 @@ class TrainingSetup:
 
 
 def load_config(config: Union[str, os.PathLike, Dict[str, Any]]) -> Dict[str, Any]:
-    """A config dict from a dict or a JSON file path (a copy; the input is not modified)."""
-    if isinstance(config, dict):
-        return json.loads(json.dumps(config))
+    """A config dict from a dict or a JSON file path (a copy; the input is not modified).
+
+    Raises
+    ------
+    TypeError
+        ``config`` is neither a dict nor a path, or its top level is not a JSON object.
+    ValueError
+        The file is not valid JSON, or the dict holds values JSON cannot represent.
+    """
+    if isinstance(config, Mapping):
+        try:
+            cfg = json.loads(json.dumps(dict(config)))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"config: not representable as JSON ({e})") from e
+        return cfg
+    if not isinstance(config, (str, os.PathLike)):
+        raise TypeError(
+            f"config must be a dict or a path to a JSON file, got {type(config).__name__}")
     with open(config) as f:
-        return json.load(f)
+        try:
+            cfg = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"config: {os.fspath(config)!r} is not valid JSON ({e})") from e
+    if not isinstance(cfg, dict):
+        raise TypeError(f"config: the top level of {os.fspath(config)!r} must be a JSON object, "
+                        f"got a JSON {type(cfg).__name__}")
+    return cfg
+
+
+def _number(where: str, v: Any, minimum: float = 0.0, strict: bool = False) -> None:
+    """TypeError unless ``v`` is a number; ValueError unless ``v >= minimum`` (``>`` if strict)."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{where} must be a number, got {type(v).__name__} {v!r}")
+    if not (v > minimum if strict else v >= minimum):  # NaN fails both
+        raise ValueError(f"{where} must be {'>' if strict else '>='} {minimum}, got {v!r}")
+
+
+def _flag(where: str, v: Any) -> None:
+    if not isinstance(v, bool):
+        raise TypeError(f"{where} must be true or false, got {v!r}")
+
+
+def _check_common_params(typ: str, params: Dict[str, Any]) -> None:
+    """The hyper-parameters every optimizer type shares, checked by name before anything runs."""
+    for k in ("lr", "eps", "weight_decay"):
+        if k in params:
+            _number(f"optimizer.params.{k}", params[k])
+    if "betas" in params:
+        b = params["betas"]
+        if not (isinstance(b, (list, tuple)) and len(b) == 2):
+            raise ValueError(f"optimizer.params.betas must be two numbers, got {b!r}")
+        for i, x in enumerate(b):
+            _number(f"optimizer.params.betas[{i}]", x)
+            if not x < 1.0:
+                raise ValueError(f"optimizer.params.betas[{i}] must be < 1, got {x!r}")
+    for k in ("amsgrad", "adam_w_mode", "torch_adam", "bias_correction"):
+        if k in params:
+            _flag(f"optimizer.params.{k}", params[k])
+
+
+def _dry_run(typ: str, cls: Callable[..., Any], kwargs: Dict[str, Any]) -> None:
+    """Build the optimizer on one throw-away parameter and a one-rank communicator, so that its
+    own argument checks run before any parameter is broadcast; errors name optimizer.params."""
+    from . import _C
+
+    if isinstance(cls, type) and hasattr(cls, "_init_common"):  # compcomm: talk to nobody
+        kwargs = dict(kwargs, process_group=_C.LocalCommunicator())
+    try:
+        cls([torch.nn.Parameter(torch.zeros(1))], **kwargs)
+    except Exception as e:
+        try:
+            err = type(e)(f"optimizer.params ({typ}): {e}")
+        except Exception:
+            err = ValueError(f"optimizer.params ({typ}): {type(e).__name__}: {e}")
+        raise err from e
 
 
 def _section(cfg: Dict[str, Any], name: str, known: Dict[str, Any]) -> Dict[str, Any]:
@@ -92,7 +165,17 @@ def _section(cfg: Dict[str, Any], name: str, known: Dict[str, Any]) -> Dict[str,
     for k in sec:
         if k not in known:
             raise ValueError(f"{name}.{k}: unknown or unsupported key (known: {', '.join(sorted(known))})")
-    return dict(known, **sec)
+    out = dict(known, **sec)
+    for k, default in known.items():  # each value has its default's type
+        where, v = f"{name}.{k}", out[k]
+        if isinstance(default, bool):
+            _flag(where, v)
+        elif isinstance(default, int):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{where} must be a whole number >= 0, got {v!r}")
+        elif isinstance(default, float):
+            _number(where, v)
+    return out
 
 
 def _batch_sizes(cfg: Dict[str, Any], world: int) -> tuple:
@@ -132,9 +215,16 @@ def _optimizer_factory(opt_cfg: Dict[str, Any]):
     for k in opt_cfg:
         if k not in ("type", "params"):
             raise ValueError(f"optimizer.{k}: unknown key (expected 'type' and 'params')")
-    typ = str(opt_cfg["type"])
-    params = dict(opt_cfg.get("params", {}) or {})
+    typ = opt_cfg["type"]
+    if not isinstance(typ, str):
+        raise TypeError(f"optimizer.type must be a string, got {typ!r}")
+    params = opt_cfg.get("params", {}) or {}
+    if not isinstance(params, dict):
+        raise TypeError(f"optimizer.params must be an object, got {type(params).__name__}")
+    params = dict(params)
     low = typ.lower()
+    if low in ("adam", "adamw") or low in _ONEBIT:
+        _check_common_params(typ, params)
     if low in ("adam", "adamw"):
         for k in params:
             if k not in _ADAM_PARAMS:
@@ -161,6 +251,10 @@ def _optimizer_factory(opt_cfg: Dict[str, Any]):
         cls = getattr(_optim, _ONEBIT[low], None)
         if cls is None:
             raise ValueError(f"optimizer.type={typ!r}: compcomm.optim has no {_ONEBIT[low]}")
+        known = inspect.signature(cls.__init__).parameters
+        for k in params:
+            if k not in known or k in ("self", "params"):
+                raise ValueError(f"optimizer.params.{k}: not a parameter of {typ}")
         return cls, params, True
     raise ValueError(
         f"optimizer.type={typ!r} is not supported (Adam, AdamW, OneBitAdam, ZeroOneAdam, OneBitLamb)"
@@ -189,14 +283,18 @@ def from_config(
 
     Raises
     ------
-    ValueError
-        For an unknown or unsupported key (named in the message), inconsistent batch sizes, or a
-        combination compcomm does not implement.
+    TypeError, ValueError
+        For an unknown or unsupported key or a value of the wrong type or range (named in the
+        message, with the value), inconsistent batch sizes, or a combination compcomm does not
+        implement. Everything is checked before any communication (the parameter broadcast) and
+        before the model is cast or wrapped.
     """
     from ._comm import resolve
     from .zero import ZeroOptimizer
     from .zero.config import validate_zero_config
 
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     cfg = load_config(config)
     for k in cfg:
         if k not in _TOP_KEYS:
@@ -215,11 +313,30 @@ def from_config(
         raise ValueError("fp16.hysteresis: only 1 is supported (the scale halves at the first overflow)")
     if fp16["auto_cast"]:
         raise ValueError("fp16.auto_cast=true is not supported")
-    zero = validate_zero_config(cfg.get("zero_optimization", {}) or {})
+    zero_cfg = cfg.get("zero_optimization", {}) or {}
+    if not isinstance(zero_cfg, dict):
+        raise ValueError(f"zero_optimization must be an object, got {type(zero_cfg).__name__}")
+    zero = validate_zero_config(zero_cfg)
     if "optimizer" not in cfg:
         raise ValueError("optimizer: the config needs an optimizer section")
     opt_cls, opt_kw, onebit = _optimizer_factory(cfg["optimizer"])
     stage = zero["stage"]
+    if stage >= 1 and onebit:
+        from .zero.optimizer import _onebit_inner_kwargs, _onebit_kind
+
+        try:  # OneBitLamb cannot be sharded, ZeRO owns the group: say so before the broadcast
+            _onebit_kind(opt_cls)
+            _onebit_inner_kwargs(opt_cls.__name__, opt_kw)
+        except ValueError as e:
+            raise ValueError(f"optimizer.type={cfg['optimizer']['type']!r} with "
+                             f"zero_optimization.stage={stage}: {e}") from e
+    _dry_run(cfg["optimizer"]["type"], opt_cls, opt_kw)
+    if cfg["optimizer"]["type"].lower() == "zerooneadam" and stage == 3:
+        raise ValueError(
+            "optimizer.type='ZeroOneAdam' with zero_optimization.stage=3 is not supported: its "
+            "local steps update every rank's full copy of the parameters, which stage 3 does not "
+            "keep (use stage 1 or 2, or OneBitAdam)"
+        )
     dtype = torch.float16 if fp16["enabled"] else torch.bfloat16 if bf16["enabled"] else None
     if dtype is not None:
         if stage == 0:
@@ -239,12 +356,6 @@ def from_config(
                 model = torch.nn.parallel.DistributedDataParallel(model, process_group=process_group)
             optimizer = opt_cls(model.parameters(), **opt_kw)
         return TrainingSetup(model, optimizer, normalized, tb, mb, ga)
-    if cfg["optimizer"]["type"].lower() == "zerooneadam" and stage == 3:
-        raise ValueError(
-            "optimizer.type='ZeroOneAdam' with zero_optimization.stage=3 is not supported: its local "
-            "steps update every rank's full copy of the parameters, which stage 3 does not keep "
-            "(use stage 1 or 2, or OneBitAdam)"
-        )
     zkw = {k: v for k, v in zero.items() if k != "stage"}
     optimizer = ZeroOptimizer(
         model.parameters(),

@@ -26,10 +26,12 @@ import torch
 
 from .. import _C
 from .._buffers import buffer_of
+from .._checkpoint import atomic_save, read_checkpoint
 from .._comm import resolve
 from ..collectives import DEFAULT_TIMEOUT, compressed_allreduce, error_buffers, padded_numel
 from ..compress import DEFAULT_BUCKET_ELEMENTS, OneBitCompressor, plan_buckets
 from ..errors import NonFiniteError, UnsupportedError
+from ._state import ERROR_KEYS, validate_state_dict
 
 #: Elements per full-precision allreduce bucket in the warm-up (fp32: 16 MiB).
 BUCKET_ELEMENTS = 4 * 1024 * 1024
@@ -216,9 +218,6 @@ def mask_(t: torch.Tensor, group: Dict[str, Any]) -> None:
         mask = mask.to(device=t.device, dtype=t.dtype)
         group["exp_avg_mask"] = mask
     t.mul_(mask)
-
-
-ERROR_KEYS = ("worker_error", "server_error")
 
 
 # --------------------------------------------------------------------------------------------
@@ -506,43 +505,41 @@ class OneBitBase(torch.optim.Optimizer):
         (checkpoints of the per-parameter layout, from before bucketing, need
         ``per_parameter=True``); otherwise, if the checkpoint holds error buffers, a warning says
         they were reset.
+
+        The whole state dict is validated first (:func:`compcomm.optim._state.validate_state_dict`):
+        a malformed one raises TypeError/ValueError naming the bad entry and leaves this optimizer
+        unchanged. Loading is local (no communication).
         """
-        state_dict = dict(state_dict)
-        extra = state_dict.pop("compcomm", None) or {}
-        groups = []
-        for g in state_dict["param_groups"]:
-            g = dict(g)
-            g.pop("exp_avg_mask", None)
-            groups.append(g)
-        state_dict["param_groups"] = groups
-        self._load_torch_state(state_dict)
+        plan = validate_state_dict(self, state_dict)
+        # Validated: nothing below raises, so the optimizer is never left half-loaded.
+        extra, exact = plan.extra, plan.exact
+        if plan.has_errors and not exact and self.exact_resume:
+            warnings.warn(
+                f"{self._name}: checkpoint from rank {extra.get('rank')} of world size "
+                f"{extra.get('world_size')} loaded on rank {self.rank} of {self.world_size}: "
+                "compression error buffers reset to zero (trajectory will differ slightly)",
+                RuntimeWarning, stacklevel=2)
+        groups = [{k: v for k, v in g.items() if k != "exp_avg_mask"}
+                  for g in state_dict["param_groups"]]
+        self._load_torch_state({"state": state_dict["state"], "param_groups": groups})
         for g, mask in zip(self.param_groups, self._user_masks):
-            g.pop("exp_avg_mask", None)
             if mask is not None:
                 g["exp_avg_mask"] = mask
         saved = self._saved_errors(extra)
         for st in self.state.values():  # per-parameter errors of old checkpoints: now in `saved`
             for k in ERROR_KEYS:
                 st.pop(k, None)
-        exact = (self.exact_resume and bool(extra.get("exact")) and saved is not None
-                 and extra.get("world_size") == self.world_size and extra.get("rank") == self.rank)
-        if saved is not None and not exact and self.exact_resume:
-            warnings.warn(
-                f"{self._name}: checkpoint from rank {extra.get('rank')} of world size "
-                f"{extra.get('world_size')} loaded on rank {self.rank} of {self.world_size}: "
-                "compression error buffers reset to zero (trajectory will differ slightly)",
-                RuntimeWarning, stacklevel=2)
         self.compressor.reset()
         self._plan_key = None
         self._loaded_errors = None
-        if exact:
-            plan, errors = saved
+        if exact and saved is not None:
+            layout, errors = saved
             errors = {k: {kk: vv.detach().clone() for kk, vv in v.items()}
                       for k, v in errors.items()}
-            if plan is None:  # a layout of the optimizer's own (OneBitLamb's fused momentum)
+            if layout is None:  # a layout of the optimizer's own (OneBitLamb's fused momentum)
                 self.compressor.load_state_dict(errors)
             else:  # restored when the next step builds the same buckets
-                self._loaded_errors = ([[tuple(x) for x in b] for b in plan], errors)
+                self._loaded_errors = ([[tuple(x) for x in b] for b in layout], errors)
         if "sched" in extra:
             self.sched = dict(extra["sched"])
         else:
@@ -552,30 +549,25 @@ class OneBitBase(torch.optim.Optimizer):
 
     def _load_torch_state(self, state_dict: Dict[str, Any]) -> None:
         """torch's load_state_dict without its cast of the state to the parameters' dtype (the
-        state stays fp32 for fp16/bf16 parameters)."""
+        state stays fp32 for fp16/bf16 parameters). ``state_dict`` was validated; the new state
+        and groups are built completely before either replaces the old."""
         import copy
         from collections import defaultdict
 
         saved = state_dict["param_groups"]
-        if len(saved) != len(self.param_groups) or any(
-                len(s["params"]) != len(g["params"]) for s, g in zip(saved, self.param_groups)):
-            raise ValueError(f"{self._name}.load_state_dict: the checkpoint's parameter groups do "
-                             "not match this optimizer's (number of groups or parameters differ)")
         id_map = {old: p for s, g in zip(saved, self.param_groups)
                   for old, p in zip(s["params"], g["params"])}
         state: Dict[Any, Dict[str, Any]] = defaultdict(dict)
         for k, v in state_dict["state"].items():
-            if k not in id_map:
-                continue
             p = id_map[k]
             state[p] = {kk: (vv.detach().to(p.device).clone() if isinstance(vv, torch.Tensor)
                              else copy.deepcopy(vv)) for kk, vv in v.items()}
-        self.state = state
         new_groups = []
         for s, g in zip(saved, self.param_groups):
             ng = {k: copy.deepcopy(v) for k, v in s.items() if k != "params"}
             ng["params"] = g["params"]
             new_groups.append(ng)
+        self.state = state
         self.param_groups = new_groups
 
     def _sched_from_state(self) -> Dict[str, Any]:
@@ -591,6 +583,9 @@ def save_rank_checkpoint(optimizer: OneBitBase, directory: str) -> str:
     For exact resume (``exact_resume=True``) every rank must save its own file: error buffers,
     and in ZeroOneAdam's local steps even the momentum, differ per rank.
 
+    The file is written atomically (a temporary file, fsynced, then renamed over the old one): a
+    process killed while saving leaves the previous checkpoint loadable.
+
     Returns
     -------
     str
@@ -598,7 +593,7 @@ def save_rank_checkpoint(optimizer: OneBitBase, directory: str) -> str:
     """
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"optim_rank{optimizer.rank}_of{optimizer.world_size}.pt")
-    torch.save(optimizer.state_dict(), path)
+    atomic_save(optimizer.state_dict(), path)
     return path
 
 
@@ -612,14 +607,22 @@ def load_rank_checkpoint(optimizer: OneBitBase, directory: str) -> str:
     -------
     str
         The path read.
+
+    Raises
+    ------
+    FileNotFoundError
+        No checkpoint in ``directory``.
+    ValueError, TypeError
+        The file is unreadable or its state malformed (named); the optimizer is left unchanged.
     """
     path = os.path.join(directory, f"optim_rank{optimizer.rank}_of{optimizer.world_size}.pt")
     if not os.path.exists(path):
-        cands = sorted(f for f in os.listdir(directory) if f.startswith("optim_rank0_of"))
+        cands = sorted(f for f in os.listdir(directory)
+                       if f.startswith("optim_rank0_of") and f.endswith(".pt"))
         if not cands:
-            raise FileNotFoundError(f"no optimizer checkpoint in {directory!r}")
+            raise FileNotFoundError(f"directory: no optimizer checkpoint in {directory!r}")
         path = os.path.join(directory, cands[0])
-    optimizer.load_state_dict(torch.load(path, weights_only=False))
+    optimizer.load_state_dict(read_checkpoint(path))
     return path
 
 

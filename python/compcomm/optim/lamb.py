@@ -257,7 +257,7 @@ class OneBitLamb(c.OneBitBase):
     def _saved_errors(self, extra: Dict[str, Any]) -> Optional[Tuple[Any, Dict[Any, Any]]]:
         # one fused momentum, one bucket (checkpoints from before buckets: group 0's errors)
         if extra.get("group_errors"):
-            return None, {"fused": extra["group_errors"][0]}
+            return None, {"fused": next(iter(extra["group_errors"].values()))}
         return super()._saved_errors(extra)
 
     def _load_extra_state(self, extra: Dict[str, Any], exact: bool) -> None:

@@ -8,6 +8,12 @@ wrapped optimizer's state is this rank's full (unsharded) state and the file als
 parameters, which differ between ranks until the next sync; the master shards hold the last
 synchronised parameters. ``consolidate`` reads all ranks' files and rebuilds the full fp32 weights
 (like DeepSpeed's ``zero_to_fp32``).
+
+Loading validates the whole shard first (layout, shapes, the wrapped optimizer's state, error
+buffers, counters) and the ranks agree (one all-reduce of a flag per rank) before anything is
+replaced: if any rank's shard is bad or unreadable, every rank raises and none changes. Files are
+written atomically (temporary file, fsync, rename), so a process killed while saving leaves the
+previous checkpoint loadable.
 """
 
 from __future__ import annotations
@@ -18,6 +24,17 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .. import _C
+from .._buffers import buffer_of
+from .._checkpoint import (
+    atomic_save,
+    check_optimizer_state,
+    is_real,
+    need_int,
+    need_list,
+    need_mapping,
+    need_tensor,
+    read_checkpoint,
+)
 
 __all__ = ["shard_state_dict", "load_shard_state_dict", "save_checkpoint", "load_checkpoint",
            "consolidate", "shard_file"]
@@ -64,20 +81,122 @@ def shard_state_dict(opt: Any, names: Optional[Dict[int, str]] = None) -> Dict[s
     }
 
 
-def load_shard_state_dict(opt: Any, sd: Dict[str, Any]) -> None:
-    """Restore ``opt`` from :func:`shard_state_dict` output of the same rank and world size."""
+def _inner_target(opt: Any, local: bool) -> tuple:
+    """(params per group, world size, rank) the wrapped optimizer has after the load."""
+    if local:
+        return [list(grp.params) for grp in opt.groups], opt.world, opt.rank
+    return [[grp.master] for grp in opt.groups], 1, 0
+
+
+def validate_shard_state_dict(opt: Any, sd: Any) -> None:
+    """Check a shard from :func:`shard_state_dict` for ``opt`` without changing anything.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the bad entry of ``sd`` (layout, world size, rank, shapes, counters, the wrapped
+        optimizer's state).
+    """
+    w = "ZeroOptimizer.load_state_dict: sd"
+    sd = need_mapping(w, sd)
     if sd.get("format") != FORMAT:
-        raise ValueError(f"state_dict: not a compcomm ZeRO shard (format {sd.get('format')!r})")
-    if sd["world"] != opt.world or sd["rank"] != opt.rank:
+        raise ValueError(f"{w}: not a compcomm ZeRO shard (format {sd.get('format')!r})")
+    world = need_int(f"{w}['world']", sd.get("world"), 1)
+    rank = need_int(f"{w}['rank']", sd.get("rank"))
+    if world != opt.world or rank != opt.rank:
         raise ValueError(
-            f"state_dict: saved by rank {sd['rank']} of {sd['world']}, loading on rank {opt.rank} of "
+            f"{w}: saved by rank {rank} of {world}, loading on rank {opt.rank} of "
             f"{opt.world}; use consolidate() and build a new optimizer to change the world size"
         )
-    if len(sd["groups"]) != len(opt.groups):
-        raise ValueError("state_dict: number of parameter groups differs")
-    for gi, (g, grp) in enumerate(zip(sd["groups"], opt.groups)):
-        if g["sizes"] != [t[0] for t in grp.tensors] or g["bucket_size"] != grp.plan.bucket_size:
-            raise ValueError(f"state_dict: group {gi} has a different layout (sizes or bucket size)")
+    groups = need_list(f"{w}['groups']", sd.get("groups"))
+    if len(groups) != len(opt.groups):
+        raise ValueError(f"{w}['groups']: {len(groups)} parameter groups, this optimizer has "
+                         f"{len(opt.groups)}")
+    for gi, (g, grp) in enumerate(zip(groups, opt.groups)):
+        gw = f"{w}['groups'][{gi}]"
+        g = need_mapping(gw, g)
+        if (g.get("sizes") != [t[0] for t in grp.tensors]
+                or g.get("bucket_size") != grp.plan.bucket_size
+                or g.get("alignment", grp.plan.alignment) != grp.plan.alignment):
+            raise ValueError(f"{gw} has a different layout (sizes, bucket size or alignment)")
+        need_tensor(f"{gw}['master']", g.get("master"), shape=tuple(grp.master.shape))
+    local = sd.get("local_phase")
+    if local is not None and not isinstance(local, bool):
+        raise TypeError(f"{w}['local_phase'] must be true or false, got {local!r}")
+    local = bool(local)
+    if local and opt.onebit != "ZeroOneAdam":
+        raise ValueError(f"{w}['local_phase'] is true but the wrapped optimizer is not ZeroOneAdam")
+    if local:
+        flats = need_list(f"{w}['local_params']", sd.get("local_params"))
+        if len(flats) != len(opt.groups):
+            raise ValueError(f"{w}['local_params'] has {len(flats)} entries, expected "
+                             f"{len(opt.groups)}")
+        for gi, (f, grp) in enumerate(zip(flats, opt.groups)):
+            need_tensor(f"{w}['local_params'][{gi}]", f, shape=tuple(grp.flat.shape))
+    params, iworld, irank = _inner_target(opt, local)
+    inner = opt.optimizer
+    if hasattr(inner, "sched") and hasattr(inner, "exact_resume"):  # a compcomm 1-bit optimizer
+        from ..optim._state import validate_state_dict
+
+        validate_state_dict(inner, sd.get("optimizer"), params, iworld, irank, f"{w}['optimizer']")
+    else:
+        check_optimizer_state(f"{w}['optimizer']", sd.get("optimizer"), params, inner.param_groups)
+    errors = sd.get("errors")
+    if errors is not None:
+        for key, pair in need_mapping(f"{w}['errors']", errors).items():
+            ew = f"{w}['errors'][{key!r}]"
+            ok = (isinstance(key, tuple) and len(key) == 2 and 0 <= key[0] < len(opt.groups)
+                  and 0 <= key[1] < len(opt.groups[key[0]].buckets))
+            if not ok:
+                raise ValueError(f"{ew}: not a (group, bucket) of this optimizer's layout")
+            b = opt.groups[key[0]].buckets[key[1]]
+            if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+                raise TypeError(f"{ew} must be a (worker_error, server_error) pair")
+            need_tensor(f"{ew}[0]", pair[0], dtype=torch.float32, numel=b["padded"])
+            need_tensor(f"{ew}[1]", pair[1], dtype=torch.float32, numel=b["chunk"])
+    scale = sd.get("loss_scale")
+    if not is_real(scale) or not float(scale) > 0:
+        raise ValueError(f"{w}['loss_scale'] must be a number > 0, got {scale!r}")
+    need_int(f"{w}['global_steps']", sd.get("global_steps"))
+    need_int(f"{w}['skipped_steps']", sd.get("skipped_steps"))
+
+
+def _agree(opt: Any, error: Optional[BaseException]) -> None:
+    """Raise on every rank if ``error`` is set on any (one all-reduce of a flag per rank)."""
+    bad = [opt.rank] if error is not None else []
+    if opt.world > 1:
+        flags = torch.zeros(opt.world, dtype=torch.float32, device=opt.device)
+        flags[opt.rank] = float(error is not None)
+        # through the worker thread: it must not overtake collectives still queued there
+        opt._async.all_reduce(buffer_of(flags), _C.ReduceOp.sum, opt.timeout).wait(opt.timeout)
+        bad = [r for r, f in enumerate(flags.tolist()) if f > 0]
+    if error is not None:
+        raise error
+    if bad:
+        raise ValueError(f"[rank {opt.rank}] ZeroOptimizer.load_state_dict: rank(s) {bad} rejected "
+                         "their checkpoint shard; nothing was loaded on any rank")
+
+
+def load_shard_state_dict(opt: Any, sd: Dict[str, Any]) -> None:
+    """Restore ``opt`` from :func:`shard_state_dict` output of the same rank and world size.
+
+    Collective (every rank calls it). The shard is validated and the ranks agree before anything
+    changes: a bad shard on any rank raises on every rank and leaves every rank's optimizer as it
+    was (TypeError/ValueError naming the entry on the rank that had it, ValueError naming that
+    rank on the others).
+    """
+    _load_agreed(opt, sd, None)
+
+
+def _load_agreed(opt: Any, sd: Any, error: Optional[BaseException]) -> None:
+    if error is None:
+        try:
+            validate_shard_state_dict(opt, sd)
+        except Exception as e:  # any failure, so that the peers learn of it and do not hang
+            error = e
+    _agree(opt, error)
+    # validated on every rank: nothing below raises on bad input
+    for g, grp in zip(sd["groups"], opt.groups):
         grp.master.data.copy_(g["master"])
     local = bool(sd.get("local_phase"))
     if local and not opt._local_phase:
@@ -88,9 +207,9 @@ def load_shard_state_dict(opt: Any, sd: Dict[str, Any]) -> None:
     saved_errors = sd.get("errors") or {}
     opt._errors = ({k: (we.to(opt.device, copy=True), se.to(opt.device, copy=True))
                     for k, (we, se) in saved_errors.items()} if opt.exact_resume else {})
-    opt.loss_scale = sd["loss_scale"]
-    opt.global_steps = sd["global_steps"]
-    opt.skipped_steps = sd["skipped_steps"]
+    opt.loss_scale = float(sd["loss_scale"])
+    opt.global_steps = int(sd["global_steps"])
+    opt.skipped_steps = int(sd["skipped_steps"])
     if local:
         for grp, flat in zip(opt.groups, sd["local_params"]):
             grp.flat.copy_(flat)
@@ -101,19 +220,28 @@ def load_shard_state_dict(opt: Any, sd: Dict[str, Any]) -> None:
 def save_checkpoint(opt: Any, directory: str, module: Optional[torch.nn.Module] = None) -> str:
     """Write this rank's shard file into ``directory`` (every rank calls this); returns its path.
 
-    ``module`` (optional) supplies parameter names for :func:`consolidate`.
+    ``module`` (optional) supplies parameter names for :func:`consolidate`. The file is written
+    atomically: a process killed while saving leaves the previous file whole.
     """
     os.makedirs(directory, exist_ok=True)
     names = {id(p): n for n, p in module.named_parameters()} if module is not None else None
     path = shard_file(directory, opt.rank, opt.world)
-    torch.save(shard_state_dict(opt, names), path)
+    atomic_save(shard_state_dict(opt, names), path)
     return path
 
 
 def load_checkpoint(opt: Any, directory: str) -> None:
-    """Load this rank's shard file from ``directory`` into ``opt`` (every rank calls this)."""
-    sd = torch.load(shard_file(directory, opt.rank, opt.world), map_location="cpu", weights_only=False)
-    load_shard_state_dict(opt, sd)
+    """Load this rank's shard file from ``directory`` into ``opt`` (every rank calls this).
+
+    A missing or unreadable file, or a malformed shard, on any rank raises on every rank and
+    changes nothing (see :func:`load_shard_state_dict`).
+    """
+    sd, error = None, None
+    try:
+        sd = read_checkpoint(shard_file(directory, opt.rank, opt.world), map_location="cpu")
+    except (OSError, ValueError) as e:  # reported to the peers by _load_agreed, then raised
+        error = e
+    _load_agreed(opt, sd, error)
 
 
 def consolidate(directory: str) -> Dict[str, torch.Tensor]:

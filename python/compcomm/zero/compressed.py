@@ -17,7 +17,14 @@ import torch
 from .. import _C
 from .._buffers import buffer_of
 from .._comm import Group, resolve
-from ..collectives import DEFAULT_TIMEOUT, _check_float32_vector, _layout_total, _workspace
+from ..collectives import (
+    _check_disjoint,
+    _check_float32_vector,
+    _check_timeout,
+    _exclusive,
+    _layout_total,
+    _workspace,
+)
 
 __all__ = ["compressed_reduce_scatter"]
 
@@ -52,6 +59,13 @@ def compressed_reduce_scatter(
     timeout : float, optional
         Seconds each collective step may wait.
 
+    Raises
+    ------
+    TypeError, ValueError
+        A bad argument, or two arguments sharing memory (the message names them and the rank).
+    compcomm.errors.CommError
+        Another thread is running a compressed call on the same communicator.
+
     Returns
     -------
     torch.Tensor
@@ -82,10 +96,15 @@ def compressed_reduce_scatter(
     if out is None:
         out = torch.empty(padded // world, dtype=torch.float32, device=tensor.device)
     _check_float32_vector(out, "out", rank, padded // world, tensor.device)
-    timeout_s = DEFAULT_TIMEOUT if timeout is None else float(timeout)
-    ws = _workspace(tensor.device, _layout_total(padded, world, tensor.device.type == "cuda"))
-    _C.zero.compressed_reduce_scatter(
-        comm, buffer_of(tensor), buffer_of(worker_error), buffer_of(server_error), buffer_of(out),
-        buffer_of(ws), timeout_s,
-    )
+    call = "compressed_reduce_scatter"
+    _check_disjoint(call, rank, tensor=tensor, worker_error=worker_error,
+                    server_error=server_error, out=out)
+    timeout_s = _check_timeout(call, rank, timeout)
+    with _exclusive(comm, call, rank):  # the workspace is the communicator's: one call at a time
+        total = _layout_total(padded, world, tensor.device.type == "cuda")
+        ws = _workspace(comm, tensor.device, total)
+        _C.zero.compressed_reduce_scatter(
+            comm, buffer_of(tensor), buffer_of(worker_error), buffer_of(server_error),
+            buffer_of(out), buffer_of(ws), timeout_s,
+        )
     return out

@@ -883,7 +883,12 @@ class ZeroOptimizer:
         return shard_state_dict(self)
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
-        """Restore this rank's shard saved by :meth:`state_dict` (same world size and layout)."""
+        """Restore this rank's shard saved by :meth:`state_dict` (same world size and layout).
+
+        Collective: the shard is validated and the ranks agree first, so a bad shard on any rank
+        raises on every rank and changes nothing
+        (:func:`compcomm.zero.checkpoint.load_shard_state_dict`).
+        """
         from .checkpoint import load_shard_state_dict
 
         load_shard_state_dict(self, sd)
