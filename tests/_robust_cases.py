@@ -221,6 +221,26 @@ def _bad_optimizer_states(sd: dict, zoadam: bool) -> list:
             TypeError,
             r"\['group_errors'\] must be a dict",
         ),
+        (
+            edit(lambda b: b[cc].update(bucket_errors={0: "x"})),
+            TypeError,
+            r"\['bucket_errors'\]\[0\] must be a dict",
+        ),
+        (
+            edit(lambda b: b[cc].update(bucket_plan=[[(0, 99)]])),
+            ValueError,
+            r"\['bucket_plan'\]\[0\] has \(0, 99\)",
+        ),
+        (
+            edit(lambda b: b[cc].update(bucket_plan="all")),
+            TypeError,
+            r"\['bucket_plan'\] must be a list",
+        ),
+        (
+            edit(lambda b: b[cc].update(skipped_steps=-1)),
+            ValueError,
+            r"\['skipped_steps'\] must be >= 0",
+        ),
     ]
     if zoadam:
         cases += [
@@ -243,14 +263,14 @@ def _bad_optimizer_states(sd: dict, zoadam: bool) -> list:
     else:
         cases += [
             (
-                edit(lambda b: b[st][0].update(worker_error=torch.zeros(8))),
+                edit(lambda b: b[cc]["bucket_errors"][0].update(worker_error=torch.zeros(8))),
                 ValueError,
-                r"\['worker_error'\] has 8 elements",
+                r"\['bucket_errors'\]\[0\]: error buffers of 8 and \d+ elements do not fit",
             ),
             (
-                edit(lambda b: b[st][0].pop("server_error")),
+                edit(lambda b: b[cc]["bucket_errors"][0].pop("server_error")),
                 ValueError,
-                r"'worker_error' without 'server_error'",
+                r"\['bucket_errors'\]\[0\] must hold 'worker_error' and 'server_error'",
             ),
         ]
     return cases
@@ -260,10 +280,10 @@ def _optimizer_bad_loads(cls, kw: dict, rank: int, world: int) -> int:
     ps, opt = _trained(cls, rank, **kw)
     sd = opt.state_dict()
     if cls.__name__ == "OneBitAdam" and world > 1:
-        assert "worker_error" in sd["state"][0]  # the error-buffer cases below need them
+        assert sd["compcomm"]["bucket_errors"]  # the error-buffer cases below need them
     count = 0
     for make, exc, match in _bad_optimizer_states(sd, cls.__name__ == "ZeroOneAdam"):
-        if "worker_error" in match and world == 1:
+        if "bucket_errors'\\]\\[0" in match and world == 1:
             continue  # a world of one keeps no error buffers
         _expect(
             exc,
@@ -274,7 +294,7 @@ def _optimizer_bad_loads(cls, kw: dict, rank: int, world: int) -> int:
         )
         count += 1
     good = copy.deepcopy(sd)
-    good["compcomm"]["bucket_errors"] = {0: "a newer version's entry"}  # tolerated
+    good["compcomm"]["from_a_newer_version"] = {0: "unknown here"}  # tolerated
     opt.load_state_dict(good)
     assert _snapshot(opt.state_dict()["state"]) == _snapshot(sd["state"])
     return count
