@@ -8,8 +8,8 @@
 //   - host-staged: the data is copied on the caller's stream into pinned host buffers (allocated once,
 //     grown on demand, reused by every later call), MPI runs on host memory, and the result is copied
 //     back on the same stream. All collectives but reduce_scatter are cut into pieces of
-//     pipeline_chunk_bytes so that the device-to-host copy of piece i+1 and the host-to-device copy
-//     of piece i-1 overlap MPI's work on piece i.
+//     pipeline_chunk_bytes (1 MiB) so that the device-to-host copy of piece i+1 and the host-to-device
+//     copy of piece i-1 overlap MPI's work on piece i.
 //
 // all_to_all and all_gather are point-to-point exchanges (MPI_Isend/Irecv, every message posted at
 // once, completions taken as they come), which lets a staged piece go out as soon as it reached the
@@ -73,7 +73,8 @@ class MpiCommunicator final : public Communicator {
   MPI_Comm handle() const { return comm_; }
   // Bytes of pinned host staging memory currently held (0 until a device buffer was staged).
   int64_t staging_bytes() const;
-  // Piece size (bytes) of the pipelined host-staged collectives; 0: one piece.
+  // Piece size (bytes) of all_to_all/all_gather messages (except CUDA-aware) and of the host-staged
+  // all_reduce/broadcast chunks; 0: one piece.
   void set_pipeline_chunk_bytes(int64_t bytes);
   int64_t pipeline_chunk_bytes() const { return chunk_bytes_; }
 
@@ -108,8 +109,8 @@ class MpiCommunicator final : public Communicator {
   void exchange(const char* call, const Buffer& send, const Buffer& recv, const std::vector<Msg>& sends,
                 const std::vector<Msg>& recvs, const std::vector<std::pair<int64_t, int64_t>>& pieces,
                 int64_t own_from, int64_t own_to, int64_t own_bytes, const CallOptions& opts);
-  // Piece size for splitting `bytes` into messages: pipeline_chunk_bytes for staged device buffers
-  // (so copies overlap transfers), else whole (up to MPI's int count limit).
+  // Message size of the exchanges on `buf`: pipeline_chunk_bytes (staged copies then overlap the
+  // transfers), whole messages (up to MPI's int count limit) for CUDA-aware device buffers or 0.
   int64_t piece_bytes(const Buffer& buf) const;
   // Host-staged element-wise collective in chunks: start_chunk(host_ptr, count, req) posts one chunk.
   void run_staged_chunked(const char* call, const Buffer& buf, bool copy_in, bool copy_out,
