@@ -87,10 +87,11 @@ void bind_mpi(py::module_& m) {
 
   m.def(
       "_mpi_backoff_schedule",
-      [](const py::list& polls, int64_t bytes) {
+      [](const py::list& polls, int64_t bytes, bool oversubscribed) {
         // Replays the wait loops' policy on a made-up clock: for each poll (time, progressed), what the
         // loop does next: "progress", "spin", "yield" or the sleep in microseconds.
-        compcomm::Backoff b(compcomm::BackoffPolicy{}, 0.0, bytes);
+        const auto policy = oversubscribed ? compcomm::BackoffPolicy::oversubscribed() : compcomm::BackoffPolicy{};
+        compcomm::Backoff b(policy, 0.0, bytes);
         py::list out;
         for (const py::handle& poll : polls) {
           const auto [t, progressed] = poll.cast<std::pair<double, bool>>();
@@ -108,9 +109,10 @@ void bind_mpi(py::module_& m) {
         }
         return out;
       },
-      py::arg("polls"), py::arg("bytes") = 0,
-      "Test hook: the MPI wait loops' back-off (cpp/mpi/backoff.h) replayed on (time_s, progressed) polls "
-      "starting at time 0 with `bytes` in flight; returns 'progress', 'spin', 'yield' or a sleep in us per poll.");
+      py::arg("polls"), py::arg("bytes") = 0, py::arg("oversubscribed") = false,
+      "Test hook: the MPI wait loops' back-off (cpp/mpi/backoff.h; its oversubscribed-node policy if asked) "
+      "replayed on (time_s, progressed) polls starting at time 0 with `bytes` in flight; returns "
+      "'progress', 'spin', 'yield' or a sleep in us per poll.");
   m.def("mpi_reports_cuda_support", &compcomm::mpi_reports_cuda_support,
         "Whether the MPI library reports CUDA support at run time (MPIX_Query_cuda_support); "
         "COMPCOMM_MPI_CUDA_AWARE=1/0 overrides. Initializes MPI if needed.");

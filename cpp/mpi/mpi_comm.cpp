@@ -18,6 +18,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <thread>
+#include <utility>
+
+#ifdef __linux__
+#include <sched.h>
+#endif
 #include <vector>
 
 namespace compcomm {
@@ -31,8 +36,9 @@ double now_s() {
 // (backoff.h: no sleeping while `bytes` may still be moving). Past the deadline, calls on_timeout,
 // which throws.
 template <class Poll, class OnTimeout>
-void poll_until(double deadline, int64_t bytes, Poll&& poll, OnTimeout&& on_timeout) {
-  Backoff backoff(BackoffPolicy{}, now_s(), bytes);
+void poll_until(const BackoffPolicy& policy, double deadline, int64_t bytes, Poll&& poll,
+                OnTimeout&& on_timeout) {
+  Backoff backoff(policy, now_s(), bytes);
   for (;;) {
     bool progress = false;
     if (poll(&progress)) return;
@@ -49,6 +55,20 @@ void poll_until(double deadline, int64_t bytes, Poll&& poll, OnTimeout&& on_time
       case Backoff::Action::kSleep: std::this_thread::sleep_for(std::chrono::microseconds(us)); break;
     }
   }
+}
+
+// More ranks on this node than cores this process may run on? The launchers' environment says how
+// many ranks share the node (Open MPI, MPICH/Hydra); unknown counts as not oversubscribed.
+bool node_oversubscribed() {
+  int local = 0;
+  for (const char* name : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"})
+    if (const char* v = std::getenv(name)) local = std::max(local, std::atoi(v));
+  int cores = static_cast<int>(std::thread::hardware_concurrency());
+#ifdef __linux__
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) cores = CPU_COUNT(&set);
+#endif
+  return cores > 0 && local > cores;
 }
 
 // ---- MPI initialization ---------------------------------------------------------------------------
@@ -282,9 +302,10 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm, CudaAware cuda_aware, double tim
   // MPI_Comm_idup, polled: a rank that never joins gives a TimeoutError here too, not a hang.
   MPI_Request req = MPI_REQUEST_NULL;
   int rc = MPI_Comm_idup(comm, &comm_, &req);
+  policy_ = node_oversubscribed() ? BackoffPolicy::oversubscribed() : BackoffPolicy{};
   if (rc == MPI_SUCCESS)
     poll_until(
-        now_s() + timeout_s, 0,
+        policy_, now_s() + timeout_s, 0,
         [&](bool*) {
           int flag = 0;
           rc = MPI_Test(&req, &flag, MPI_STATUS_IGNORE);
@@ -380,7 +401,7 @@ void MpiCommunicator::timed_out(const char* call, double timeout_s) {
 void MpiCommunicator::wait(const char* call, MPI_Request* req, int64_t bytes, double deadline,
                            double timeout_s) {
   poll_until(
-      deadline, bytes,
+      policy_, deadline, bytes,
       [&](bool*) {
         int flag = 0;
         check(MPI_Test(req, &flag, MPI_STATUS_IGNORE), call);
@@ -396,7 +417,7 @@ MpiCommunicator::Staging& MpiCommunicator::staging(int device, double deadline, 
   Staging& st = *staging_;
   if (st.done)  // the previous call's copy back reads the staging buffers until this event fires
     poll_until(
-        deadline, 0, [&](bool*) { return event_ready(st.done, call, rank_); },
+        policy_, deadline, 0, [&](bool*) { return event_ready(st.done, call, rank_); },
         [&] { timed_out(call, timeout_s); });
   if (st.device != device) {  // events belong to a device
     st.release_events();
@@ -456,7 +477,7 @@ void MpiCommunicator::run(const char* call, const Buffer& send, int64_t send_byt
                                         stream));
   COMPCOMM_CHECK_CUDA(cudaEventRecord(st.done, stream));
   poll_until(
-      deadline, send_bytes, [&](bool*) { return event_ready(st.done, call, rank_); },
+      policy_, deadline, send_bytes, [&](bool*) { return event_ready(st.done, call, rank_); },
       [&] { timed_out(call, opts.timeout_s); });
   check(start(stage_in_place ? nullptr : s, r, &req), call);
   wait(call, &req, std::max(send_bytes, recv_bytes), deadline, opts.timeout_s);
@@ -536,7 +557,7 @@ void MpiCommunicator::exchange(const char* call, const Buffer& send, const Buffe
     post_recvs(static_cast<char*>(recv.data));
     for (size_t i = 0; i < sends.size(); ++i) post_send(static_cast<const char*>(send.data), i);
     poll_until(
-        deadline, bytes,
+        policy_, deadline, bytes,
         [&](bool* progress) {
           test(progress, [](size_t) {});
           return finished == n;
@@ -572,7 +593,7 @@ void MpiCommunicator::exchange(const char* call, const Buffer& send, const Buffe
   int64_t ready = 0;  // pieces on the host (events fire in stream order)
   size_t posted = 0;
   poll_until(
-      deadline, bytes,
+      policy_, deadline, bytes,
       [&](bool* progress) {
         while (ready < npieces && event_ready(st.events[static_cast<size_t>(ready)], call, rank_)) {
           ++ready;
@@ -631,7 +652,7 @@ void MpiCommunicator::run_staged_chunked(const char* call, const Buffer& buf, bo
   std::vector<MPI_Request> reqs(static_cast<size_t>(nchunks), MPI_REQUEST_NULL);
   int64_t posted = 0, finished = 0;
   poll_until(
-      deadline, buf.bytes(),
+      policy_, deadline, buf.bytes(),
       [&](bool* progress) {
         while (posted < nchunks && (!copy_in || event_ready(st.events[posted], call, rank_))) {
           int64_t off, n;

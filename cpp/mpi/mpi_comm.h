@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "../comm.h"
+#include "backoff.h"
 
 namespace compcomm {
 
@@ -132,6 +133,7 @@ class MpiCommunicator final : public Communicator {
   bool broken_ = false;  // a collective timed out or failed: the communicator is unusable
   std::string broken_reason_;
   int64_t chunk_bytes_ = int64_t{1} << 20;
+  BackoffPolicy policy_;  // the wait loops' (backoff.h); gentler when the node is oversubscribed
   std::unique_ptr<Staging> staging_;
   std::mutex mu_;  // one collective at a time per communicator (MPI needs the same order everywhere)
 };
