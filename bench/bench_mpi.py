@@ -9,6 +9,16 @@ Run (4 ranks)::
 or through pytest (``pytest bench/bench_mpi.py --benchmark-only --benchmark-enable``), which
 launches it with 2 ranks at small sizes.
 
+``--compare`` times only compcomm's compressed_allreduce over ``compcomm.init("mpi",
+cuda_aware=False)`` (host-staged when ``--device cuda``) and, when ``deepspeed`` is importable and
+the tensors are on a GPU, DeepSpeed's ``MpiBackend(cuda_aware=False).compressed_allreduce`` on the
+same tensors, interleaved call by call; it prints wall-time medians (each call's time is the
+slowest rank's) and their ratio. DeepSpeed's backend needs cupy and CUDA tensors, so on CPU only
+the compcomm column is printed::
+
+    mpirun --allow-run-as-root --oversubscribe -np 2 python bench/bench_mpi.py --compare \
+        --device cuda --sizes 256K..256M      # 2^16..2^26 fp32 elements
+
 Columns: size (logical bytes of the fp32 tensor), count, dtype, time (us, mean over iterations,
 rank 0 decides the count and broadcasts it), algbw = size/time, busbw = algbw * 2(W-1)/W (both
 logical bytes: the compressed path sends ~32x fewer wire bytes, see ``wire``), #wrong (first
@@ -22,6 +32,7 @@ import os
 import sys
 import time
 
+import numpy as np
 import torch
 
 
@@ -41,6 +52,92 @@ def timeit(fn, comm, min_time: float = 0.3, max_iters: int = 50) -> float:
     return (time.perf_counter() - t0) / int(n)
 
 
+def deepspeed_backend(device: str):
+    """DeepSpeed 0.19.x's host-staged MpiBackend, or None (not importable, or CPU tensors: its
+    compression runs in cupy)."""
+    if device == "cpu":
+        return None
+    try:
+        from deepspeed.runtime.comm.mpi import MpiBackend
+    except ImportError:
+        return None
+    return MpiBackend(cuda_aware=False)
+
+
+def compare(comm, sizes, device: str, iters: int) -> None:
+    """compcomm vs DeepSpeed compressed_allreduce, same tensors, interleaved, medians of the
+    slowest rank's wall time per call."""
+    import compcomm
+    from compcomm._buffers import buffer_of
+
+    rank, W = comm.rank(), comm.size()
+    ds = deepspeed_backend(device)
+    try:
+        from mpi4py import MPI
+
+        world = MPI.COMM_WORLD
+    except ImportError:
+        world = None
+    cuda = device != "cpu"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    local_rank = torch.cuda.current_device() if cuda else 0
+    if rank == 0:
+        print(f"# compressed_allreduce, {W} ranks, {device}, compcomm mpi cuda_aware=False vs "
+              f"{'DeepSpeed MpiBackend(cuda_aware=False)' if ds else 'no DeepSpeed (not importable or CPU)'}"
+              f", {iters} interleaved calls, median of the slowest rank")
+        print("# exchange(ms): compcomm's communicator alone on the algorithm's wire exchange (all_to_all of")
+        print("#   the signs, all_gather of the records) on host memory; blocking(ms): the same with mpi4py's")
+        print("#   blocking Alltoall/Allgather, a floor for the MPI part")
+        print(f"# {'count':>10} {'size':>10} {'compcomm(ms)':>12} {'deepspeed(ms)':>13} {'ds/compcomm':>11} "
+              f"{'exchange(ms)':>12} {'blocking(ms)':>12}")
+    for size in sizes:
+        n = size // 4
+        g = torch.Generator().manual_seed(rank)
+        m = torch.randn(n, generator=g).to(device)
+        we, se = compcomm.error_buffers(n, comm, device=device)
+        # DeepSpeed's own errors (its padding rule is the same one: ONEBIT_SPEC.md a.1)
+        dwe, dse = torch.zeros_like(we), torch.zeros_like(se)
+        dm = m.clone()
+
+        def timed(fn) -> float:
+            comm.barrier()
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            return time.perf_counter() - t0
+
+        P = we.numel()
+        chunk = P // W
+        signs, signs_recv = np.zeros(P // 8, np.uint8), np.zeros(P // 8, np.uint8)
+        rec = np.zeros(16 + -(-chunk // 128) * 16, np.uint8)
+        recs = np.zeros(rec.size * W, np.uint8)
+
+        def exchange() -> None:
+            comm.all_to_all(buffer_of(torch.from_numpy(signs)), buffer_of(torch.from_numpy(signs_recv)))
+            comm.all_gather(buffer_of(torch.from_numpy(rec)), buffer_of(torch.from_numpy(recs)))
+
+        def blocking() -> None:
+            world.Alltoall(signs, signs_recv)
+            world.Allgather(rec, recs)
+
+        ours, theirs, xch, floor = [], [], [], []
+        for i in range(iters + 1):  # the first of each is a warm-up
+            ours.append(timed(lambda: compcomm.compressed_allreduce(m, we, se, comm)))
+            if ds is not None:
+                theirs.append(timed(lambda: ds.compressed_allreduce(dm, dwe, dse, local_rank)))
+            xch.append(timed(exchange))
+            floor.append(timed(blocking) if world is not None else 0.0)
+        t = torch.tensor([ours[1:], theirs[1:] or [0.0] * iters, xch[1:], floor[1:]], dtype=torch.float64)
+        comm.all_reduce(buffer_of(t), compcomm._C.ReduceOp.max)
+        a, b, x, c = (float(v) for v in t.median(dim=1).values)
+        if rank == 0:
+            ratio = f"{b / a:>11.2f}" if ds is not None else f"{'-':>11}"
+            dcol = f"{b * 1e3:>13.3f}" if ds is not None else f"{'-':>13}"
+            ccol = f"{c * 1e3:>12.3f}" if world is not None else f"{'-':>12}"
+            print(f"  {n:>10} {size:>10} {a * 1e3:>12.3f} {dcol} {ratio} {x * 1e3:>12.3f} {ccol}", flush=True)
+
+
 def main() -> None:
     import torch.distributed as dist
 
@@ -51,6 +148,10 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="4K,256K,4M,32M", help="bytes: 4K,1M, 2^12..2^20")
+    ap.add_argument("--compare", action="store_true",
+                    help="only compressed_allreduce, compcomm vs DeepSpeed's MpiBackend when importable")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="--compare: tensor device")
+    ap.add_argument("--iters", type=int, default=20, help="--compare: timed calls per size and library")
     args = ap.parse_args()
     try:
         sizes = parse_sizes(args.sizes)
@@ -58,6 +159,12 @@ def main() -> None:
         ap.error(str(e))
     comm = compcomm.init("mpi", cuda_aware=False)
     rank, W = comm.rank(), comm.size()
+    if args.compare:
+        if args.device == "cuda":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        compare(comm, sizes, args.device, args.iters)
+        compcomm.shutdown()
+        return
     port = torch.zeros(1, dtype=torch.int64)
     if rank == 0:
         port[0] = compcomm.testing.free_port()

@@ -57,12 +57,47 @@ def test_collectives_compressed_interop(np: int) -> None:
     launch(np, "check_collectives.py", timeout=150)
 
 
+@pytest.mark.parametrize("np", [1, 2, 3])
+def test_exchange_pieces(np: int) -> None:
+    """all_to_all/all_gather as piecewise point-to-point exchanges: odd sizes, tiny and MiB pieces,
+    in place; a compressed allreduce spanning several pieces is equal on every rank."""
+    launch(np, "check_exchange.py", timeout=200)
+
+
+def test_backoff_never_sleeps_while_data_may_move() -> None:
+    """The wait loops' policy (cpp/mpi/backoff.h), replayed on a made-up clock: spin right after
+    progress, yield (never sleep) while the bytes in flight may still be moving, then sleeps that
+    grow to a small bound, and progress starts the schedule over."""
+    sched = compcomm._C._mpi_backoff_schedule
+    ms = 1e-3
+    # Nothing in flight: spin, then yield for 20 ms, then 20, 40, ... capped at 200 us.
+    times = [0.05, 0.15, 1, 10, 20.1] + [30 + i for i in range(8)]
+    got = sched([(t * ms, False) for t in times])
+    assert got[:2] == ["spin", "spin"] and got[2:5] == ["yield"] * 3, got
+    assert got[5:] == [20, 40, 80, 160, 200, 200, 200, 200], got
+    # 64 MiB in flight: no sleep within its time at 0.25 GB/s (268 ms) on top of the 20 ms.
+    polls = [(i * ms, False) for i in range(0, 289)]
+    assert all(isinstance(a, str) for a in sched(polls, 64 << 20)), "slept while 64 MiB may be moving"
+    assert isinstance(sched([(0.29, False)], 64 << 20)[0], int)
+    # Progress (a message or a copy finished) restarts the schedule, sleeps from the shortest again.
+    got = sched([(0.05, False), (0.06, False), (0.061, True), (0.0611, False), (0.1, False)])
+    assert got == [20, 40, "progress", "spin", 20], got
+    # A dead peer: 10 s of polls every 10 us -- sleeping is reached, and no sleep exceeds 200 us.
+    got = sched([(i * 1e-5, False) for i in range(0, 1_000_000, 97)])
+    sleeps = [a for a in got if isinstance(a, int)]
+    assert sleeps and max(sleeps) == 200 and got.index(sleeps[0]) * 97e-5 < 0.021, got[:5]
+    # More ranks than cores: the peer needs our core, so sleeping starts early whatever the size.
+    got = sched([(0.01e-3, False), (0.1e-3, False), (0.2e-3, False)], 64 << 20, oversubscribed=True)
+    assert got == ["spin", "yield", 20], got
+
+
 def test_absent_and_dead_peer_time_out() -> None:
     """A rank that skips a collective, then one that exits early: the others get
     CommTimeoutError within the 3 s timeout (not a hang), and a broken communicator refuses."""
     text = launch(3, "check_timeout.py", timeout=90, ranks_ok=2, allow_early_exit=True)
     for r in range(2):
         assert f"RANK {r} absent peer -> CommTimeoutError" in text, text
+        assert f"RANK {r} absent peer in all_gather -> CommTimeoutError" in text, text
         assert f"RANK {r} dead peer -> CommTimeoutError" in text, text
 
 

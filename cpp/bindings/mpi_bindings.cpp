@@ -7,6 +7,9 @@
 #include <cstdint>
 #include <type_traits>
 
+#include <utility>
+
+#include "../mpi/backoff.h"
 #include "../mpi/mpi_comm.h"
 
 namespace py = pybind11;
@@ -79,8 +82,37 @@ void bind_mpi(py::module_& m) {
                              "Pinned host staging memory held (bytes).")
       .def_property("pipeline_chunk_bytes", &MpiCommunicator::pipeline_chunk_bytes,
                     &MpiCommunicator::set_pipeline_chunk_bytes,
-                    "Chunk size of the pipelined host-staged all_reduce/broadcast (0: one chunk).");
+                    "Piece size (bytes) of all_to_all/all_gather messages (not CUDA-aware) and of the "
+                    "host-staged all_reduce/broadcast chunks (0: one piece).");
 
+  m.def(
+      "_mpi_backoff_schedule",
+      [](const py::list& polls, int64_t bytes, bool oversubscribed) {
+        // Replays the wait loops' policy on a made-up clock: for each poll (time, progressed), what the
+        // loop does next: "progress", "spin", "yield" or the sleep in microseconds.
+        const auto policy = oversubscribed ? compcomm::BackoffPolicy::oversubscribed() : compcomm::BackoffPolicy{};
+        compcomm::Backoff b(policy, 0.0, bytes);
+        py::list out;
+        for (const py::handle& poll : polls) {
+          const auto [t, progressed] = poll.cast<std::pair<double, bool>>();
+          if (progressed) {
+            b.progressed(t);
+            out.append("progress");
+            continue;
+          }
+          int us = 0;
+          switch (b.idle(t, &us)) {
+            case compcomm::Backoff::Action::kSpin: out.append("spin"); break;
+            case compcomm::Backoff::Action::kYield: out.append("yield"); break;
+            case compcomm::Backoff::Action::kSleep: out.append(us); break;
+          }
+        }
+        return out;
+      },
+      py::arg("polls"), py::arg("bytes") = 0, py::arg("oversubscribed") = false,
+      "Test hook: the MPI wait loops' back-off (cpp/mpi/backoff.h; its oversubscribed-node policy if asked) "
+      "replayed on (time_s, progressed) polls starting at time 0 with `bytes` in flight; returns "
+      "'progress', 'spin', 'yield' or a sleep in us per poll.");
   m.def("mpi_reports_cuda_support", &compcomm::mpi_reports_cuda_support,
         "Whether the MPI library reports CUDA support at run time (MPIX_Query_cuda_support); "
         "COMPCOMM_MPI_CUDA_AWARE=1/0 overrides. Initializes MPI if needed.");

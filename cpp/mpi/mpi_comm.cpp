@@ -1,6 +1,7 @@
 #include "mpi_comm.h"
 
 #include "../kernels/half.h"
+#include "backoff.h"
 
 #if __has_include(<mpi-ext.h>)
 #include <mpi-ext.h>  // Open MPI's extensions: MPIX_Query_cuda_support
@@ -17,6 +18,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <thread>
+#include <utility>
+
+#ifdef __linux__
+#include <sched.h>
+#endif
 #include <vector>
 
 namespace compcomm {
@@ -26,16 +32,43 @@ double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// Polling back-off: spin briefly (low latency for small messages), then yield, then sleep up to half
-// a millisecond, so that oversubscribed ranks leave the cores to the peers they wait for.
-void pause(int iter) {
-  if (iter < 64) return;
-  if (iter < 256) {
-    std::this_thread::yield();
-    return;
+// Calls `poll(&progress)` until it returns true (done), pausing between polls as Backoff says
+// (backoff.h: no sleeping while `bytes` may still be moving). Past the deadline, calls on_timeout,
+// which throws.
+template <class Poll, class OnTimeout>
+void poll_until(const BackoffPolicy& policy, double deadline, int64_t bytes, Poll&& poll,
+                OnTimeout&& on_timeout) {
+  Backoff backoff(policy, now_s(), bytes);
+  for (;;) {
+    bool progress = false;
+    if (poll(&progress)) return;
+    const double t = now_s();
+    if (t > deadline) on_timeout();
+    if (progress) {
+      backoff.progressed(t);
+      continue;
+    }
+    int us = 0;
+    switch (backoff.idle(t, &us)) {
+      case Backoff::Action::kSpin: break;
+      case Backoff::Action::kYield: std::this_thread::yield(); break;
+      case Backoff::Action::kSleep: std::this_thread::sleep_for(std::chrono::microseconds(us)); break;
+    }
   }
-  const int us = std::min(500, 10 << std::min(iter - 256, 6));
-  std::this_thread::sleep_for(std::chrono::microseconds(us));
+}
+
+// More ranks on this node than cores this process may run on? The launchers' environment says how
+// many ranks share the node (Open MPI, MPICH/Hydra); unknown counts as not oversubscribed.
+bool node_oversubscribed() {
+  int local = 0;
+  for (const char* name : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"})
+    if (const char* v = std::getenv(name)) local = std::max(local, std::atoi(v));
+  int cores = static_cast<int>(std::thread::hardware_concurrency());
+#ifdef __linux__
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) cores = CPU_COUNT(&set);
+#endif
+  return cores > 0 && local > cores;
 }
 
 // ---- MPI initialization ---------------------------------------------------------------------------
@@ -269,17 +302,21 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm, CudaAware cuda_aware, double tim
   // MPI_Comm_idup, polled: a rank that never joins gives a TimeoutError here too, not a hang.
   MPI_Request req = MPI_REQUEST_NULL;
   int rc = MPI_Comm_idup(comm, &comm_, &req);
-  const double deadline = now_s() + timeout_s;
-  for (int iter = 0, flag = 0; rc == MPI_SUCCESS && !flag; ++iter) {
-    rc = MPI_Test(&req, &flag, MPI_STATUS_IGNORE);
-    if (rc == MPI_SUCCESS && !flag && now_s() > deadline) {
-      broken_ = true;
-      throw TimeoutError(detail::concat("[rank ", rank_, "] mpi MPI_Comm_idup did not complete within ",
-                                        timeout_s, " s: a rank of the communicator did not join"),
-                         "MPI_Comm_idup", "mpi", 0, rank_);
-    }
-    pause(iter);
-  }
+  policy_ = node_oversubscribed() ? BackoffPolicy::oversubscribed() : BackoffPolicy{};
+  if (rc == MPI_SUCCESS)
+    poll_until(
+        policy_, now_s() + timeout_s, 0,
+        [&](bool*) {
+          int flag = 0;
+          rc = MPI_Test(&req, &flag, MPI_STATUS_IGNORE);
+          return rc != MPI_SUCCESS || flag != 0;
+        },
+        [&] {
+          broken_ = true;
+          throw TimeoutError(detail::concat("[rank ", rank_, "] mpi MPI_Comm_idup did not complete within ",
+                                            timeout_s, " s: a rank of the communicator did not join"),
+                             "MPI_Comm_idup", "mpi", 0, rank_);
+        });
   if (rc != MPI_SUCCESS)
     throw BackendError(detail::concat("[rank ", rank_, "] mpi MPI_Comm_idup failed: ", error_string(rc)),
                        "MPI_Comm_idup", "mpi", rc, rank_);
@@ -361,14 +398,16 @@ void MpiCommunicator::timed_out(const char* call, double timeout_s) {
                      call, "mpi", 0, rank_);
 }
 
-void MpiCommunicator::wait(const char* call, MPI_Request* req, double deadline, double timeout_s) {
-  for (int iter = 0;; ++iter) {
-    int flag = 0;
-    check(MPI_Test(req, &flag, MPI_STATUS_IGNORE), call);
-    if (flag) return;
-    if (now_s() > deadline) timed_out(call, timeout_s);
-    pause(iter);
-  }
+void MpiCommunicator::wait(const char* call, MPI_Request* req, int64_t bytes, double deadline,
+                           double timeout_s) {
+  poll_until(
+      policy_, deadline, bytes,
+      [&](bool*) {
+        int flag = 0;
+        check(MPI_Test(req, &flag, MPI_STATUS_IGNORE), call);
+        return flag != 0;
+      },
+      [&] { timed_out(call, timeout_s); });
 }
 
 #ifdef COMPCOMM_MPI_CUDA
@@ -376,18 +415,30 @@ MpiCommunicator::Staging& MpiCommunicator::staging(int device, double deadline, 
                                                    double timeout_s) {
   if (!staging_) staging_ = std::make_unique<Staging>();
   Staging& st = *staging_;
-  if (st.done) {  // the previous call's copy back reads the staging buffers until this event fires
-    for (int iter = 0; !event_ready(st.done, call, rank_); ++iter) {
-      if (now_s() > deadline) timed_out(call, timeout_s);
-      pause(iter);
-    }
-  }
+  if (st.done)  // the previous call's copy back reads the staging buffers until this event fires
+    poll_until(
+        policy_, deadline, 0, [&](bool*) { return event_ready(st.done, call, rank_); },
+        [&] { timed_out(call, timeout_s); });
   if (st.device != device) {  // events belong to a device
     st.release_events();
     st.device = device;
   }
   if (!st.done) COMPCOMM_CHECK_CUDA(cudaEventCreateWithFlags(&st.done, cudaEventDisableTiming));
   return st;
+}
+#endif
+
+#ifdef COMPCOMM_MPI_CUDA
+char* MpiCommunicator::reserve(Staging& st, int which, int64_t bytes, const char* call) {
+  if (st.capacity[which] < bytes) {  // grown by half at least, so slowly growing sizes rarely realloc
+    const int64_t grown = std::max<int64_t>(bytes, st.capacity[which] * 3 / 2);
+    if (st.host[which]) COMPCOMM_CHECK_CUDA(cudaFreeHost(st.host[which]));
+    st.host[which] = nullptr;
+    st.capacity[which] = 0;
+    COMPCOMM_CHECK_CUDA(cudaHostAlloc(&st.host[which], static_cast<size_t>(grown), cudaHostAllocPortable));
+    st.capacity[which] = grown;
+  }
+  return static_cast<char*>(st.host[which]);
 }
 #endif
 
@@ -408,7 +459,7 @@ void MpiCommunicator::run(const char* call, const Buffer& send, int64_t send_byt
 #endif
     }
     check(start(in_place ? nullptr : send.data, recv.data, &req), call);
-    wait(call, &req, deadline, opts.timeout_s);
+    wait(call, &req, std::max(send_bytes, recv_bytes), deadline, opts.timeout_s);
     return;
   }
 #ifdef COMPCOMM_MPI_CUDA
@@ -419,29 +470,17 @@ void MpiCommunicator::run(const char* call, const Buffer& send, int64_t send_byt
   Staging& st = staging(recv.device, deadline, call, opts.timeout_s);
   const bool stage_in_place = in_place_offset >= 0;
   const int64_t region = stage_in_place ? std::max(recv_bytes, in_place_offset + send_bytes) : recv_bytes;
-  auto reserve = [&](int which, int64_t bytes) -> char* {
-    if (st.capacity[which] < bytes) {
-      const int64_t grown = std::max<int64_t>(bytes, st.capacity[which] * 3 / 2);
-      if (st.host[which]) COMPCOMM_CHECK_CUDA(cudaFreeHost(st.host[which]));
-      st.host[which] = nullptr;
-      st.capacity[which] = 0;
-      COMPCOMM_CHECK_CUDA(cudaHostAlloc(&st.host[which], static_cast<size_t>(grown), cudaHostAllocPortable));
-      st.capacity[which] = grown;
-    }
-    return static_cast<char*>(st.host[which]);
-  };
-  char* r = reserve(1, region);
-  char* s = stage_in_place ? r + in_place_offset : reserve(0, send_bytes);
+  char* r = reserve(st, 1, region, call);
+  char* s = stage_in_place ? r + in_place_offset : reserve(st, 0, send_bytes, call);
   if (send_bytes > 0)
     COMPCOMM_CHECK_CUDA(cudaMemcpyAsync(s, send.data, static_cast<size_t>(send_bytes), cudaMemcpyDeviceToHost,
                                         stream));
   COMPCOMM_CHECK_CUDA(cudaEventRecord(st.done, stream));
-  for (int iter = 0; !event_ready(st.done, call, rank_); ++iter) {
-    if (now_s() > deadline) timed_out(call, opts.timeout_s);
-    pause(iter);
-  }
+  poll_until(
+      policy_, deadline, send_bytes, [&](bool*) { return event_ready(st.done, call, rank_); },
+      [&] { timed_out(call, opts.timeout_s); });
   check(start(stage_in_place ? nullptr : s, r, &req), call);
-  wait(call, &req, deadline, opts.timeout_s);
+  wait(call, &req, std::max(send_bytes, recv_bytes), deadline, opts.timeout_s);
   if (recv_bytes > 0)
     COMPCOMM_CHECK_CUDA(cudaMemcpyAsync(recv.data, r, static_cast<size_t>(recv_bytes), cudaMemcpyHostToDevice,
                                         stream));
@@ -450,6 +489,128 @@ void MpiCommunicator::run(const char* call, const Buffer& send, int64_t send_byt
   (void)send_bytes;
   (void)recv_bytes;
   (void)deadline;
+  throw Unsupported(detail::concat("[rank ", rank_, "] mpi ", call,
+                                   ": the buffers are on a CUDA device but this build of compcomm has no "
+                                   "CUDA runtime"),
+                    call, "mpi", 0, rank_);
+#endif
+}
+
+int64_t MpiCommunicator::piece_bytes(const Buffer& buf) const {
+  // Pieces on host buffers too: measured no slower than whole messages (2 ranks, 4 MiB per peer),
+  // and the CPU tests then run the staged path's piece plan.
+  const int64_t whole = int64_t{1} << 30;  // under MPI's int count limit
+  if ((!buf.on_host() && cuda_aware_) || chunk_bytes_ == 0) return whole;
+  return std::min(chunk_bytes_, whole);
+}
+
+void MpiCommunicator::exchange(const char* call, const Buffer& send, const Buffer& recv,
+                               const std::vector<Msg>& sends, const std::vector<Msg>& recvs,
+                               const std::vector<std::pair<int64_t, int64_t>>& pieces, int64_t own_from,
+                               int64_t own_to, int64_t own_bytes, const CallOptions& opts) {
+  constexpr int kTag = 0x6363;  // messages between two ranks match in posting order; one tag will do
+  check_usable(call);
+  const double deadline = now_s() + opts.timeout_s;
+  const size_t nr = recvs.size(), n = nr + sends.size();
+  std::vector<MPI_Request> reqs(n, MPI_REQUEST_NULL);  // recvs, then sends
+  std::vector<int> done_idx(n);
+  int64_t bytes = 0;
+  for (const Msg& m : recvs) bytes += m.bytes;
+  const char* own_src = static_cast<const char*>(send.data) + own_from;
+  char* own_dst = static_cast<char*>(recv.data) + own_to;
+  const bool staged = !recv.on_host() && !cuda_aware_;
+  auto post_recvs = [&](char* base) {
+    for (size_t i = 0; i < nr; ++i)
+      check(MPI_Irecv(base + recvs[i].off, static_cast<int>(recvs[i].bytes), MPI_BYTE, recvs[i].peer, kTag,
+                      comm_, &reqs[i]),
+            call);
+  };
+  auto post_send = [&](const char* base, size_t i) {
+    check(MPI_Isend(base + sends[i].off, static_cast<int>(sends[i].bytes), MPI_BYTE, sends[i].peer, kTag, comm_,
+                    &reqs[nr + i]),
+          call);
+  };
+  // Completions in any order; `landed(i)` sees each finished receive once.
+  size_t finished = 0;
+  auto test = [&](bool* progress, auto&& landed) {
+    int count = 0;
+    check(MPI_Testsome(static_cast<int>(n), reqs.data(), &count, done_idx.data(), MPI_STATUSES_IGNORE), call);
+    if (count == MPI_UNDEFINED || count == 0) return;
+    *progress = true;
+    finished += static_cast<size_t>(count);
+    for (int k = 0; k < count; ++k)
+      if (static_cast<size_t>(done_idx[k]) < nr) landed(static_cast<size_t>(done_idx[k]));
+  };
+
+  if (!staged) {
+    if (!recv.on_host()) {
+#ifdef COMPCOMM_MPI_CUDA
+      // MPI reads device memory directly: the producer's work on the stream must be done first.
+      DeviceGuard guard(recv.device);
+      COMPCOMM_CHECK_CUDA(cudaStreamSynchronize(stream_of(opts)));
+      if (own_bytes > 0 && own_src != own_dst)
+        COMPCOMM_CHECK_CUDA(cudaMemcpy(own_dst, own_src, static_cast<size_t>(own_bytes), cudaMemcpyDeviceToDevice));
+#endif
+    } else if (own_bytes > 0 && own_src != own_dst) {
+      std::memcpy(own_dst, own_src, static_cast<size_t>(own_bytes));
+    }
+    post_recvs(static_cast<char*>(recv.data));
+    for (size_t i = 0; i < sends.size(); ++i) post_send(static_cast<const char*>(send.data), i);
+    poll_until(
+        policy_, deadline, bytes,
+        [&](bool* progress) {
+          test(progress, [](size_t) {});
+          return finished == n;
+        },
+        [&] { timed_out(call, opts.timeout_s); });
+    return;
+  }
+#ifdef COMPCOMM_MPI_CUDA
+  // Host-staged: every piece of send is copied to the host on the stream with an event after it;
+  // a send goes out once its piece's event fired, and each received message is copied back as it
+  // lands, so copies in both directions overlap the transfers.
+  DeviceGuard guard(recv.device);
+  cudaStream_t stream = stream_of(opts);
+  Staging& st = staging(recv.device, deadline, call, opts.timeout_s);
+  char* hs = reserve(st, 0, send.bytes(), call);
+  char* hr = reserve(st, 1, recv.bytes(), call);
+  const int64_t npieces = static_cast<int64_t>(pieces.size());
+  while (static_cast<int64_t>(st.events.size()) < npieces) {
+    cudaEvent_t e;
+    COMPCOMM_CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    st.events.push_back(e);
+  }
+  post_recvs(hr);  // before any send, so that no message arrives unexpected
+  for (int64_t i = 0; i < npieces; ++i) {
+    const auto [off, len] = pieces[static_cast<size_t>(i)];
+    COMPCOMM_CHECK_CUDA(cudaMemcpyAsync(hs + off, static_cast<const char*>(send.data) + off,
+                                        static_cast<size_t>(len), cudaMemcpyDeviceToHost, stream));
+    COMPCOMM_CHECK_CUDA(cudaEventRecord(st.events[static_cast<size_t>(i)], stream));
+  }
+  if (own_bytes > 0 && own_src != own_dst)
+    COMPCOMM_CHECK_CUDA(cudaMemcpyAsync(own_dst, own_src, static_cast<size_t>(own_bytes),
+                                        cudaMemcpyDeviceToDevice, stream));
+  int64_t ready = 0;  // pieces on the host (events fire in stream order)
+  size_t posted = 0;
+  poll_until(
+      policy_, deadline, bytes,
+      [&](bool* progress) {
+        while (ready < npieces && event_ready(st.events[static_cast<size_t>(ready)], call, rank_)) {
+          ++ready;
+          *progress = true;
+        }
+        while (posted < sends.size() && sends[posted].piece < ready) post_send(hs, posted++);
+        test(progress, [&](size_t i) {
+          COMPCOMM_CHECK_CUDA(cudaMemcpyAsync(static_cast<char*>(recv.data) + recvs[i].off, hr + recvs[i].off,
+                                              static_cast<size_t>(recvs[i].bytes), cudaMemcpyHostToDevice,
+                                              stream));
+        });
+        return finished == n;
+      },
+      [&] { timed_out(call, opts.timeout_s); });
+  COMPCOMM_CHECK_CUDA(cudaEventRecord(st.done, stream));
+#else
+  (void)pieces;
   throw Unsupported(detail::concat("[rank ", rank_, "] mpi ", call,
                                    ": the buffers are on a CUDA device but this build of compcomm has no "
                                    "CUDA runtime"),
@@ -469,15 +630,7 @@ void MpiCommunicator::run_staged_chunked(const char* call, const Buffer& buf, bo
   const int64_t per = chunk_bytes_ > 0 ? std::max<int64_t>(1, chunk_bytes_ / esize) : std::max<int64_t>(1, buf.count);
   const int64_t nchunks = buf.count == 0 ? 0 : (buf.count + per - 1) / per;
   Staging& st = staging(buf.device, deadline, call, opts.timeout_s);
-  if (st.capacity[1] < buf.bytes()) {
-    const int64_t grown = std::max<int64_t>(buf.bytes(), st.capacity[1] * 3 / 2);
-    if (st.host[1]) COMPCOMM_CHECK_CUDA(cudaFreeHost(st.host[1]));
-    st.host[1] = nullptr;
-    st.capacity[1] = 0;
-    COMPCOMM_CHECK_CUDA(cudaHostAlloc(&st.host[1], static_cast<size_t>(grown), cudaHostAllocPortable));
-    st.capacity[1] = grown;
-  }
-  char* host = static_cast<char*>(st.host[1]);
+  char* host = reserve(st, 1, buf.bytes(), call);
   while (static_cast<int64_t>(st.events.size()) < nchunks) {
     cudaEvent_t e;
     COMPCOMM_CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
@@ -498,37 +651,33 @@ void MpiCommunicator::run_staged_chunked(const char* call, const Buffer& buf, bo
     }
   std::vector<MPI_Request> reqs(static_cast<size_t>(nchunks), MPI_REQUEST_NULL);
   int64_t posted = 0, finished = 0;
-  for (int iter = 0; finished < nchunks; ++iter) {
-    bool progress = false;
-    while (posted < nchunks &&
-           (!copy_in || event_ready(st.events[posted], call, rank_))) {
-      int64_t off, n;
-      chunk(posted, &off, &n);
-      check(start_chunk(host + off * esize, n, &reqs[posted]), call);
-      ++posted;
-      progress = true;
-    }
-    if (finished < posted) {
-      int flag = 0;
-      check(MPI_Test(&reqs[finished], &flag, MPI_STATUS_IGNORE), call);
-      if (flag) {
-        if (copy_out) {
+  poll_until(
+      policy_, deadline, buf.bytes(),
+      [&](bool* progress) {
+        while (posted < nchunks && (!copy_in || event_ready(st.events[posted], call, rank_))) {
           int64_t off, n;
-          chunk(finished, &off, &n);
-          COMPCOMM_CHECK_CUDA(cudaMemcpyAsync(dev + off * esize, host + off * esize,
-                                              static_cast<size_t>(n * esize), cudaMemcpyHostToDevice, stream));
+          chunk(posted, &off, &n);
+          check(start_chunk(host + off * esize, n, &reqs[posted]), call);
+          ++posted;
+          *progress = true;
         }
-        ++finished;
-        progress = true;
-      }
-    }
-    if (progress) {
-      iter = 0;
-      continue;
-    }
-    if (now_s() > deadline) timed_out(call, opts.timeout_s);
-    pause(iter);
-  }
+        // Copied back in order, so only the oldest posted chunk is tested.
+        while (finished < posted) {
+          int flag = 0;
+          check(MPI_Test(&reqs[finished], &flag, MPI_STATUS_IGNORE), call);
+          if (!flag) break;
+          if (copy_out) {
+            int64_t off, n;
+            chunk(finished, &off, &n);
+            COMPCOMM_CHECK_CUDA(cudaMemcpyAsync(dev + off * esize, host + off * esize,
+                                                static_cast<size_t>(n * esize), cudaMemcpyHostToDevice, stream));
+          }
+          ++finished;
+          *progress = true;
+        }
+        return finished == nchunks;
+      },
+      [&] { timed_out(call, opts.timeout_s); });
   COMPCOMM_CHECK_CUDA(cudaEventRecord(st.done, stream));
 #else
   (void)buf;
@@ -545,24 +694,40 @@ void MpiCommunicator::run_staged_chunked(const char* call, const Buffer& buf, bo
 
 // ---- The collectives ------------------------------------------------------------------------------
 
+// Both exchanges pair rank r with r+s (sends) and r-s (receives) at step s, so at every step each
+// rank sends to one peer and receives from another, and every message is posted at once.
 void MpiCommunicator::do_all_to_all(const Buffer& send, const Buffer& recv, const CallOptions& opts) {
   std::lock_guard<std::mutex> lock(mu_);
-  const int n = count_of(send.bytes() / size_, "all_to_all", "bytes per rank", rank_);
-  run("all_to_all", send, send.bytes(), recv, recv.bytes(), -1,
-      [&](const void* s, void* r, MPI_Request* req) {
-        return MPI_Ialltoall(s, n, MPI_BYTE, r, n, MPI_BYTE, comm_, req);
-      },
-      opts);
+  const int64_t b = send.bytes() / size_, piece = piece_bytes(recv);
+  std::vector<Msg> sends, recvs;
+  std::vector<std::pair<int64_t, int64_t>> pieces;
+  for (int s = 1; s < size_; ++s) {
+    const int to = (rank_ + s) % size_, from = (rank_ - s + size_) % size_;
+    for (int64_t o = 0; o < b; o += piece) {
+      const int64_t len = std::min(piece, b - o);
+      sends.push_back({to, to * b + o, len, static_cast<int>(pieces.size())});
+      pieces.emplace_back(to * b + o, len);
+      recvs.push_back({from, from * b + o, len, -1});
+    }
+  }
+  exchange("all_to_all", send, recv, sends, recvs, pieces, rank_ * b, rank_ * b, b, opts);
 }
 
 void MpiCommunicator::do_all_gather(const Buffer& send, const Buffer& recv, const CallOptions& opts) {
   std::lock_guard<std::mutex> lock(mu_);
-  const int n = count_of(send.bytes(), "all_gather", "bytes per rank", rank_);
-  run("all_gather", send, send.bytes(), recv, recv.bytes(), send.bytes() * rank_,
-      [&](const void* s, void* r, MPI_Request* req) {
-        return MPI_Iallgather(s ? s : MPI_IN_PLACE, n, MPI_BYTE, r, n, MPI_BYTE, comm_, req);
-      },
-      opts);
+  const int64_t b = send.bytes(), piece = piece_bytes(recv);
+  std::vector<Msg> sends, recvs;
+  std::vector<std::pair<int64_t, int64_t>> pieces;
+  for (int64_t o = 0; o < b; o += piece) {  // each piece to every peer as soon as it is on the host
+    const int64_t len = std::min(piece, b - o);
+    for (int s = 1; s < size_; ++s) {
+      const int to = (rank_ + s) % size_, from = (rank_ - s + size_) % size_;
+      sends.push_back({to, o, len, static_cast<int>(pieces.size())});
+      recvs.push_back({from, from * b + o, len, -1});
+    }
+    pieces.emplace_back(o, len);
+  }
+  exchange("all_gather", send, recv, sends, recvs, pieces, 0, rank_ * b, b, opts);
 }
 
 void MpiCommunicator::do_reduce_scatter(const Buffer& send, const Buffer& recv, ReduceOp op,
@@ -623,7 +788,7 @@ void MpiCommunicator::do_barrier(const CallOptions& opts) {
   const double deadline = now_s() + opts.timeout_s;
   MPI_Request req = MPI_REQUEST_NULL;
   check(MPI_Ibarrier(comm_, &req), "barrier");
-  wait("barrier", &req, deadline, opts.timeout_s);
+  wait("barrier", &req, 0, deadline, opts.timeout_s);
 }
 
 }  // namespace compcomm

@@ -6,9 +6,16 @@
 //   - CUDA-aware: the device pointers go to MPI (after the caller's stream is synchronized). Only
 //     allowed when the MPI library reports CUDA support at run time.
 //   - host-staged: the data is copied on the caller's stream into pinned host buffers (allocated once,
-//     grown on demand), MPI runs on host memory, and the result is copied back on the same stream.
-//     Element-wise collectives (all_reduce, broadcast) are cut into chunks so that the device-to-host
-//     copy of chunk i+1 and the host-to-device copy of chunk i-1 overlap MPI's work on chunk i.
+//     grown on demand, reused by every later call), MPI runs on host memory, and the result is copied
+//     back on the same stream. All collectives but reduce_scatter are cut into pieces of
+//     pipeline_chunk_bytes (1 MiB) so that the device-to-host copy of piece i+1 and the host-to-device
+//     copy of piece i-1 overlap MPI's work on piece i.
+//
+// all_to_all and all_gather are point-to-point exchanges (MPI_Isend/Irecv, every message posted at
+// once, completions taken as they come), which lets a staged piece go out as soon as it reached the
+// host and come back as soon as it arrived; the others are MPI's non-blocking collectives. Every
+// wait polls without sleeping while data may be in flight (backoff.h): Open MPI moves a transfer
+// forward only inside MPI calls.
 //
 // MPI has no 16-bit float type: fp16/bf16 reductions use MPI_Ops defined here (fp32 arithmetic,
 // one rounding per pairwise combine, like gloo's). Byte-moving collectives work for every dtype.
@@ -23,8 +30,11 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "../comm.h"
+#include "backoff.h"
 
 namespace compcomm {
 
@@ -64,7 +74,8 @@ class MpiCommunicator final : public Communicator {
   MPI_Comm handle() const { return comm_; }
   // Bytes of pinned host staging memory currently held (0 until a device buffer was staged).
   int64_t staging_bytes() const;
-  // Chunk size (bytes) of the pipelined host-staged all_reduce/broadcast; 0 disables chunking.
+  // Piece size (bytes) of all_to_all/all_gather messages (except CUDA-aware) and of the host-staged
+  // all_reduce/broadcast chunks; 0: one piece.
   void set_pipeline_chunk_bytes(int64_t bytes);
   int64_t pipeline_chunk_bytes() const { return chunk_bytes_; }
 
@@ -86,13 +97,32 @@ class MpiCommunicator final : public Communicator {
   // gets a null send), `recv_bytes` of `recv` are written.
   void run(const char* call, const Buffer& send, int64_t send_bytes, const Buffer& recv, int64_t recv_bytes,
            int64_t in_place_offset, const Start& start, const CallOptions& opts);
+  // One point-to-point message of an exchange: bytes [off, off + bytes) of the send (or recv) buffer;
+  // a send's `piece` indexes the staged copy it needs (host-staged only).
+  struct Msg {
+    int peer;
+    int64_t off, bytes;
+    int piece;
+  };
+  // all_to_all/all_gather as point-to-point messages. `pieces` (off, bytes) are the ranges of send to
+  // stage, in the order the sends need them; [own_from, own_from + own_bytes) of send is copied to
+  // own_to of recv locally (skipped when it is already there).
+  void exchange(const char* call, const Buffer& send, const Buffer& recv, const std::vector<Msg>& sends,
+                const std::vector<Msg>& recvs, const std::vector<std::pair<int64_t, int64_t>>& pieces,
+                int64_t own_from, int64_t own_to, int64_t own_bytes, const CallOptions& opts);
+  // Message size of the exchanges on `buf`: pipeline_chunk_bytes (staged copies then overlap the
+  // transfers), whole messages (up to MPI's int count limit) for CUDA-aware device buffers or 0.
+  int64_t piece_bytes(const Buffer& buf) const;
   // Host-staged element-wise collective in chunks: start_chunk(host_ptr, count, req) posts one chunk.
   void run_staged_chunked(const char* call, const Buffer& buf, bool copy_in, bool copy_out,
                           const std::function<int(void*, int64_t, MPI_Request*)>& start_chunk,
                           const CallOptions& opts);
   // The staging buffers, once the previous call's copy back no longer reads them (CUDA builds only).
   Staging& staging(int device, double deadline, const char* call, double timeout_s);
-  void wait(const char* call, MPI_Request* req, double deadline, double timeout_s);
+  // Pinned staging buffer `which` (0: send, 1: recv) of at least `bytes` (CUDA builds only).
+  char* reserve(Staging& st, int which, int64_t bytes, const char* call);
+  // Polls `req` to completion; `bytes` in flight keep the poll from sleeping (backoff.h).
+  void wait(const char* call, MPI_Request* req, int64_t bytes, double deadline, double timeout_s);
   void check(int rc, const char* call);
   void check_usable(const char* call) const;
   [[noreturn]] void timed_out(const char* call, double timeout_s);
@@ -102,7 +132,8 @@ class MpiCommunicator final : public Communicator {
   bool cuda_aware_ = false;
   bool broken_ = false;  // a collective timed out or failed: the communicator is unusable
   std::string broken_reason_;
-  int64_t chunk_bytes_ = int64_t{4} << 20;
+  int64_t chunk_bytes_ = int64_t{1} << 20;
+  BackoffPolicy policy_;  // the wait loops' (backoff.h); gentler when the node is oversubscribed
   std::unique_ptr<Staging> staging_;
   std::mutex mu_;  // one collective at a time per communicator (MPI needs the same order everywhere)
 };

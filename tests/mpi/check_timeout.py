@@ -44,6 +44,24 @@ if __name__ == "__main__":
     comm = compcomm.init("mpi", timeout=60)
     comm.barrier(timeout_s=60)
 
+    # 2b. An absent peer in a large all_gather (point-to-point pieces: the ranks present finish their
+    #     messages to each other, the ones with the absent rank never complete).
+    if rank != last:
+        big = torch.ones(3 << 20, dtype=torch.uint8)
+        out = torch.empty(world * big.numel(), dtype=torch.uint8)
+        t0 = time.monotonic()
+        try:
+            comm.all_gather(buffer_of(big), buffer_of(out), timeout_s=TIMEOUT)
+        except CommTimeoutError as e:
+            took = time.monotonic() - t0
+            assert TIMEOUT <= took < TIMEOUT + 5, took
+            assert e.call == "all_gather", vars(e)
+            print(f"RANK {rank} absent peer in all_gather -> CommTimeoutError after {took:.1f} s", flush=True)
+        else:
+            raise AssertionError("all_gather with an absent peer returned")
+    comm = compcomm.init("mpi", timeout=60)
+    comm.barrier(timeout_s=60)
+
     # 3. A peer that exits early (without MPI_Finalize).
     if rank == last:
         print(f"RANK {rank} exiting early", flush=True)
