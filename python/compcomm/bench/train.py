@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import inspect
 import json
 import math
 import os
@@ -185,6 +186,8 @@ def _make(name: str, model: Any, cfg: Dict[str, Any], world: int, dev: Any) -> D
     if cfg.get("backend") == "nccl":
         extra["comm_backend_name"] = "nccl"
     fused = {} if cfg.get("fused") is None else {"fused": bool(cfg["fused"])}
+    if fused and "fused" not in inspect.signature(OneBitAdam).parameters:
+        fused = {}  # this compcomm's optimizers no longer take it (bucketed by default)
     bc = {"bias_correction": True} if cfg.get("bias_correction") else {}
     if name.startswith("ddp_"):
         ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
