@@ -81,7 +81,12 @@ has() { case " $PHASES " in *" $1 "*) return 0 ;; esac; return 1; }
 # OneBitAdam/ZeroOneAdam: one compressed allreduce per param group (fused=True) where the installed
 # optimizers still default to one per parameter; nothing where they are bucketed by default.
 FUSED_FLAG=${FUSED_FLAG-$($PY -c 'import inspect, compcomm.optim as o; p = inspect.signature(o.OneBitAdam).parameters.get("fused"); print("--fused" if p is not None and p.default is False else "")' 2>/dev/null)}
-log "phases: $PHASES; optimizer flag: '${FUSED_FLAG}'"
+# bias_correction=True: with the default (False) a variance frozen after a short warm-up is far too
+# small and OneBitAdam/ZeroOneAdam diverge within a few steps (seen: freeze_step 1 on the H200, loss
+# 5.3 -> 66 -> NonFiniteError); it changes neither the bytes nor the cost of a step.
+TIMING_FLAGS=${TIMING_FLAGS---bias-correction}
+LOSS_FLAGS=${LOSS_FLAGS---bias-correction}
+log "phases: $PHASES; optimizer flags: '${FUSED_FLAG}', timing '${TIMING_FLAGS}', loss '${LOSS_FLAGS}'"
 
 # 3. training timing runs: ~121M-parameter byte-level GPT, bf16 autocast, batch 8 x 256 per rank
 #    (in order of importance: eth1g holds most targets; unshaped is the efficiency reference)
@@ -90,7 +95,7 @@ if has timing; then
   for P in $P1 $P10 $PU; do
     case $P in eth1g) B=150; MS=22 ;; *) B=65; MS=10 ;; esac
     run timing_$P $B $PY -m compcomm.bench train --device cuda --profile $P --world-size 4 --model gpt2s \
-      --optimizers "$TIMING_OPTS" $FUSED_FLAG --steps 6 --baseline-steps 3 --warmup 1 --local-step-scaler 1 \
+      --optimizers "$TIMING_OPTS" $FUSED_FLAG $TIMING_FLAGS --steps 6 --baseline-steps 3 --warmup 1 --local-step-scaler 1 \
       --timing-only --compute-steps 2 --max-seconds $MS --timeout $(( B - 5 )) --out "$WORK" --name train_timing_$P
   done
   # one table over the profiles (the efficiency check needs unshaped next to the shaped ones)
@@ -111,7 +116,7 @@ fi
 if has loss; then
   LP=${LOSS_PROFILE:-${PU:-loopback}}
   run loss_$LP 120 $PY -m compcomm.bench train --device cuda --profile $LP --world-size 4 --model gpt2s \
-    --optimizers onebitadam,onebitadam_nofreeze,onebitlamb,onebitlamb_nofreeze $FUSED_FLAG \
+    --optimizers onebitadam,onebitadam_nofreeze,onebitlamb,onebitlamb_nofreeze $FUSED_FLAG $LOSS_FLAGS \
     --steps ${LOSS_STEPS:-100} --warmup ${LOSS_WARMUP:-20} --eval-every 20 --val-batches 8 \
     --compute-steps 2 --max-seconds 25 --timeout 115 --out "$WORK" --name train_gpu_loss
   cp "$WORK"/train_gpu_loss.md "$WORK"/train_gpu_loss.png "$OUT/" 2>/dev/null

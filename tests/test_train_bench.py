@@ -55,7 +55,7 @@ def _check(doc: dict, opts: str, profile: str) -> None:
     for k in ("device", "params", "command", "d_model", "layers", "batch", "seq", "warmup"):
         assert k in doc["meta"], k
     for name, r in rows.items():
-        assert "error" not in r, r.get("error")
+        assert not r.get("error"), r["error"]
         for k in ("loss", "phase", "fwdbwd_s", "opt_s", "step_s", "bytes", "val_curve",
                   "final_val_loss", "compute_s", "summary"):
             assert k in r, (name, k)

@@ -249,6 +249,75 @@ def _phase(name: str, opt: Any, t: int, warm: int) -> str:
     return "full"
 
 
+def _train_one(name: str, cfg: Dict[str, Any], rank: int, world: int, dev: Any, new_model: Any,
+               batch: Any, train: Any, loss_of: Any, evaluate: Any, barrier: Any,
+               rec: Dict[str, List[Any]], evals: List[List[float]], out: Any) -> Dict[str, Any]:
+    """Train optimizer ``name`` for its steps, appending to ``rec``/``evals`` as it goes (so a
+    failure keeps the steps done); returns the row's other fields."""
+    import torch
+    import torch.distributed as dist
+
+    model = new_model()
+    objs = _make(name, model, cfg, world, dev)
+    module, opt, kind = objs["module"], objs["opt"], objs["kind"]
+    nparams = sum(p.numel() for p in model.parameters())
+    comm = getattr(opt, "comm", None)
+    grad_bytes = nparams * (2 if name == "ddp_adamw_bf16hook" else 4)
+    ddp_bytes = 2 * (world - 1) * grad_bytes // world if world > 1 else 0
+    gen = torch.Generator().manual_seed(10_000 * (rank + 1))  # the same batches in every run
+    seq, bsz = cfg["seq"], cfg["batch"]
+    steps = cfg["steps"] if (name in COMPRESSED or cfg["baseline_steps"] is None) \
+        else cfg["baseline_steps"]
+    wall = 0.0
+    began = time.monotonic()
+    stopped_early = False
+    try:
+        for t in range(1, steps + 1):
+            x, y = batch(train, torch.randint(0, train.numel() - seq - 1, (bsz,), generator=gen))
+            rec["phase"].append(_phase(name, opt, t, cfg["warmup"]))
+            before = comm.bytes_sent if comm is not None else 0
+            barrier()
+            _sync(dev)
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            loss = loss_of(module, x, y)
+            loss.backward()
+            _sync(dev)
+            t1 = time.perf_counter()
+            opt.step()
+            _sync(dev)
+            t2 = time.perf_counter()
+            sent = comm.bytes_sent - before if comm is not None else ddp_bytes
+            rec["fwdbwd_s"].append(t1 - t0)
+            rec["opt_s"].append(t2 - t1)
+            rec["step_s"].append(t2 - t0)
+            rec["bytes"].append(int(sent))
+            lt = loss.detach().float().reshape(1)
+            dist.all_reduce(lt)  # logging only, not counted
+            rec["loss"].append(float(lt) / world)
+            wall += t2 - t0
+            diverged = not math.isfinite(rec["loss"][-1])
+            if cfg["eval_every"] and (t % cfg["eval_every"] == 0 or t == steps or diverged):
+                evals.append([t, evaluate(module), wall, float(sum(rec["bytes"]))])
+            if rank == 0 and cfg.get("progress"):
+                print(f"PROGRESS {name} step {t}/{steps} {rec['phase'][-1]} loss "
+                      f"{rec['loss'][-1]:.4f} {t2 - t0:.3f} s {sent} B", file=out, flush=True)
+            # every rank must agree to stop (a time budget per optimizer, or a divergence)
+            over = torch.tensor([1.0 if (cfg["max_seconds"] and time.monotonic() - began >
+                                         cfg["max_seconds"]) or diverged else 0.0], device=dev)
+            dist.all_reduce(over, op=dist.ReduceOp.MAX)
+            if float(over) > 0 and t < steps:
+                stopped_early = True
+                break
+        if not evals or evals[-1][0] != len(rec["loss"]):
+            evals.append([len(rec["loss"]), evaluate(module), wall, float(sum(rec["bytes"]))])
+    finally:
+        if hasattr(opt, "close"):
+            opt.close()
+    return {"steps_planned": steps, "stopped_early": stopped_early, "params": nparams,
+            "ddp_ring_bytes": ddp_bytes if kind == "ddp" else None}
+
+
 def _rank_main(cfg: Dict[str, Any]) -> int:
     import torch
     import torch.distributed as dist
@@ -342,76 +411,29 @@ def _rank_main(cfg: Dict[str, Any]) -> int:
         torch.cuda.empty_cache()
 
     for name in cfg["optimizers"]:
-        model = new_model()
-        objs = _make(name, model, cfg, world, dev)
-        module, opt, kind = objs["module"], objs["opt"], objs["kind"]
-        comm = getattr(opt, "comm", None)
-        grad_bytes = sum(p.numel() for p in model.parameters()) * (
-            2 if name == "ddp_adamw_bf16hook" else 4)
-        ddp_bytes = 2 * (world - 1) * grad_bytes // world if world > 1 else 0
-        gen = torch.Generator().manual_seed(10_000 * (rank + 1))  # the same batches in every run
-        steps = cfg["steps"] if (name in COMPRESSED or cfg["baseline_steps"] is None) \
-            else cfg["baseline_steps"]
         rec: Dict[str, List[Any]] = {k: [] for k in
                                      ("loss", "phase", "fwdbwd_s", "opt_s", "step_s", "bytes")}
         evals: List[List[float]] = []
-        wall = 0.0
-        began = time.monotonic()
-        stopped_early = False
-        for t in range(1, steps + 1):
-            x, y = batch(train, torch.randint(0, train.numel() - seq - 1, (bsz,), generator=gen))
-            rec["phase"].append(_phase(name, opt, t, cfg["warmup"]))
-            before = comm.bytes_sent if comm is not None else 0
-            barrier()
-            _sync(dev)
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            loss = loss_of(module, x, y)
-            loss.backward()
-            _sync(dev)
-            t1 = time.perf_counter()
-            opt.step()
-            _sync(dev)
-            t2 = time.perf_counter()
-            sent = comm.bytes_sent - before if comm is not None else ddp_bytes
-            rec["fwdbwd_s"].append(t1 - t0)
-            rec["opt_s"].append(t2 - t1)
-            rec["step_s"].append(t2 - t0)
-            rec["bytes"].append(int(sent))
-            lt = loss.detach().float().reshape(1)
-            dist.all_reduce(lt)  # logging only, not counted
-            rec["loss"].append(float(lt) / world)
-            wall += t2 - t0
-            if not math.isfinite(rec["loss"][-1]):
-                stopped_early = True
-            if cfg["eval_every"] and (t % cfg["eval_every"] == 0 or t == steps or stopped_early):
-                evals.append([t, evaluate(module), wall, float(sum(rec["bytes"]))])
-            if rank == 0 and cfg.get("progress"):
-                print(f"PROGRESS {name} step {t}/{steps} {rec['phase'][-1]} loss "
-                      f"{rec['loss'][-1]:.4f} {t2 - t0:.3f} s {sent} B", file=out, flush=True)
-            # every rank must agree to stop (a time budget per optimizer)
-            over = torch.tensor([1.0 if (cfg["max_seconds"] and time.monotonic() - began >
-                                         cfg["max_seconds"]) or stopped_early else 0.0],
-                                device=dev)
-            dist.all_reduce(over, op=dist.ReduceOp.MAX)
-            if float(over) > 0 and t < steps:
-                stopped_early = True
-                if cfg["eval_every"] and (not evals or evals[-1][0] != t):
-                    evals.append([t, evaluate(module), wall, float(sum(rec["bytes"]))])
-                break
+        try:
+            info = _train_one(name, cfg, rank, world, dev, new_model, batch, train, loss_of,
+                              evaluate, barrier, rec, evals, out)
+            error = None
+        except Exception as e:  # e.g. NonFiniteError after a divergence: raised on every rank
+            info, error = {"steps_planned": None, "params": nparams}, f"{type(e).__name__}: {e}"
+            print(f"train: {name} failed on rank {rank}: {error}", file=sys.stderr, flush=True)
+        n = min(len(v) for v in rec.values())  # steps completed (a failure may cut one short)
+        for v in rec.values():
+            del v[n:]
         # the slowest rank's time of every step
-        tt = torch.tensor([rec["fwdbwd_s"], rec["opt_s"], rec["step_s"]], dtype=torch.float64,
-                          device=dev)
-        dist.all_reduce(tt, op=dist.ReduceOp.MAX)
-        rec["fwdbwd_s"], rec["opt_s"], rec["step_s"] = (r for r in tt.tolist())
-        final_val = evals[-1][1] if evals else evaluate(module)
-        emit("RESULT", {"optimizer": name, "steps_run": len(rec["loss"]), "steps_planned": steps,
-                        "stopped_early": stopped_early, "params": nparams,
-                        "ddp_ring_bytes": ddp_bytes if kind == "ddp" else None,
-                        "final_val_loss": final_val, "val_curve": evals, **rec})
-        if hasattr(opt, "close"):
-            opt.close()
-        del module, opt, objs, model, comm
+        if n:
+            tt = torch.tensor([rec["fwdbwd_s"], rec["opt_s"], rec["step_s"]], dtype=torch.float64,
+                              device=dev)
+            dist.all_reduce(tt, op=dist.ReduceOp.MAX)
+            rec["fwdbwd_s"], rec["opt_s"], rec["step_s"] = (r for r in tt.tolist())
+        final_val = evals[-1][1] if evals else float("nan")
+        emit("RESULT", {"optimizer": name, "steps_run": n, "error": error,
+                        "stopped_early": bool(error) or info.get("stopped_early", False),
+                        "final_val_loss": final_val, "val_curve": evals, **info, **rec})
         if dev.type == "cuda":
             torch.cuda.empty_cache()
         barrier()
@@ -546,7 +568,7 @@ def targets(rows: List[Dict[str, Any]], device: str = "cuda") -> List[Dict[str, 
 
 def loss_checks(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Loss at equal steps of each compressed optimizer against its uncompressed twin."""
-    by = {(r["profile"], r["world_size"], r["optimizer"]): r for r in rows if "loss" in r}
+    by = {(r["profile"], r["world_size"], r["optimizer"]): r for r in rows if r.get("loss")}
     out = []
     for (p, w, o), r in by.items():
         twin = by.get((p, w, TWIN.get(o, "")))
@@ -619,17 +641,23 @@ def markdown(doc: Dict[str, Any]) -> str:
             if r.get("optimizer") == "ddp_adamw" and "summary" in r}
     for r in rows:
         if "summary" not in r:
+            err = (r.get("error") or "").replace("|", "/").replace("\n", " ")[:120]
             out.append(f"| {r['profile']} | {r['world_size']} | {r.get('optimizer', '?')} | "
-                       f"FAILED: {r.get('error', '')[:120]} |||||||||")
+                       f"FAILED: {err} |||||||||")
             continue
         s = r["summary"]
+        name = r["optimizer"] + (f" (stopped after {r['steps_run']} steps: "
+                                 f"{r['error'].split(':')[0]})" if r.get("error") else "")
         sp = _ratio(base.get((r["profile"], r["world_size"])), s["step_s"])
         out.append(
-            f"| {r['profile']} | {r['world_size']} | {r['optimizer']} | {s['main_phase']} | "
+            f"| {r['profile']} | {r['world_size']} | {name} | {s['main_phase']} | "
             f"{r['steps_run']} | {s['step_s'] * 1e3:.1f} | {r['compute_s'] * 1e3:.1f} | "
             f"{(s['comm_s'] or 0) * 1e3:.1f} | {s['tokens_per_s']:,.0f} | "
             f"{_fmt_bytes(s['bytes_per_step'])} | {'' if sp is None else f'{sp:.1f}x'} | "
             f"{r['final_val_loss']:.4f} |")
+    if any(r.get("error") for r in rows):
+        out += ["", "Errors: " + "; ".join(f"{r['profile']} W={r['world_size']} {r['optimizer']}: "
+                                          f"{(r['error'] or '')[:200]}" for r in rows if r.get("error"))]
     ph_rows = [r for r in rows if "summary" in r and len(r["summary"]["phases"]) > 1]
     if ph_rows:
         out += ["", "Per phase (median step ms / mean bytes per step):", ""]
@@ -927,9 +955,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     row.update(profile=prof, world_size=w, batch=a.batch, seq=a.mcfg["seq"],
                                compute_s=compute.get("compute_s"),
                                compute_all_s=compute.get("compute_all"))
-                    row["summary"] = summarize(row)
+                    if row.get("step_s"):
+                        row["summary"] = summarize(row)
                     doc["rows"].append(row)
                     done.append(row["optimizer"])
+                    if row.get("error"):
+                        print(f"[train] {prof} W={w} {row['optimizer']:>20}: FAILED after "
+                              f"{row['steps_run']} steps: {row['error'][:300]}", flush=True)
+                    if "summary" not in row:
+                        write_outputs(doc, a.out, a.name)
+                        return
                     s = row["summary"]
                     print(f"[train] {prof} W={w} {row['optimizer']:>20}: {s['main_phase']} step "
                           f"{s['step_s'] * 1e3:9.1f} ms, compute {row['compute_s'] * 1e3:8.1f} ms, "
