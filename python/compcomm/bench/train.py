@@ -38,7 +38,8 @@ times ``--compute-steps`` forward+backward passes of the same model with no comm
 ``comm_s = step_s - compute_s`` (communication plus the optimizer's own arithmetic). Per-step
 phases: ``full`` (uncompressed optimizers), ``warmup`` / ``compressed`` (1-bit Adam/LAMB, ZeRO +
 OneBitAdam), ZeroOneAdam's ``var`` / ``grad1bit`` / ``local`` / ``sync``; medians are per phase,
-the first step of a phase left out when the phase has 3 or more steps.
+the first step of a phase left out when the phase has 3 or more steps, and steps after a
+divergence (loss non-finite or above 3x the first step's; the optimizer then stops) left out.
 
 Bytes per step: what rank 0's compcomm communicator counted (``Communicator.bytes_sent``: the
 sender's share of each collective, ring allreduce = ``2(W-1)/W`` of the buffer); for DDP, which
@@ -296,7 +297,9 @@ def _train_one(name: str, cfg: Dict[str, Any], rank: int, world: int, dev: Any, 
             dist.all_reduce(lt)  # logging only, not counted
             rec["loss"].append(float(lt) / world)
             wall += t2 - t0
-            diverged = not math.isfinite(rec["loss"][-1])
+            # diverged: non-finite, or 3x the first step's loss (ZeRO then skips the non-finite
+            # steps, which would time as fast steps that communicate nothing)
+            diverged = not math.isfinite(rec["loss"][-1]) or rec["loss"][-1] > 3 * rec["loss"][0]
             if cfg["eval_every"] and (t % cfg["eval_every"] == 0 or t == steps or diverged):
                 evals.append([t, evaluate(module), wall, float(sum(rec["bytes"]))])
             if rank == 0 and cfg.get("progress"):
@@ -455,8 +458,15 @@ def _median_skip_first(xs: Sequence[float]) -> Optional[float]:
 def summarize(row: Dict[str, Any]) -> Dict[str, Any]:
     """Per-phase medians (first step of a phase left out when it has >= 3), tokens/s, bytes."""
     phases: Dict[str, Dict[str, Any]] = {}
+    first = row["loss"][0] if row["loss"] else float("nan")
+    # steps at which the run had diverged are left out (see _train_one)
+    ok = [math.isfinite(x) and x <= 3 * first for x in row["loss"]]
+    if ok and not any(ok):
+        ok = [True] * len(ok)
     for ph in dict.fromkeys(row["phase"]):
-        idx = [i for i, p in enumerate(row["phase"]) if p == ph]
+        idx = [i for i, p in enumerate(row["phase"]) if p == ph and ok[i]]
+        if not idx:
+            continue
         pick = idx[1:] if len(idx) >= 3 else idx
         phases[ph] = {
             "steps": len(idx),
@@ -465,12 +475,14 @@ def summarize(row: Dict[str, Any]) -> Dict[str, Any]:
             "opt_s": _median_skip_first([row["opt_s"][i] for i in idx]),
             "bytes": statistics.mean(row["bytes"][i] for i in pick),
         }
+    if not phases:
+        phases["full"] = {"steps": 0, "step_s": None, "fwdbwd_s": None, "opt_s": None, "bytes": 0}
     main = {"zerooneadam": "local"}.get(row["optimizer"], "compressed")
     if main not in phases:
         main = "full" if "full" in phases else list(phases)[-1]
     if row["optimizer"] == "zerooneadam" and "local" in phases:
         # the local-step phase as it runs: local steps and the syncs between them
-        idx = [i for i, p in enumerate(row["phase"]) if p in ("local", "sync")]
+        idx = [i for i, p in enumerate(row["phase"]) if p in ("local", "sync") and ok[i]]
         phases["local+sync"] = {
             "steps": len(idx),
             "step_s": statistics.mean(row["step_s"][i] for i in idx[1:] or idx),
