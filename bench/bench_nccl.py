@@ -16,6 +16,18 @@ Series, for fp32 tensors of 2^16..2^28 elements (``--min-log``/``--max-log``):
   and through torch, the reference every compressed figure is a ratio against;
   ``nccl_allreduce_nonblocking``: the same through a non-blocking NCCL communicator.
 
+On emulated hosts over Ethernet-like links (root, iproute2; see compcomm.bench.netns): ``--profile``
+launches ``--world-size`` ranks of this script, each in its own network namespace with a shaped
+veth, an own ``NCCL_HOSTID`` and NCCL over sockets on that veth, all sharing the local GPU(s)::
+
+    python bench/bench_nccl.py --profile eth1g --world-size 4 --max-log 24 --log-step 2 --quick
+
+There, and whenever ``--all-series`` is given, it also times the plain collectives a training step
+uses: ``torch_allreduce_bf16``, ``torch_reduce_scatter`` (fp32) / ``torch_reduce_scatter_bf16``
+and compcomm's 1-bit ``compressed_reduce_scatter`` over the torch group (``torch_adapter_rs``).
+Every row carries nccl-tests' columns: logical bytes, wire bytes one rank sends, algbw = logical
+bytes / time, busbw = algbw * 2(W-1)/W (allreduce) or (W-1)/W (reduce-scatter).
+
 Time: median over iterations of CUDA-event time from before the call to after it (calls issued back
 to back, so a host-bound path shows its host time). Rank 0 picks the iteration count from a timed
 warm-up and broadcasts it. The first call of each compressed series is checked against the native
@@ -60,19 +72,23 @@ def _timed(fn: Callable[[], Any], iters: int) -> Dict[str, float]:
     }
 
 
+#: warm-up calls, probe calls and the fewest timed calls (--quick: 1, 1, 2 for slow links)
+_ITERS = {"warmup": 3, "probe": 5, "min": 5}
+
+
 def _iterations(fn: Callable[[], Any], budget_s: float, world: int) -> int:
     """Rank 0 times a few calls and decides how many fit in budget_s; every rank gets its choice."""
     import torch.distributed as dist
 
-    for _ in range(3):
+    for _ in range(_ITERS["warmup"]):
         fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for _ in range(5):
+    for _ in range(_ITERS["probe"]):
         fn()
     torch.cuda.synchronize()
-    per = (time.perf_counter() - t0) / 5
-    n = torch.tensor([max(5, min(300, int(budget_s / max(per, 1e-7))))], device="cuda")
+    per = (time.perf_counter() - t0) / _ITERS["probe"]
+    n = torch.tensor([max(_ITERS["min"], min(300, int(budget_s / max(per, 1e-7))))], device="cuda")
     if world > 1:
         dist.broadcast(n, src=0)
     return int(n.item())
@@ -107,7 +123,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     p.add_argument("--out", default=None, help="output path without extension")
     p.add_argument("--skip", default="", help="comma-separated series to skip")
+    p.add_argument("--log-step", type=int, default=1, help="sizes 2^min-log, 2^(min-log+step), ...")
+    p.add_argument("--quick", action="store_true",
+                   help="1 warm-up call, 1 probe call, at least 2 timed calls (slow links)")
+    p.add_argument("--all-series", action="store_true",
+                   help="also bf16 allreduce, fp32/bf16 reduce-scatter, 1-bit reduce-scatter")
+    p.add_argument("--profile", default=None,
+                   help="launch --world-size ranks as emulated hosts on this compcomm.bench.netns "
+                        "profile (eth1g, eth10g, eth25g, unshaped: root; loopback)")
+    p.add_argument("--world-size", type=int, default=2, help="ranks for --profile")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds for a --profile run")
     args = p.parse_args(argv)
+    if args.profile and "RANK" not in os.environ:
+        return _launch(args, list(sys.argv[1:] if argv is None else argv))
+    if args.quick:
+        _ITERS.update(warmup=1, probe=1, min=2)
+    if os.environ.get("COMPCOMM_BENCH_PROFILE"):
+        args.all_series = True
 
     if not torch.cuda.is_available():
         print("bench_nccl: no CUDA device", file=sys.stderr)
@@ -122,7 +154,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         )
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     rank, world = dist.get_rank(), dist.get_world_size()
-    out = args.out or f"bench/results/nccl_h200{'' if world == 1 else f'x{world}'}"
+    prof = os.environ.get("COMPCOMM_BENCH_PROFILE")
+    out = args.out or (f"bench/results/nccl_{prof}_w{world}" if prof else
+                       f"bench/results/nccl_h200{'' if world == 1 else f'x{world}'}")
     skip = set(filter(None, args.skip.split(",")))
 
     info = compcomm.build_info()
@@ -138,7 +172,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         },
         "nccl_library": compcomm._C.nccl.load([]),
         "nccl_runtime_version": compcomm._C.nccl.runtime_version(),
-        "timing": "median CUDA-event time per call, calls back to back; fp32; sizes are logical bytes",
+        "timing": "median CUDA-event time per call, calls back to back; fp32 unless the series "
+                  "says bf16; sizes are logical bytes",
+        "profile": prof or "local",
+        "emulated_hosts": bool(prof),
         "series": {},
         "skipped": {},
         "checks": [],
@@ -157,10 +194,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             result["skipped"][s] = "this build has no CUDA kernels (compressed allreduce on GPU)"
             skip.add(s)
 
-    def add(series: str, log2: int, stats: Dict[str, float], **extra: Any) -> None:
+    def add(series: str, log2: int, stats: Dict[str, float], esize: int = 4,
+            **extra: Any) -> None:
         n = 1 << log2
-        row = {"log2": log2, "numel": n, "bytes": 4 * n, **stats, **extra}
-        row["algbw_GBps"] = 4 * n / (stats["median_us"] * 1e-6) / 1e9
+        rs = "reduce_scatter" in series or series.endswith("_rs")
+        row = {"log2": log2, "numel": n, "bytes": esize * n, "dtype": "bf16" if esize == 2 else "fp32",
+               **stats, **extra}
+        if "wire_bytes" not in row:  # plain ring: what one rank sends per call
+            row["wire_bytes"] = (esize * n * (world - 1) // world) * (1 if rs else 2)
+        row["algbw_GBps"] = esize * n / (stats["median_us"] * 1e-6) / 1e9
+        row["busbw_GBps"] = row["algbw_GBps"] * (world - 1) / world * (1 if rs else 2)
         result["series"].setdefault(series, []).append(row)
         if rank == 0:
             print(
@@ -168,7 +211,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 flush=True,
             )
 
-    for log2 in range(args.min_log, args.max_log + 1):
+    for log2 in range(args.min_log, args.max_log + 1, args.log_step):
         n = 1 << log2
         gen = torch.Generator(device="cuda").manual_seed(1000 + rank)
         x0 = torch.randn(n, device="cuda", generator=gen)
@@ -190,6 +233,38 @@ def main(argv: Optional[List[str]] = None) -> int:
             add("torch_allreduce", log2, _timed(f, _iterations(f, args.budget, world)))
         f = None  # drop the closure over buf
         del buf
+        if args.all_series:
+            b16 = x0.to(torch.bfloat16)
+            if "torch_allreduce_bf16" not in skip:
+                f = functools.partial(dist.all_reduce, b16)
+                add("torch_allreduce_bf16", log2, _timed(f, _iterations(f, args.budget, world)),
+                    esize=2)
+            for name, src in (("torch_reduce_scatter", x0), ("torch_reduce_scatter_bf16", b16)):
+                if name in skip or n % world:
+                    continue
+                dst = torch.empty(n // world, dtype=src.dtype, device="cuda")
+                f = functools.partial(dist.reduce_scatter_tensor, dst, src)
+                add(name, log2, _timed(f, _iterations(f, args.budget, world)),
+                    esize=src.element_size())
+                del dst
+            if "torch_adapter_rs" not in skip and info["cuda"]:
+                from compcomm.zero import compressed_reduce_scatter
+
+                we = torch.zeros(padded, device="cuda")
+                se = torch.zeros(padded // world, device="cuda")
+                t = x0.clone()
+                o = torch.empty(padded // world, device="cuda")
+                f = functools.partial(compressed_reduce_scatter, t, we, se, o,
+                                      group=dist.group.WORLD)
+                acc = compcomm.get_communicator(dist.group.WORLD)
+                b0 = acc.bytes_sent
+                f()  # counts the bytes one call sends (about half the compressed allreduce's)
+                rs_wire = acc.bytes_sent - b0
+                add("torch_adapter_rs", log2, _timed(f, _iterations(f, args.budget, world)),
+                    wire_bytes=rs_wire)
+                del we, se, t, o
+            f = None
+            del b16
 
         # The first call of each compressed series on the same input, then timing.
         first: Dict[str, torch.Tensor] = {}
@@ -211,7 +286,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 t = x0.clone()
                 first["deepspeed"] = ds.compressed_allreduce(t, we, se, local).clone()
                 f = functools.partial(ds.compressed_allreduce, t, we, se, local)
-                add("deepspeed", log2, _timed(f, _iterations(f, args.budget, world)))
+                add("deepspeed", log2, _timed(f, _iterations(f, args.budget, world)),
+                    wire_bytes=wire)
                 del we, se, f
             except Exception as e:
                 result["skipped"]["deepspeed"] = f"failed at 2^{log2}: {type(e).__name__}: {e}"
@@ -259,6 +335,26 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
+def _launch(args: argparse.Namespace, argv: List[str]) -> int:
+    """``--profile``: run this script as ``--world-size`` emulated GPU hosts (compcomm.bench.runner
+    gives each rank its namespace, shaped veth, NCCL_HOSTID, NCCL socket env and LOCAL_RANK)."""
+    from compcomm.bench.runner import SweepError, run_on_profile
+
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        print("bench_nccl: no CUDA device", file=sys.stderr)
+        return 2
+    env = {"COMPCOMM_BENCH_PROFILE": args.profile, "PYTHONUNBUFFERED": "1"}
+    try:
+        run_on_profile(args.profile, args.world_size, [os.path.abspath(__file__), *argv],
+                       timeout=args.timeout, gpus=gpus, env=env,
+                       on_line=lambda line: print(line, end="", flush=True))
+    except SweepError as e:
+        print(f"bench_nccl: {args.profile} W={args.world_size} failed: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _plot(result: Dict[str, Any], path: str) -> None:
     try:
         import matplotlib
@@ -279,8 +375,11 @@ def _plot(result: Dict[str, Any], path: str) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("fp32 elements")
     ax.set_ylabel("median time per call (us)")
+    where = "" if not result.get("emulated_hosts") else (
+        f", {result['profile']} emulated hosts sharing the GPU")
     ax.set_title(
-        f"compressed allreduce, {result['device']}, world size {result['world_size']} (stars: targets)"
+        f"{result['device']}, world size {result['world_size']}{where} (stars: targets)",
+        fontsize=9,
     )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()

@@ -5,4 +5,4 @@
 (:mod:`compcomm.bench.model`) that projects the result onto clusters.
 """
 
-__all__ = ["cli", "model", "netns", "runner", "worker"]
+__all__ = ["cli", "model", "netns", "runner", "train", "worker"]

@@ -7,6 +7,10 @@ Measure (network profiles other than loopback need root)::
     compcomm-bench --profile eth1g --world-size 4 --sizes 2^16..2^26 --out bench/results/eth1g
     compcomm-bench --profile eth1g,eth10g,unshaped,loopback --world-size 2,4 --out bench/results
 
+Training benchmark (DDP/ZeRO/1-bit optimizers on a byte-level GPT; see compcomm.bench.train)::
+
+    compcomm-bench train --device cuda --profile eth1g,eth10g --world-size 4 --optimizers all
+
 Project onto clusters with the model fitted on a results file::
 
     compcomm-bench project --results bench/results/results.json --preset 10gbe,100gbe,hdr
@@ -531,10 +535,15 @@ def project_main(argv: Sequence[str]) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of ``compcomm-bench`` (``project`` as first argument: the projection)."""
+    """Entry point of ``compcomm-bench`` (``project`` as first argument: the projection; ``train``:
+    the training benchmark, :mod:`compcomm.bench.train`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "project":
         return project_main(argv[1:])
+    if argv and argv[0] == "train":
+        from .train import main as train_main
+
+        return train_main(argv[1:])
     if argv and argv[0] == "run":
         argv = argv[1:]
     return run_main(argv)

@@ -54,7 +54,7 @@ class Profile:
     Attributes
     ----------
     name : str
-        ``eth1g``, ``eth10g``, ``unshaped`` or ``loopback``.
+        ``eth1g``, ``eth10g``, ``eth25g``, ``unshaped`` or ``loopback``.
     netns : bool
         Whether ranks run in their own namespaces (False: all on 127.0.0.1, the fast fabric here).
     rate : str or None
@@ -80,6 +80,9 @@ PROFILES: Dict[str, Profile] = {
     ),
     "eth10g": Profile(
         "eth10g", True, "10gbit", "2mb", "20ms", 10.0, "namespaces + bridge, tbf 10 Gbit/s each way"
+    ),
+    "eth25g": Profile(
+        "eth25g", True, "25gbit", "4mb", "20ms", 25.0, "namespaces + bridge, tbf 25 Gbit/s each way"
     ),
     "unshaped": Profile("unshaped", True, description="namespaces + bridge, no shaping"),
     "loopback": Profile(
@@ -344,4 +347,22 @@ class Network:
             "RANK": str(rank),
             "WORLD_SIZE": str(self.world_size),
             "GLOO_SOCKET_IFNAME": self.ifname(rank),
+        }
+
+    def nccl_env(self, rank: int, gpus: int = 1) -> Dict[str, str]:
+        """Environment that makes rank ``rank`` an emulated host for NCCL.
+
+        A distinct ``NCCL_HOSTID`` per rank makes NCCL treat the ranks as separate hosts (so several
+        ranks may share one GPU) and use its socket transport over the rank's interface
+        (``NCCL_SOCKET_IFNAME``), i.e. over the shaped veth of a namespace profile; InfiniBand, P2P,
+        shared memory and NVLink SHARP are off. ``LOCAL_RANK`` = ``rank % gpus`` picks the GPU.
+        """
+        return {
+            "NCCL_HOSTID": f"compcomm-bench-{self.pid}-{self.run_id}-host{rank}",
+            "NCCL_SOCKET_IFNAME": self.ifname(rank),
+            "NCCL_IB_DISABLE": "1",
+            "NCCL_P2P_DISABLE": "1",
+            "NCCL_SHM_DISABLE": "1",
+            "NCCL_NVLS_ENABLE": "0",
+            "LOCAL_RANK": str(rank % max(1, gpus)),
         }

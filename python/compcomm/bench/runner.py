@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -35,6 +36,27 @@ def _kill(procs: Sequence[subprocess.Popen]) -> None:
             pass
 
 
+def _watch(procs: Sequence[subprocess.Popen], deadline: float, stop: threading.Event) -> None:
+    """Kill all ``procs`` at ``deadline`` (monotonic) or when one exits non-zero; until ``stop``."""
+    while not stop.wait(0.5):
+        failed = any(p.poll() not in (None, 0) for p in procs)
+        if failed:
+            stop.wait(2.0)  # let the failing rank's peers print their own error first
+        if failed or time.monotonic() > deadline:
+            _kill(procs)
+            return
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the launching process dies (Linux only)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
 def run_on_profile(
     profile,
     world_size: int,
@@ -44,6 +66,7 @@ def run_on_profile(
     on_line: Optional[Callable[[str], None]] = None,
     python: str = sys.executable,
     env: Optional[Dict[str, str]] = None,
+    gpus: int = 0,
 ) -> List[str]:
     """Run ``python *args`` as ``world_size`` rank processes on a network profile.
 
@@ -69,6 +92,13 @@ def run_on_profile(
         Interpreter.
     env : dict, optional
         Extra environment for every rank.
+    gpus : int
+        GPUs of this machine the ranks use (0: CPU ranks). With ``gpus > 0`` every rank also gets
+        :meth:`compcomm.bench.netns.Network.nccl_env`: its own ``NCCL_HOSTID`` (an emulated host),
+        NCCL over sockets on its interface, ``LOCAL_RANK = rank % gpus``.
+
+    Rank processes run in their own session and get SIGKILL when this process dies
+    (``PR_SET_PDEATHSIG``); a watchdog kills them all at the deadline even when rank 0 is silent.
 
     Returns
     -------
@@ -86,9 +116,13 @@ def run_on_profile(
         port = free_port()
         procs: List[subprocess.Popen] = []
         logs = []
+        watchdog: Optional[threading.Thread] = None
+        stop = threading.Event()
         try:
             for r in range(world_size):
                 renv = dict(os.environ, **(env or {}), **net.env(r, port), OMP_NUM_THREADS="1")
+                if gpus > 0:
+                    renv.update(net.nccl_env(r, gpus))
                 log = open(os.path.join(tmp, f"rank{r}.log"), "w+")
                 logs.append(log)
                 cmd = net.command_prefix(r) + [python, *args]
@@ -100,9 +134,15 @@ def run_on_profile(
                         stderr=log,
                         text=True,
                         start_new_session=True,
+                        preexec_fn=_die_with_parent,
                     )
                 )
             deadline = time.monotonic() + timeout
+            # Rank 0 may hang without printing (the loop below would never see the deadline), or
+            # wait forever in a collective for a rank that died: the watchdog kills every rank at
+            # the deadline or as soon as one of them exits with an error.
+            watchdog = threading.Thread(target=_watch, args=(procs, deadline + 5, stop), daemon=True)
+            watchdog.start()
             assert procs[0].stdout is not None
             for line in procs[0].stdout:
                 lines.append(line.rstrip("\n"))
@@ -110,6 +150,8 @@ def run_on_profile(
                     on_line(line)
                 if time.monotonic() > deadline:
                     raise SweepError(f"{prof.name} W={world_size} ran past {timeout} s")
+            if time.monotonic() > deadline:
+                raise SweepError(f"{prof.name} W={world_size} ran past {timeout} s (killed)")
             for r, p in enumerate(procs):
                 left = max(1.0, deadline - time.monotonic())
                 try:
@@ -127,6 +169,7 @@ def run_on_profile(
                         + "\n".join(tails)
                     )
         finally:
+            stop.set()
             _kill(procs)
             for log in logs:
                 log.close()

@@ -1,0 +1,150 @@
+"""The CPU twin of the GPU training benchmark: ``compcomm-bench train`` on CPU ranks (gloo) with a
+small byte-level GPT, over loopback and, as root with iproute2, over the eth1g namespace profile.
+
+No timed assertions: the run finishes, losses are finite and sane, the compressed optimizers send
+>= 12x fewer bytes per compressed step than DDP + AdamW, the JSON has its fields. Also checks the
+emulated-GPU-host environment (per-rank NCCL_HOSTID etc.) that the GPU runs rely on."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+from compcomm.bench import netns, runner, train
+
+
+def _netns_usable() -> str:
+    try:
+        netns.check_privileges()
+    except netns.NetnsError as e:
+        return str(e)
+    return ""
+
+
+_why_not = _netns_usable()
+needs_netns = pytest.mark.skipif(bool(_why_not), reason=f"network namespaces unavailable: {_why_not}")
+
+# small enough for ~10 s per profile on a loaded 2-core machine; every code path of the GPU run
+LOOPBACK_OPTS = "ddp_adamw,ddp_adamw_bf16hook,onebitadam,onebitadam_nofreeze,zerooneadam," \
+                "zero2_adamw,zero2_onebitadam,onebitlamb,onebitlamb_nofreeze"
+ETH_OPTS = "ddp_adamw,onebitadam,zero2_onebitadam"
+UNCOMPRESSED_LN = math.log(256)  # the loss of a uniform guess over bytes
+
+
+def _run(tmp_path, profile: str, opts: str) -> dict:
+    cmd = [sys.executable, "-m", "compcomm.bench", "train", "--device", "cpu", "--profile",
+           profile, "--world-size", "2", "--layers", "1", "--steps", "4", "--warmup", "2",
+           "--optimizers", opts, "--bias-correction", "--local-step-scaler", "1",
+           "--eval-every", "2", "--val-batches", "2", "--compute-steps", "1",
+           "--data-bytes", "400000", "--timeout", "120", "--out", str(tmp_path), "--name", "t"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=170)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    with open(tmp_path / "t.json") as fh:
+        doc = json.load(fh)
+    assert (tmp_path / "t.md").exists() and (tmp_path / "t.png").exists()
+    return doc
+
+
+def _check(doc: dict, opts: str, profile: str) -> None:
+    rows = {r["optimizer"]: r for r in doc["rows"]}
+    assert sorted(rows) == sorted(opts.split(","))
+    for k in ("device", "params", "command", "d_model", "layers", "batch", "seq", "warmup"):
+        assert k in doc["meta"], k
+    for name, r in rows.items():
+        assert not r.get("error"), r["error"]
+        for k in ("loss", "phase", "fwdbwd_s", "opt_s", "step_s", "bytes", "val_curve",
+                  "final_val_loss", "compute_s", "summary"):
+            assert k in r, (name, k)
+        assert r["profile"] == profile and r["world_size"] == 2
+        assert len(r["loss"]) == r["steps_run"] == 4
+        assert all(math.isfinite(x) for x in r["loss"]), (name, r["loss"])
+        assert math.isfinite(r["final_val_loss"])
+        assert r["loss"][-1] < 1.5 * UNCOMPRESSED_LN, (name, r["loss"])  # sane, not diverged
+        assert min(r["loss"]) <= r["loss"][0] + 0.1, (name, r["loss"])
+        assert r["summary"]["step_s"] > 0 and r["summary"]["tokens_per_s"] > 0
+        assert all(b >= 0 for b in r["bytes"])
+    ddp = rows["ddp_adamw"]["summary"]["bytes_per_step"]
+    assert ddp > 0
+    for name in ("onebitadam", "zerooneadam", "onebitlamb"):
+        if name in rows:
+            r = rows[name]
+            phase = "sync" if name == "zerooneadam" else "compressed"
+            comp = [b for b, ph in zip(r["bytes"], r["phase"]) if ph == phase]
+            assert comp, (name, r["phase"])
+            assert ddp >= 12 * max(comp), (name, ddp, comp)
+    if "zero2_onebitadam" in rows:  # the parameter all-gather stays fp32: only < 2x fewer
+        r = rows["zero2_onebitadam"]
+        comp = [b for b, ph in zip(r["bytes"], r["phase"]) if ph == "compressed"]
+        assert comp and max(comp) < rows.get("zero2_adamw", rows["ddp_adamw"])["bytes"][-1]
+    if "ddp_adamw_bf16hook" in rows:
+        assert rows["ddp_adamw_bf16hook"]["summary"]["bytes_per_step"] * 2 == pytest.approx(ddp)
+    assert doc["targets"] and "time_to_target" in doc
+    pairs = [o for o in rows if train.TWIN.get(o) in rows]
+    assert {c["optimizer"] for c in doc["loss_checks"]} == set(pairs)
+
+
+def test_train_cpu_twin_loopback(tmp_path):
+    doc = _run(tmp_path, "loopback", LOOPBACK_OPTS)
+    _check(doc, LOOPBACK_OPTS, "loopback")
+
+
+@needs_netns
+def test_train_cpu_twin_eth1g(tmp_path):
+    doc = _run(tmp_path, "eth1g", ETH_OPTS)
+    _check(doc, ETH_OPTS, "eth1g")
+    assert not [n for n in netns.list_ours()["netns"] if n.startswith(f"ccbn-{os.getpid()}-")]
+
+
+_ENV_PROBE = (
+    "import os, json, datetime, torch, torch.distributed as dist\n"
+    "dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=60))\n"
+    "keys = ['NCCL_HOSTID', 'NCCL_SOCKET_IFNAME', 'NCCL_IB_DISABLE', 'NCCL_P2P_DISABLE',\n"
+    "        'NCCL_SHM_DISABLE', 'NCCL_NVLS_ENABLE', 'LOCAL_RANK', 'GLOO_SOCKET_IFNAME', 'MASTER_ADDR']\n"
+    "mine = {k: os.environ.get(k) for k in keys}\n"
+    "got = [None] * dist.get_world_size()\n"
+    "dist.all_gather_object(got, mine)\n"
+    "if dist.get_rank() == 0: print('ENV ' + json.dumps(got), flush=True)\n"
+    "dist.barrier()\n"
+    "os._exit(0)\n"
+)
+
+
+@pytest.mark.parametrize("profile", ["loopback", pytest.param("eth1g", marks=needs_netns)])
+def test_emulated_gpu_host_environment(profile):
+    """What every GPU rank gets: its own NCCL_HOSTID, NCCL over sockets on its own interface,
+    LOCAL_RANK = rank % gpus; gloo over the same links works (checked by all_gather_object)."""
+    lines = runner.run_on_profile(profile, 3, ["-c", _ENV_PROBE], timeout=90, gpus=1)
+    env = json.loads([ln for ln in lines if ln.startswith("ENV ")][0][4:])
+    assert len({e["NCCL_HOSTID"] for e in env}) == 3
+    want_if = "eth0" if profile == "eth1g" else "lo"
+    for e in env:
+        assert e["NCCL_SOCKET_IFNAME"] == e["GLOO_SOCKET_IFNAME"] == want_if
+        assert (e["NCCL_IB_DISABLE"], e["NCCL_P2P_DISABLE"], e["NCCL_SHM_DISABLE"],
+                e["NCCL_NVLS_ENABLE"]) == ("1", "1", "1", "0")
+        assert e["LOCAL_RANK"] == "0"
+        assert e["MASTER_ADDR"] == ("10.213.0.1" if profile == "eth1g" else "127.0.0.1")
+
+
+def test_model_sizes():
+    assert abs(train.param_count(**train.MODELS["tiny"]) - 8e6) < 0.5e6
+    assert abs(train.param_count(**train.MODELS["gpt2s"]) - 124e6) < 5e6
+    m = train.build_model(d_model=64, heads=4, layers=2, seq=16)
+    assert sum(p.numel() for p in m.parameters()) == train.param_count(d_model=64, layers=2, seq=16)
+
+
+def test_rank_failure_does_not_hang(tmp_path):
+    """One rank dying makes the others be killed at once, well before the deadline."""
+    code = ("import os, sys, time, datetime, torch.distributed as dist\n"
+            "dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=300))\n"
+            "if dist.get_rank() == 1: sys.exit(3)\n"
+            "dist.barrier()\n")
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(runner.SweepError):
+        runner.run_on_profile("loopback", 2, ["-c", code], timeout=300)
+    assert time.monotonic() - t0 < 100  # the deadline is 300 s
