@@ -171,11 +171,12 @@ def average_(tensors: List[torch.Tensor], comm: Any, timeout: float = DEFAULT_TI
     flush()
 
 
-def all_max(flag: float, comm: Any) -> float:
-    """The maximum of a float over the ranks (for agreeing on skipped steps)."""
+def all_max(flag: float, comm: Any, device: Optional[torch.device] = None) -> float:
+    """The maximum of a float over the ranks (for agreeing on skipped steps); ``device``: where the
+    4-byte buffer lives (the parameters' device: a native NCCL communicator needs CUDA memory)."""
     if comm.size() == 1:
         return flag
-    t = torch.tensor([flag], dtype=torch.float32)
+    t = torch.tensor([flag], dtype=torch.float32, device=device)
     comm.all_reduce(buffer_of(t), _C.ReduceOp.max, DEFAULT_TIMEOUT)
     return float(t.item())
 
@@ -422,6 +423,10 @@ class OneBitBase(torch.optim.Optimizer):
         self._finish_step()
         return loss
 
+    def _device(self) -> torch.device:
+        """The parameters' device (of the first parameter; the CPU if there is none)."""
+        return next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
+
     def _check_finite(self, tensors: Iterable[torch.Tensor], agree: bool) -> None:
         """Raise NonFiniteError (a skipped step) if ``tensors`` hold Inf/NaN -- on this rank, or
         with ``agree`` on any rank (one small all-reduce; needed where nothing else is sent)."""
@@ -429,7 +434,7 @@ class OneBitBase(torch.optim.Optimizer):
             return
         bad = 0.0 if all_finite(tensors) else 1.0
         if agree:
-            bad = all_max(bad, self.comm)
+            bad = all_max(bad, self.comm, self._device())
         if bad:
             raise NonFiniteError(f"[rank {self.rank}] {self._name}: non-finite gradient; step "
                                  "skipped on every rank")
@@ -446,7 +451,7 @@ class OneBitBase(torch.optim.Optimizer):
         found = getattr(self, "found_inf", None)
         if found is None:
             return False
-        return all_max(float(found), self.comm) > 0
+        return all_max(float(found), self.comm, self._device()) > 0
 
     def _finish_step(self) -> None:
         self._hook_averaged = False

@@ -58,7 +58,7 @@ class OneBitAdam(c.OneBitBase):
         ``state_dict()`` also holds this rank's error buffers and ``load_state_dict`` restores them
         when rank and world size match (save one file per rank, see
         :func:`compcomm.optim.save_rank_checkpoint`); otherwise they are reset, as DeepSpeed does.
-    reduce_bucket_size : int, default 2**24
+    reduce_bucket_size : int, default 500_000_000
         Elements per compressed bucket (DeepSpeed's ``reduce_bucket_size`` meaning): the momenta
         of a param group's parameters are packed in order into buckets of at most this many
         elements (a larger tensor is a bucket of its own), one compressed allreduce and one pair of
