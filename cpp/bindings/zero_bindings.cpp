@@ -170,11 +170,13 @@ void bind_zero(py::module_& parent) {
   m.def(
       "compressed_reduce_scatter",
       [](Communicator& comm, const Buffer& tensor, const Buffer& worker_error, const Buffer& server_error,
-         const Buffer& out, const Buffer& workspace, double timeout_s) {
-        compressed_reduce_scatter(comm, tensor, worker_error, server_error, out, workspace, opts_of(timeout_s));
+         const Buffer& out, const Buffer& workspace, double timeout_s, uintptr_t stream) {
+        compressed_reduce_scatter(comm, tensor, worker_error, server_error, out, workspace,
+                                  opts_of(timeout_s, stream));
       },
       py::arg("comm"), py::arg("tensor"), py::arg("worker_error"), py::arg("server_error"), py::arg("out"),
-      py::arg("workspace"), py::arg("timeout_s") = 600.0, py::call_guard<py::gil_scoped_release>(),
+      py::arg("workspace"), py::arg("timeout_s") = 600.0, py::arg("stream") = 0,
+      py::call_guard<py::gil_scoped_release>(),
       "The 1-bit compressed reduce-scatter (compressed allreduce without its final all-gather).");
   m.def(
       "compressed_reduce_scatter_commit",

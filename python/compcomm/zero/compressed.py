@@ -103,8 +103,10 @@ def compressed_reduce_scatter(
     with _exclusive(comm, call, rank):  # the workspace is the communicator's: one call at a time
         total = _layout_total(padded, world, tensor.device.type == "cuda")
         ws = _workspace(comm, tensor.device, total)
+        # on the caller's current stream (FSDP calls it on its reduce-scatter stream)
+        stream = torch.cuda.current_stream(tensor.device).cuda_stream if tensor.is_cuda else 0
         _C.zero.compressed_reduce_scatter(
             comm, buffer_of(tensor), buffer_of(worker_error), buffer_of(server_error),
-            buffer_of(out), buffer_of(ws), timeout_s,
+            buffer_of(out), buffer_of(ws), timeout_s, stream,
         )
     return out
