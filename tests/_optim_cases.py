@@ -389,3 +389,70 @@ def nonfinite_skips(rank: int, world: int) -> Dict[str, Any]:
                 clean[-1][2] - ps[2].detach().numpy())))
             res[f"{name}_{phase}_kind"] = kinds[0]
     return res
+
+
+def resume_across_freeze(rank: int, world: int) -> List[float]:
+    """ZeroOneAdam saved on the step before its freeze (errors of 1-bit gradients in the
+    checkpoint) and resumed with exact_resume: the freeze zeroes the errors also when they are
+    still waiting to be restored, so the resumed run equals the uninterrupted one."""
+    ZeroOneAdam = _optimizers()[1]
+
+    def make():
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(50))
+        return p, ZeroOneAdam([p], lr=1e-2, var_freeze_step=7, var_update_scaler=1,
+                              exact_resume=True)
+
+    def grad(p, t):
+        p.grad = torch.randn(50, generator=torch.Generator().manual_seed(100 * t + rank))
+
+    p, opt = make()
+    traj, blob, saved_p = {}, b"", None
+    for t in range(1, 11):
+        grad(p, t)
+        opt.step()
+        traj[t] = p.detach().clone()
+        if t == 7:
+            blob, saved_p = _state_bytes(opt.state_dict()), p.detach().clone()
+    p2, opt2 = make()
+    with torch.no_grad():
+        p2.copy_(saved_p)
+    opt2.load_state_dict(_load_bytes(blob))
+    diffs = []
+    for t in range(8, 11):
+        grad(p2, t)
+        opt2.step()
+        diffs.append(float((p2.detach() - traj[t]).abs().max()))
+    return diffs
+
+
+def staging_failure(rank: int, world: int) -> Dict[str, Any]:
+    """Rank 0 fails on its own while staging bucket 1 of 3: it raises that error after waiting for
+    bucket 0's exchange, the peers get a typed error (timeout), nothing is committed anywhere, and
+    rank 0's compressor refuses later calls instead of pairing the wrong collectives."""
+    from compcomm import _comm
+    from compcomm.compress import OneBitCompressor
+
+    comp = OneBitCompressor(_comm.resolve(None), timeout=3.0)
+    bufs = [torch.full((40,), float(rank + 1 + b)) for b in range(3)]
+    before = [b.clone() for b in bufs]
+
+    def stage(i):
+        if rank == 0 and i == 1:
+            raise MemoryError("injected")
+        return bufs[i]
+
+    res: Dict[str, Any] = {}
+    try:
+        comp.average_([0, 1, 2], [40, 40, 40], stage, torch.device("cpu"))
+        res["raised"] = None
+    except Exception as e:  # noqa: BLE001
+        res["raised"] = type(e).__name__
+    res["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, bufs))
+    res["no_errors_kept"] = comp.keys() == []
+    try:
+        comp.average_([0], [40], lambda i: bufs[0], torch.device("cpu"))
+        res["again"] = None
+    except Exception as e:  # noqa: BLE001
+        res["again"] = type(e).__name__
+    return res

@@ -214,6 +214,18 @@ def test_nonfinite_on_one_rank_skips_every_phase(world):
                 assert value == 0.0, (key, value)
 
 
+def test_exact_resume_just_before_the_freeze():
+    for diffs in run_ranks(2, C.resume_across_freeze, timeout=120):
+        assert diffs == [0.0, 0.0, 0.0], diffs
+
+
+def test_local_failure_while_staging_breaks_nothing_and_refuses_after():
+    res = run_ranks(2, C.staging_failure, timeout=120)
+    assert res[0]["raised"] == "MemoryError" and res[1]["raised"] in ("CommTimeoutError", "BackendError")
+    assert all(r["unchanged"] and r["no_errors_kept"] for r in res)
+    assert res[0]["again"] == "CommError"
+
+
 def test_checkpoint_of_the_per_parameter_layout_still_loads():
     for res in run_ranks(2, C.legacy_checkpoint, timeout=120):
         assert res["restored"] == res["want"] and len(res["want"]) == 3

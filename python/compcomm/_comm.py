@@ -152,7 +152,7 @@ def resolve(group: Group) -> _C.Communicator:
             return _local
     pg = group if group is not None else dist.group.WORLD
     entry = _torch_comms.get(id(pg))  # the entry holds pg, so its id cannot be reused meanwhile
-    if entry is None or entry[0] is not pg:
+    if entry is None or entry[0] is not pg or getattr(entry[1], "closed", False):
         entry = (pg, _native_nccl(group) or TorchCommunicator(group))
         _torch_comms[id(pg)] = entry
     return entry[1]

@@ -19,6 +19,7 @@ import torch
 from . import _C
 from ._buffers import buffer_of
 from .collectives import DEFAULT_TIMEOUT, padded_numel
+from .errors import CommError
 
 __all__ = ["DEFAULT_BUCKET_ELEMENTS", "OneBitCompressor", "plan_buckets"]
 
@@ -28,6 +29,9 @@ __all__ = ["DEFAULT_BUCKET_ELEMENTS", "OneBitCompressor", "plan_buckets"]
 #: 2^24-element buckets (8 buckets, 24 collectives) made the compressed step 346 ms against 125 ms
 #: for one bucket, even on unshaped links. Models larger than a bucket still pipeline.
 DEFAULT_BUCKET_ELEMENTS = 500_000_000
+
+# Waiting on an exchange: its collectives time out themselves; the buffers they use must outlive it.
+_FOREVER = 1e9
 
 
 def plan_buckets(sizes: Sequence[Tuple[Hashable, int]], limit: int) -> List[List[int]]:
@@ -74,6 +78,7 @@ class OneBitCompressor:
         # key -> (worker_error, server_error, workspace); zero on creation
         self._buffers: Dict[Hashable, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._async = None
+        self._broken = ""  # why this compressor refuses further calls ("" while usable)
 
     def _buffers_for(self, key: Hashable, padded: int, device: torch.device):
         world = self.comm.size()
@@ -92,44 +97,56 @@ class OneBitCompressor:
         self._buffers[key] = bufs
         return bufs
 
-    def average_(self, keys: Sequence[Hashable], stage: Callable[[int], torch.Tensor]) -> None:
+    def average_(self, keys: Sequence[Hashable], numels: Sequence[int],
+                 stage: Callable[[int], torch.Tensor], device: torch.device) -> None:
         """1-bit average, in place and on every rank, of the buckets ``stage(0), stage(1), ...``.
 
-        ``stage(i)`` fills and returns bucket ``i`` (a contiguous fp32 tensor, the same numel on
-        every rank); it is called in order, bucket ``i + 1`` while bucket ``i`` is on the wire. The
-        bucket named ``keys[i]`` keeps its error buffers across calls. All or nothing: if any
-        exchange fails (on any rank), no bucket and no error buffer is written and the exception
-        (:class:`~compcomm.errors.NonFiniteError`, ``RankMismatchError``, ``CommTimeoutError``,
-        ``BackendError``) is raised on every rank. With one rank nothing is sent and the buckets
-        keep their values (as DeepSpeed: no compression without peers).
+        ``stage(i)`` fills and returns bucket ``i`` (a contiguous fp32 tensor of ``numels[i]``
+        elements on ``device``, the same numel on every rank); it is called in order, bucket
+        ``i + 1`` while bucket ``i`` is on the wire, and should not fail (the caller allocates its
+        staging first). The bucket named ``keys[i]`` keeps its
+        error buffers across calls; all of them are allocated before the first exchange. All or
+        nothing: if any exchange fails (on any rank), no bucket and no error buffer is written and
+        the exception (:class:`~compcomm.errors.NonFiniteError`, ``RankMismatchError``,
+        ``CommTimeoutError``, ``BackendError``) is raised on every rank. With one rank nothing is
+        sent and the buckets keep their values (as DeepSpeed: no compression without peers).
+
+        If this rank fails on its own between two exchanges (``stage`` raised), the ranks are out
+        of step: the exchanges already queued are waited for, and the compressor refuses every
+        later call (:class:`~compcomm.errors.CommError`).
         """
-        tensors = []
+        if self._broken:
+            raise CommError(f"OneBitCompressor: {self._broken}; make a new optimizer (the ranks' "
+                            "collectives are out of step)", "compressed_allreduce", "compress")
         if self.comm.size() == 1:
             for i in range(len(keys)):
                 stage(i)
             return
         if self._async is None:
             self._async = _C.zero.AsyncComm(self.comm)
-        works = []
         created = [k for k in keys if k not in self._buffers]
-        for i, key in enumerate(keys):
-            t = stage(i)
-            we, se, ws = self._buffers_for(key, padded_numel(t.numel(), self.comm.size()), t.device)
-            stream = torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
-            args = (buffer_of(t), buffer_of(we), buffer_of(se), buffer_of(ws))
-            works.append(self._async.compressed_allreduce_exchange(*args, self.timeout, stream))
-            tensors.append((args, stream))
-        error = None
-        for w in works:  # wait for every exchange, even after a failure: they use our buffers
+        world = self.comm.size()
+        bufs = [self._buffers_for(k, padded_numel(n, world), device) for k, n in zip(keys, numels)]
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        works, calls, error = [], [], None
+        try:
+            for i, (we, se, ws) in enumerate(bufs):
+                args = (buffer_of(stage(i)), buffer_of(we), buffer_of(se), buffer_of(ws))
+                works.append(self._async.compressed_allreduce_exchange(*args, self.timeout, stream))
+                calls.append(args)
+        except BaseException as e:
+            self._broken = f"this rank failed while staging bucket {len(works)}: {e!r}"
+            error = e
+        for w in works:  # every exchange reads our buffers: wait for each, even after a failure
             try:
-                w.wait(self.timeout * 3)
+                w.wait(_FOREVER)  # each collective inside has its own timeout
             except Exception as e:  # noqa: BLE001 -- re-raised below, after the others finished
                 error = error or e
         if error is not None:
             for k in created:  # a failed call leaves no trace, not even new zero buffers
                 self._buffers.pop(k, None)
             raise error
-        for args, stream in tensors:
+        for args in calls:
             _C.zero.compressed_allreduce_commit(self.comm, *args, stream)
 
     def nbytes(self) -> Tuple[int, int]:

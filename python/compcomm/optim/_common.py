@@ -183,8 +183,11 @@ def all_max(flag: float, comm: Any, device: Optional[torch.device] = None) -> fl
 
 def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
     """Whether every element of ``tensors`` is finite (one host synchronisation)."""
-    flags = [torch.isfinite(t).all() for t in tensors if t.numel()]
-    return bool(torch.stack(flags).all()) if flags else True
+    flags: Dict[torch.device, List[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            flags.setdefault(t.device, []).append(torch.isfinite(t).all())
+    return all(bool(torch.stack(f).all()) for f in flags.values())
 
 
 # --------------------------------------------------------------------------------------------
@@ -247,6 +250,8 @@ class OneBitBase(torch.optim.Optimizer):
         self.check_finite = bool(check_finite)
         if reduce_bucket_size is None:
             reduce_bucket_size = DEFAULT_BUCKET_ELEMENTS
+        if isinstance(reduce_bucket_size, float) and reduce_bucket_size.is_integer():
+            reduce_bucket_size = int(reduce_bucket_size)  # DeepSpeed configs write 5e8
         self.reduce_bucket_size = check_int(self._name, "reduce_bucket_size", reduce_bucket_size, 1)
         self.per_parameter = bool(per_parameter)
         if fused is not None:  # the earlier switch: True = one bucket per group, False = per parameter
@@ -299,9 +304,14 @@ class OneBitBase(torch.optim.Optimizer):
         key = tuple((gidx[id(g)], id(p)) for g, p in items)
         if key != self._plan_key:
             limit = 0 if self.per_parameter else self.reduce_bucket_size
-            self._buckets = plan_buckets([(gi, p.numel()) for (gi, _), (_, p) in zip(key, items)],
-                                         limit)
+            self._buckets = plan_buckets([((gi, p.device), p.numel())
+                                          for (gi, _), (_, p) in zip(key, items)], limit)
             self._staging = {}
+            if self.compressor.keys():
+                warnings.warn(f"{self._name}: the parameters with gradients changed, so the "
+                              "compression buckets did: error buffers restart at zero (give every "
+                              "parameter a gradient, e.g. zeros, to keep them)", RuntimeWarning,
+                              stacklevel=4)
             self.compressor.reset()
             self._plan_key = key
             self._plan_desc = self._plan_description(items)
@@ -347,18 +357,17 @@ class OneBitBase(torch.optim.Optimizer):
                 fill(group, p, views[p])
             return views
         buckets = self._bucket_plan(items)
-        device = items[0][1].device
+        numels = [sum(items[j][1].numel() for j in idx) for idx in buckets]
+        devices = [items[idx[0]][1].device for idx in buckets]
+        for b, (n, dev) in enumerate(zip(numels, devices)):  # allocate all before any exchange
+            flat = self._staging.get(b)
+            if flat is None or flat.numel() != n or flat.device != dev:
+                self._staging[b] = torch.empty(n, dtype=torch.float32, device=dev)
         views: Dict[torch.Tensor, torch.Tensor] = {}
 
         def stage(b: int) -> torch.Tensor:
-            idx = buckets[b]
-            n = sum(items[j][1].numel() for j in idx)
-            flat = self._staging.get(b)
-            if flat is None or flat.numel() != n or flat.device != device:
-                flat = torch.empty(n, dtype=torch.float32, device=device)
-                self._staging[b] = flat
-            off = 0
-            for j in idx:
+            flat, off = self._staging[b], 0
+            for j in buckets[b]:
                 group, p = items[j]
                 view = flat[off:off + p.numel()].view(p.shape)
                 fill(group, p, view)
@@ -366,11 +375,15 @@ class OneBitBase(torch.optim.Optimizer):
                 off += p.numel()
             return flat
 
-        self.compressor.average_(list(range(len(buckets))), stage)
+        # buckets of one device at a time (a model may keep groups on several devices)
+        for dev in dict.fromkeys(devices):
+            idx = [b for b, d in enumerate(devices) if d == dev]
+            self.compressor.average_(idx, [numels[b] for b in idx], lambda i: stage(idx[i]), dev)
         return views
 
     def _zero_errors(self) -> None:
         self.compressor.zero_()
+        self._loaded_errors = None  # errors loaded but not yet in use would come back later
 
     def memory_bytes(self) -> Dict[str, int]:
         """Bytes of communication state this rank holds beyond ``self.state``:
@@ -418,8 +431,14 @@ class OneBitBase(torch.optim.Optimizer):
         else:
             try:
                 self._step()
-            except NonFiniteError:
+                self._nonfinite_run = 0
+            except NonFiniteError as e:
                 self.skipped_steps += 1
+                self._nonfinite_run = getattr(self, "_nonfinite_run", 0) + 1
+                if self._nonfinite_run in (1, 10, 100, 1000):  # not silent, not a flood
+                    warnings.warn(f"{self._name}: step skipped on every rank ({self._nonfinite_run} "
+                                  f"in a row, {self.skipped_steps} in all): {e}", RuntimeWarning,
+                                  stacklevel=2)
         self._finish_step()
         return loss
 

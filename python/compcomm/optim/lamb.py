@@ -192,7 +192,8 @@ class OneBitLamb(c.OneBitBase):
         # one compressed allreduce of the whole fused momentum; if it fails (on any rank), the
         # momentum and the coefficients frozen just now are put back: the step changed nothing
         try:
-            self.compressor.average_(["fused"], lambda i: self._flat)
+            self.compressor.average_(["fused"], [self._flat.numel()], lambda i: self._flat,
+                                     self._flat.device)
         except Exception:
             self._flat.copy_(m_last)
             if new_coeffs:
