@@ -26,10 +26,12 @@ back into the flat parameter buffer that the model's parameters are views of, in
 ``gradient_accumulation_steps`` micro-steps; ``gradient_clipping`` clips by the global norm across
 shards (one all-reduce of a scalar).
 
-With ``compcomm.optim.OneBitAdam`` (stage 1/2/3) or ``ZeroOneAdam`` (stage 1/2) the compressed phase
-reduces each bucket of this rank's local momentum contribution ``(1-b1) * g_local`` (ZeroOneAdam: its
-local gradient) with the 1-bit :func:`~compcomm.zero.compressed_reduce_scatter` and per-bucket error
-feedback; see docs/zero.md, "1-bit optimizers with ZeRO". ZeroOneAdam's local-step phase needs every
+With ``compcomm.optim.OneBitAdam`` (stage 1/2/3) the compressed phase depends on ``onebit_mode``:
+"exact" (default) and "no_allgather" replicate the momentum and compress ``b1*m + (1-b1)*g_local``
+with the full compressed allreduce, as unsharded OneBitAdam (:mod:`.onebit_replicated`); "sharded"
+reduces each bucket of the local momentum contribution ``(1-b1) * g_local`` with the 1-bit
+:func:`~compcomm.zero.compressed_reduce_scatter`. ZeroOneAdam's 1-bit gradient steps reduce its local
+gradient that way. See docs/zero.md, "1-bit optimizers with ZeRO". ZeroOneAdam's local-step phase needs every
 rank's own full momentum, so from ``var_freeze_step`` on the wrapped optimizer runs unsharded on the
 model's parameters (its state all-gathered once).
 
@@ -105,10 +107,13 @@ class ZeroOptimizer:
         built on the fp32 master shards, one tensor per group. Must be elementwise (Adam, AdamW,
         SGD, ...): a per-tensor rule such as LAMB would see shards, not tensors.
         ``compcomm.optim.OneBitAdam`` (stage 1/2/3) and ``ZeroOneAdam`` (stage 1/2) are supported:
-        the wrapped optimizer runs on the shards without communicating, and in its compressed phase
-        ZeroOptimizer reduces ``(1-b1) * g_local`` (OneBitAdam) or ``g_local`` (ZeroOneAdam's 1-bit
-        gradient steps) with the 1-bit compressed reduce-scatter, error feedback per bucket and
-        rank, so the shard's momentum becomes ``b1*m_r + RS_1bit((1-b1) g_local)_r``.
+        the wrapped optimizer runs on the shards without communicating. OneBitAdam's compressed
+        phase follows ``onebit_mode`` (a ``zero_config`` key): "exact" (default: unsharded
+        OneBitAdam's numerics, momentum replicated, parameters all-gathered), "no_allgather" (also
+        the frozen variance replicated: whole-parameter updates, no all-gather; stage 1/2) or
+        "sharded" (``(1-b1) * g_local`` through the compressed reduce-scatter into the momentum
+        shard). ZeroOneAdam's 1-bit gradient steps reduce ``g_local`` with the compressed
+        reduce-scatter, error feedback per bucket and rank.
         ZeroOneAdam's local-step phase (after ``var_freeze_step``) runs unsharded: its state is
         all-gathered once and the steps are exactly unsharded ZeroOneAdam's (see docs/zero.md).
         ``exact_resume=True`` in ``optimizer_kwargs`` makes checkpoints carry the error buffers.
