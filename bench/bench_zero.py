@@ -41,7 +41,10 @@ import sys
 import time
 from typing import Any, Dict, List
 
-ROWS = ("adamw1", "adamw2", "adamw3", "onebit1", "onebit2", "onebit3", "zoadam1", "zoadam2")
+ROWS = ("adamw1", "adamw2", "adamw3", "onebit1", "onebit2", "onebit3", "onebitna1", "onebitna2",
+        "onebitsh1", "onebitsh2", "zoadam1", "zoadam2")
+#: OneBitAdam rows: zero_optimization.onebit_mode of each
+MODES = {"onebit": "exact", "onebitna": "no_allgather", "onebitsh": "sharded"}
 
 
 def _mib(nbytes: float) -> float:
@@ -67,7 +70,8 @@ def _zero_body(rank: int, world: int, stage: int, opt_name: str, hidden: int, la
 
     torch.set_num_threads(1)
     model = _model(hidden, layers)
-    if opt_name == "onebit":
+    mode = MODES.get(opt_name)
+    if mode is not None:
         cls, kw = OneBitAdam, {"lr": 1e-4, "freeze_step": 1}
     elif opt_name == "zoadam":
         cls, kw = ZeroOneAdam, {"lr": 1e-4, "var_freeze_step": 1, "local_step_scaler": 1,
@@ -75,7 +79,8 @@ def _zero_body(rank: int, world: int, stage: int, opt_name: str, hidden: int, la
     else:
         cls, kw = torch.optim.AdamW, {"lr": 1e-4}
     opt = ZeroOptimizer(model.parameters(), cls, stage=stage, module=model, optimizer_kwargs=kw,
-                        reduce_bucket_size=bucket, allgather_bucket_size=bucket, overlap_comm=True)
+                        reduce_bucket_size=bucket, allgather_bucket_size=bucket, overlap_comm=True,
+                        onebit_mode=mode)
     torch.manual_seed(1 + rank)
     x = torch.randn(16, hidden)
     times: List[float] = []
@@ -133,7 +138,50 @@ def _rs_body(rank: int, world: int, numel: int, reps: int) -> Dict[str, Any]:
     return out
 
 
-_BODIES = {"zero": _zero_body, "rs": _rs_body}
+def _conv_body(rank: int, world: int, steps: int, freeze: int, lr: float) -> Dict[str, float]:
+    """Held-out MSE of a 3-layer GELU MLP (a teacher-student regression) trained with unsharded
+    OneBitAdam and ZeRO stage 2 + OneBitAdam in each onebit_mode (one bucket: OneBitAdam's
+    reduce_bucket_size equals ZeRO's, so "exact" compresses the same tensor)."""
+    import torch
+
+    from compcomm.optim import OneBitAdam
+    from compcomm.zero import ZeroOptimizer
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(11)
+    d_in, d_h, d_out, batch = 32, 64, 8, 32
+    teacher = torch.nn.Sequential(torch.nn.Linear(d_in, 48), torch.nn.Tanh(), torch.nn.Linear(48, d_out))
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        xs = torch.randn(world * batch * steps + 1024, d_in, generator=g)
+        ys = teacher(xs) + 0.1 * torch.randn(xs.shape[0], d_out, generator=g)
+    test_x, test_y = xs[-1024:], ys[-1024:]
+    kw = {"lr": lr, "freeze_step": freeze}
+    out: Dict[str, float] = {}
+    for name in ("unsharded", "exact", "no_allgather", "sharded"):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(d_in, d_h), torch.nn.GELU(),
+                                  torch.nn.Linear(d_h, d_h), torch.nn.GELU(), torch.nn.Linear(d_h, d_out))
+        if name == "unsharded":
+            opt = OneBitAdam(net.parameters(), **kw)
+        else:
+            opt = ZeroOptimizer(net.parameters(), OneBitAdam, stage=2, optimizer_kwargs=kw,
+                                onebit_mode=name)
+        for t in range(steps):
+            i = (t * world + rank) * batch
+            loss = torch.nn.functional.mse_loss(net(xs[i:i + batch]), ys[i:i + batch])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        with torch.no_grad():
+            out[name] = float(torch.nn.functional.mse_loss(net(test_x), test_y))
+        if name != "unsharded":
+            opt.close()
+    return out
+
+
+_BODIES = {"zero": _zero_body, "rs": _rs_body, "conv": _conv_body}
 
 
 def _rank_main(spec: str) -> None:
@@ -219,6 +267,9 @@ def main() -> None:
                     "compressed reduce-scatter rows")
     ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS),
                     help="which stage/optimizer rows to run (default: all)")
+    ap.add_argument("--convergence", action="store_true", help="only the issue-19 convergence "
+                    "comparison: held-out MSE of unsharded OneBitAdam vs ZeRO-2 in each onebit_mode "
+                    "(3-layer GELU MLP, 400 steps, freeze 80, lr 2e-3) on each --world")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--md", help="also write a markdown table per world size here")
     args = ap.parse_args()
@@ -228,6 +279,12 @@ def main() -> None:
 
     from compcomm.zero import estimate_memory
 
+    if args.convergence:
+        for w in args.world:
+            r = _run(args.profile, w, "conv", 400, 80, 2e-3)
+            print(f"W={w} held-out MSE: " + ", ".join(
+                f"{k} {v:.5f} ({v / r['unsharded']:.3f}x)" for k, v in r.items()), flush=True)
+        return
     numel = args.layers * (args.hidden * args.hidden + args.hidden)
     rows: List[Dict[str, Any]] = []
     print(f"model: {numel} fp32 parameters ({_mib(numel * 4):.1f} MiB); {args.profile}; "
@@ -243,8 +300,9 @@ def main() -> None:
             r = _run(args.profile, w, "zero", stage, opt_name, args.hidden, args.layers,
                      args.steps, args.warmup, args.bucket)
             m = r["mem"]
-            est = estimate_memory(numel, stage, w, param_bytes=4,
-                                  onebit={"onebit": "OneBitAdam", "zoadam": "ZeroOneAdam"}.get(opt_name))
+            onebit = "OneBitAdam" if opt_name in MODES else {"zoadam": "ZeroOneAdam"}.get(opt_name)
+            est = estimate_memory(numel, stage, w, param_bytes=4, onebit=onebit,
+                                  onebit_mode=MODES.get(opt_name))
             print(f"{w:>2} {stage:>5} {opt_name:>6} {r['step_s'] * 1e3:>9.1f} "
                   f"{_mib(r['bytes_per_step']):>9.2f} {_mib(m['params']):>10.2f} "
                   f"{_mib(m['grads']):>9.2f} {_mib(m['master']):>10.2f} "

@@ -73,7 +73,9 @@ def run_case(rank: int, world: int, comm: Any, case: Dict[str, Any]) -> Dict[str
     z = ZeroOptimizer(params, _optimizer(case), stage=case["stage"], process_group=comm, module=model,
                       optimizer_kwargs=case["kwargs"], gradient_accumulation_steps=case["gas"],
                       gradient_clipping=case.get("clip", 0.0),
-                      reduce_bucket_size=case["bucket"], overlap_comm=case.get("overlap", False))
+                      reduce_bucket_size=case["bucket"], overlap_comm=case.get("overlap", False),
+                      # these cases test the sharded-contribution variant (onebit_mode "sharded")
+                      onebit_mode="sharded" if case["opt"] == "OneBitAdam" else None)
     out: Dict[str, Any] = {"params": [], "bytes": [], "compressed": []}
     for t in range(1, case["steps"] + 1):
         out["compressed"].append(z._compressed_phase())
@@ -215,7 +217,8 @@ def overlap_nonfinite(rank: int, world: int, comm: Any) -> Dict[str, Any]:
 
     params = _params()
     z = ZeroOptimizer(params, OneBitAdam, stage=2, process_group=comm, reduce_bucket_size=12,
-                      overlap_comm=True, optimizer_kwargs={"lr": 1e-2, "freeze_step": 1})
+                      overlap_comm=True, optimizer_kwargs={"lr": 1e-2, "freeze_step": 1},
+                      onebit_mode="sharded")
 
     def snapshot():
         return ([p.detach().clone() for p in params],

@@ -204,6 +204,8 @@ def _load_agreed(opt: Any, sd: Any, error: Optional[BaseException]) -> None:
     elif opt._local_phase and not local:
         opt._leave_local_phase()
     opt.optimizer.load_state_dict(sd["optimizer"])
+    if opt._replicated is not None:  # OneBitAdam's full momentum: regathered from the new shards
+        opt._replicated.reset()
     saved_errors = sd.get("errors") or {}
     opt._errors = ({k: (we.to(opt.device, copy=True), se.to(opt.device, copy=True))
                     for k, (we, se) in saved_errors.items()} if opt.exact_resume else {})

@@ -28,6 +28,9 @@ ZERO_DEFAULTS: Dict[str, Any] = {
     "offload_optimizer": None,
     "offload_param": None,
     "elastic_checkpoint": False,
+    # compcomm's own key: ZeRO + OneBitAdam's compressed phase, "exact" (None), "no_allgather" or
+    # "sharded" (see docs/zero.md); validated by ZeroOptimizer, which knows the optimizer
+    "onebit_mode": None,
 }
 
 # Keys accepted only with a value that compcomm implements; anything else is rejected by name.
@@ -117,6 +120,9 @@ def validate_zero_config(cfg: Dict[str, Any], where: str = "zero_optimization") 
                 f"{where}.{key}: CPU/NVMe offload is not supported by compcomm's ZeRO "
                 "(estimate_memory(offload=...) still reports what it would need)"
             )
+    if out["onebit_mode"] not in (None, "exact", "no_allgather", "sharded"):
+        raise ValueError(f"{where}.onebit_mode must be 'exact', 'no_allgather' or 'sharded', "
+                         f"got {out['onebit_mode']!r}")
     if out["overlap_comm"] is None:
         out["overlap_comm"] = stage == 3
     return out

@@ -39,6 +39,7 @@ def estimate_memory(
     param_bytes: int = 2,
     optimizer_state_bytes: int = 8,
     onebit: Optional[str] = None,
+    onebit_mode: Optional[str] = None,
 ) -> Dict[str, Any]:
     """Per-rank bytes of a ZeRO setup.
 
@@ -69,6 +70,13 @@ def estimate_memory(
         unsharded: whole gradients, and as optimizer state the momentum, the frozen variance, the
         accumulated update (``12 T``), the error feedback ``4 (T + T/G)`` and, for parameters of
         fewer than 4 bytes, fp32 masters (``4 T``).
+    onebit_mode : {None, "exact", "no_allgather", "sharded"}
+        With ``onebit="OneBitAdam"``: ZeroOptimizer's ``onebit_mode`` (None: "exact"). "exact" adds
+        the replicated fp32 momentum (``4 T``) to ``optimizer_state``; "no_allgather" also the
+        frozen variance (``4 T``) and, for parameters of fewer than 4 bytes, the fp32 master
+        weights (``4 T``): unsharded 1-bit Adam's state, on top of the shards. "sharded" adds
+        nothing (the momentum stays a shard). The 1-bit exchange workspaces (about ``T/4`` bytes)
+        are not counted.
 
     Returns
     -------
@@ -105,6 +113,13 @@ def estimate_memory(
                          "is not a ZeroOptimizer)")
     if onebit == "ZeroOneAdam" and stage == 3:
         raise ValueError("onebit='ZeroOneAdam' needs stage 1 or 2 (ZeroOptimizer rejects stage 3)")
+    if onebit_mode not in (None, "exact", "no_allgather", "sharded"):
+        raise ValueError("onebit_mode must be None, 'exact', 'no_allgather' or 'sharded', "
+                         f"got {onebit_mode!r}")
+    if onebit_mode is not None and onebit != "OneBitAdam":
+        raise ValueError("onebit_mode applies only to onebit='OneBitAdam'")
+    if onebit_mode == "no_allgather" and stage == 3:
+        raise ValueError("onebit_mode='no_allgather' needs stage 1 or 2")
     G, m, f = world_size, num_nodes, additional_buffer_factor
     g = gpus_per_node if gpus_per_node is not None else max(1, G // max(1, m))
     b, k = param_bytes, optimizer_state_bytes
@@ -120,6 +135,11 @@ def estimate_memory(
     errors = 4 * (T + T / G)  # 1-bit error feedback: worker error (full) + server error (chunk)
     if onebit == "OneBitAdam":
         buffers = errors + (b * T if stage >= 2 else 0)
+        mode = onebit_mode or "exact"
+        if mode in ("exact", "no_allgather"):  # the momentum, replicated after the freeze
+            state += 4 * T
+        if mode == "no_allgather":  # and the frozen variance, fp16/bf16: the fp32 master
+            state += 4 * T + (4 * T if b < 4 else 0)
     elif onebit == "ZeroOneAdam":
         grads = b * T
         state = 12 * T + errors + (4 * T if b < 4 else 0)

@@ -26,10 +26,12 @@ back into the flat parameter buffer that the model's parameters are views of, in
 ``gradient_accumulation_steps`` micro-steps; ``gradient_clipping`` clips by the global norm across
 shards (one all-reduce of a scalar).
 
-With ``compcomm.optim.OneBitAdam`` (stage 1/2/3) or ``ZeroOneAdam`` (stage 1/2) the compressed phase
-reduces each bucket of this rank's local momentum contribution ``(1-b1) * g_local`` (ZeroOneAdam: its
-local gradient) with the 1-bit :func:`~compcomm.zero.compressed_reduce_scatter` and per-bucket error
-feedback; see docs/zero.md, "1-bit optimizers with ZeRO". ZeroOneAdam's local-step phase needs every
+With ``compcomm.optim.OneBitAdam`` (stage 1/2/3) the compressed phase depends on ``onebit_mode``:
+"exact" (default) and "no_allgather" replicate the momentum and compress ``b1*m + (1-b1)*g_local``
+with the full compressed allreduce, as unsharded OneBitAdam (:mod:`.onebit_replicated`); "sharded"
+reduces each bucket of the local momentum contribution ``(1-b1) * g_local`` with the 1-bit
+:func:`~compcomm.zero.compressed_reduce_scatter`. ZeroOneAdam's 1-bit gradient steps reduce its local
+gradient that way. See docs/zero.md, "1-bit optimizers with ZeRO". ZeroOneAdam's local-step phase needs every
 rank's own full momentum, so from ``var_freeze_step`` on the wrapped optimizer runs unsharded on the
 model's parameters (its state all-gathered once).
 
@@ -52,6 +54,8 @@ from .._comm import resolve
 from ..collectives import DEFAULT_TIMEOUT, _layout_total
 from ..errors import NonFiniteError
 from .config import validate_zero_config
+from .onebit_replicated import MODES, ReplicatedMomentum
+
 
 __all__ = ["ZeroOptimizer", "initialize"]
 
@@ -103,10 +107,13 @@ class ZeroOptimizer:
         built on the fp32 master shards, one tensor per group. Must be elementwise (Adam, AdamW,
         SGD, ...): a per-tensor rule such as LAMB would see shards, not tensors.
         ``compcomm.optim.OneBitAdam`` (stage 1/2/3) and ``ZeroOneAdam`` (stage 1/2) are supported:
-        the wrapped optimizer runs on the shards without communicating, and in its compressed phase
-        ZeroOptimizer reduces ``(1-b1) * g_local`` (OneBitAdam) or ``g_local`` (ZeroOneAdam's 1-bit
-        gradient steps) with the 1-bit compressed reduce-scatter, error feedback per bucket and
-        rank, so the shard's momentum becomes ``b1*m_r + RS_1bit((1-b1) g_local)_r``.
+        the wrapped optimizer runs on the shards without communicating. OneBitAdam's compressed
+        phase follows ``onebit_mode`` (a ``zero_config`` key): "exact" (default: unsharded
+        OneBitAdam's numerics, momentum replicated, parameters all-gathered), "no_allgather" (also
+        the frozen variance replicated: whole-parameter updates, no all-gather; stage 1/2) or
+        "sharded" (``(1-b1) * g_local`` through the compressed reduce-scatter into the momentum
+        shard). ZeroOneAdam's 1-bit gradient steps reduce ``g_local`` with the compressed
+        reduce-scatter, error feedback per bucket and rank.
         ZeroOneAdam's local-step phase (after ``var_freeze_step``) runs unsharded: its state is
         all-gathered once and the steps are exactly unsharded ZeroOneAdam's (see docs/zero.md).
         ``exact_resume=True`` in ``optimizer_kwargs`` makes checkpoints carry the error buffers.
@@ -190,6 +197,7 @@ class ZeroOptimizer:
                 "update every rank's full copy of the parameters, which stage 3 does not keep); use "
                 "stage 1 or 2, or OneBitAdam"
             )
+        self.onebit_mode = _onebit_mode(self.onebit, self.config["onebit_mode"], stage)
         self._errors: Dict[tuple, tuple] = {}  # (group, bucket) -> (worker_error, server_error)
         # ZeroOneAdam after var_freeze_step: the wrapped optimizer runs unsharded (_enter_local_phase)
         self._local_phase = False
@@ -225,6 +233,10 @@ class ZeroOptimizer:
             # 1-bit: chunks a multiple of 8 elements, so a bucket is directly the compressed
             # reduce-scatter's input (P = padded, a multiple of 8 * world) and chunk r its output
             align = ONEBIT_ALIGNMENT if self.onebit is not None else ALIGNMENT
+            if self.onebit_mode in ("exact", "no_allgather"):
+                # the compressed allreduce's padding as unsharded OneBitAdam's (padded_numel):
+                # the same chunks and scales, hence the same numerics
+                align = 8 // math.gcd(self.world, 8) * self.world
             plan = _C.zero.plan_buckets([p.numel() for p in ps], bucket, self.world, align)
             options = {k: v for k, v in g.items() if k != "params"}
             self.groups.append(_Group(ps, plan, options))
@@ -245,6 +257,10 @@ class ZeroOptimizer:
             [dict(grp.options, params=[grp.master]) for grp in self.groups], **kwargs
         )
         self._shard_comm = getattr(self.optimizer, "comm", None)  # 1-bit: the one-rank communicator
+        #: OneBitAdam's compressed phase in the "exact" / "no_allgather" modes (onebit_replicated.py)
+        self._replicated: Optional[ReplicatedMomentum] = (
+            ReplicatedMomentum(self, self.onebit_mode)
+            if self.onebit_mode in ("exact", "no_allgather") else None)
         self._hooks: List[Any] = []
         if stage >= 2:
             self._install_grad_hooks()
@@ -446,21 +462,7 @@ class ZeroOptimizer:
         if self._exchanges or self._overlap_compression():
             return self._finish_exchanges()
         scale = 1.0 / (self.gas * self.loss_scale)
-        items = []  # (group, bucket, fp32 local gradient of the bucket, padded)
-        for gi, grp in enumerate(self.groups):
-            if self.stage >= 2:
-                for bi, b in enumerate(grp.buckets):
-                    st = grp.staging.get(bi)
-                    x = (st.to(torch.float32) if st is not None
-                         else torch.zeros(b["padded"], device=self.device))
-                    items.append((gi, bi, x))
-            else:
-                flat = self._flatten(grp, (p.grad for p in grp.params), torch.float32)
-                for bi, b in enumerate(grp.buckets):
-                    items.append((gi, bi, flat[b["offset"] : b["offset"] + b["padded"]]))
-                grp.master.grad = torch.zeros(grp.plan.shard_numel, dtype=torch.float32,
-                                              device=self.device)
-        self._reset_staging()  # the fp32 views in items stay valid: nothing reuses them before
+        items = self._local_buckets()
         norm_sq = self._mean_sq_norm([(x, scale) for _, _, x in items])
         if not math.isfinite(norm_sq):
             return norm_sq
@@ -475,6 +477,29 @@ class ZeroOptimizer:
                 compressed_reduce_scatter(x, we, se, out=out, group=self.comm, timeout=self.timeout)
             self._finish_shard(gi, bi, out)
         return norm_sq
+
+    def _local_buckets(self) -> List[tuple]:
+        """This rank's local gradient (summed over micro-steps, unscaled), bucket by bucket:
+        ``[(group, bucket, fp32 tensor of the bucket's padded length, zero padding)]``. The staging
+        bookkeeping is reset (the fp32 tensors stay valid: nothing reuses them before the next
+        backward). Stage 1 also replaces the gradient shards by zeros."""
+        self._complete(len(self._pending))
+        items = []
+        for gi, grp in enumerate(self.groups):
+            if self.stage >= 2:
+                for bi, b in enumerate(grp.buckets):
+                    st = grp.staging.get(bi)
+                    x = (st.to(torch.float32) if st is not None
+                         else torch.zeros(b["padded"], device=self.device))
+                    items.append((gi, bi, x))
+            else:
+                flat = self._flatten(grp, (p.grad for p in grp.params), torch.float32)
+                for bi, b in enumerate(grp.buckets):
+                    items.append((gi, bi, flat[b["offset"] : b["offset"] + b["padded"]]))
+                grp.master.grad = torch.zeros(grp.plan.shard_numel, dtype=torch.float32,
+                                              device=self.device)
+        self._reset_staging()
+        return items
 
     def _finish_shard(self, gi: int, bi: int, out: torch.Tensor) -> None:
         """Rank r's chunk of a bucket's 1-bit average -> its gradient shard: divided by the momentum
@@ -494,7 +519,7 @@ class ZeroOptimizer:
         with overlap_comm and more than one rank, without gradient_clipping (clipping needs the norm
         of the whole local gradient before the first bucket is compressed)."""
         return (self.stage >= 2 and self.overlap and self.clip == 0 and self.world > 1
-                and self._compressed_phase())
+                and self._replicated is None and self._compressed_phase())
 
     def _submit_exchange(self, gi: int, bi: int) -> None:
         """Scale bucket bi's local gradient to what is compressed and queue the collective half of its
@@ -723,7 +748,10 @@ class ZeroOptimizer:
                 loss = closure()
         compressed = self._compressed_phase()
         local = self._local_phase
-        if local:
+        replicated = compressed and self._replicated is not None
+        if replicated:
+            norm_sq = self._replicated.reduce()
+        elif local:
             self._complete(len(self._pending))
             scale = 1.0 / (self.gas * self.loss_scale)
             norm_sq = self._mean_sq_norm([(p.grad, scale) for grp in self.groups for p in grp.params
@@ -750,6 +778,8 @@ class ZeroOptimizer:
                 grp.master.grad.mul_(coef)
         if local:
             self._local_step(norm_sq)
+        elif replicated:
+            self._replicated.update()
         else:
             self.optimizer.step()
         self.global_steps += 1
@@ -757,7 +787,7 @@ class ZeroOptimizer:
             self._good_steps += 1
             if self._good_steps % self.scale_window == 0:
                 self.loss_scale *= 2
-        if not local:
+        if not local and not (replicated and not self._replicated.publishes):
             self._publish()
         if self.onebit == "ZeroOneAdam" and not local and self.optimizer.freeze_key:
             self._enter_local_phase()
@@ -841,6 +871,10 @@ class ZeroOptimizer:
         for we, se in self._errors.values():
             buffers += (we.numel() + se.numel()) * 4
         buffers += sum(ws.numel() for ws in self._exchange_ws.values())
+        if self._replicated is not None:  # the momentum (no_allgather: variance, master) in full
+            full, workspaces = self._replicated.nbytes()
+            state += full
+            buffers += workspaces
         for st in self.optimizer.state.values():
             for v in st.values():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
@@ -914,6 +948,24 @@ def _onebit_kind(optimizer_class: Any) -> Optional[str]:
     if issubclass(cls, OneBitAdam):
         return "OneBitAdam"
     return None
+
+
+def _onebit_mode(onebit: Optional[str], mode: Optional[str], stage: int) -> Optional[str]:
+    """The compressed phase's form for OneBitAdam (None for other optimizers); ValueError naming
+    ``onebit_mode`` for a value that does not apply."""
+    if onebit != "OneBitAdam":
+        if mode is not None:
+            raise ValueError(f"zero_optimization.onebit_mode={mode!r} applies only to OneBitAdam, "
+                             f"not to {onebit or 'this optimizer'}")
+        return None
+    mode = "exact" if mode is None else mode
+    if mode not in MODES:
+        raise ValueError(f"zero_optimization.onebit_mode must be one of {', '.join(map(repr, MODES))}"
+                         f", got {mode!r}")
+    if mode == "no_allgather" and stage == 3:
+        raise ValueError("zero_optimization.onebit_mode='no_allgather' needs stage 1 or 2 (every "
+                         "rank updates the whole parameters, which stage 3 does not keep)")
+    return mode
 
 
 def _onebit_inner_kwargs(name: str, kwargs: Dict[str, Any]) -> Dict[str, Any]:

@@ -1,0 +1,218 @@
+"""OneBitAdam under ZeRO with DeepSpeed's numerics: the momentum is replicated in the compressed phase.
+
+Why this works. After a compressed step of 1-bit Adam the momentum is the output of the compressed
+allreduce: identical on every rank, and itself a 1-bit tensor (a sign per element, one scale per
+chunk). So it need not be sharded. At the first compressed step each rank all-gathers the momentum
+shards once; from then on every rank forms ``b1 * m + (1 - b1) * g_local`` for every bucket and
+averages it with the full compressed allreduce (per-bucket error feedback), exactly what unsharded
+OneBitAdam compresses. The result is the new momentum on every rank.
+
+Two modes (``zero_optimization.onebit_mode``):
+
+* ``"exact"`` (default): master weights and the frozen variance stay sharded; each rank updates its
+  shard with its own chunks of the shared momentum and the shards are all-gathered in full
+  precision, as in the warm-up. Memory: the full momentum (fp32, ``4 P`` bytes) on top of ZeRO's
+  shards.
+* ``"no_allgather"``: the frozen variance, and for fp16/bf16 parameters the fp32 master weights,
+  are also all-gathered once; every rank then applies the shared momentum to the whole parameters,
+  as unsharded 1-bit Adam does, so a compressed step sends only the compressed allreduce (plus the
+  8-byte norm all-reduce). Memory: unsharded 1-bit Adam's optimizer state.
+
+The shards stay authoritative for checkpoints: after every compressed step this rank's chunks of the
+momentum (and, in ``no_allgather``, of the master weights) are copied back into the wrapped
+optimizer's shard state, so a checkpoint has the usual format and a load simply drops the full
+tensors, which the next compressed step gathers again (bit for bit the same, since the momentum is
+the same on every rank).
+
+Equal to unsharded OneBitAdam when that optimizer compresses the same buckets: its
+``reduce_bucket_size`` equal to ZeRO's and ZeRO's buckets padded like ``compcomm.padded_numel``
+(ZeroOptimizer aligns 1-bit buckets to ``world * lcm(world, 8)`` in these modes for that reason).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from .. import _C
+from .._buffers import buffer_of
+from ..errors import NonFiniteError
+from ..optim import _common as c
+
+__all__ = ["MODES", "ReplicatedMomentum"]
+
+#: Values of ``zero_optimization.onebit_mode`` (None: "exact").
+MODES = ("exact", "no_allgather", "sharded")
+
+
+class ReplicatedMomentum:
+    """The compressed phase of ZeRO + OneBitAdam in the ``exact`` and ``no_allgather`` modes.
+
+    Parameters
+    ----------
+    opt : ZeroOptimizer
+        The owner (its groups, communicator, error buffers and wrapped OneBitAdam).
+    mode : {"exact", "no_allgather"}
+    """
+
+    def __init__(self, opt: Any, mode: str) -> None:
+        if mode not in ("exact", "no_allgather"):
+            raise ValueError(f"ReplicatedMomentum: mode must be 'exact' or 'no_allgather', got {mode!r}")
+        self.opt = opt
+        self.mode = mode
+        self.m: Dict[int, torch.Tensor] = {}  # group -> full fp32 momentum (flat layout)
+        self.v: Dict[int, torch.Tensor] = {}  # no_allgather: group -> full frozen variance
+        self.w: Dict[int, torch.Tensor] = {}  # no_allgather, fp16/bf16: group -> full fp32 master
+        self._ws: Dict[Tuple[int, int], torch.Tensor] = {}  # (group, bucket) -> exchange workspace
+        self._avg: List[Tuple[int, int, torch.Tensor]] = []  # reduced buckets awaiting update()
+
+    # ---- state -------------------------------------------------------------------------------
+
+    @property
+    def publishes(self) -> bool:
+        """Whether a compressed step ends with ZeRO's all-gather of the parameter shards."""
+        return self.mode == "exact"
+
+    def reset(self) -> None:
+        """Forget the full tensors (a checkpoint was loaded): regathered from the shards."""
+        self.m.clear()
+        self.v.clear()
+        self.w.clear()
+        self._avg.clear()
+
+    def nbytes(self) -> Tuple[int, int]:
+        """(optimizer-state bytes of the full tensors, bytes of exchange workspaces)."""
+        state = sum(t.numel() * 4 for d in (self.m, self.v, self.w) for t in d.values())
+        return state, sum(t.numel() for t in self._ws.values())
+
+    def _shard_state(self, gi: int) -> Dict[str, Any]:
+        grp = self.opt.groups[gi]
+        st = self.opt.optimizer.state[grp.master]
+        c.moments(grp.master, st)  # zeros if no warm-up step ran (freeze_step=0)
+        return st
+
+    def _ensure(self) -> None:
+        """All-gather, once, the shards this mode keeps in full (momentum; no_allgather: also the
+        frozen variance and fp16/bf16 master weights)."""
+        opt = self.opt
+        works = []
+        for gi, grp in enumerate(opt.groups):
+            if gi in self.m:
+                continue
+            st = self._shard_state(gi)
+            srcs = [(self.m, st["exp_avg"])]
+            if self.mode == "no_allgather":
+                srcs.append((self.v, st["exp_avg_sq"]))
+                if grp.dtype != torch.float32:
+                    srcs.append((self.w, grp.master.detach()))
+            for dst, shard in srcs:
+                full = torch.empty(grp.plan.flat_numel, dtype=torch.float32, device=opt.device)
+                dst[gi] = full
+                shard = shard.contiguous()
+                works.append((opt._async.bucketed_all_gather(
+                    grp.plan, buffer_of(shard), buffer_of(full), timeout_s=opt.timeout), shard))
+        for w, _ in works:
+            w.wait(opt.timeout)
+
+    def _workspace(self, gi: int, bi: int, padded: int) -> torch.Tensor:
+        ws = self._ws.get((gi, bi))
+        if ws is None:  # zero-filled: the GPU norm kernels need a zeroed scratch on first use
+            total = _C.compressed_allreduce_layout(padded, self.opt.world,
+                                                   self.opt.device.type == "cuda")["total"]
+            ws = torch.zeros(max(total, 1), dtype=torch.uint8, device=self.opt.device)
+            self._ws[(gi, bi)] = ws
+        return ws
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    def reduce(self) -> float:
+        """Compress every bucket's ``b1 * m + (1 - b1) * g_local`` with the compressed allreduce.
+
+        Nothing outside this object's scratch is written unless every exchange succeeded and the
+        gradient norm is finite; then the error buffers are committed and the averaged buckets wait
+        for :meth:`update`. Returns the mean over ranks of the squared local-gradient norms
+        (``inf``: the step is skipped on every rank).
+        """
+        opt = self.opt
+        items = opt._local_buckets()
+        scale = 1.0 / (opt.gas * opt.loss_scale)
+        norm_sq = opt._mean_sq_norm([(x, scale) for _, _, x in items])
+        if not math.isfinite(norm_sq):
+            return norm_sq
+        self._ensure()
+        coef = opt._local_coef(norm_sq, scale)
+        staged = []
+        for gi, bi, x in items:
+            b = opt.groups[gi].buckets[bi]
+            b1 = float(opt.optimizer.param_groups[gi]["betas"][0])
+            if coef != 1.0:
+                x.mul_(coef)
+            m = self.m[gi][b["offset"]: b["offset"] + b["padded"]]
+            # the same operations as unsharded OneBitAdam's staging, so the same bits
+            y = torch.mul(m, b1).add_(x, alpha=1 - b1)
+            staged.append((gi, bi, y))
+        if opt.world > 1 and not self._exchange(staged):
+            return math.inf
+        self._avg = staged
+        return norm_sq
+
+    def _exchange(self, staged: List[Tuple[int, int, torch.Tensor]]) -> bool:
+        """Compressed allreduce of every staged bucket, all or nothing (False: a rank had a
+        non-finite value, nothing was written)."""
+        opt = self.opt
+        works, args = [], []
+        for gi, bi, y in staged:
+            b = opt.groups[gi].buckets[bi]
+            we, se = opt._error_buffers(gi, bi)
+            stream = torch.cuda.current_stream(y.device).cuda_stream if y.is_cuda else 0
+            a = (buffer_of(y), buffer_of(we), buffer_of(se),
+                 buffer_of(self._workspace(gi, bi, b["padded"])))
+            works.append(opt._async.compressed_allreduce_exchange(*a, opt.timeout, stream))
+            args.append((a, stream))
+        failure: Optional[Exception] = None
+        finite = True
+        for w in works:  # wait for all: they use this rank's buffers
+            try:
+                w.wait(opt.timeout * 3)
+            except NonFiniteError:  # raised on every rank: skip the step
+                finite = False
+            except Exception as e:  # noqa: BLE001 -- re-raised once every work is done
+                failure = failure or e
+        if failure is not None:
+            raise failure
+        if not finite:
+            return False
+        for a, stream in args:
+            _C.zero.compressed_allreduce_commit(opt.comm, *a, stream)
+        return True
+
+    def update(self) -> None:
+        """Apply the averaged momentum (after the skip decision; nothing here fails)."""
+        opt = self.opt
+        inner = opt.optimizer
+        for gi, bi, y in self._avg:
+            b = opt.groups[gi].buckets[bi]
+            y[b["numel"]:].zero_()  # padding: 1 bit cannot say 0, unsharded keeps no padding
+            self.m[gi][b["offset"]: b["offset"] + b["padded"]].copy_(y)
+        self._avg = []
+        t = inner.sched["step"] + 1
+        for gi, grp in enumerate(opt.groups):
+            group = inner.param_groups[gi]
+            st = self._shard_state(gi)
+            opt._own_chunks(grp, self.m[gi], st["exp_avg"])
+            if self.mode == "exact":
+                w, m, v = grp.master.data, st["exp_avg"], st["exp_avg_sq"]
+            else:
+                w = self.w[gi] if gi in self.w else grp.flat
+                m, v = self.m[gi], self.v[gi]
+            # variance frozen since the warm-up: its correction too, as unsharded OneBitAdam
+            update = c.adam_update(m, v, w, group, t, min(t, inner.freeze_step))
+            w.add_(update, alpha=-group["lr"])
+            st["step"] = t
+            if self.mode == "no_allgather":
+                if gi in self.w:
+                    grp.flat.copy_(w)  # the model's parameters (param dtype)
+                opt._own_chunks(grp, w, grp.master.data)  # shards stay current for checkpoints
+        inner.sched["step"] = t
