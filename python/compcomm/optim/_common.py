@@ -31,6 +31,7 @@ from .._comm import resolve
 from ..collectives import DEFAULT_TIMEOUT, compressed_allreduce, error_buffers, padded_numel
 from ..compress import DEFAULT_BUCKET_ELEMENTS, OneBitCompressor, plan_buckets
 from ..errors import NonFiniteError, UnsupportedError
+from ..schedule import FreezeSchedule
 from ._state import ERROR_KEYS, validate_state_dict
 
 #: Elements per full-precision allreduce bucket in the warm-up (fp32: 16 MiB).
@@ -264,8 +265,8 @@ class OneBitBase(torch.optim.Optimizer):
         self._hook_averaged = False  # set by compcomm.ddp_comm_hook for the coming step
         self._user_masks = [g.get("exp_avg_mask") for g in self.param_groups]
         check_masks(self._name, self.param_groups)
-        #: optimizer-wide step counter and schedule, saved in state_dict()["compcomm"].
-        self.sched: Dict[str, Any] = {"step": 0}
+        #: what each step does (compcomm.schedule); subclasses replace it with their own
+        self.schedule: Any = FreezeSchedule(0)
 
     def _set_comm(self, comm: Any, grads_averaged: bool) -> None:
         """Talk through ``comm`` from now on. ZeroOptimizer runs 0/1 Adam's variance phase on
@@ -279,9 +280,15 @@ class OneBitBase(torch.optim.Optimizer):
         self.grads_averaged = bool(grads_averaged)
 
     # -- phase queries ---------------------------------------------------------------------
+    @property
+    def sched(self) -> Dict[str, Any]:
+        """The step counter and schedule state (a copy; what ``state_dict()["compcomm"]["sched"]``
+        holds)."""
+        return self.schedule.state_dict()
+
     def next_step_averages(self) -> bool:
         """Whether the next ``step()`` needs gradients averaged in full precision (warm-up)."""
-        raise NotImplementedError
+        return self.schedule.next_kind().averages
 
     def _params(self) -> Iterable[Tuple[Dict[str, Any], torch.Tensor]]:
         for group in self.param_groups:
@@ -462,7 +469,7 @@ class OneBitBase(torch.optim.Optimizer):
         with ``exact_resume=True`` -- this rank's error buffers and the bucket layout they belong to
         (save one file per rank then)."""
         sd = super().state_dict()
-        extra: Dict[str, Any] = {"sched": dict(self.sched), "world_size": self.world_size,
+        extra: Dict[str, Any] = {"sched": self.schedule.state_dict(), "world_size": self.world_size,
                                  "rank": self.rank, "exact": self.exact_resume,
                                  "skipped_steps": self.skipped_steps}
         if self.exact_resume:
@@ -545,10 +552,8 @@ class OneBitBase(torch.optim.Optimizer):
                 self.compressor.load_state_dict(errors)
             else:  # restored when the next step builds the same buckets
                 self._loaded_errors = ([[tuple(x) for x in b] for b in layout], errors)
-        if "sched" in extra:
-            self.sched = dict(extra["sched"])
-        else:
-            self.sched = self._sched_from_state()
+        self.schedule.load_state_dict(extra["sched"] if "sched" in extra
+                                      else self._sched_from_state())
         self.skipped_steps = int(extra.get("skipped_steps", 0))
         self._load_extra_state(extra, exact)
 

@@ -6,6 +6,7 @@ from typing import Any, Iterable, Optional, Tuple
 
 import torch
 
+from ..schedule import FreezeSchedule, StepKind
 from . import _common as c
 
 
@@ -97,20 +98,18 @@ class OneBitAdam(c.OneBitBase):
         self._init_common(comm_backend_name, process_group, cuda_aware, grads_averaged,
                           exact_resume, fused, reduce_bucket_size, per_parameter,
                           check_finite)
+        self.schedule = FreezeSchedule(self.freeze_step)
 
     @property
     def adam_freeze_key(self) -> bool:
         """True once the compressed phase has started (DeepSpeed's name)."""
-        return self.sched["step"] >= self.freeze_step
-
-    def next_step_averages(self) -> bool:
-        """Whether the next ``step()`` is a warm-up step (gradients averaged in full precision)."""
-        return self.sched["step"] + 1 <= self.freeze_step
+        return self.schedule.frozen
 
     def _step(self) -> None:
         """This optimizer's update (OneBitBase.step handles the closure and AMP skips)."""
-        t = self.sched["step"] + 1
-        warm = t <= self.freeze_step
+        kind = self.schedule.next_kind()
+        t = self.schedule.step + 1
+        warm = kind is StepKind.FULL_AVERAGE
         grads = self._grads(average=warm)
         items = list(self._params())
         if warm:
@@ -137,4 +136,4 @@ class OneBitAdam(c.OneBitBase):
             update = c.adam_update(m, v, w, group, t, min(t, self.freeze_step))  # v frozen after warm-up
             w.add_(update, alpha=-group["lr"])
             c.write_back(p, state)
-        self.sched["step"] = t
+        self.schedule.advance(kind)

@@ -7,6 +7,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from ..schedule import FreezeSchedule, StepKind
 from . import _common as c
 from ..collectives import padded_numel
 
@@ -82,6 +83,7 @@ class OneBitLamb(c.OneBitBase):
         super().__init__(params, defaults)
         self._init_common(comm_backend_name, process_group, cuda_aware, grads_averaged,
                           exact_resume)
+        self.schedule = FreezeSchedule(self.freeze_step)
         self._flat: Optional[torch.Tensor] = None
         self._pad_restore: Optional[torch.Tensor] = None
         self.lamb_coeffs: List[float] = []
@@ -89,11 +91,7 @@ class OneBitLamb(c.OneBitBase):
     @property
     def lamb_freeze_key(self) -> bool:
         """True once the compression stage has started (DeepSpeed's name)."""
-        return self.sched["step"] >= self.freeze_step
-
-    def next_step_averages(self) -> bool:
-        """Whether the next ``step()`` is a warm-up step (gradients averaged in full precision)."""
-        return self.sched["step"] + 1 <= self.freeze_step
+        return self.schedule.frozen
 
     def get_lamb_coeffs(self) -> List[float]:
         """The per-parameter LAMB coefficients applied in the last step."""
@@ -139,8 +137,9 @@ class OneBitLamb(c.OneBitBase):
     # -- step ----------------------------------------------------------------------------------
     def _step(self) -> None:
         """This optimizer's update (OneBitBase.step handles the closure and AMP skips)."""
-        t = self.sched["step"] + 1
-        warm = t <= self.freeze_step
+        kind = self.schedule.next_kind()
+        t = self.schedule.step + 1
+        warm = kind is StepKind.FULL_AVERAGE
         self._ensure_fused()
         grads = self._grads(average=warm)
         self.lamb_coeffs = []
@@ -148,7 +147,7 @@ class OneBitLamb(c.OneBitBase):
             self._warm_step(t, grads)
         else:
             self._compressed_step(t, grads)
-        self.sched["step"] = t
+        self.schedule.advance(kind)
 
     def _warm_step(self, t: int, grads: Dict[torch.Tensor, torch.Tensor]) -> None:
         for group, p in self._params():

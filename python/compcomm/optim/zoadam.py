@@ -6,6 +6,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from ..schedule import StepKind, ZeroOneSchedule, legacy_kind_name
 from . import _common as c
 
 
@@ -85,52 +86,41 @@ class ZeroOneAdam(c.OneBitBase):
         self._init_common(comm_backend_name, process_group, cuda_aware, grads_averaged,
                           exact_resume, fused, reduce_bucket_size, per_parameter,
                           check_finite)
-        self.sched.update(self._fresh_schedule())
-
-    @staticmethod
-    def _fresh_schedule() -> Dict[str, Any]:
-        return {"step": 0, "var_interval": 1, "var_counter": 0, "local_step_interval": 1,
-                "local_step_counter": 0, "freeze_key": False, "var_updates": 0, "freeze_t": 0}
+        self.schedule = ZeroOneSchedule(self.var_freeze_step, self.var_update_scaler,
+                                        self.local_step_scaler, self.local_step_clipper)
 
     @property
     def freeze_key(self) -> bool:
         """True once the variance is frozen (local-step phase)."""
-        return bool(self.sched["freeze_key"])
-
-    def next_step_averages(self) -> bool:
-        """Whether the next ``step()`` updates the variance (gradients averaged in full precision)."""
-        s = self.sched
-        return (not s["freeze_key"]) and (s["step"] + 1) % s["var_interval"] == 0
+        return self.schedule.frozen
 
     def step_kind(self, t: Optional[int] = None) -> str:
         """What step ``t`` (default: the next) does: ``'var'`` (fp32 gradient average, variance
         update), ``'grad1bit'`` (1-bit gradient average), ``'local'`` or ``'sync'`` (frozen
-        phase). Only meaningful for the next step, since the schedule evolves."""
-        s = self.sched
-        t = s["step"] + 1 if t is None else t
-        if not s["freeze_key"]:
-            return "var" if t % s["var_interval"] == 0 else "grad1bit"
-        return "sync" if t % s["local_step_interval"] == 0 else "local"
+        phase). Only meaningful for the next step, since the schedule evolves. The strings of
+        ``self.schedule.next_kind()`` (:class:`compcomm.schedule.StepKind`), kept for callers
+        written before it."""
+        kind = self.schedule.next_kind() if t is None else self.schedule.kind(t)
+        return legacy_kind_name(kind)
 
     def _step(self) -> None:
         """This optimizer's update (OneBitBase.step handles the closure and AMP skips)."""
-        s = self.sched
-        t = s["step"] + 1
-        kind = self.step_kind(t)
-        frozen = s["freeze_key"]
-        grads = self._grads(average=(kind == "var"))
+        sched = self.schedule
+        t = sched.step + 1
+        kind = sched.next_kind()
+        frozen = sched.frozen
+        bc1_t, bc2_t = sched.bias_steps(kind)
+        grads = self._grads(average=kind.averages)
         items = list(self._params())
-        if kind == "local":  # nothing else is sent: agree on skipping with one 4-byte all-reduce
+        if kind is StepKind.LOCAL:  # nothing else is sent: agree on skipping with one 4-byte all-reduce
             self._check_finite(grads.values(), agree=True)
-        elif kind == "grad1bit":
+        elif kind is StepKind.ONEBIT_GRAD:
             grads = self._compressed_average(items, lambda group, p, out: out.copy_(grads[p]))
             for group, p in items:
                 c.mask_(grads[p], group)
-        elif kind == "sync":
+        elif kind is StepKind.SYNC:
             self._sync_step(items, grads)
-        if kind == "var":
-            s["var_updates"] += 1
-        for group, p in items if kind != "sync" else ():
+        for group, p in items if kind is not StepKind.SYNC else ():
             state = self.state[p]
             m, v = c.moments(p, state)
             state["step"] = t
@@ -138,11 +128,10 @@ class ZeroOneAdam(c.OneBitBase):
             g = grads[p]
             b1, b2 = group["betas"]
             lr = group["lr"]
-            if kind == "var":
+            if kind is StepKind.FULL_AVERAGE:
                 v.mul_(b2).addcmul_(g, g, value=1 - b2)
             m.mul_(b1).add_(g, alpha=1 - b1)
-            update = c.adam_update(m, v, w, group, s["freeze_t"] if frozen else t,
-                                   s["var_updates"])
+            update = c.adam_update(m, v, w, group, bc1_t, bc2_t)
             update.mul_(-lr)
             w.add_(update)
             if frozen:
@@ -150,23 +139,8 @@ class ZeroOneAdam(c.OneBitBase):
                 state["lrs"] += lr
                 acc.add_(update)
             c.write_back(p, state)
-        # schedule bookkeeping (once per step, as DeepSpeed does per parameter)
-        if not frozen:
-            if kind == "var" and t > 1:  # step 1 stands for DeepSpeed's uncounted init call
-                s["var_counter"] += 1
-                if s["var_counter"] == self.var_update_scaler:
-                    s["var_counter"] = 0
-                    s["var_interval"] *= 2
-        else:
-            s["local_step_counter"] += 1
-            if s["local_step_counter"] == self.local_step_scaler:
-                s["local_step_counter"] = 0
-                s["local_step_interval"] = min(self.local_step_clipper,
-                                               2 * s["local_step_interval"])
-        s["step"] = t
-        if not frozen and t > self.var_freeze_step:
-            s["freeze_key"] = True
-            s["freeze_t"] = t
+        sched.advance(kind)  # once per step, as DeepSpeed does per parameter
+        if sched.frozen and not frozen:
             self._zero_errors()  # the buffers now serve u instead of g: restart them
 
     @staticmethod
@@ -183,8 +157,8 @@ class ZeroOneAdam(c.OneBitBase):
         eps)`` is 1-bit averaged, the parameters roll back to the last synchronised point and take
         the averaged update, and the momentum becomes the lr-weighted average momentum. The update
         is computed while staging, and nothing is written before the average has succeeded."""
-        s = self.sched
-        t = s["step"] + 1
+        sched = self.schedule
+        t = sched.step + 1
         pending: Dict[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = {}
 
         def stage(group: Dict[str, Any], p: torch.Tensor, out: torch.Tensor) -> None:
@@ -192,9 +166,9 @@ class ZeroOneAdam(c.OneBitBase):
             m, v = c.moments(p, state)
             b1 = group["betas"][0]
             m_new = torch.mul(m, b1).add_(grads[p], alpha=1 - b1)
-            denom = c.adam_denom(v, group, s["var_updates"])
-            update = c.adam_update(m_new, v, c.master(p, state), group, s["freeze_t"],
-                                   s["var_updates"], denom=denom).mul_(-group["lr"])
+            denom = c.adam_denom(v, group, sched.var_updates)
+            update = c.adam_update(m_new, v, c.master(p, state), group, sched.freeze_t,
+                                   sched.var_updates, denom=denom).mul_(-group["lr"])
             acc = state.get("momentum_accumulator")
             (torch.add(acc, update, out=out) if acc is not None else out.copy_(update)).mul_(denom)
             pending[p] = (update, denom)
@@ -223,13 +197,8 @@ class ZeroOneAdam(c.OneBitBase):
                 c.mask_(corr, group)
                 m.sub_(corr)
             if group["bias_correction"]:
-                m.mul_(1.0 - group["betas"][0] ** s["freeze_t"])
+                m.mul_(1.0 - group["betas"][0] ** sched.freeze_t)
             w.add_(acc / denom)
             acc.zero_()
             state["lrs"] = 0.0
             c.write_back(p, state)
-
-    def _sched_from_state(self) -> Dict[str, Any]:
-        s = self._fresh_schedule()
-        s.update(super()._sched_from_state())
-        return s
