@@ -17,7 +17,6 @@ Every optimizer here follows the same life cycle (ONEBIT_SPEC.md, policy section
 
 from __future__ import annotations
 
-import math
 import os
 import warnings
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
@@ -28,10 +27,11 @@ from .. import _C
 from .._buffers import buffer_of
 from .._checkpoint import atomic_save, read_checkpoint
 from .._comm import resolve
-from ..collectives import DEFAULT_TIMEOUT, compressed_allreduce, error_buffers, padded_numel
+from ..collectives import DEFAULT_TIMEOUT
 from ..compress import DEFAULT_BUCKET_ELEMENTS, OneBitCompressor, plan_buckets
 from ..errors import NonFiniteError, UnsupportedError
 from ..schedule import FreezeSchedule
+from ._functional import masked_
 from ._state import ERROR_KEYS, validate_state_dict
 
 #: Elements per full-precision allreduce bucket in the warm-up (fp32: 16 MiB).
@@ -211,15 +211,19 @@ def write_back(p: torch.Tensor, state: Dict[str, Any]) -> None:
 # --------------------------------------------------------------------------------------------
 # masks
 # --------------------------------------------------------------------------------------------
+def group_mask(group: Dict[str, Any], like: torch.Tensor) -> Optional[torch.Tensor]:
+    """The group's ``exp_avg_mask`` on ``like``'s device and dtype (moved once, kept in the
+    group), or None."""
+    mask = group.get("exp_avg_mask")
+    if mask is not None and (mask.device != like.device or mask.dtype != like.dtype):
+        mask = mask.to(device=like.device, dtype=like.dtype)
+        group["exp_avg_mask"] = mask
+    return mask
+
+
 def mask_(t: torch.Tensor, group: Dict[str, Any]) -> None:
     """Multiply ``t`` by the group's ``exp_avg_mask`` (moved to ``t``'s device once)."""
-    mask = group.get("exp_avg_mask")
-    if mask is None:
-        return
-    if mask.device != t.device or mask.dtype != t.dtype:
-        mask = mask.to(device=t.device, dtype=t.dtype)
-        group["exp_avg_mask"] = mask
-    t.mul_(mask)
+    masked_(t, group_mask(group, t))
 
 
 # --------------------------------------------------------------------------------------------
@@ -636,10 +640,6 @@ def load_rank_checkpoint(optimizer: OneBitBase, directory: str) -> str:
     return path
 
 
-def sqrt_bc(beta: float, t: int) -> float:
-    """``sqrt(1 - beta**t)`` (1 when ``t == 0``)."""
-    return math.sqrt(1.0 - beta ** t) if t > 0 else 1.0
-
 
 def moments(p: torch.Tensor, state: Dict[str, Any]) -> Tuple[torch.Tensor, torch.Tensor]:
     """``p``'s fp32 first and second moments (``exp_avg``, ``exp_avg_sq``), zeros on first use."""
@@ -647,27 +647,3 @@ def moments(p: torch.Tensor, state: Dict[str, Any]) -> Tuple[torch.Tensor, torch
         state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
         state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
     return state["exp_avg"], state["exp_avg_sq"]
-
-
-def adam_denom(v: torch.Tensor, group: Dict[str, Any], bc2_t: int) -> torch.Tensor:
-    """``sqrt(v) + eps`` (eps outside the sqrt, as DeepSpeed); with the group's
-    ``bias_correction``, v corrected as of step ``bc2_t``."""
-    denom = v.sqrt()
-    if group["bias_correction"]:
-        denom.div_(sqrt_bc(group["betas"][1], bc2_t))
-    return denom.add_(group["eps"])
-
-
-def adam_update(m: torch.Tensor, v: torch.Tensor, w: torch.Tensor, group: Dict[str, Any],
-                bc1_t: int, bc2_t: int, denom: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The Adam direction ``m / (sqrt(v) + eps) (+ wd * w)``; with the group's
-    ``bias_correction``, m and v are corrected as of steps ``bc1_t`` and ``bc2_t``. ``denom``:
-    :func:`adam_denom` already computed by the caller."""
-    if denom is None:
-        denom = adam_denom(v, group, bc2_t)
-    update = m / denom
-    if group["bias_correction"]:
-        update.div_(1.0 - group["betas"][0] ** bc1_t)
-    if group["weight_decay"] > 0:
-        update.add_(w, alpha=group["weight_decay"])
-    return update

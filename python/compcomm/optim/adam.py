@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Optional, Tuple
 
-import torch
 
 from ..schedule import FreezeSchedule, StepKind
 from . import _common as c
+from . import _functional as F
 
 
 class OneBitAdam(c.OneBitBase):
@@ -115,14 +115,10 @@ class OneBitAdam(c.OneBitBase):
         if warm:
             for group, p in items:
                 m, v = c.moments(p, self.state[p])
-                b1, b2 = group["betas"]
-                m.mul_(b1).add_(grads[p], alpha=1 - b1)
-                v.mul_(b2).addcmul_(grads[p], grads[p], value=1 - b2)
+                F.adam_moments_(m, v, grads[p], group)
         else:
             def momentum(group, p, out):  # b1 m + (1-b1) g_local, staged: m itself waits
-                b1 = group["betas"][0]
-                m, _ = c.moments(p, self.state[p])
-                torch.mul(m, b1, out=out).add_(grads[p], alpha=1 - b1)
+                F.onebit_momentum(c.moments(p, self.state[p])[0], grads[p], group, out)
 
             averaged = self._compressed_average(items, momentum)
             for group, p in items:
@@ -132,8 +128,8 @@ class OneBitAdam(c.OneBitBase):
             state = self.state[p]
             state["step"] = t
             w = c.master(p, state)
-            m, v = state["exp_avg"], state["exp_avg_sq"]
-            update = c.adam_update(m, v, w, group, t, min(t, self.freeze_step))  # v frozen after warm-up
-            w.add_(update, alpha=-group["lr"])
+            # the variance (and its correction) frozen after the warm-up
+            F.adam_step_(w, state["exp_avg"], state["exp_avg_sq"], group, t,
+                         min(t, self.freeze_step))
             c.write_back(p, state)
         self.schedule.advance(kind)

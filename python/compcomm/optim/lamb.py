@@ -9,6 +9,7 @@ import torch
 
 from ..schedule import FreezeSchedule, StepKind
 from . import _common as c
+from . import _functional as F
 from ..collectives import padded_numel
 
 
@@ -154,19 +155,12 @@ class OneBitLamb(c.OneBitBase):
             st = self.state[p]
             st["step"] = t
             w = c.master(p, st)
-            g = grads[p]
             m, v = st["exp_avg"], st["exp_avg_sq"]
-            b1, b2 = group["betas"]
-            m.mul_(b1).add_(g, alpha=1 - b1)
-            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            F.adam_moments_(m, v, grads[p], group)
             if t == self.freeze_step:
                 st["exp_avg_sq_fresh"] = v.clone()
-            update = c.adam_update(m, v, w, group, t, t)
-            wn = float(w.norm())
-            un = float(update.norm())
-            coeff = 1.0
-            if wn != 0 and un != 0:
-                coeff = min(max(wn / un, self.min_coeff), self.max_coeff)
+            update = F.adam_update(m, v, w, group, t, t)
+            coeff = F.lamb_trust_ratio(w, update, self.min_coeff, self.max_coeff)
             if coeff != 1.0:
                 st["lamb_coeff_freeze"] = (self.coeff_beta * st["lamb_coeff_freeze"]
                                            + (1 - self.coeff_beta) * coeff)
@@ -215,31 +209,11 @@ class OneBitLamb(c.OneBitBase):
                     continue
                 st["step"] = t
                 w = c.master(p, st)
-                b1, b2 = group["betas"]
                 last = m_last[offsets[p]:offsets[p] + p.numel()].view(p.shape)
-                ghat = (m - last * b1) / (1 - b1)
-                vf = st["exp_avg_sq_fresh"]
-                vf.mul_(b2).addcmul_(ghat, ghat, value=1 - b2)
-                denom = st["exp_avg_sq"].sqrt().add_(group["eps"])
-                denom_real = vf.sqrt().add_(group["eps"])
-                factor = float((denom / denom_real).max())
-                if group["bias_correction"]:
-                    bc2 = c.sqrt_bc(b2, self.freeze_step)
-                    u_pre = m / (st["exp_avg_sq"].sqrt().div_(bc2).add_(group["eps"]))
-                    u_pre.div_(1.0 - b1 ** t)
-                else:
-                    u_pre = m / denom
-                if group["weight_decay"] > 0:
-                    update = u_pre + group["weight_decay"] * w
-                    un = float(update.norm())
-                    ratio = min(1.0, float(u_pre.norm()) / un) if un > 0 else 1.0
-                    factor = factor * ratio + (1.0 - ratio)
-                else:
-                    update = u_pre
-                factor = min(max(factor, self.factor_min), self.factor_max)
-                lf = st["last_factor"]
-                factor = min(factor, lf * (1.0 + self.factor_threshold))
-                factor = max(factor, lf * (1.0 - self.factor_threshold))
+                update, factor = F.onebit_lamb_update(
+                    w, m, last, st["exp_avg_sq"], st["exp_avg_sq_fresh"], group, t,
+                    self.freeze_step, st["last_factor"], self.factor_min, self.factor_max,
+                    self.factor_threshold)
                 st["last_factor"] = factor
                 coeff = st["lamb_coeff_freeze"] * factor
                 self.lamb_coeffs.append(coeff)

@@ -8,6 +8,7 @@ import torch
 
 from ..schedule import StepKind, ZeroOneSchedule, legacy_kind_name
 from . import _common as c
+from . import _functional as F
 
 
 class ZeroOneAdam(c.OneBitBase):
@@ -124,20 +125,12 @@ class ZeroOneAdam(c.OneBitBase):
             state = self.state[p]
             m, v = c.moments(p, state)
             state["step"] = t
-            w = c.master(p, state)
-            g = grads[p]
-            b1, b2 = group["betas"]
-            lr = group["lr"]
-            if kind is StepKind.FULL_AVERAGE:
-                v.mul_(b2).addcmul_(g, g, value=1 - b2)
-            m.mul_(b1).add_(g, alpha=1 - b1)
-            update = c.adam_update(m, v, w, group, bc1_t, bc2_t)
-            update.mul_(-lr)
-            w.add_(update)
+            acc = None
             if frozen:
                 acc = self._accumulator(p, state)
-                state["lrs"] += lr
-                acc.add_(update)
+                state["lrs"] += group["lr"]
+            F.zero_one_local_(c.master(p, state), m, v, grads[p], group, bc1_t, bc2_t,
+                              update_variance=kind is StepKind.FULL_AVERAGE, acc=acc)
             c.write_back(p, state)
         sched.advance(kind)  # once per step, as DeepSpeed does per parameter
         if sched.frozen and not frozen:
@@ -164,14 +157,9 @@ class ZeroOneAdam(c.OneBitBase):
         def stage(group: Dict[str, Any], p: torch.Tensor, out: torch.Tensor) -> None:
             state = self.state[p]
             m, v = c.moments(p, state)
-            b1 = group["betas"][0]
-            m_new = torch.mul(m, b1).add_(grads[p], alpha=1 - b1)
-            denom = c.adam_denom(v, group, sched.var_updates)
-            update = c.adam_update(m_new, v, c.master(p, state), group, sched.freeze_t,
-                                   sched.var_updates, denom=denom).mul_(-group["lr"])
-            acc = state.get("momentum_accumulator")
-            (torch.add(acc, update, out=out) if acc is not None else out.copy_(update)).mul_(denom)
-            pending[p] = (update, denom)
+            pending[p] = F.zero_one_sync_input(c.master(p, state), m, v, grads[p],
+                                               state.get("momentum_accumulator"), group,
+                                               sched.freeze_t, sched.var_updates, out)
 
         averaged = self._compressed_average(items, stage)
         for group, p in items:
@@ -179,26 +167,10 @@ class ZeroOneAdam(c.OneBitBase):
             update, denom = pending[p]
             state["step"] = t
             w = c.master(p, state)
-            acc, m = self._accumulator(p, state), state["exp_avg"]
+            acc = self._accumulator(p, state)
             state["lrs"] += group["lr"]
-            w.add_(update)
-            acc.add_(update)
-            w.sub_(acc)  # roll back to the last synchronised parameters
-            acc.copy_(averaged[p])
-            c.mask_(acc, group)
-            torch.div(acc, -state["lrs"], out=m)
-            wd = group["weight_decay"]
-            if wd > 0 and not self.wd_in_momentum:
-                # acc also holds -sum(lr*wd*w)*denom (the decoupled weight decay of the local
-                # steps); keep it out of the rebuilt momentum (else wd is re-applied through m
-                # at every later step: ~1/(1-beta1) times the asked-for weight decay)
-                corr = w * denom
-                corr.mul_(wd)
-                c.mask_(corr, group)
-                m.sub_(corr)
-            if group["bias_correction"]:
-                m.mul_(1.0 - group["betas"][0] ** sched.freeze_t)
-            w.add_(acc / denom)
-            acc.zero_()
+            F.zero_one_sync_commit_(w, state["exp_avg"], acc, averaged[p], update, denom,
+                                    state["lrs"], group, sched.freeze_t, self.wd_in_momentum,
+                                    mask=c.group_mask(group, acc))
             state["lrs"] = 0.0
             c.write_back(p, state)
