@@ -240,7 +240,14 @@ class OneBitBase(torch.optim.Optimizer):
     def _init_common(self, comm_backend_name: str, process_group: Any, cuda_aware: bool,
                      grads_averaged: bool, exact_resume: bool, fused: Optional[bool] = None,
                      reduce_bucket_size: Optional[int] = None, per_parameter: bool = False,
-                     check_finite: bool = True) -> None:
+                     check_finite: bool = True, compressor: Any = None) -> None:
+        if compressor is None:
+            compressor = OneBitCompressor
+        if not callable(compressor):
+            raise TypeError(f"{self._name}: argument 'compressor' must be a compressor class or a "
+                            f"callable comm -> compressor, got {type(compressor).__name__}")
+        #: builds the compressor for a communicator (again when ZeroOptimizer changes it)
+        self.compressor_factory = compressor
         self.comm = resolve_comm(self._name, comm_backend_name, process_group)
         self.process_group = process_group
         self.world_size = self.comm.size()
@@ -258,7 +265,7 @@ class OneBitBase(torch.optim.Optimizer):
             self.per_parameter = not fused
             if fused:
                 self.reduce_bucket_size = 1 << 62
-        self.compressor = OneBitCompressor(self.comm)
+        self.compressor = compressor(self.comm)
         #: steps skipped because some rank met a non-finite value (nothing changed in them)
         self.skipped_steps = 0
         self._plan_key: Optional[Tuple[Any, ...]] = None
@@ -276,7 +283,7 @@ class OneBitBase(torch.optim.Optimizer):
         """Talk through ``comm`` from now on. ZeroOptimizer runs 0/1 Adam's variance phase on
         shards with a one-rank communicator and its local-step phase unsharded on the real group."""
         self.compressor.close()
-        self.compressor = OneBitCompressor(comm)
+        self.compressor = self.compressor_factory(comm)
         self._plan_key = None
         self.comm = comm
         self.world_size = comm.size()

@@ -76,6 +76,11 @@ class OneBitAdam(c.OneBitBase):
         Skip (on every rank, counted in ``skipped_steps``) a step whose averaged gradients hold
         Inf/NaN: one host synchronisation per warm-up step. The compressed phase is checked by the
         compressed allreduce itself. ``False`` when the caller checks already (ZeroOptimizer).
+    compressor : class or callable, optional
+        Builds the compressor from the communicator, ``compressor(comm)``: the average of the
+        compressed phase and its error-feedback state. Default
+        :class:`compcomm.compress.OneBitCompressor`; :class:`compcomm.compress.IdentityCompressor`
+        averages in full precision (the uncompressed twin, for comparisons).
     eps_inside_sqrt, max_grad_norm :
         Accepted and ignored, as DeepSpeed does.
     """
@@ -89,7 +94,8 @@ class OneBitAdam(c.OneBitBase):
                  comm_backend_name: str = "torch", process_group: Any = None,
                  grads_averaged: bool = False, exact_resume: bool = False,
                  reduce_bucket_size: Optional[int] = None, per_parameter: bool = False,
-                 fused: Optional[bool] = None, check_finite: bool = True) -> None:
+                 fused: Optional[bool] = None, check_finite: bool = True,
+                 compressor: Any = None) -> None:
         c.check_common(self._name, lr, betas, eps, weight_decay, amsgrad)
         self.freeze_step = c.check_int(self._name, "freeze_step", freeze_step, 0)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
@@ -97,7 +103,7 @@ class OneBitAdam(c.OneBitBase):
         super().__init__(params, defaults)
         self._init_common(comm_backend_name, process_group, cuda_aware, grads_averaged,
                           exact_resume, fused, reduce_bucket_size, per_parameter,
-                          check_finite)
+                          check_finite, compressor)
         self.schedule = FreezeSchedule(self.freeze_step)
 
     @property

@@ -37,7 +37,8 @@ class OneBitLamb(c.OneBitBase):
     Parameters
     ----------
     params, lr, freeze_step, bias_correction, betas, eps, weight_decay, amsgrad, cuda_aware,
-    comm_backend_name, process_group, grads_averaged, exact_resume, eps_inside_sqrt, max_grad_norm :
+    comm_backend_name, process_group, grads_averaged, exact_resume, compressor, eps_inside_sqrt,
+    max_grad_norm :
         As :class:`compcomm.optim.OneBitAdam`.
     max_coeff, min_coeff : float, default 10.0 and 0.01
         Bounds of the warm-up trust ratio.
@@ -58,7 +59,8 @@ class OneBitLamb(c.OneBitBase):
                  amsgrad: bool = False, cuda_aware: bool = False, comm_backend_name: str = "torch",
                  coeff_beta: float = 0.9, factor_max: float = 4.0, factor_min: float = 0.5,
                  factor_threshold: float = 0.1, process_group: Any = None,
-                 grads_averaged: bool = False, exact_resume: bool = False) -> None:
+                 grads_averaged: bool = False, exact_resume: bool = False,
+                 compressor: Any = None) -> None:
         n = self._name
         c.check_common(n, lr, betas, eps, weight_decay, amsgrad)
         self.freeze_step = c.check_int(n, "freeze_step", freeze_step, 0)
@@ -83,7 +85,7 @@ class OneBitLamb(c.OneBitBase):
                         bias_correction=bool(bias_correction))
         super().__init__(params, defaults)
         self._init_common(comm_backend_name, process_group, cuda_aware, grads_averaged,
-                          exact_resume)
+                          exact_resume, compressor=compressor)
         self.schedule = FreezeSchedule(self.freeze_step)
         self._flat: Optional[torch.Tensor] = None
         self._pad_restore: Optional[torch.Tensor] = None

@@ -40,7 +40,7 @@ class ZeroOneAdam(c.OneBitBase):
     ----------
     params, lr, betas, eps, weight_decay, amsgrad, cuda_aware, comm_backend_name, process_group,
     grads_averaged, exact_resume, reduce_bucket_size, per_parameter, fused, check_finite,
-    eps_inside_sqrt, max_grad_norm :
+    compressor, eps_inside_sqrt, max_grad_norm :
         As :class:`compcomm.optim.OneBitAdam`.
     bias_correction : bool, default False
     var_freeze_step : int, default 100000
@@ -73,7 +73,8 @@ class ZeroOneAdam(c.OneBitBase):
                  comm_backend_name: str = "torch", process_group: Any = None,
                  grads_averaged: bool = False, exact_resume: bool = False,
                  reduce_bucket_size: Optional[int] = None, per_parameter: bool = False,
-                 fused: Optional[bool] = None, check_finite: bool = True, wd_in_momentum: bool = True) -> None:
+                 fused: Optional[bool] = None, check_finite: bool = True,
+                 wd_in_momentum: bool = True, compressor: Any = None) -> None:
         n = self._name
         c.check_common(n, lr, betas, eps, weight_decay, amsgrad)
         self.var_freeze_step = c.check_int(n, "var_freeze_step", var_freeze_step, 0)
@@ -86,7 +87,7 @@ class ZeroOneAdam(c.OneBitBase):
         super().__init__(params, defaults)
         self._init_common(comm_backend_name, process_group, cuda_aware, grads_averaged,
                           exact_resume, fused, reduce_bucket_size, per_parameter,
-                          check_finite)
+                          check_finite, compressor)
         self.schedule = ZeroOneSchedule(self.var_freeze_step, self.var_update_scaler,
                                         self.local_step_scaler, self.local_step_clipper)
 
