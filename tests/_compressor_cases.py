@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import Any, Dict
 
 import torch
-
 from _optim_cases import SHAPES, make_grads, make_params, masks_for, run_opt
 
 
 def identity_runs(rank: int, world: int) -> Dict[str, Any]:
-    """The 1-bit optimizers with ``compressor=IdentityCompressor``: trajectories and what they keep."""
+    """The 1-bit optimizers with ``compressor=IdentityCompressor``: their trajectories and what
+    they keep."""
     from compcomm.compress import IdentityCompressor
     from compcomm.optim import OneBitAdam, OneBitLamb
 

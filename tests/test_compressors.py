@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
-import pytest
-import torch
-
 import _compressor_cases as K
 import _optim_cases as C
+import numpy as np
 import optim_reference as R
+import pytest
+import torch
 from compcomm import LocalCommunicator
 from compcomm.compress import IdentityCompressor, OneBitCompressor
 from compcomm.optim import OneBitAdam, OneBitLamb

@@ -25,7 +25,8 @@ import torch
 
 from . import _C
 from ._buffers import buffer_of
-from .collectives import DEFAULT_TIMEOUT, padded_numel
+from ._defaults import DEFAULT_TIMEOUT
+from .collectives import padded_numel
 from .errors import NonFiniteError
 
 __all__ = ["DEFAULT_BUCKET_ELEMENTS", "Compressor", "IdentityCompressor", "OneBitCompressor",

@@ -187,7 +187,8 @@ class ZeroOneSchedule(_CounterSchedule):
 
 
 def legacy_kind_name(kind: StepKind) -> str:
-    """ZeroOneAdam's step-kind strings from before :class:`StepKind` (``step_kind()`` keeps them)."""
+    """ZeroOneAdam's step-kind strings from before :class:`StepKind` (``step_kind()`` keeps
+    them)."""
     return _LEGACY[kind]
 
 

@@ -34,7 +34,8 @@ def masked_(t: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
 # Adam
 # --------------------------------------------------------------------------------------------
 def adam_moments_(m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, group: Group) -> None:
-    """Both moments from an averaged gradient: ``m = b1 m + (1-b1) g``, ``v = b2 v + (1-b2) g^2``."""
+    """Both moments from an averaged gradient ``g``: ``m = b1 m + (1-b1) g`` and
+    ``v = b2 v + (1-b2) g^2``."""
     b1, b2 = group["betas"]
     m.mul_(b1).add_(g, alpha=1 - b1)
     v.mul_(b2).addcmul_(g, g, value=1 - b2)

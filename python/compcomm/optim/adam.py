@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Optional, Tuple
 
-
 from ..schedule import FreezeSchedule, StepKind
-from . import _common as c
 from . import _functional as F
+from ._params import mask_, master, moments, write_back
+from ._validation import check_common, check_int
+from .base import OneBitBase
 
 
-class OneBitAdam(c.OneBitBase):
+class OneBitAdam(OneBitBase):
     r"""Adam whose gradient communication drops to 1 bit per element after a warm-up.
 
     Steps ``1 .. freeze_step`` are Adam (weight decay decoupled as AdamW) on gradients averaged in
@@ -96,8 +97,8 @@ class OneBitAdam(c.OneBitBase):
                  reduce_bucket_size: Optional[int] = None, per_parameter: bool = False,
                  fused: Optional[bool] = None, check_finite: bool = True,
                  compressor: Any = None) -> None:
-        c.check_common(self._name, lr, betas, eps, weight_decay, amsgrad)
-        self.freeze_step = c.check_int(self._name, "freeze_step", freeze_step, 0)
+        check_common(self._name, lr, betas, eps, weight_decay, amsgrad)
+        self.freeze_step = check_int(self._name, "freeze_step", freeze_step, 0)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bool(bias_correction))
         super().__init__(params, defaults)
@@ -120,22 +121,22 @@ class OneBitAdam(c.OneBitBase):
         items = list(self._params())
         if warm:
             for group, p in items:
-                m, v = c.moments(p, self.state[p])
+                m, v = moments(p, self.state[p])
                 F.adam_moments_(m, v, grads[p], group)
         else:
             def momentum(group, p, out):  # b1 m + (1-b1) g_local, staged: m itself waits
-                F.onebit_momentum(c.moments(p, self.state[p])[0], grads[p], group, out)
+                F.onebit_momentum(moments(p, self.state[p])[0], grads[p], group, out)
 
             averaged = self._compressed_average(items, momentum)
             for group, p in items:
                 self.state[p]["exp_avg"].copy_(averaged[p])
-                c.mask_(self.state[p]["exp_avg"], group)
+                mask_(self.state[p]["exp_avg"], group)
         for group, p in items:
             state = self.state[p]
             state["step"] = t
-            w = c.master(p, state)
+            w = master(p, state)
             # the variance (and its correction) frozen after the warm-up
             F.adam_step_(w, state["exp_avg"], state["exp_avg_sq"], group, t,
                          min(t, self.freeze_step))
-            c.write_back(p, state)
+            write_back(p, state)
         self.schedule.advance(kind)

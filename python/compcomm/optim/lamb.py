@@ -7,13 +7,15 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from ..schedule import FreezeSchedule, StepKind
-from . import _common as c
-from . import _functional as F
 from ..collectives import padded_numel
+from ..schedule import FreezeSchedule, StepKind
+from . import _functional as F
+from ._params import mask_, master, write_back
+from ._validation import check_common, check_int, check_positive
+from .base import OneBitBase
 
 
-class OneBitLamb(c.OneBitBase):
+class OneBitLamb(OneBitBase):
     r"""LAMB whose communication drops to one fused 1-bit allreduce of the momentum per step.
 
     Warm-up (steps ``1 .. freeze_step``): LAMB on gradients averaged in full precision; each
@@ -62,18 +64,18 @@ class OneBitLamb(c.OneBitBase):
                  grads_averaged: bool = False, exact_resume: bool = False,
                  compressor: Any = None) -> None:
         n = self._name
-        c.check_common(n, lr, betas, eps, weight_decay, amsgrad)
-        self.freeze_step = c.check_int(n, "freeze_step", freeze_step, 0)
-        self.max_coeff = c.check_positive(n, "max_coeff", max_coeff)
-        self.min_coeff = c.check_positive(n, "min_coeff", min_coeff)
+        check_common(n, lr, betas, eps, weight_decay, amsgrad)
+        self.freeze_step = check_int(n, "freeze_step", freeze_step, 0)
+        self.max_coeff = check_positive(n, "max_coeff", max_coeff)
+        self.min_coeff = check_positive(n, "min_coeff", min_coeff)
         if self.min_coeff > self.max_coeff:
             raise ValueError(f"{n}: argument 'min_coeff' ({min_coeff}) must be <= 'max_coeff' "
                              f"({max_coeff})")
         if not (0.0 <= coeff_beta < 1.0):
             raise ValueError(f"{n}: argument 'coeff_beta' must be in [0, 1), got {coeff_beta!r}")
         self.coeff_beta = float(coeff_beta)
-        self.factor_max = c.check_positive(n, "factor_max", factor_max)
-        self.factor_min = c.check_positive(n, "factor_min", factor_min)
+        self.factor_max = check_positive(n, "factor_max", factor_max)
+        self.factor_min = check_positive(n, "factor_min", factor_min)
         if self.factor_min > self.factor_max:
             raise ValueError(f"{n}: argument 'factor_min' ({factor_min}) must be <= 'factor_max' "
                              f"({factor_max})")
@@ -156,7 +158,7 @@ class OneBitLamb(c.OneBitBase):
         for group, p in self._params():
             st = self.state[p]
             st["step"] = t
-            w = c.master(p, st)
+            w = master(p, st)
             m, v = st["exp_avg"], st["exp_avg_sq"]
             F.adam_moments_(m, v, grads[p], group)
             if t == self.freeze_step:
@@ -168,7 +170,7 @@ class OneBitLamb(c.OneBitBase):
                                            + (1 - self.coeff_beta) * coeff)
             self.lamb_coeffs.append(coeff)
             w.add_(update * (-group["lr"] * coeff))
-            c.write_back(p, st)
+            write_back(p, st)
 
     def _compressed_step(self, t: int, grads: Dict[torch.Tensor, torch.Tensor]) -> None:
         params = self._fused_params()
@@ -206,11 +208,11 @@ class OneBitLamb(c.OneBitBase):
                 st = self.state[p]
                 m = st["exp_avg"]
                 m.div_(st["scaling_coeff"])
-                c.mask_(m, group)
+                mask_(m, group)
                 if p.grad is None:
                     continue
                 st["step"] = t
-                w = c.master(p, st)
+                w = master(p, st)
                 last = m_last[offsets[p]:offsets[p] + p.numel()].view(p.shape)
                 update, factor = F.onebit_lamb_update(
                     w, m, last, st["exp_avg_sq"], st["exp_avg_sq_fresh"], group, t,
@@ -220,7 +222,7 @@ class OneBitLamb(c.OneBitBase):
                 coeff = st["lamb_coeff_freeze"] * factor
                 self.lamb_coeffs.append(coeff)
                 w.add_(update * (-group["lr"] * coeff))
-                c.write_back(p, st)
+                write_back(p, st)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def _extra_state(self) -> Dict[str, Any]:

@@ -7,11 +7,13 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from ..schedule import StepKind, ZeroOneSchedule, legacy_kind_name
-from . import _common as c
 from . import _functional as F
+from ._params import group_mask, mask_, master, moments, write_back
+from ._validation import check_common, check_int
+from .base import OneBitBase
 
 
-class ZeroOneAdam(c.OneBitBase):
+class ZeroOneAdam(OneBitBase):
     r"""0/1 Adam: Adam with an adaptively frozen variance, 1-bit gradients and local steps.
 
     Schedule, with ``t`` the step number (1, 2, ...), identical to DeepSpeed's by user step (step 1,
@@ -76,11 +78,11 @@ class ZeroOneAdam(c.OneBitBase):
                  fused: Optional[bool] = None, check_finite: bool = True,
                  wd_in_momentum: bool = True, compressor: Any = None) -> None:
         n = self._name
-        c.check_common(n, lr, betas, eps, weight_decay, amsgrad)
-        self.var_freeze_step = c.check_int(n, "var_freeze_step", var_freeze_step, 0)
-        self.var_update_scaler = c.check_int(n, "var_update_scaler", var_update_scaler, 1)
-        self.local_step_scaler = c.check_int(n, "local_step_scaler", local_step_scaler, 1)
-        self.local_step_clipper = c.check_int(n, "local_step_clipper", local_step_clipper, 1)
+        check_common(n, lr, betas, eps, weight_decay, amsgrad)
+        self.var_freeze_step = check_int(n, "var_freeze_step", var_freeze_step, 0)
+        self.var_update_scaler = check_int(n, "var_update_scaler", var_update_scaler, 1)
+        self.local_step_scaler = check_int(n, "local_step_scaler", local_step_scaler, 1)
+        self.local_step_clipper = check_int(n, "local_step_clipper", local_step_clipper, 1)
         self.wd_in_momentum = bool(wd_in_momentum)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bool(bias_correction))
@@ -114,25 +116,26 @@ class ZeroOneAdam(c.OneBitBase):
         bc1_t, bc2_t = sched.bias_steps(kind)
         grads = self._grads(average=kind.averages)
         items = list(self._params())
-        if kind is StepKind.LOCAL:  # nothing else is sent: agree on skipping with one 4-byte all-reduce
+        if kind is StepKind.LOCAL:
+            # nothing else is sent: agree on skipping with one 4-byte all-reduce
             self._check_finite(grads.values(), agree=True)
         elif kind is StepKind.ONEBIT_GRAD:
             grads = self._compressed_average(items, lambda group, p, out: out.copy_(grads[p]))
             for group, p in items:
-                c.mask_(grads[p], group)
+                mask_(grads[p], group)
         elif kind is StepKind.SYNC:
             self._sync_step(items, grads)
         for group, p in items if kind is not StepKind.SYNC else ():
             state = self.state[p]
-            m, v = c.moments(p, state)
+            m, v = moments(p, state)
             state["step"] = t
             acc = None
             if frozen:
                 acc = self._accumulator(p, state)
                 state["lrs"] += group["lr"]
-            F.zero_one_local_(c.master(p, state), m, v, grads[p], group, bc1_t, bc2_t,
+            F.zero_one_local_(master(p, state), m, v, grads[p], group, bc1_t, bc2_t,
                               update_variance=kind is StepKind.FULL_AVERAGE, acc=acc)
-            c.write_back(p, state)
+            write_back(p, state)
         sched.advance(kind)  # once per step, as DeepSpeed does per parameter
         if sched.frozen and not frozen:
             self._zero_errors()  # the buffers now serve u instead of g: restart them
@@ -157,8 +160,8 @@ class ZeroOneAdam(c.OneBitBase):
 
         def stage(group: Dict[str, Any], p: torch.Tensor, out: torch.Tensor) -> None:
             state = self.state[p]
-            m, v = c.moments(p, state)
-            pending[p] = F.zero_one_sync_input(c.master(p, state), m, v, grads[p],
+            m, v = moments(p, state)
+            pending[p] = F.zero_one_sync_input(master(p, state), m, v, grads[p],
                                                state.get("momentum_accumulator"), group,
                                                sched.freeze_t, sched.var_updates, out)
 
@@ -167,11 +170,11 @@ class ZeroOneAdam(c.OneBitBase):
             state = self.state[p]
             update, denom = pending[p]
             state["step"] = t
-            w = c.master(p, state)
+            w = master(p, state)
             acc = self._accumulator(p, state)
             state["lrs"] += group["lr"]
             F.zero_one_sync_commit_(w, state["exp_avg"], acc, averaged[p], update, denom,
                                     state["lrs"], group, sched.freeze_t, self.wd_in_momentum,
-                                    mask=c.group_mask(group, acc))
+                                    mask=group_mask(group, acc))
             state["lrs"] = 0.0
-            c.write_back(p, state)
+            write_back(p, state)
