@@ -8,14 +8,15 @@ factory (see :func:`register_backend`).
 from __future__ import annotations
 
 import atexit
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from . import _C, _nccl
 from ._comm import TorchCommunicator, set_default_communicator
-from .collectives import DEFAULT_TIMEOUT
+from ._defaults import DEFAULT_TIMEOUT
 from .errors import UnsupportedError
 
-__all__ = ["init", "shutdown", "make_communicator", "register_backend"]
+__all__ = ["init", "shutdown", "make_communicator", "register_backend", "build_info",
+           "available_backends"]
 
 Factory = Callable[[Optional[bool], Any, float], _C.Communicator]
 
@@ -190,3 +191,38 @@ def _shutdown(keep: Optional[_C.Communicator]) -> None:
     set_default_communicator(None)  # only init() sets one
     if _C.build_info()["nccl"]:
         _nccl.shutdown_nccl(keep=keep)
+
+
+def build_info() -> Dict[str, Any]:
+    """What this build of compcomm contains.
+
+    Returns
+    -------
+    dict
+        ``cuda``, ``nccl``, ``mpi`` (bool: compiled in), ``cuda_version``, ``nccl_version``,
+        ``mpi_version`` (str or None), ``version``, ``compiler``, plus at run time ``torch_version``
+        and ``cuda_devices`` (CUDA devices visible now).
+    """
+    import torch
+
+    info = dict(_C.build_info())
+    info["torch_version"] = torch.__version__
+    info["cuda_devices"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return info
+
+
+def available_backends() -> List[str]:
+    """Backends usable in this process: ``"local"`` always; ``"torch"`` when torch.distributed is
+    available; ``"mpi"`` and ``"nccl"`` when compiled in (and, for nccl, a GPU is visible)."""
+    import torch
+    import torch.distributed as dist
+
+    info = build_info()
+    names = ["local"]
+    if dist.is_available():
+        names.append("torch")
+    if info["mpi"]:
+        names.append("mpi")
+    if info["nccl"] and torch.cuda.is_available():
+        names.append("nccl")
+    return names

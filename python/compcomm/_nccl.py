@@ -14,6 +14,7 @@ import os
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from . import _C
+from ._defaults import DEFAULT_TIMEOUT
 from .errors import UnsupportedError
 
 __all__ = ["load_nccl", "make_nccl_communicator", "nccl_library_candidates", "shutdown_nccl"]
@@ -188,8 +189,6 @@ def make_nccl_communicator(
     compcomm.errors.BackendError, compcomm.errors.CommTimeoutError
         NCCL failed to create the communicator, or the ranks did not all join in time.
     """
-    from .collectives import DEFAULT_TIMEOUT
-
     timeout_s = DEFAULT_TIMEOUT if timeout is None else float(timeout)
     if not timeout_s > 0:
         raise ValueError(

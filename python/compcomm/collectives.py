@@ -14,6 +14,7 @@ import torch
 from . import _C
 from ._buffers import buffer_of
 from ._comm import Group, resolve
+from ._defaults import DEFAULT_TIMEOUT
 from .errors import CommError
 
 __all__ = [
@@ -25,8 +26,6 @@ __all__ = [
     "DEFAULT_TIMEOUT",
 ]
 
-#: Seconds a collective waits for its peers before raising CommTimeoutError.
-DEFAULT_TIMEOUT = 600.0
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 # communicator -> {device: uint8 scratch}. Per communicator, not per device: the scratch holds the

@@ -1,5 +1,12 @@
-"""The 1-bit compressor of the optimizers: error-feedback buffers of a set of buckets, and the
-compressed average of all of them as one transaction.
+"""The compressors of the optimizers: how a set of buckets is averaged across ranks, and the
+state that averaging keeps (error-feedback buffers), behind one interface (:class:`Compressor`).
+
+:class:`OneBitCompressor` is the 1-bit compressed average with error feedback;
+:class:`IdentityCompressor` is its full-precision twin (no compression, no state), for tests and
+benchmarks that need the same optimizer without compression. A new compressor is one class with
+the methods of :class:`Compressor`; the optimizers take it as ``compressor=``.
+
+The 1-bit compressed average of all buckets is one transaction:
 
 A step of a 1-bit optimizer averages several buckets (flat fp32 tensors: the momenta of a run of
 parameters). Each bucket is exchanged (every collective and check of the compressed allreduce; only
@@ -12,16 +19,18 @@ so either every rank commits every bucket or none commits anything.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Hashable, List, Sequence, Tuple
+from typing import Callable, Dict, Hashable, List, Mapping, Protocol, Sequence, Tuple
 
 import torch
 
 from . import _C
 from ._buffers import buffer_of
-from .collectives import DEFAULT_TIMEOUT, padded_numel
-from .errors import CommError
+from ._defaults import DEFAULT_TIMEOUT
+from .collectives import padded_numel
+from .errors import CommError, NonFiniteError
 
-__all__ = ["DEFAULT_BUCKET_ELEMENTS", "OneBitCompressor", "plan_buckets"]
+__all__ = ["DEFAULT_BUCKET_ELEMENTS", "Compressor", "IdentityCompressor", "OneBitCompressor",
+           "all_finite", "plan_buckets"]
 
 #: Elements per compressed bucket when the optimizer is not told otherwise (``reduce_bucket_size``):
 #: DeepSpeed's default, 5e8. Each bucket costs three collectives, and every collective pays the
@@ -29,6 +38,15 @@ __all__ = ["DEFAULT_BUCKET_ELEMENTS", "OneBitCompressor", "plan_buckets"]
 #: 2^24-element buckets (8 buckets, 24 collectives) made the compressed step 346 ms against 125 ms
 #: for one bucket, even on unshaped links. Models larger than a bucket still pipeline.
 DEFAULT_BUCKET_ELEMENTS = 500_000_000
+
+def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether every element of ``tensors`` is finite (one host synchronisation per device)."""
+    flags: Dict[torch.device, List[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            flags.setdefault(t.device, []).append(torch.isfinite(t).all())
+    return all(bool(torch.stack(f).all()) for f in flags.values())
+
 
 # Waiting on an exchange: its collectives time out themselves; the buffers they use must outlive it.
 _FOREVER = 1e9
@@ -59,6 +77,36 @@ def plan_buckets(sizes: Sequence[Tuple[Hashable, int]], limit: int) -> List[List
         buckets[-1].append(i)
         count += n
     return buckets
+
+
+class Compressor(Protocol):
+    """What an optimizer needs from a compressor (built as ``cls(comm)``: one per communicator).
+
+    ``average_(keys, numels, stage, device)`` averages the buckets ``stage(0), stage(1), ...``
+    (``numels[i]`` fp32 elements on ``device``) in place on every rank, all or nothing (an exception on one rank is raised on every rank and leaves every
+    bucket's state unchanged); ``keys`` name the buckets whose state persists between calls.
+    ``state_dict``/``load_state_dict`` carry that state for exact resume (``{key: {name:
+    tensor}}``; empty for a stateless compressor); ``reset`` forgets it, ``zero_`` zeroes it;
+    ``keys`` lists the buckets that have state; ``nbytes`` is (state bytes, workspace bytes);
+    ``close`` releases threads.
+    """
+
+    def average_(self, keys: Sequence[Hashable], numels: Sequence[int],
+                 stage: Callable[[int], torch.Tensor], device: torch.device) -> None: ...
+
+    def keys(self) -> List[Hashable]: ...
+
+    def reset(self) -> None: ...
+
+    def zero_(self) -> None: ...
+
+    def nbytes(self) -> Tuple[int, int]: ...
+
+    def state_dict(self) -> Dict[Hashable, Dict[str, torch.Tensor]]: ...
+
+    def load_state_dict(self, state: Mapping[Hashable, Mapping[str, torch.Tensor]]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class OneBitCompressor:
@@ -192,3 +240,70 @@ class OneBitCompressor:
         if self._async is not None:
             self._async.close()
             self._async = None
+
+
+class IdentityCompressor:
+    """Full-precision average (fp32 sum all-reduce times ``1/W``), with no error feedback.
+
+    The uncompressed twin of :class:`OneBitCompressor` with the same interface: an optimizer built
+    with ``compressor=IdentityCompressor`` runs its compressed phase on exact averages (1-bit
+    Adam then is Adam with a variance frozen after ``freeze_step``), which separates what the
+    compression does from what the rest of the algorithm does. No state: checkpoints hold no
+    error buffers, and error buffers of a checkpoint are dropped on load.
+
+    Parameters
+    ----------
+    comm : compcomm Communicator
+        The group the average runs over.
+    timeout : float
+        Seconds each all-reduce may wait for peers.
+    """
+
+    def __init__(self, comm: _C.Communicator, timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.comm = comm
+        self.timeout = float(timeout)
+
+    def average_(self, keys: Sequence[Hashable], numels: Sequence[int],
+                 stage: Callable[[int], torch.Tensor], device: torch.device) -> None:
+        """Average the buckets ``stage(0), stage(1), ...`` in place on every rank (see
+        :meth:`OneBitCompressor.average_`; one rank: the buckets keep their values).
+
+        A non-finite value on any rank makes the sums non-finite on every rank, so every rank
+        raises :class:`~compcomm.errors.NonFiniteError` (only the buckets were written).
+        """
+        world = self.comm.size()
+        buckets = [stage(i) for i in range(len(keys))]
+        if world == 1:
+            return
+        for t in buckets:  # synchronous, as the optimizers' warm-up average
+            self.comm.all_reduce(buffer_of(t), _C.ReduceOp.sum, self.timeout)
+        if not all_finite(buckets):
+            raise NonFiniteError(f"[rank {self.comm.rank()}] IdentityCompressor: non-finite "
+                                 "values on some rank", "average_", "", 0, self.comm.rank())
+        inv = 1.0 / world
+        for t in buckets:
+            t.mul_(inv)
+
+    def keys(self) -> List[Hashable]:
+        """No bucket has state."""
+        return []
+
+    def reset(self) -> None:
+        """Nothing to forget."""
+
+    def zero_(self) -> None:
+        """Nothing to zero."""
+
+    def nbytes(self) -> Tuple[int, int]:
+        """(0, 0): no error buffers, no workspaces."""
+        return 0, 0
+
+    def state_dict(self) -> Dict[Hashable, Dict[str, torch.Tensor]]:
+        """``{}``: nothing to save."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[Hashable, Mapping[str, torch.Tensor]]) -> None:
+        """Drop ``state`` (error buffers of a compressing run mean nothing here)."""
+
+    def close(self) -> None:
+        """Nothing to stop."""

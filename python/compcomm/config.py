@@ -9,14 +9,16 @@ implement -- raises ``ValueError`` naming it: nothing is silently ignored.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
-import numbers
 import os
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, Union
 
 import torch
+
+from ._jsoncheck import flag as _flag
+from ._jsoncheck import number as _number
+from .optim.factory import optimizer_from_config
 
 __all__ = ["from_config", "TrainingSetup", "load_config"]
 
@@ -31,18 +33,6 @@ _TOP_KEYS = {
     "bf16",
 }
 
-# optimizer type -> (accepted params with their DeepSpeed defaults)
-_ADAM_PARAMS = {
-    "lr": 1e-3,
-    "betas": (0.9, 0.999),
-    "eps": 1e-8,
-    "weight_decay": 0.0,
-    "amsgrad": False,
-    "adam_w_mode": True,
-    "torch_adam": False,
-    "bias_correction": True,
-}
-_ONEBIT = {"onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam", "onebitlamb": "OneBitLamb"}
 _FP16_KEYS = {
     "enabled": False,
     "loss_scale": 0.0,
@@ -108,37 +98,6 @@ def load_config(config: Union[str, os.PathLike, Dict[str, Any]]) -> Dict[str, An
         raise TypeError(f"config: the top level of {os.fspath(config)!r} must be a JSON object, "
                         f"got a JSON {type(cfg).__name__}")
     return cfg
-
-
-def _number(where: str, v: Any, minimum: float = 0.0, strict: bool = False) -> None:
-    """TypeError unless ``v`` is a number; ValueError unless ``v >= minimum`` (``>`` if strict)."""
-    if isinstance(v, bool) or not isinstance(v, numbers.Real):
-        raise TypeError(f"{where} must be a number, got {type(v).__name__} {v!r}")
-    if not (v > minimum if strict else v >= minimum):  # NaN fails both
-        raise ValueError(f"{where} must be {'>' if strict else '>='} {minimum}, got {v!r}")
-
-
-def _flag(where: str, v: Any) -> None:
-    if not isinstance(v, bool):
-        raise TypeError(f"{where} must be true or false, got {v!r}")
-
-
-def _check_common_params(typ: str, params: Dict[str, Any]) -> None:
-    """The hyper-parameters every optimizer type shares, checked by name before anything runs."""
-    for k in ("lr", "eps", "weight_decay"):
-        if k in params:
-            _number(f"optimizer.params.{k}", params[k])
-    if "betas" in params:
-        b = params["betas"]
-        if not (isinstance(b, (list, tuple)) and len(b) == 2):
-            raise ValueError(f"optimizer.params.betas must be two numbers, got {b!r}")
-        for i, x in enumerate(b):
-            _number(f"optimizer.params.betas[{i}]", x)
-            if not x < 1.0:
-                raise ValueError(f"optimizer.params.betas[{i}] must be < 1, got {x!r}")
-    for k in ("amsgrad", "adam_w_mode", "torch_adam", "bias_correction"):
-        if k in params:
-            _flag(f"optimizer.params.{k}", params[k])
 
 
 def _dry_run(typ: str, cls: Callable[..., Any], kwargs: Dict[str, Any]) -> None:
@@ -209,58 +168,6 @@ def _batch_sizes(cfg: Dict[str, Any], world: int) -> tuple:
     return tb, mb, ga
 
 
-def _optimizer_factory(opt_cfg: Dict[str, Any]):
-    if not isinstance(opt_cfg, dict) or "type" not in opt_cfg:
-        raise ValueError("optimizer must be an object with a 'type' (Adam, AdamW, OneBitAdam, ...)")
-    for k in opt_cfg:
-        if k not in ("type", "params"):
-            raise ValueError(f"optimizer.{k}: unknown key (expected 'type' and 'params')")
-    typ = opt_cfg["type"]
-    if not isinstance(typ, str):
-        raise TypeError(f"optimizer.type must be a string, got {typ!r}")
-    params = opt_cfg.get("params", {}) or {}
-    if not isinstance(params, dict):
-        raise TypeError(f"optimizer.params must be an object, got {type(params).__name__}")
-    params = dict(params)
-    low = typ.lower()
-    if low in ("adam", "adamw") or low in _ONEBIT:
-        _check_common_params(typ, params)
-    if low in ("adam", "adamw"):
-        for k in params:
-            if k not in _ADAM_PARAMS:
-                raise ValueError(
-                    f"optimizer.params.{k}: not a parameter of {typ} "
-                    f"(known: {', '.join(sorted(_ADAM_PARAMS))}; use gradient_clipping, not max_grad_norm)"
-                )
-        full = dict(_ADAM_PARAMS, **params)
-        if full["bias_correction"] is not True:
-            raise ValueError("optimizer.params.bias_correction=false is not supported for Adam/AdamW")
-        # DeepSpeed's Adam is AdamW unless adam_w_mode is false; AdamW is always decoupled.
-        decoupled = low == "adamw" or full["adam_w_mode"]
-        cls = torch.optim.AdamW if decoupled else torch.optim.Adam
-        kw = {k: full[k] for k in ("lr", "eps", "weight_decay", "amsgrad")}
-        kw["betas"] = tuple(full["betas"])
-        return cls, kw, False
-    if low in _ONEBIT:
-        try:
-            from . import optim as _optim  # written on its own branch; may be absent here
-        except ImportError as e:
-            raise ValueError(
-                f"optimizer.type={typ!r} needs compcomm.optim, which this installation lacks ({e})"
-            ) from e
-        cls = getattr(_optim, _ONEBIT[low], None)
-        if cls is None:
-            raise ValueError(f"optimizer.type={typ!r}: compcomm.optim has no {_ONEBIT[low]}")
-        known = inspect.signature(cls.__init__).parameters
-        for k in params:
-            if k not in known or k in ("self", "params"):
-                raise ValueError(f"optimizer.params.{k}: not a parameter of {typ}")
-        return cls, params, True
-    raise ValueError(
-        f"optimizer.type={typ!r} is not supported (Adam, AdamW, OneBitAdam, ZeroOneAdam, OneBitLamb)"
-    )
-
-
 def from_config(
     model: torch.nn.Module,
     config: Union[str, os.PathLike, Dict[str, Any]],
@@ -319,7 +226,7 @@ def from_config(
     zero = validate_zero_config(zero_cfg)
     if "optimizer" not in cfg:
         raise ValueError("optimizer: the config needs an optimizer section")
-    opt_cls, opt_kw, onebit = _optimizer_factory(cfg["optimizer"])
+    opt_cls, opt_kw, onebit = optimizer_from_config(cfg["optimizer"])
     stage = zero["stage"]
     if stage >= 1 and onebit:
         from .zero.optimizer import _onebit_inner_kwargs, _onebit_kind

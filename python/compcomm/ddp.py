@@ -49,7 +49,7 @@ def ddp_comm_hook(optimizer: Any) -> Callable[[Any, Any], torch.futures.Future]:
     def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buf = bucket.buffer()
         averages = optimizer.next_step_averages()
-        optimizer._hook_averaged = averages  # world 1: local == average
+        optimizer.mark_grads_averaged(averages)  # world 1: local == average
         if averages and world > 1:
             buf.div_(world)
             work = dist.all_reduce(buf, group=group, async_op=True)

@@ -9,8 +9,8 @@ Replace ``torch.optim.Adam`` in a torchrun/mpirun script; the optimizer averages
 (do not wrap the model in DDP, or use :func:`compcomm.ddp_comm_hook`). See docs/optimizers.md.
 """
 
-from ._common import load_rank_checkpoint, save_rank_checkpoint
 from .adam import OneBitAdam
+from .checkpoint import load_rank_checkpoint, save_rank_checkpoint
 from .lamb import OneBitLamb
 from .zoadam import ZeroOneAdam
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Optional, Tuple
 
-import torch
+from ..schedule import FreezeSchedule, StepKind
+from . import functional as F
+from ._params import mask_, master, moments, write_back
+from ._validation import check_common, check_int
+from .base import OneBitBase
 
-from . import _common as c
 
-
-class OneBitAdam(c.OneBitBase):
+class OneBitAdam(OneBitBase):
     r"""Adam whose gradient communication drops to 1 bit per element after a warm-up.
 
     Steps ``1 .. freeze_step`` are Adam (weight decay decoupled as AdamW) on gradients averaged in
@@ -75,6 +77,11 @@ class OneBitAdam(c.OneBitBase):
         Skip (on every rank, counted in ``skipped_steps``) a step whose averaged gradients hold
         Inf/NaN: one host synchronisation per warm-up step. The compressed phase is checked by the
         compressed allreduce itself. ``False`` when the caller checks already (ZeroOptimizer).
+    compressor : class or callable, optional
+        Builds the compressor from the communicator, ``compressor(comm)``: the average of the
+        compressed phase and its error-feedback state. Default
+        :class:`compcomm.compress.OneBitCompressor`; :class:`compcomm.compress.IdentityCompressor`
+        averages in full precision (the uncompressed twin, for comparisons).
     eps_inside_sqrt, max_grad_norm :
         Accepted and ignored, as DeepSpeed does.
     """
@@ -88,53 +95,48 @@ class OneBitAdam(c.OneBitBase):
                  comm_backend_name: str = "torch", process_group: Any = None,
                  grads_averaged: bool = False, exact_resume: bool = False,
                  reduce_bucket_size: Optional[int] = None, per_parameter: bool = False,
-                 fused: Optional[bool] = None, check_finite: bool = True) -> None:
-        c.check_common(self._name, lr, betas, eps, weight_decay, amsgrad)
-        self.freeze_step = c.check_int(self._name, "freeze_step", freeze_step, 0)
+                 fused: Optional[bool] = None, check_finite: bool = True,
+                 compressor: Any = None) -> None:
+        check_common(self._name, lr, betas, eps, weight_decay, amsgrad)
+        self.freeze_step = check_int(self._name, "freeze_step", freeze_step, 0)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bool(bias_correction))
         super().__init__(params, defaults)
         self._init_common(comm_backend_name, process_group, cuda_aware, grads_averaged,
                           exact_resume, fused, reduce_bucket_size, per_parameter,
-                          check_finite)
+                          check_finite, compressor)
+        self.schedule = FreezeSchedule(self.freeze_step)
 
     @property
     def adam_freeze_key(self) -> bool:
         """True once the compressed phase has started (DeepSpeed's name)."""
-        return self.sched["step"] >= self.freeze_step
-
-    def next_step_averages(self) -> bool:
-        """Whether the next ``step()`` is a warm-up step (gradients averaged in full precision)."""
-        return self.sched["step"] + 1 <= self.freeze_step
+        return self.schedule.frozen
 
     def _step(self) -> None:
         """This optimizer's update (OneBitBase.step handles the closure and AMP skips)."""
-        t = self.sched["step"] + 1
-        warm = t <= self.freeze_step
+        kind = self.schedule.next_kind()
+        t = self.schedule.step + 1
+        warm = kind is StepKind.FULL_AVERAGE
         grads = self._grads(average=warm)
         items = list(self._params())
         if warm:
             for group, p in items:
-                m, v = c.moments(p, self.state[p])
-                b1, b2 = group["betas"]
-                m.mul_(b1).add_(grads[p], alpha=1 - b1)
-                v.mul_(b2).addcmul_(grads[p], grads[p], value=1 - b2)
+                m, v = moments(p, self.state[p])
+                F.adam_moments_(m, v, grads[p], group)
         else:
             def momentum(group, p, out):  # b1 m + (1-b1) g_local, staged: m itself waits
-                b1 = group["betas"][0]
-                m, _ = c.moments(p, self.state[p])
-                torch.mul(m, b1, out=out).add_(grads[p], alpha=1 - b1)
+                F.onebit_momentum(moments(p, self.state[p])[0], grads[p], group, out)
 
             averaged = self._compressed_average(items, momentum)
             for group, p in items:
                 self.state[p]["exp_avg"].copy_(averaged[p])
-                c.mask_(self.state[p]["exp_avg"], group)
+                mask_(self.state[p]["exp_avg"], group)
         for group, p in items:
             state = self.state[p]
             state["step"] = t
-            w = c.master(p, state)
-            m, v = state["exp_avg"], state["exp_avg_sq"]
-            update = c.adam_update(m, v, w, group, t, min(t, self.freeze_step))  # v frozen after warm-up
-            w.add_(update, alpha=-group["lr"])
-            c.write_back(p, state)
-        self.sched["step"] = t
+            w = master(p, state)
+            # the variance (and its correction) frozen after the warm-up
+            F.adam_step_(w, state["exp_avg"], state["exp_avg_sq"], group, t,
+                         min(t, self.freeze_step))
+            write_back(p, state)
+        self.schedule.advance(kind)

@@ -7,11 +7,15 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from . import _common as c
 from ..collectives import padded_numel
+from ..schedule import FreezeSchedule, StepKind
+from . import functional as F
+from ._params import mask_, master, write_back
+from ._validation import check_common, check_int, check_positive
+from .base import OneBitBase
 
 
-class OneBitLamb(c.OneBitBase):
+class OneBitLamb(OneBitBase):
     r"""LAMB whose communication drops to one fused 1-bit allreduce of the momentum per step.
 
     Warm-up (steps ``1 .. freeze_step``): LAMB on gradients averaged in full precision; each
@@ -35,7 +39,8 @@ class OneBitLamb(c.OneBitBase):
     Parameters
     ----------
     params, lr, freeze_step, bias_correction, betas, eps, weight_decay, amsgrad, cuda_aware,
-    comm_backend_name, process_group, grads_averaged, exact_resume, eps_inside_sqrt, max_grad_norm :
+    comm_backend_name, process_group, grads_averaged, exact_resume, compressor, eps_inside_sqrt,
+    max_grad_norm :
         As :class:`compcomm.optim.OneBitAdam`.
     max_coeff, min_coeff : float, default 10.0 and 0.01
         Bounds of the warm-up trust ratio.
@@ -56,20 +61,21 @@ class OneBitLamb(c.OneBitBase):
                  amsgrad: bool = False, cuda_aware: bool = False, comm_backend_name: str = "torch",
                  coeff_beta: float = 0.9, factor_max: float = 4.0, factor_min: float = 0.5,
                  factor_threshold: float = 0.1, process_group: Any = None,
-                 grads_averaged: bool = False, exact_resume: bool = False) -> None:
+                 grads_averaged: bool = False, exact_resume: bool = False,
+                 compressor: Any = None) -> None:
         n = self._name
-        c.check_common(n, lr, betas, eps, weight_decay, amsgrad)
-        self.freeze_step = c.check_int(n, "freeze_step", freeze_step, 0)
-        self.max_coeff = c.check_positive(n, "max_coeff", max_coeff)
-        self.min_coeff = c.check_positive(n, "min_coeff", min_coeff)
+        check_common(n, lr, betas, eps, weight_decay, amsgrad)
+        self.freeze_step = check_int(n, "freeze_step", freeze_step, 0)
+        self.max_coeff = check_positive(n, "max_coeff", max_coeff)
+        self.min_coeff = check_positive(n, "min_coeff", min_coeff)
         if self.min_coeff > self.max_coeff:
             raise ValueError(f"{n}: argument 'min_coeff' ({min_coeff}) must be <= 'max_coeff' "
                              f"({max_coeff})")
         if not (0.0 <= coeff_beta < 1.0):
             raise ValueError(f"{n}: argument 'coeff_beta' must be in [0, 1), got {coeff_beta!r}")
         self.coeff_beta = float(coeff_beta)
-        self.factor_max = c.check_positive(n, "factor_max", factor_max)
-        self.factor_min = c.check_positive(n, "factor_min", factor_min)
+        self.factor_max = check_positive(n, "factor_max", factor_max)
+        self.factor_min = check_positive(n, "factor_min", factor_min)
         if self.factor_min > self.factor_max:
             raise ValueError(f"{n}: argument 'factor_min' ({factor_min}) must be <= 'factor_max' "
                              f"({factor_max})")
@@ -81,7 +87,8 @@ class OneBitLamb(c.OneBitBase):
                         bias_correction=bool(bias_correction))
         super().__init__(params, defaults)
         self._init_common(comm_backend_name, process_group, cuda_aware, grads_averaged,
-                          exact_resume)
+                          exact_resume, compressor=compressor)
+        self.schedule = FreezeSchedule(self.freeze_step)
         self._flat: Optional[torch.Tensor] = None
         self._pad_restore: Optional[torch.Tensor] = None
         self.lamb_coeffs: List[float] = []
@@ -89,11 +96,7 @@ class OneBitLamb(c.OneBitBase):
     @property
     def lamb_freeze_key(self) -> bool:
         """True once the compression stage has started (DeepSpeed's name)."""
-        return self.sched["step"] >= self.freeze_step
-
-    def next_step_averages(self) -> bool:
-        """Whether the next ``step()`` is a warm-up step (gradients averaged in full precision)."""
-        return self.sched["step"] + 1 <= self.freeze_step
+        return self.schedule.frozen
 
     def get_lamb_coeffs(self) -> List[float]:
         """The per-parameter LAMB coefficients applied in the last step."""
@@ -139,8 +142,9 @@ class OneBitLamb(c.OneBitBase):
     # -- step ----------------------------------------------------------------------------------
     def _step(self) -> None:
         """This optimizer's update (OneBitBase.step handles the closure and AMP skips)."""
-        t = self.sched["step"] + 1
-        warm = t <= self.freeze_step
+        kind = self.schedule.next_kind()
+        t = self.schedule.step + 1
+        warm = kind is StepKind.FULL_AVERAGE
         self._ensure_fused()
         grads = self._grads(average=warm)
         self.lamb_coeffs = []
@@ -148,32 +152,25 @@ class OneBitLamb(c.OneBitBase):
             self._warm_step(t, grads)
         else:
             self._compressed_step(t, grads)
-        self.sched["step"] = t
+        self.schedule.advance(kind)
 
     def _warm_step(self, t: int, grads: Dict[torch.Tensor, torch.Tensor]) -> None:
         for group, p in self._params():
             st = self.state[p]
             st["step"] = t
-            w = c.master(p, st)
-            g = grads[p]
+            w = master(p, st)
             m, v = st["exp_avg"], st["exp_avg_sq"]
-            b1, b2 = group["betas"]
-            m.mul_(b1).add_(g, alpha=1 - b1)
-            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            F.adam_moments_(m, v, grads[p], group)
             if t == self.freeze_step:
                 st["exp_avg_sq_fresh"] = v.clone()
-            update = c.adam_update(m, v, w, group, t, t)
-            wn = float(w.norm())
-            un = float(update.norm())
-            coeff = 1.0
-            if wn != 0 and un != 0:
-                coeff = min(max(wn / un, self.min_coeff), self.max_coeff)
+            update = F.adam_update(m, v, w, group, t, t)
+            coeff = F.lamb_trust_ratio(w, update, self.min_coeff, self.max_coeff)
             if coeff != 1.0:
                 st["lamb_coeff_freeze"] = (self.coeff_beta * st["lamb_coeff_freeze"]
                                            + (1 - self.coeff_beta) * coeff)
             self.lamb_coeffs.append(coeff)
             w.add_(update * (-group["lr"] * coeff))
-            c.write_back(p, st)
+            write_back(p, st)
 
     def _compressed_step(self, t: int, grads: Dict[torch.Tensor, torch.Tensor]) -> None:
         params = self._fused_params()
@@ -212,41 +209,21 @@ class OneBitLamb(c.OneBitBase):
                 st = self.state[p]
                 m = st["exp_avg"]
                 m.div_(st["scaling_coeff"])
-                c.mask_(m, group)
+                mask_(m, group)
                 if p.grad is None:
                     continue
                 st["step"] = t
-                w = c.master(p, st)
-                b1, b2 = group["betas"]
+                w = master(p, st)
                 last = m_last[offsets[p]:offsets[p] + p.numel()].view(p.shape)
-                ghat = (m - last * b1) / (1 - b1)
-                vf = st["exp_avg_sq_fresh"]
-                vf.mul_(b2).addcmul_(ghat, ghat, value=1 - b2)
-                denom = st["exp_avg_sq"].sqrt().add_(group["eps"])
-                denom_real = vf.sqrt().add_(group["eps"])
-                factor = float((denom / denom_real).max())
-                if group["bias_correction"]:
-                    bc2 = c.sqrt_bc(b2, self.freeze_step)
-                    u_pre = m / (st["exp_avg_sq"].sqrt().div_(bc2).add_(group["eps"]))
-                    u_pre.div_(1.0 - b1 ** t)
-                else:
-                    u_pre = m / denom
-                if group["weight_decay"] > 0:
-                    update = u_pre + group["weight_decay"] * w
-                    un = float(update.norm())
-                    ratio = min(1.0, float(u_pre.norm()) / un) if un > 0 else 1.0
-                    factor = factor * ratio + (1.0 - ratio)
-                else:
-                    update = u_pre
-                factor = min(max(factor, self.factor_min), self.factor_max)
-                lf = st["last_factor"]
-                factor = min(factor, lf * (1.0 + self.factor_threshold))
-                factor = max(factor, lf * (1.0 - self.factor_threshold))
+                update, factor = F.onebit_lamb_update(
+                    w, m, last, st["exp_avg_sq"], st["exp_avg_sq_fresh"], group, t,
+                    self.freeze_step, st["last_factor"], self.factor_min, self.factor_max,
+                    self.factor_threshold)
                 st["last_factor"] = factor
                 coeff = st["lamb_coeff_freeze"] * factor
                 self.lamb_coeffs.append(coeff)
                 w.add_(update * (-group["lr"] * coeff))
-                c.write_back(p, st)
+                write_back(p, st)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def _extra_state(self) -> Dict[str, Any]:

@@ -6,10 +6,14 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from . import _common as c
+from ..schedule import StepKind, ZeroOneSchedule, legacy_kind_name
+from . import functional as F
+from ._params import group_mask, mask_, master, moments, write_back
+from ._validation import check_common, check_int
+from .base import OneBitBase
 
 
-class ZeroOneAdam(c.OneBitBase):
+class ZeroOneAdam(OneBitBase):
     r"""0/1 Adam: Adam with an adaptively frozen variance, 1-bit gradients and local steps.
 
     Schedule, with ``t`` the step number (1, 2, ...), identical to DeepSpeed's by user step (step 1,
@@ -38,7 +42,7 @@ class ZeroOneAdam(c.OneBitBase):
     ----------
     params, lr, betas, eps, weight_decay, amsgrad, cuda_aware, comm_backend_name, process_group,
     grads_averaged, exact_resume, reduce_bucket_size, per_parameter, fused, check_finite,
-    eps_inside_sqrt, max_grad_norm :
+    compressor, eps_inside_sqrt, max_grad_norm :
         As :class:`compcomm.optim.OneBitAdam`.
     bias_correction : bool, default False
     var_freeze_step : int, default 100000
@@ -71,102 +75,69 @@ class ZeroOneAdam(c.OneBitBase):
                  comm_backend_name: str = "torch", process_group: Any = None,
                  grads_averaged: bool = False, exact_resume: bool = False,
                  reduce_bucket_size: Optional[int] = None, per_parameter: bool = False,
-                 fused: Optional[bool] = None, check_finite: bool = True, wd_in_momentum: bool = True) -> None:
+                 fused: Optional[bool] = None, check_finite: bool = True,
+                 wd_in_momentum: bool = True, compressor: Any = None) -> None:
         n = self._name
-        c.check_common(n, lr, betas, eps, weight_decay, amsgrad)
-        self.var_freeze_step = c.check_int(n, "var_freeze_step", var_freeze_step, 0)
-        self.var_update_scaler = c.check_int(n, "var_update_scaler", var_update_scaler, 1)
-        self.local_step_scaler = c.check_int(n, "local_step_scaler", local_step_scaler, 1)
-        self.local_step_clipper = c.check_int(n, "local_step_clipper", local_step_clipper, 1)
+        check_common(n, lr, betas, eps, weight_decay, amsgrad)
+        self.var_freeze_step = check_int(n, "var_freeze_step", var_freeze_step, 0)
+        self.var_update_scaler = check_int(n, "var_update_scaler", var_update_scaler, 1)
+        self.local_step_scaler = check_int(n, "local_step_scaler", local_step_scaler, 1)
+        self.local_step_clipper = check_int(n, "local_step_clipper", local_step_clipper, 1)
         self.wd_in_momentum = bool(wd_in_momentum)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bool(bias_correction))
         super().__init__(params, defaults)
         self._init_common(comm_backend_name, process_group, cuda_aware, grads_averaged,
                           exact_resume, fused, reduce_bucket_size, per_parameter,
-                          check_finite)
-        self.sched.update(self._fresh_schedule())
-
-    @staticmethod
-    def _fresh_schedule() -> Dict[str, Any]:
-        return {"step": 0, "var_interval": 1, "var_counter": 0, "local_step_interval": 1,
-                "local_step_counter": 0, "freeze_key": False, "var_updates": 0, "freeze_t": 0}
+                          check_finite, compressor)
+        self.schedule = ZeroOneSchedule(self.var_freeze_step, self.var_update_scaler,
+                                        self.local_step_scaler, self.local_step_clipper)
 
     @property
     def freeze_key(self) -> bool:
         """True once the variance is frozen (local-step phase)."""
-        return bool(self.sched["freeze_key"])
-
-    def next_step_averages(self) -> bool:
-        """Whether the next ``step()`` updates the variance (gradients averaged in full precision)."""
-        s = self.sched
-        return (not s["freeze_key"]) and (s["step"] + 1) % s["var_interval"] == 0
+        return self.schedule.frozen
 
     def step_kind(self, t: Optional[int] = None) -> str:
         """What step ``t`` (default: the next) does: ``'var'`` (fp32 gradient average, variance
         update), ``'grad1bit'`` (1-bit gradient average), ``'local'`` or ``'sync'`` (frozen
-        phase). Only meaningful for the next step, since the schedule evolves."""
-        s = self.sched
-        t = s["step"] + 1 if t is None else t
-        if not s["freeze_key"]:
-            return "var" if t % s["var_interval"] == 0 else "grad1bit"
-        return "sync" if t % s["local_step_interval"] == 0 else "local"
+        phase). Only meaningful for the next step, since the schedule evolves. The strings of
+        ``self.schedule.next_kind()`` (:class:`compcomm.schedule.StepKind`), kept for callers
+        written before it."""
+        kind = self.schedule.next_kind() if t is None else self.schedule.kind(t)
+        return legacy_kind_name(kind)
 
     def _step(self) -> None:
         """This optimizer's update (OneBitBase.step handles the closure and AMP skips)."""
-        s = self.sched
-        t = s["step"] + 1
-        kind = self.step_kind(t)
-        frozen = s["freeze_key"]
-        grads = self._grads(average=(kind == "var"))
+        sched = self.schedule
+        t = sched.step + 1
+        kind = sched.next_kind()
+        frozen = sched.frozen
+        bc1_t, bc2_t = sched.bias_steps(kind)
+        grads = self._grads(average=kind.averages)
         items = list(self._params())
-        if kind == "local":  # nothing else is sent: agree on skipping with one 4-byte all-reduce
+        if kind is StepKind.LOCAL:
+            # nothing else is sent: agree on skipping with one 4-byte all-reduce
             self._check_finite(grads.values(), agree=True)
-        elif kind == "grad1bit":
+        elif kind is StepKind.ONEBIT_GRAD:
             grads = self._compressed_average(items, lambda group, p, out: out.copy_(grads[p]))
             for group, p in items:
-                c.mask_(grads[p], group)
-        elif kind == "sync":
+                mask_(grads[p], group)
+        elif kind is StepKind.SYNC:
             self._sync_step(items, grads)
-        if kind == "var":
-            s["var_updates"] += 1
-        for group, p in items if kind != "sync" else ():
+        for group, p in items if kind is not StepKind.SYNC else ():
             state = self.state[p]
-            m, v = c.moments(p, state)
+            m, v = moments(p, state)
             state["step"] = t
-            w = c.master(p, state)
-            g = grads[p]
-            b1, b2 = group["betas"]
-            lr = group["lr"]
-            if kind == "var":
-                v.mul_(b2).addcmul_(g, g, value=1 - b2)
-            m.mul_(b1).add_(g, alpha=1 - b1)
-            update = c.adam_update(m, v, w, group, s["freeze_t"] if frozen else t,
-                                   s["var_updates"])
-            update.mul_(-lr)
-            w.add_(update)
+            acc = None
             if frozen:
                 acc = self._accumulator(p, state)
-                state["lrs"] += lr
-                acc.add_(update)
-            c.write_back(p, state)
-        # schedule bookkeeping (once per step, as DeepSpeed does per parameter)
-        if not frozen:
-            if kind == "var" and t > 1:  # step 1 stands for DeepSpeed's uncounted init call
-                s["var_counter"] += 1
-                if s["var_counter"] == self.var_update_scaler:
-                    s["var_counter"] = 0
-                    s["var_interval"] *= 2
-        else:
-            s["local_step_counter"] += 1
-            if s["local_step_counter"] == self.local_step_scaler:
-                s["local_step_counter"] = 0
-                s["local_step_interval"] = min(self.local_step_clipper,
-                                               2 * s["local_step_interval"])
-        s["step"] = t
-        if not frozen and t > self.var_freeze_step:
-            s["freeze_key"] = True
-            s["freeze_t"] = t
+                state["lrs"] += group["lr"]
+            F.zero_one_local_(master(p, state), m, v, grads[p], group, bc1_t, bc2_t,
+                              update_variance=kind is StepKind.FULL_AVERAGE, acc=acc)
+            write_back(p, state)
+        sched.advance(kind)  # once per step, as DeepSpeed does per parameter
+        if sched.frozen and not frozen:
             self._zero_errors()  # the buffers now serve u instead of g: restart them
 
     @staticmethod
@@ -183,53 +154,27 @@ class ZeroOneAdam(c.OneBitBase):
         eps)`` is 1-bit averaged, the parameters roll back to the last synchronised point and take
         the averaged update, and the momentum becomes the lr-weighted average momentum. The update
         is computed while staging, and nothing is written before the average has succeeded."""
-        s = self.sched
-        t = s["step"] + 1
+        sched = self.schedule
+        t = sched.step + 1
         pending: Dict[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = {}
 
         def stage(group: Dict[str, Any], p: torch.Tensor, out: torch.Tensor) -> None:
             state = self.state[p]
-            m, v = c.moments(p, state)
-            b1 = group["betas"][0]
-            m_new = torch.mul(m, b1).add_(grads[p], alpha=1 - b1)
-            denom = c.adam_denom(v, group, s["var_updates"])
-            update = c.adam_update(m_new, v, c.master(p, state), group, s["freeze_t"],
-                                   s["var_updates"], denom=denom).mul_(-group["lr"])
-            acc = state.get("momentum_accumulator")
-            (torch.add(acc, update, out=out) if acc is not None else out.copy_(update)).mul_(denom)
-            pending[p] = (update, denom)
+            m, v = moments(p, state)
+            pending[p] = F.zero_one_sync_input(master(p, state), m, v, grads[p],
+                                               state.get("momentum_accumulator"), group,
+                                               sched.freeze_t, sched.var_updates, out)
 
         averaged = self._compressed_average(items, stage)
         for group, p in items:
             state = self.state[p]
             update, denom = pending[p]
             state["step"] = t
-            w = c.master(p, state)
-            acc, m = self._accumulator(p, state), state["exp_avg"]
+            w = master(p, state)
+            acc = self._accumulator(p, state)
             state["lrs"] += group["lr"]
-            w.add_(update)
-            acc.add_(update)
-            w.sub_(acc)  # roll back to the last synchronised parameters
-            acc.copy_(averaged[p])
-            c.mask_(acc, group)
-            torch.div(acc, -state["lrs"], out=m)
-            wd = group["weight_decay"]
-            if wd > 0 and not self.wd_in_momentum:
-                # acc also holds -sum(lr*wd*w)*denom (the decoupled weight decay of the local
-                # steps); keep it out of the rebuilt momentum (else wd is re-applied through m
-                # at every later step: ~1/(1-beta1) times the asked-for weight decay)
-                corr = w * denom
-                corr.mul_(wd)
-                c.mask_(corr, group)
-                m.sub_(corr)
-            if group["bias_correction"]:
-                m.mul_(1.0 - group["betas"][0] ** s["freeze_t"])
-            w.add_(acc / denom)
-            acc.zero_()
+            F.zero_one_sync_commit_(w, state["exp_avg"], acc, averaged[p], update, denom,
+                                    state["lrs"], group, sched.freeze_t, self.wd_in_momentum,
+                                    mask=group_mask(group, acc))
             state["lrs"] = 0.0
-            c.write_back(p, state)
-
-    def _sched_from_state(self) -> Dict[str, Any]:
-        s = self._fresh_schedule()
-        s.update(super()._sched_from_state())
-        return s
+            write_back(p, state)

@@ -39,7 +39,7 @@ import torch
 from .. import _C
 from .._buffers import buffer_of
 from ..errors import NonFiniteError
-from ..optim import _common as c
+from ..optim.functional import adam_update
 
 __all__ = ["MODES", "ReplicatedMomentum"]
 
@@ -90,7 +90,9 @@ class ReplicatedMomentum:
     def _shard_state(self, gi: int) -> Dict[str, Any]:
         grp = self.opt.groups[gi]
         st = self.opt.optimizer.state[grp.master]
-        c.moments(grp.master, st)  # zeros if no warm-up step ran (freeze_step=0)
+        if "exp_avg" not in st:  # zeros if no warm-up step ran (freeze_step=0)
+            st["exp_avg"] = torch.zeros_like(grp.master, dtype=torch.float32)
+            st["exp_avg_sq"] = torch.zeros_like(grp.master, dtype=torch.float32)
         return st
 
     def _ensure(self) -> None:
@@ -208,7 +210,7 @@ class ReplicatedMomentum:
                 w = self.w[gi] if gi in self.w else grp.flat
                 m, v = self.m[gi], self.v[gi]
             # variance frozen since the warm-up: its correction too, as unsharded OneBitAdam
-            update = c.adam_update(m, v, w, group, t, min(t, inner.freeze_step))
+            update = adam_update(m, v, w, group, t, min(t, inner.freeze_step))
             w.add_(update, alpha=-group["lr"])
             st["step"] = t
             if self.mode == "no_allgather":

@@ -1177,7 +1177,7 @@ def initialize(
         Further ZeroOptimizer arguments (``gradient_accumulation_steps``, ``gradient_clipping``,
         ``loss_scale``, ``timeout``).
     """
-    from ..config import _optimizer_factory
+    from ..optim.factory import optimizer_from_config as _optimizer_factory
     from .config import validate_zero_config
 
     zero = validate_zero_config(zero_config)

@@ -1,5 +1,6 @@
-"""What the 1-bit optimizers share: argument checks, the communicator, gradient averaging,
-fp32 master copies, error buffers, GradScaler integration and checkpoint helpers.
+"""The base class of the 1-bit optimizers: the communicator and compressor, gradient
+averaging, the bucket plan of the compressed average, skipped steps (GradScaler or non-finite
+values) and the state dict with its exact-resume part.
 
 Every optimizer here follows the same life cycle (ONEBIT_SPEC.md, policy section):
 
@@ -17,216 +18,23 @@ Every optimizer here follows the same life cycle (ONEBIT_SPEC.md, policy section
 
 from __future__ import annotations
 
-import math
-import os
+import copy
 import warnings
+from collections import defaultdict
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from .. import _C
-from .._buffers import buffer_of
-from .._checkpoint import atomic_save, read_checkpoint
-from .._comm import resolve
-from ..collectives import DEFAULT_TIMEOUT, compressed_allreduce, error_buffers, padded_numel
 from ..compress import DEFAULT_BUCKET_ELEMENTS, OneBitCompressor, plan_buckets
-from ..errors import NonFiniteError, UnsupportedError
+from ..errors import NonFiniteError
+from ..schedule import FreezeSchedule
+from ._grads import all_finite, all_max, average_, fp32_grad, resolve_comm
 from ._state import ERROR_KEYS, validate_state_dict
+from ._validation import check_int, check_masks
 
-#: Elements per full-precision allreduce bucket in the warm-up (fp32: 16 MiB).
-BUCKET_ELEMENTS = 4 * 1024 * 1024
-
-_LOW = (torch.float16, torch.bfloat16)
+__all__ = ["OneBitBase"]
 
 
-# --------------------------------------------------------------------------------------------
-# argument checks
-# --------------------------------------------------------------------------------------------
-def check_common(name: str, lr: float, betas: Tuple[float, float], eps: float, weight_decay: float,
-                 amsgrad: bool) -> None:
-    """Raise ValueError/UnsupportedError naming the bad argument of optimizer ``name``."""
-    if amsgrad:
-        raise UnsupportedError(f"{name}: argument 'amsgrad' is not supported by 1-bit optimizers "
-                               "(the frozen variance makes it meaningless); pass amsgrad=False")
-    if not (isinstance(lr, (int, float)) and lr >= 0.0):
-        raise ValueError(f"{name}: argument 'lr' must be a number >= 0, got {lr!r}")
-    if not (isinstance(eps, (int, float)) and eps >= 0.0):
-        raise ValueError(f"{name}: argument 'eps' must be >= 0, got {eps!r}")
-    if not (isinstance(weight_decay, (int, float)) and weight_decay >= 0.0):
-        raise ValueError(f"{name}: argument 'weight_decay' must be >= 0, got {weight_decay!r}")
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"{name}: argument 'betas' must be two numbers in [0, 1), got {betas!r}")
-
-
-def check_int(name: str, arg: str, value: Any, minimum: int) -> int:
-    """``value`` as an int ``>= minimum`` or a ValueError naming ``arg``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}: argument '{arg}' must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def check_positive(name: str, arg: str, value: Any) -> float:
-    """``value`` as a float ``> 0`` or a ValueError naming ``arg``."""
-    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
-        raise ValueError(f"{name}: argument '{arg}' must be a number > 0, got {value!r}")
-    return float(value)
-
-
-def check_masks(name: str, param_groups: List[Dict[str, Any]]) -> None:
-    """Each group's ``exp_avg_mask`` must broadcast against every parameter of the group."""
-    for gi, group in enumerate(param_groups):
-        mask = group.get("exp_avg_mask")
-        if mask is None:
-            continue
-        if not isinstance(mask, torch.Tensor):
-            raise TypeError(f"{name}: param group {gi}: 'exp_avg_mask' must be a torch.Tensor, "
-                            f"got {type(mask).__name__}")
-        for pi, p in enumerate(group["params"]):
-            try:
-                shape = torch.broadcast_shapes(mask.shape, p.shape)
-            except RuntimeError:
-                shape = None
-            if shape != p.shape:
-                raise ValueError(f"{name}: param group {gi}: 'exp_avg_mask' of shape "
-                                 f"{tuple(mask.shape)} does not broadcast to parameter {pi} of shape "
-                                 f"{tuple(p.shape)}")
-
-
-# --------------------------------------------------------------------------------------------
-# communicator
-# --------------------------------------------------------------------------------------------
-def resolve_comm(name: str, comm_backend_name: str, process_group: Any) -> Any:
-    """The compcomm Communicator the optimizer talks through.
-
-    ``'torch'`` (default): ``process_group`` (a torch ProcessGroup or compcomm Communicator;
-    ``None`` = compcomm's default group). ``'mpi'`` / ``'nccl'``: the compcomm backend of that name,
-    which must be available in this build and initialised with ``compcomm.init(backend=...)``.
-    """
-    import compcomm
-
-    if comm_backend_name in ("torch", "gloo"):
-        return resolve(process_group)
-    if comm_backend_name not in ("mpi", "nccl"):
-        raise ValueError(f"{name}: argument 'comm_backend_name' must be 'torch', 'mpi' or 'nccl', "
-                         f"got {comm_backend_name!r}")
-    available = compcomm.available_backends()
-    if comm_backend_name not in available:
-        raise UnsupportedError(
-            f"{name}: comm_backend_name={comm_backend_name!r} is not available in this build/machine "
-            f"(available: {available}); use comm_backend_name='torch'")
-    if process_group is not None:
-        return resolve(process_group)
-    comm = resolve(None)
-    if not comm.backend_name().startswith(comm_backend_name):
-        raise UnsupportedError(
-            f"{name}: comm_backend_name={comm_backend_name!r} needs "
-            f"compcomm.init(backend={comm_backend_name!r}) first (default group is "
-            f"{comm.backend_name()!r})")
-    return comm
-
-
-# --------------------------------------------------------------------------------------------
-# gradients
-# --------------------------------------------------------------------------------------------
-def fp32_grad(p: torch.Tensor) -> torch.Tensor:
-    """A contiguous fp32 copy of the gradient of ``p`` (the optimizer never writes ``p.grad``)."""
-    g = p.grad
-    if g.is_sparse:
-        raise UnsupportedError("compcomm optimizers do not support sparse gradients")
-    return g.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
-
-
-def average_(tensors: List[torch.Tensor], comm: Any, timeout: float = DEFAULT_TIMEOUT) -> None:
-    """Average fp32 ``tensors`` across ranks in place with bucketed full-precision allreduces.
-
-    Tensors are flattened into buckets of at most :data:`BUCKET_ELEMENTS` elements (a larger tensor
-    is reduced on its own); each bucket is summed with one allreduce and multiplied by ``1/W``.
-    """
-    world = comm.size()
-    if world == 1 or not tensors:
-        return
-    inv = 1.0 / world
-    bucket: List[torch.Tensor] = []
-    count = 0
-
-    def flush() -> None:
-        if not bucket:
-            return
-        flat = torch.cat([t.reshape(-1) for t in bucket]) if len(bucket) > 1 else \
-            bucket[0].reshape(-1).clone()
-        comm.all_reduce(buffer_of(flat), _C.ReduceOp.sum, timeout)
-        flat.mul_(inv)
-        off = 0
-        for t in bucket:
-            t.copy_(flat[off:off + t.numel()].view_as(t))
-            off += t.numel()
-        bucket.clear()
-
-    for t in tensors:
-        if count + t.numel() > BUCKET_ELEMENTS:
-            flush()
-            count = 0
-        bucket.append(t)
-        count += t.numel()
-    flush()
-
-
-def all_max(flag: float, comm: Any, device: Optional[torch.device] = None) -> float:
-    """The maximum of a float over the ranks (for agreeing on skipped steps); ``device``: where the
-    4-byte buffer lives (the parameters' device: a native NCCL communicator needs CUDA memory)."""
-    if comm.size() == 1:
-        return flag
-    t = torch.tensor([flag], dtype=torch.float32, device=device)
-    comm.all_reduce(buffer_of(t), _C.ReduceOp.max, DEFAULT_TIMEOUT)
-    return float(t.item())
-
-
-def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
-    """Whether every element of ``tensors`` is finite (one host synchronisation)."""
-    flags: Dict[torch.device, List[torch.Tensor]] = {}
-    for t in tensors:
-        if t.numel():
-            flags.setdefault(t.device, []).append(torch.isfinite(t).all())
-    return all(bool(torch.stack(f).all()) for f in flags.values())
-
-
-# --------------------------------------------------------------------------------------------
-# fp32 master copies of low-precision parameters
-# --------------------------------------------------------------------------------------------
-def master(p: torch.Tensor, state: Dict[str, Any]) -> torch.Tensor:
-    """The fp32 tensor the update is applied to: ``p`` itself if fp32, else a kept fp32 copy."""
-    if p.dtype == torch.float32:
-        return p.data
-    m = state.get("master_param")
-    if m is None:
-        m = p.detach().to(torch.float32).clone()
-        state["master_param"] = m
-    return m
-
-
-def write_back(p: torch.Tensor, state: Dict[str, Any]) -> None:
-    """Copy the fp32 master copy into a low-precision ``p`` (round to nearest)."""
-    if p.dtype != torch.float32:
-        p.data.copy_(state["master_param"])
-
-
-# --------------------------------------------------------------------------------------------
-# masks
-# --------------------------------------------------------------------------------------------
-def mask_(t: torch.Tensor, group: Dict[str, Any]) -> None:
-    """Multiply ``t`` by the group's ``exp_avg_mask`` (moved to ``t``'s device once)."""
-    mask = group.get("exp_avg_mask")
-    if mask is None:
-        return
-    if mask.device != t.device or mask.dtype != t.dtype:
-        mask = mask.to(device=t.device, dtype=t.dtype)
-        group["exp_avg_mask"] = mask
-    t.mul_(mask)
-
-
-# --------------------------------------------------------------------------------------------
-# the base class
-# --------------------------------------------------------------------------------------------
 class OneBitBase(torch.optim.Optimizer):
     """Shared machinery of OneBitAdam, ZeroOneAdam and OneBitLamb (not for direct use)."""
 
@@ -238,7 +46,14 @@ class OneBitBase(torch.optim.Optimizer):
     def _init_common(self, comm_backend_name: str, process_group: Any, cuda_aware: bool,
                      grads_averaged: bool, exact_resume: bool, fused: Optional[bool] = None,
                      reduce_bucket_size: Optional[int] = None, per_parameter: bool = False,
-                     check_finite: bool = True) -> None:
+                     check_finite: bool = True, compressor: Any = None) -> None:
+        if compressor is None:
+            compressor = OneBitCompressor
+        if not callable(compressor):
+            raise TypeError(f"{self._name}: argument 'compressor' must be a compressor class or a "
+                            f"callable comm -> compressor, got {type(compressor).__name__}")
+        #: builds the compressor for a communicator (again when ZeroOptimizer changes it)
+        self.compressor_factory = compressor
         self.comm = resolve_comm(self._name, comm_backend_name, process_group)
         self.process_group = process_group
         self.world_size = self.comm.size()
@@ -258,7 +73,7 @@ class OneBitBase(torch.optim.Optimizer):
             self.per_parameter = not fused
             if fused:
                 self.reduce_bucket_size = 1 << 62
-        self.compressor = OneBitCompressor(self.comm)
+        self.compressor = compressor(self.comm)
         #: steps skipped because some rank met a non-finite value (nothing changed in them)
         self.skipped_steps = 0
         self._plan_key: Optional[Tuple[Any, ...]] = None
@@ -266,17 +81,17 @@ class OneBitBase(torch.optim.Optimizer):
         self._plan_desc: List[List[Tuple[int, int]]] = []
         self._staging: Dict[int, torch.Tensor] = {}
         self._loaded_errors: Optional[Tuple[List[List[Tuple[int, int]]], Dict[Any, Any]]] = None
-        self._hook_averaged = False  # set by compcomm.ddp_comm_hook for the coming step
+        self._hook_averaged = False  # mark_grads_averaged(), for the coming step only
         self._user_masks = [g.get("exp_avg_mask") for g in self.param_groups]
         check_masks(self._name, self.param_groups)
-        #: optimizer-wide step counter and schedule, saved in state_dict()["compcomm"].
-        self.sched: Dict[str, Any] = {"step": 0}
+        #: what each step does (compcomm.schedule); subclasses replace it with their own
+        self.schedule: Any = FreezeSchedule(0)
 
     def _set_comm(self, comm: Any, grads_averaged: bool) -> None:
         """Talk through ``comm`` from now on. ZeroOptimizer runs 0/1 Adam's variance phase on
         shards with a one-rank communicator and its local-step phase unsharded on the real group."""
         self.compressor.close()
-        self.compressor = OneBitCompressor(comm)
+        self.compressor = self.compressor_factory(comm)
         self._plan_key = None
         self.comm = comm
         self.world_size = comm.size()
@@ -284,9 +99,20 @@ class OneBitBase(torch.optim.Optimizer):
         self.grads_averaged = bool(grads_averaged)
 
     # -- phase queries ---------------------------------------------------------------------
+    @property
+    def sched(self) -> Dict[str, Any]:
+        """The step counter and schedule state (a copy; what ``state_dict()["compcomm"]["sched"]``
+        holds)."""
+        return self.schedule.state_dict()
+
     def next_step_averages(self) -> bool:
         """Whether the next ``step()`` needs gradients averaged in full precision (warm-up)."""
-        raise NotImplementedError
+        return self.schedule.next_kind().averages
+
+    def mark_grads_averaged(self, averaged: bool = True) -> None:
+        """Say that the gradients of the coming ``step()`` are (or are not) already averaged
+        across ranks, for that step only (what :func:`compcomm.ddp_comm_hook` calls)."""
+        self._hook_averaged = bool(averaged)
 
     def _params(self) -> Iterable[Tuple[Dict[str, Any], torch.Tensor]]:
         for group in self.param_groups:
@@ -481,7 +307,7 @@ class OneBitBase(torch.optim.Optimizer):
         with ``exact_resume=True`` -- this rank's error buffers and the bucket layout they belong to
         (save one file per rank then)."""
         sd = super().state_dict()
-        extra: Dict[str, Any] = {"sched": dict(self.sched), "world_size": self.world_size,
+        extra: Dict[str, Any] = {"sched": self.schedule.state_dict(), "world_size": self.world_size,
                                  "rank": self.rank, "exact": self.exact_resume,
                                  "skipped_steps": self.skipped_steps}
         if self.exact_resume:
@@ -530,9 +356,10 @@ class OneBitBase(torch.optim.Optimizer):
         ``per_parameter=True``); otherwise, if the checkpoint holds error buffers, a warning says
         they were reset.
 
-        The whole state dict is validated first (:func:`compcomm.optim._state.validate_state_dict`):
-        a malformed one raises TypeError/ValueError naming the bad entry and leaves this optimizer
-        unchanged. Loading is local (no communication).
+        The whole state dict is validated first
+        (:func:`compcomm.optim.checkpoint.validate_state_dict`): a malformed one raises
+        TypeError/ValueError naming the bad entry and leaves this optimizer unchanged. Loading is
+        local (no communication).
         """
         plan = validate_state_dict(self, state_dict)
         # Validated: nothing below raises, so the optimizer is never left half-loaded.
@@ -564,10 +391,8 @@ class OneBitBase(torch.optim.Optimizer):
                 self.compressor.load_state_dict(errors)
             else:  # restored when the next step builds the same buckets
                 self._loaded_errors = ([[tuple(x) for x in b] for b in layout], errors)
-        if "sched" in extra:
-            self.sched = dict(extra["sched"])
-        else:
-            self.sched = self._sched_from_state()
+        self.schedule.load_state_dict(extra["sched"] if "sched" in extra
+                                      else self._sched_from_state())
         self.skipped_steps = int(extra.get("skipped_steps", 0))
         self._load_extra_state(extra, exact)
 
@@ -575,9 +400,6 @@ class OneBitBase(torch.optim.Optimizer):
         """torch's load_state_dict without its cast of the state to the parameters' dtype (the
         state stays fp32 for fp16/bf16 parameters). ``state_dict`` was validated; the new state
         and groups are built completely before either replaces the old."""
-        import copy
-        from collections import defaultdict
-
         saved = state_dict["param_groups"]
         id_map = {old: p for s, g in zip(saved, self.param_groups)
                   for old, p in zip(s["params"], g["params"])}
@@ -599,89 +421,3 @@ class OneBitBase(torch.optim.Optimizer):
             if "step" in s:
                 return {"step": int(s["step"])}
         return {"step": 0}
-
-
-def save_rank_checkpoint(optimizer: OneBitBase, directory: str) -> str:
-    """Write this rank's ``optimizer.state_dict()`` to ``directory/optim_rank{r}_of{W}.pt``.
-
-    For exact resume (``exact_resume=True``) every rank must save its own file: error buffers,
-    and in ZeroOneAdam's local steps even the momentum, differ per rank.
-
-    The file is written atomically (a temporary file, fsynced, then renamed over the old one): a
-    process killed while saving leaves the previous checkpoint loadable.
-
-    Returns
-    -------
-    str
-        The path written.
-    """
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f"optim_rank{optimizer.rank}_of{optimizer.world_size}.pt")
-    atomic_save(optimizer.state_dict(), path)
-    return path
-
-
-def load_rank_checkpoint(optimizer: OneBitBase, directory: str) -> str:
-    """Load what :func:`save_rank_checkpoint` wrote for this rank.
-
-    If there is no file for this rank and world size (the world size changed), rank 0's file of
-    any world size is loaded instead and the error buffers are reset with a warning.
-
-    Returns
-    -------
-    str
-        The path read.
-
-    Raises
-    ------
-    FileNotFoundError
-        No checkpoint in ``directory``.
-    ValueError, TypeError
-        The file is unreadable or its state malformed (named); the optimizer is left unchanged.
-    """
-    path = os.path.join(directory, f"optim_rank{optimizer.rank}_of{optimizer.world_size}.pt")
-    if not os.path.exists(path):
-        cands = sorted(f for f in os.listdir(directory)
-                       if f.startswith("optim_rank0_of") and f.endswith(".pt"))
-        if not cands:
-            raise FileNotFoundError(f"directory: no optimizer checkpoint in {directory!r}")
-        path = os.path.join(directory, cands[0])
-    optimizer.load_state_dict(read_checkpoint(path))
-    return path
-
-
-def sqrt_bc(beta: float, t: int) -> float:
-    """``sqrt(1 - beta**t)`` (1 when ``t == 0``)."""
-    return math.sqrt(1.0 - beta ** t) if t > 0 else 1.0
-
-
-def moments(p: torch.Tensor, state: Dict[str, Any]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``p``'s fp32 first and second moments (``exp_avg``, ``exp_avg_sq``), zeros on first use."""
-    if "exp_avg" not in state:
-        state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-        state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-    return state["exp_avg"], state["exp_avg_sq"]
-
-
-def adam_denom(v: torch.Tensor, group: Dict[str, Any], bc2_t: int) -> torch.Tensor:
-    """``sqrt(v) + eps`` (eps outside the sqrt, as DeepSpeed); with the group's
-    ``bias_correction``, v corrected as of step ``bc2_t``."""
-    denom = v.sqrt()
-    if group["bias_correction"]:
-        denom.div_(sqrt_bc(group["betas"][1], bc2_t))
-    return denom.add_(group["eps"])
-
-
-def adam_update(m: torch.Tensor, v: torch.Tensor, w: torch.Tensor, group: Dict[str, Any],
-                bc1_t: int, bc2_t: int, denom: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The Adam direction ``m / (sqrt(v) + eps) (+ wd * w)``; with the group's
-    ``bias_correction``, m and v are corrected as of steps ``bc1_t`` and ``bc2_t``. ``denom``:
-    :func:`adam_denom` already computed by the caller."""
-    if denom is None:
-        denom = adam_denom(v, group, bc2_t)
-    update = m / denom
-    if group["bias_correction"]:
-        update.div_(1.0 - group["betas"][0] ** bc1_t)
-    if group["weight_decay"] > 0:
-        update.add_(w, alpha=group["weight_decay"])
-    return update
