@@ -40,17 +40,6 @@ EXTENSION = "_C"
 #: zero/ is being rewritten on its own branch (issue 15's ZeRO part); only import lines may be
 #: touched here, so its reaches stay listed until that rewrite replaces them.
 ALLOWED: Dict[Tuple[str, str, Optional[str]], str] = {
-    ("compcomm.zero.compressed", "compcomm.collectives", "_check_float32_vector"):
-        "zero/: compressed_reduce_scatter moves next to compressed_allreduce in collectives.py",
-    ("compcomm.zero.compressed", "compcomm.collectives", "_check_disjoint"): "zero/: as above",
-    ("compcomm.zero.compressed", "compcomm.collectives", "_check_timeout"): "zero/: as above",
-    ("compcomm.zero.compressed", "compcomm.collectives", "_exclusive"): "zero/: as above",
-    ("compcomm.zero.compressed", "compcomm.collectives", "_layout_total"): "zero/: as above",
-    ("compcomm.zero.compressed", "compcomm.collectives", "_workspace"): "zero/: as above",
-    ("compcomm.zero.optimizer", "compcomm.collectives", "_layout_total"):
-        "zero/: the ZeRO rewrite sizes workspaces through the compressor",
-    ("compcomm.zero.checkpoint", "compcomm.optim._state", None):
-        "zero/: the public compcomm.optim.checkpoint.validate_state_dict replaces it",
     ("compcomm.config", "compcomm.zero.optimizer", "_onebit_kind"):
         "zero/ owns the rule (OneBitLamb cannot be sharded); the ZeRO rewrite makes it public",
     ("compcomm.config", "compcomm.zero.optimizer", "_onebit_inner_kwargs"):

@@ -19,6 +19,8 @@ from .errors import CommError
 
 __all__ = [
     "compressed_allreduce",
+    "compressed_reduce_scatter",
+    "workspace_bytes",
     "error_buffers",
     "padded_numel",
     "wire_bytes",
@@ -212,6 +214,13 @@ def _check_disjoint(call: str, rank: int, **tensors: Optional[torch.Tensor]) -> 
 _layouts: dict = {}
 
 
+def workspace_bytes(padded: int, world: int, cuda: bool) -> int:
+    """Bytes of scratch one compressed call of ``padded`` elements over ``world`` ranks needs
+    (host or CUDA layout): what :func:`compressed_allreduce` and :func:`compressed_reduce_scatter`
+    (and the 1-bit exchanges of the optimizers and ZeRO) allocate per communicator."""
+    return _layout_total(padded, world, cuda)
+
+
 def _layout_total(padded: int, world: int, cuda: bool) -> int:
     key = (padded, world, cuda)
     total = _layouts.get(key)
@@ -323,3 +332,91 @@ def compressed_allreduce(
                                 buffer_of(server_error), buffer_of(ws), timeout_s, stream,
                                 bool(check) or not cuda)
     return tensor
+
+
+# The compressed allreduce stopped before its final all-gather (ZeRO's momentum shards, FSDP2's
+# gradient shards): every rank sends the packed signs of ``tensor + worker_error`` (chunk j to rank
+# j) and its scale; rank r reduces chunk r, adds its server error and compresses that again. Rank
+# r's result ``tau_r * s(c_r)`` is exactly chunk r of what compressed_allreduce returns, with the
+# same updates of both errors; it sends about half the bytes (P/8 * (W-1)/W plus a header per peer).
+def compressed_reduce_scatter(
+    tensor: torch.Tensor,
+    worker_error: torch.Tensor,
+    server_error: torch.Tensor,
+    out: Optional[torch.Tensor] = None,
+    group: Group = None,
+    *,
+    timeout: Optional[float] = None,
+) -> torch.Tensor:
+    """1-bit compressed reduce-scatter with error feedback (CPU or CUDA tensors).
+
+    Parameters
+    ----------
+    tensor : torch.Tensor
+        float32/float16/bfloat16, contiguous, on the CPU or a GPU (with a communicator that takes
+        device buffers), same numel n on every rank. On return it
+        holds this rank's chunk of the compressed average at positions ``[r*C, (r+1)*C)`` and +0
+        elsewhere (C = P / world_size).
+    worker_error : torch.Tensor
+        float32, P elements, P >= n a multiple of ``8 * world_size`` (``compcomm.error_buffers``),
+        on ``tensor``'s device.
+    server_error : torch.Tensor
+        float32, P / world_size elements.
+    out : torch.Tensor, optional
+        float32, C elements; allocated if not given.
+    group : optional
+        Process group or Communicator (default: compcomm's default).
+    timeout : float, optional
+        Seconds each collective step may wait.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A bad argument, or two arguments sharing memory (the message names them and the rank).
+    compcomm.errors.CommError
+        Another thread is running a compressed call on the same communicator.
+
+    Returns
+    -------
+    torch.Tensor
+        ``out``: this rank's chunk (C elements, padding positions included) of the compressed
+        average, identical to chunk r of :func:`compcomm.compressed_allreduce`'s result.
+    """
+    comm = resolve(group)
+    world, rank = comm.size(), comm.rank()
+    if not isinstance(tensor, torch.Tensor) or tensor.dtype not in (
+        torch.float32, torch.float16, torch.bfloat16
+    ):
+        raise TypeError(f"[rank {rank}] compressed_reduce_scatter: argument 'tensor' must be a "
+                        "float32/float16/bfloat16 torch.Tensor")
+    if tensor.device.type not in ("cpu", "cuda") or not tensor.is_contiguous():
+        raise ValueError(f"[rank {rank}] compressed_reduce_scatter: argument 'tensor' must be a "
+                         f"contiguous CPU or CUDA tensor (got {tensor.device}, contiguous="
+                         f"{tensor.is_contiguous()})")
+    if not isinstance(worker_error, torch.Tensor):
+        raise TypeError(f"[rank {rank}] compressed_reduce_scatter: argument 'worker_error' must be a tensor")
+    padded = worker_error.numel()
+    if padded < tensor.numel() or padded % (8 * world):
+        raise ValueError(
+            f"[rank {rank}] compressed_reduce_scatter: argument 'worker_error' has {padded} elements; "
+            f"it needs a multiple of 8*world_size={8 * world} that is >= tensor.numel()={tensor.numel()}"
+        )
+    _check_float32_vector(worker_error, "worker_error", rank, padded, tensor.device)
+    _check_float32_vector(server_error, "server_error", rank, padded // world, tensor.device)
+    if out is None:
+        out = torch.empty(padded // world, dtype=torch.float32, device=tensor.device)
+    _check_float32_vector(out, "out", rank, padded // world, tensor.device)
+    call = "compressed_reduce_scatter"
+    _check_disjoint(call, rank, tensor=tensor, worker_error=worker_error,
+                    server_error=server_error, out=out)
+    timeout_s = _check_timeout(call, rank, timeout)
+    with _exclusive(comm, call, rank):  # the workspace is the communicator's: one call at a time
+        total = _layout_total(padded, world, tensor.device.type == "cuda")
+        ws = _workspace(comm, tensor.device, total)
+        # on the caller's current stream (FSDP calls it on its reduce-scatter stream)
+        stream = torch.cuda.current_stream(tensor.device).cuda_stream if tensor.is_cuda else 0
+        _C.zero.compressed_reduce_scatter(
+            comm, buffer_of(tensor), buffer_of(worker_error), buffer_of(server_error),
+            buffer_of(out), buffer_of(ws), timeout_s, stream,
+        )
+    return out

@@ -27,9 +27,9 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-from .collectives import compressed_allreduce, padded_numel
+from .collectives import compressed_allreduce, compressed_reduce_scatter, padded_numel
 from .errors import UnsupportedError
-from .zero.compressed import compressed_reduce_scatter
+
 
 __all__ = ["OneBitFSDP", "OneBitReduceScatter", "onebit"]
 

@@ -136,7 +136,7 @@ def validate_shard_state_dict(opt: Any, sd: Any) -> None:
     params, iworld, irank = _inner_target(opt, local)
     inner = opt.optimizer
     if hasattr(inner, "sched") and hasattr(inner, "exact_resume"):  # a compcomm 1-bit optimizer
-        from ..optim._state import validate_state_dict
+        from ..optim.checkpoint import validate_state_dict
 
         validate_state_dict(inner, sd.get("optimizer"), params, iworld, irank, f"{w}['optimizer']")
     else:

@@ -51,7 +51,7 @@ import torch
 from .. import _C
 from .._buffers import buffer_of
 from .._comm import resolve
-from ..collectives import DEFAULT_TIMEOUT, _layout_total
+from ..collectives import DEFAULT_TIMEOUT, workspace_bytes
 from ..errors import NonFiniteError
 from .config import validate_zero_config
 from .onebit_replicated import MODES, ReplicatedMomentum
@@ -536,7 +536,7 @@ class ZeroOptimizer:
         we, se = self._error_buffers(gi, bi)
         ws = self._exchange_ws.get((gi, bi))
         if ws is None:  # zero-filled: the GPU scratch must start zeroed (every call leaves it so)
-            total = _layout_total(b["padded"], self.world, self.device.type == "cuda")
+            total = workspace_bytes(b["padded"], self.world, self.device.type == "cuda")
             ws = torch.zeros(total, dtype=torch.uint8, device=self.device)
             self._exchange_ws[(gi, bi)] = ws
         out = _shard_of(grp.master.grad, b)
