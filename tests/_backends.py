@@ -19,6 +19,7 @@ import functools
 import importlib
 import json
 import os
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass, field
@@ -195,7 +196,12 @@ def mpirun(np: int, script: Path, *args: str, timeout: float, **kw: Any) -> str:
         pytest.fail(f"{' '.join(cmd)} hung for {timeout} s:\n{e.stdout}\n{e.stderr}")
     text = out.stdout + out.stderr
     if out.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited with {out.returncode}:\n{text[-12000:]}", pytrace=False)
+        # The first failing rank's traceback (tests/mpi/runner.py marks it) first, then the output.
+        first = re.search(r"^--- .* failed on MPI rank .*?^--- end of rank's traceback ---$", text,
+                          re.S | re.M)
+        pytest.fail(f"{' '.join(cmd)} exited with {out.returncode}\n"
+                    + (first.group(0) + "\n\nfull output:\n" if first else "") + text[-12000:],
+                    pytrace=False)
     return text
 
 
