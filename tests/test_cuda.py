@@ -14,15 +14,11 @@ import torch
 import compcomm
 from compcomm import _C
 from compcomm._buffers import buffer_of
+from _backends import no_cuda_kernels, no_gpu, skipif
 
 K = _C.kernels
 
-if not torch.cuda.is_available():
-    pytestmark = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
-elif not _C.build_info()["cuda"]:
-    pytestmark = pytest.mark.skip(reason="compcomm was built without CUDA kernels (no CUDA toolkit found)")
-else:
-    pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, skipif(no_gpu() or no_cuda_kernels())]
 
 SIZES = [1, 7, 4099, 2**20 + 3, 2**26]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -1,67 +1,55 @@
-"""The MPI communicator under real mpirun: each test launches tests/mpi/<script>.py on N ranks
-(the launcher flags live in compcomm.testing.mpirun_command) and checks every rank reported OK."""
+"""The MPI communicator under real mpirun (the launcher flags live in compcomm.testing.mpirun_command).
+
+The collectives themselves are checked on MPI (and every other backend) by tests/conformance.
+Here: what only MPI has. Rank bodies run through tests/mpi/runner.py (they raise on failure; the
+failing rank's traceback is in the test's output); the older scripts tests/mpi/check_*.py print
+"RANK r OK" and are checked for it.
+"""
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
+import json
 from pathlib import Path
 from typing import Optional
 
 import pytest
 
 import compcomm
+from _backends import RUNNER, mpirun, no_mpi, no_mpi_gpu, skip_unless, skipif
 from compcomm.testing import mpirun_command
 
 HERE = Path(__file__).parent / "mpi"
 
-pytestmark = [
-    pytest.mark.mpi,
-    pytest.mark.skipif(
-        shutil.which("mpirun") is None and shutil.which("mpiexec") is None,
-        reason="no mpirun on PATH (install Open MPI)",
-    ),
-    pytest.mark.skipif(not compcomm.build_info()["mpi"], reason="compcomm was built without MPI"),
-]
+pytestmark = [pytest.mark.mpi, skipif(no_mpi())]
 
 
 def launch(np: int, script: str, timeout: float, *args: str, ranks_ok: Optional[int] = None,
            **kw) -> str:
     """Run ``script`` on ``np`` ranks; check it exited 0 and ranks 0..ranks_ok-1 (default: all)
     printed ``RANK r OK``; return its output."""
-    cmd = mpirun_command(np, str(HERE / script), *args, **kw)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{' '.join(cmd)} hung for {timeout} s:\n{e.stdout}\n{e.stderr}")
-    text = out.stdout + out.stderr
-    assert out.returncode == 0, f"{' '.join(cmd)} exited with {out.returncode}:\n{text}"
+    text = mpirun(np, HERE / script, *args, timeout=timeout, **kw)
     for r in range(np if ranks_ok is None else ranks_ok):
         assert f"RANK {r} OK" in text, text
     return text
 
 
-def _skip_without_gpu() -> None:
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    if not compcomm._C.mpi_cuda_built():
-        pytest.skip("compcomm's MPI backend was built without the CUDA runtime")
+def run_body(np: int, ref: str, *args, timeout: float) -> str:
+    """Run rank body ``ref`` ("module:function", from tests/) on ``np`` MPI ranks via runner.py."""
+    return mpirun(np, RUNNER, ref, json.dumps(list(args)), timeout=timeout)
 
 
 @pytest.mark.parametrize("np", [1, 2, 3, 4])
-def test_collectives_compressed_interop(np: int) -> None:
-    """All collectives vs numpy, compressed_allreduce MPI == gloo, typed errors, mpi4py, refusal."""
-    launch(np, "check_collectives.py", timeout=150)
+def test_interop(np: int) -> None:
+    """compressed_allreduce over MPI == over gloo bit for bit, mpi4py sub-communicators, the
+    cuda_aware=True refusal, init's type errors."""
+    run_body(np, "mpi.interop:run", timeout=150)
 
 
 @pytest.mark.parametrize("np", [1, 2, 3])
 def test_exchange_pieces(np: int) -> None:
     """all_to_all/all_gather as piecewise point-to-point exchanges: odd sizes, tiny and MiB pieces,
     in place; a compressed allreduce spanning several pieces is equal on every rank."""
-    launch(np, "check_exchange.py", timeout=200)
+    run_body(np, "mpi.exchange:run", timeout=200)
 
 
 def test_backoff_never_sleeps_while_data_may_move() -> None:
@@ -106,7 +94,7 @@ def test_absent_and_dead_peer_time_out() -> None:
 def test_gpu_buffers(np: int) -> None:
     """Device buffers: host-staged (always) and CUDA-aware (where the MPI reports support), with
     several ranks sharing one GPU."""
-    _skip_without_gpu()
+    skip_unless(no_mpi_gpu())
     launch(np, "check_gpu.py", timeout=200)
 
 
@@ -116,7 +104,7 @@ def test_zero_on_gpu(np: int, tmp_path) -> None:
     """ZeroOptimizer with CUDA parameters (stages 1-3, AdamW fp32/bf16, OneBitAdam, ZeroOneAdam's
     local phase) over host-staged MPI, ranks sharing the GPU, equals the CPU run; a GPU checkpoint
     resumes on the CPU."""
-    _skip_without_gpu()
+    skip_unless(no_mpi_gpu())
     launch(np, "check_zero_gpu.py", 240, str(tmp_path))
 
 
@@ -125,11 +113,12 @@ def test_zero_on_gpu(np: int, tmp_path) -> None:
 def test_optim_on_gpu(np: int) -> None:
     """OneBitAdam/ZeroOneAdam with CUDA parameters (several buckets exchanged on the communication
     thread) over host-staged MPI equal the CPU run; a NaN on one rank skips everywhere."""
-    _skip_without_gpu()
+    skip_unless(no_mpi_gpu())
     launch(np, "check_optim_gpu.py", 200)
 
 
 def test_mpirun_command_flags() -> None:
+    """The launcher command ends with the interpreter, script and arguments; np < 1 is refused."""
     cmd = mpirun_command(2, "x.py", "a", python="py")
     assert cmd[-3:] == ["py", "x.py", "a"] and ("-np" in cmd or "-n" in cmd)
     with pytest.raises(ValueError, match="np"):
@@ -137,6 +126,7 @@ def test_mpirun_command_flags() -> None:
 
 
 def test_init_errors_in_process() -> None:
+    """An unknown backend is a ValueError; nccl without a native NCCL build is UnsupportedError."""
     with pytest.raises(ValueError, match="backend"):
         compcomm.init("bogus")
     with pytest.raises(compcomm.errors.UnsupportedError, match="nccl"):

@@ -1,8 +1,9 @@
 """The native NCCL communicator (cpp/nccl, python/compcomm/_nccl.py).
 
 Needs a build with NCCL (CUDA toolkit and nccl.h found at build time) and, for most tests, a CUDA
-device: on a single GPU every collective runs through NCCL with one rank; tests with several ranks
-need one GPU per rank and skip otherwise. Run on a GPU machine by bench/run_nccl_gpu.sh.
+device; tests with several ranks need one GPU per rank and skip otherwise. Every collective at
+W = 1..4 is checked by tests/conformance (backend "nccl"); here is what only NCCL has. Run on a GPU
+machine by bench/run_nccl_gpu.sh.
 """
 
 from __future__ import annotations
@@ -15,33 +16,23 @@ import _nccl_cases as cases
 import compcomm
 import pytest
 import torch
+from _backends import Ctx, gpu_count, no_cuda_kernels, no_gpu, no_nccl, skip_unless, skipif
 from compcomm import _C
 from compcomm.errors import BackendError
 from compcomm.testing import mpirun_command, run_ranks
+from conformance import collective_bodies
 
-NCCL_BUILT = _C.build_info()["nccl"]
-GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-COUNTS = (0, 1, 7, 1000, 4099)
-
-needs_nccl = pytest.mark.skipif(
-    not NCCL_BUILT,
-    reason="this build has no NCCL communicator (no CUDA toolkit or nccl.h at build time)",
-)
-needs_gpu = pytest.mark.skipif(GPUS == 0, reason="no CUDA device visible")
+GPUS = gpu_count()
+needs_gpu = skipif(no_gpu())
 
 
 def needs_gpus(n: int):
-    return pytest.mark.skipif(
-        GPUS < n, reason=f"needs {n} CUDA devices (one per rank), {GPUS} visible"
-    )
+    return skipif(no_gpu(n))
 
 
-needs_cuda_kernels = pytest.mark.skipif(
-    not _C.build_info()["cuda"],
-    reason="this build has no CUDA kernels (compressed allreduce on GPU)",
-)
+needs_cuda_kernels = skipif(no_cuda_kernels())
 
-pytestmark = needs_nccl
+pytestmark = skipif(no_nccl())
 
 
 def _library_or_skip() -> str:
@@ -104,8 +95,7 @@ def test_bootstrap_without_launcher_is_a_world_of_one(monkeypatch):
 def comm():
     from compcomm._nccl import make_nccl_communicator, shutdown_nccl
 
-    if GPUS == 0:
-        pytest.skip("no CUDA device visible")
+    skip_unless(no_gpu())
     _library_or_skip()
     c = make_nccl_communicator(device=0, timeout=60)
     yield c
@@ -121,17 +111,14 @@ def test_make_is_cached_per_group_and_device(comm):
 
 
 @needs_gpu
-def test_every_op_single_rank(comm):
-    assert cases.run_ops(comm, COUNTS, torch.cuda.Stream()) == []
-
-
-@needs_gpu
-def test_every_op_single_rank_nonblocking_communicator():
+def test_every_op_single_rank_nonblocking_communicator(tmp_path):
+    """The conformance collectives on a non-blocking NCCL communicator (the suite's nccl backend
+    uses blocking ones)."""
     _library_or_skip()
     c = _C.NcclCommunicator(_C.nccl.unique_id(), 0, 1, 0, 60.0, False)
     try:
         assert not c.blocking
-        assert cases.run_ops(c, (7, 4099), torch.cuda.Stream()) == []
+        collective_bodies.collectives(Ctx(c, torch.device("cuda", c.device)), str(tmp_path))
     finally:
         c.destroy()
 
@@ -249,19 +236,10 @@ def test_no_use_after_abort_or_destroy():
 # Several ranks, one GPU each.
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_every_op_multi_rank(world):
-    if GPUS < world:
-        pytest.skip(f"needs {world} CUDA devices (one per rank), {GPUS} visible")
-    fails = run_ranks(world, cases.ops_case, (1, 7, 4099), timeout=300)
-    assert fails == [[]] * world
-
-
 @needs_cuda_kernels
 @pytest.mark.parametrize("world", [2, 4])
 def test_compressed_allreduce_multi_rank_equals_cpu(world):
-    if GPUS < world:
-        pytest.skip(f"needs {world} CUDA devices (one per rank), {GPUS} visible")
+    skip_unless(no_gpu(world))
     results = run_ranks(world, cases.compressed_case, 4099, 3, timeout=300)
     for pairs in results:
         for gpu, cpu in pairs:

@@ -2,11 +2,10 @@
 of pipeline_chunk_bytes -- on CPU buffers whose per-rank sizes do not divide into whole pieces, from
 a few bytes to several MiB (many pieces in flight, messages larger than the eager limit), in place
 and not, against the expected bytes; then a large compressed_allreduce equal on every rank. The
-same piece plan runs for host-staged device buffers (tests/mpi/check_gpu.py). Prints "RANK r OK"."""
+same piece plan runs for host-staged device buffers (tests/mpi/check_gpu.py). A rank body for
+tests/mpi/runner.py (``mpi.exchange:run``)."""
 
 from __future__ import annotations
-
-import sys
 
 import torch
 
@@ -43,8 +42,9 @@ def check(comm, rank: int, world: int, chunk: int, block: int, seed: int) -> Non
     assert torch.equal(out, want), f"{what} all_gather in place"
 
 
-if __name__ == "__main__":
-    comm = compcomm.init("mpi")
+def run(ctx) -> None:
+    """Every piece plan, then the large compressed allreduce, on the runner's communicator."""
+    comm = ctx.comm
     rank, world = comm.rank(), comm.size()
     seed = 0
     # (piece size, per-rank block sizes): tiny pieces with many messages per peer; the default
@@ -66,6 +66,3 @@ if __name__ == "__main__":
     first = m.clone()
     comm.broadcast(buffer_of(first), 0, timeout_s=T)
     assert torch.equal(m, first), f"[rank {rank}] compressed output differs from rank 0's"
-    compcomm.shutdown()
-    print(f"RANK {rank} OK", flush=True)
-    sys.exit(0)

@@ -1,0 +1,1 @@
+"""Rank bodies and scripts run under mpirun (see tests/mpi/runner.py)."""
