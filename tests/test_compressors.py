@@ -100,6 +100,6 @@ def test_compressor_argument():
 def test_identity_compressor_on_one_rank():
     comp = IdentityCompressor(LocalCommunicator())
     t = torch.arange(5.0)
-    comp.average_(["a"], lambda i: t)  # one rank: the bucket keeps its values
+    comp.average_(["a"], [t.numel()], lambda i: t, t.device)  # one rank: the bucket keeps its values
     assert torch.equal(t, torch.arange(5.0))
     assert comp.state_dict() == {} and comp.keys() == [] and comp.nbytes() == (0, 0)

@@ -76,10 +76,10 @@ def _check(doc: dict, opts: str, profile: str) -> None:
             comp = [b for b, ph in zip(r["bytes"], r["phase"]) if ph == phase]
             assert comp, (name, r["phase"])
             assert ddp >= 12 * max(comp), (name, ddp, comp)
-    if "zero2_onebitadam" in rows:  # the parameter all-gather stays fp32: only < 2x fewer
-        r = rows["zero2_onebitadam"]
+    if "zero2_onebitadam" in rows:  # exact mode keeps the fp32 parameter all-gather: < 2x fewer
+        r = rows["zero2_onebitadam"]  # (its first compressed step also gathers the momentum once)
         comp = [b for b, ph in zip(r["bytes"], r["phase"]) if ph == "compressed"]
-        assert comp and max(comp) < rows.get("zero2_adamw", rows["ddp_adamw"])["bytes"][-1]
+        assert comp and comp[-1] < rows.get("zero2_adamw", rows["ddp_adamw"])["bytes"][-1]
     if "ddp_adamw_bf16hook" in rows:
         assert rows["ddp_adamw_bf16hook"]["summary"]["bytes_per_step"] * 2 == pytest.approx(ddp)
     assert doc["targets"] and "time_to_target" in doc

@@ -217,4 +217,4 @@ class ReplicatedMomentum:
                 if gi in self.w:
                     grp.flat.copy_(w)  # the model's parameters (param dtype)
                 opt._own_chunks(grp, w, grp.master.data)  # shards stay current for checkpoints
-        inner.sched["step"] = t
+        inner.schedule.advance(inner.schedule.next_kind())  # the wrapped optimizer's step count
