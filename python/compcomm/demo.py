@@ -67,13 +67,20 @@ def load_text(nbytes: int) -> bytes:
     return bytes(out[:nbytes])
 
 
-def build_model(args: argparse.Namespace) -> Any:
-    """A GPT-style byte-level transformer (pre-norm, causal attention, tied embeddings)."""
+def build_model(d_model: int, heads: int, layers: int, seq: int,
+                scaled_init: bool = False) -> Any:
+    """A GPT-style byte-level transformer (pre-norm, causal attention, tied embeddings, no biases).
+
+    ``scaled_init``: GPT-2's initialisation (weights N(0, 0.02), residual projections scaled by
+    ``1/sqrt(2 layers)``), which the deeper training benchmark needs; the demo keeps torch's
+    defaults for its linear layers."""
+    import math
+
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
 
-    d, h = args.d_model, args.heads
+    d, h = d_model, heads
 
     class Block(nn.Module):
         def __init__(self) -> None:
@@ -83,6 +90,11 @@ def build_model(args: argparse.Namespace) -> Any:
             self.proj = nn.Linear(d, d, bias=False)
             self.fc1 = nn.Linear(d, 4 * d, bias=False)
             self.fc2 = nn.Linear(4 * d, d, bias=False)
+            if scaled_init:
+                for lin in (self.qkv, self.fc1):
+                    nn.init.normal_(lin.weight, std=0.02)
+                for lin in (self.proj, self.fc2):
+                    nn.init.normal_(lin.weight, std=0.02 / math.sqrt(2 * layers))
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             b, t, _ = x.shape
@@ -95,14 +107,14 @@ def build_model(args: argparse.Namespace) -> Any:
         def __init__(self) -> None:
             super().__init__()
             self.tok = nn.Embedding(256, d)
-            self.pos = nn.Embedding(args.seq, d)
-            self.blocks = nn.ModuleList(Block() for _ in range(args.layers))
+            self.pos = nn.Embedding(seq, d)
+            self.blocks = nn.ModuleList(Block() for _ in range(layers))
             self.ln = nn.LayerNorm(d, bias=False)
             nn.init.normal_(self.tok.weight, std=0.02)
             nn.init.normal_(self.pos.weight, std=0.02)
 
         def forward(self, idx: torch.Tensor) -> torch.Tensor:
-            x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+            x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
             for blk in self.blocks:
                 x = blk(x)
             return self.ln(x) @ self.tok.weight.t()
@@ -199,7 +211,7 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace) -> Dict[str, Any
     configs = [(o, d) for d in args.dtypes for o in args.optimizers]
     for ci, (oname, dname) in enumerate(configs):
         torch.manual_seed(0)
-        model = build_model(args).to(dtypes[dname])
+        model = build_model(args.d_model, args.heads, args.layers, args.seq).to(dtypes[dname])
         opt = make_optimizer(oname, param_groups(model), args)
         gen = torch.Generator().manual_seed(10_000 * (rank + 1))  # same batches for every run
         losses, cum_bytes, step_bytes, evals, compressed = [], [], [], [], []

@@ -100,50 +100,10 @@ MODELS: Dict[str, Dict[str, int]] = {
 # model and data
 # ------------------------------------------------------------------------------------------------
 def build_model(d_model: int, heads: int, layers: int, seq: int) -> Any:
-    """A GPT-style byte-level transformer (pre-norm, causal attention, tied embeddings, no biases)."""
-    import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
+    """compcomm-demo's GPT-style byte-level transformer with GPT-2's initialisation."""
+    from ..demo import build_model as demo_model
 
-    d, h = d_model, heads
-
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ln1, self.ln2 = nn.LayerNorm(d, bias=False), nn.LayerNorm(d, bias=False)
-            self.qkv = nn.Linear(d, 3 * d, bias=False)
-            self.proj = nn.Linear(d, d, bias=False)
-            self.fc1 = nn.Linear(d, 4 * d, bias=False)
-            self.fc2 = nn.Linear(4 * d, d, bias=False)
-            for lin in (self.qkv, self.fc1):
-                nn.init.normal_(lin.weight, std=0.02)
-            for lin in (self.proj, self.fc2):
-                nn.init.normal_(lin.weight, std=0.02 / math.sqrt(2 * layers))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            b, t, _ = x.shape
-            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, h, d // h).permute(2, 0, 3, 1, 4)
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-            return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-    class LM(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.tok = nn.Embedding(256, d)
-            self.pos = nn.Embedding(seq, d)
-            self.blocks = nn.ModuleList(Block() for _ in range(layers))
-            self.ln = nn.LayerNorm(d, bias=False)
-            nn.init.normal_(self.tok.weight, std=0.02)
-            nn.init.normal_(self.pos.weight, std=0.02)
-
-        def forward(self, idx: torch.Tensor) -> torch.Tensor:
-            x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-            for blk in self.blocks:
-                x = blk(x)
-            return self.ln(x) @ self.tok.weight.t()
-
-    return LM()
+    return demo_model(d_model, heads, layers, seq, scaled_init=True)
 
 
 def param_count(d_model: int, layers: int, seq: int, **_: Any) -> int:
