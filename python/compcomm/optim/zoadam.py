@@ -29,7 +29,9 @@ class ZeroOneAdam(OneBitBase):
       ``u`` (times ``sqrt(v)+eps``) with one compressed allreduce per bucket, roll back to the
       last synchronised parameters and apply the averaged update; the momentum becomes the
       lr-weighted average momentum. Every ``local_step_scaler`` steps the interval doubles, up to
-      ``local_step_clipper``. Error buffers are zeroed once when the phase starts.
+      ``local_step_clipper``. Error buffers are zeroed once when the phase starts. A local
+      step sends only a 4-byte all-reduce, so that every rank skips a step with a non-finite
+      gradient on any rank (``check_finite=False`` drops it when the caller checks).
 
     Differences from DeepSpeed (all deliberate): the first ``step()`` is a real step; with one
     rank the momentum is updated (DeepSpeed skipped it); ``load_state_dict`` restores the schedule
