@@ -12,6 +12,7 @@
 #endif
 
 #include <algorithm>
+#include <exception>
 #include <chrono>
 #include <climits>
 #include <cmath>
@@ -513,6 +514,34 @@ void MpiCommunicator::exchange(const char* call, const Buffer& send, const Buffe
   const double deadline = now_s() + opts.timeout_s;
   const size_t nr = recvs.size(), n = nr + sends.size();
   std::vector<MPI_Request> reqs(n, MPI_REQUEST_NULL);  // recvs, then sends
+  // Whatever ends this call early (a timeout, an MPI or CUDA error) leaves the communicator broken,
+  // and a pending receive should not write into the caller's memory after we return: cancel each and
+  // wait for the cancel (local for receives) -- at most about a second, since a receive already
+  // matched to a message of a hung peer never completes; pending sends only read: released.
+  struct Abandon {
+    MpiCommunicator* self;
+    std::vector<MPI_Request>& reqs;
+    size_t nr;
+    const char* call;
+    int unwinding = std::uncaught_exceptions();
+    ~Abandon() {
+      if (std::uncaught_exceptions() == unwinding) return;  // normal return: all completed
+      self->broken_ = true;
+      if (self->broken_reason_.empty()) self->broken_reason_ = detail::concat(call, " failed");
+      for (size_t i = 0; i < reqs.size(); ++i) {
+        if (reqs[i] == MPI_REQUEST_NULL) continue;
+        if (i < nr) {
+          MPI_Cancel(&reqs[i]);
+          const double until = now_s() + 1.0;
+          int flag = 0;
+          while (MPI_Test(&reqs[i], &flag, MPI_STATUS_IGNORE) == MPI_SUCCESS && !flag && now_s() < until)
+            std::this_thread::yield();
+          if (flag) continue;
+        }
+        MPI_Request_free(&reqs[i]);
+      }
+    }
+  } abandon{this, reqs, nr, call};
   std::vector<int> done_idx(n);
   int64_t bytes = 0;
   for (const Msg& m : recvs) bytes += m.bytes;
