@@ -40,10 +40,6 @@ EXTENSION = "_C"
 #: zero/ is being rewritten on its own branch (issue 15's ZeRO part); only import lines may be
 #: touched here, so its reaches stay listed until that rewrite replaces them.
 ALLOWED: Dict[Tuple[str, str, Optional[str]], str] = {
-    ("compcomm.config", "compcomm.zero.optimizer", "_onebit_kind"):
-        "zero/ owns the rule (OneBitLamb cannot be sharded); the ZeRO rewrite makes it public",
-    ("compcomm.config", "compcomm.zero.optimizer", "_onebit_inner_kwargs"):
-        "zero/ owns the rule (ZeRO owns the group); the ZeRO rewrite makes it public",
 }
 
 

@@ -229,11 +229,11 @@ def from_config(
     opt_cls, opt_kw, onebit = optimizer_from_config(cfg["optimizer"])
     stage = zero["stage"]
     if stage >= 1 and onebit:
-        from .zero.optimizer import _onebit_inner_kwargs, _onebit_kind
+        from .zero.rules import onebit_inner_kwargs, onebit_kind
 
         try:  # OneBitLamb cannot be sharded, ZeRO owns the group: say so before the broadcast
-            _onebit_kind(opt_cls)
-            _onebit_inner_kwargs(opt_cls.__name__, opt_kw)
+            onebit_kind(opt_cls)
+            onebit_inner_kwargs(opt_cls.__name__, opt_kw)
         except ValueError as e:
             raise ValueError(f"optimizer.type={cfg['optimizer']['type']!r} with "
                              f"zero_optimization.stage={stage}: {e}") from e

@@ -4,7 +4,7 @@ average (the warm-up) and the small all-reduces that let every rank agree on ski
 
 from __future__ import annotations
 
-from typing import Any, Iterable, List, Optional
+from typing import Any, List, Optional
 
 import torch
 

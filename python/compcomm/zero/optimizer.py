@@ -52,6 +52,7 @@ from .. import _C
 from .._buffers import buffer_of
 from .._comm import resolve
 from ..collectives import DEFAULT_TIMEOUT, workspace_bytes
+from .rules import onebit_inner_kwargs, onebit_kind
 from ..errors import NonFiniteError
 from .config import validate_zero_config
 from .onebit_replicated import MODES, ReplicatedMomentum
@@ -190,7 +191,7 @@ class ZeroOptimizer:
         self.skipped_steps = 0
         self.global_steps = 0
         self.overlap = bool(self.config["overlap_comm"])
-        self.onebit = _onebit_kind(optimizer_class)
+        self.onebit = onebit_kind(optimizer_class)
         if self.onebit == "ZeroOneAdam" and stage == 3:
             raise ValueError(
                 "optimizer_class: ZeroOneAdam with ZeRO stage 3 is not supported (its local steps "
@@ -252,7 +253,7 @@ class ZeroOptimizer:
 
         kwargs = dict(optimizer_kwargs or {})
         if self.onebit is not None:
-            kwargs = _onebit_inner_kwargs(self.onebit, kwargs)
+            kwargs = onebit_inner_kwargs(self.onebit, kwargs)
         self.optimizer = optimizer_class(
             [dict(grp.options, params=[grp.master]) for grp in self.groups], **kwargs
         )
@@ -928,28 +929,6 @@ class ZeroOptimizer:
         load_shard_state_dict(self, sd)
 
 
-def _onebit_kind(optimizer_class: Any) -> Optional[str]:
-    """'OneBitAdam' / 'ZeroOneAdam' for those compcomm optimizers (or partials of them), None for
-    any other optimizer; ValueError for OneBitLamb (its trust ratio is per tensor, not per shard)."""
-    cls = optimizer_class
-    while isinstance(cls, functools.partial):
-        cls = cls.func
-    if not isinstance(cls, type):
-        return None
-    from ..optim import OneBitAdam, OneBitLamb, ZeroOneAdam
-
-    if issubclass(cls, OneBitLamb):
-        raise ValueError(
-            "optimizer_class: OneBitLamb cannot be wrapped by ZeroOptimizer (LAMB's trust ratio is "
-            "per parameter, a shard is not one); use it with ZeRO stage 0"
-        )
-    if issubclass(cls, ZeroOneAdam):
-        return "ZeroOneAdam"
-    if issubclass(cls, OneBitAdam):
-        return "OneBitAdam"
-    return None
-
-
 def _onebit_mode(onebit: Optional[str], mode: Optional[str], stage: int) -> Optional[str]:
     """The compressed phase's form for OneBitAdam (None for other optimizers); ValueError naming
     ``onebit_mode`` for a value that does not apply."""
@@ -966,22 +945,6 @@ def _onebit_mode(onebit: Optional[str], mode: Optional[str], stage: int) -> Opti
         raise ValueError("zero_optimization.onebit_mode='no_allgather' needs stage 1 or 2 (every "
                          "rank updates the whole parameters, which stage 3 does not keep)")
     return mode
-
-
-def _onebit_inner_kwargs(name: str, kwargs: Dict[str, Any]) -> Dict[str, Any]:
-    """Arguments for the wrapped 1-bit optimizer: it runs on this rank's shards alone (a world of
-    one rank, gradients already reduced by ZeroOptimizer), so it never communicates itself (until
-    ZeroOneAdam's local-step phase, when ZeroOptimizer hands it its own group)."""
-    for key, ok in (("comm_backend_name", ("torch",)), ("grads_averaged", (False,)),
-                    ("process_group", (None,))):
-        if key in kwargs and kwargs[key] not in ok:
-            raise ValueError(
-                f"optimizer_kwargs.{key}={kwargs[key]!r} is not supported with ZeRO: ZeroOptimizer "
-                "does the communication on its own process group"
-            )
-    # ZeroOptimizer skips non-finite steps itself (global norm / overflow flag, on every rank)
-    return dict(kwargs, comm_backend_name="torch", grads_averaged=True, check_finite=False,
-                process_group=_C.LocalCommunicator())
 
 
 def _shard_of(t: torch.Tensor, b: Dict[str, int]) -> torch.Tensor:
