@@ -125,12 +125,16 @@ class OneBitAdam(OneBitBase):
                 F.adam_moments_(m, v, grads[p], group)
         else:
             def momentum(group, p, out):  # b1 m + (1-b1) g_local, staged: m itself waits
-                F.onebit_momentum(moments(p, self.state[p])[0], grads[p], group, out)
+                m = self.state[p].get("exp_avg")
+                if m is None:  # no warm-up step yet: zero momentum, made when the step commits
+                    m = out.zero_()
+                F.onebit_momentum(m, grads[p], group, out)
 
             averaged = self._compressed_average(items, momentum)
             for group, p in items:
-                self.state[p]["exp_avg"].copy_(averaged[p])
-                mask_(self.state[p]["exp_avg"], group)
+                m, _ = moments(p, self.state[p])
+                m.copy_(averaged[p])
+                mask_(m, group)
         for group, p in items:
             state = self.state[p]
             state["step"] = t
