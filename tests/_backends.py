@@ -258,3 +258,19 @@ def backends() -> List[Backend]:
 
 # ``@worlds`` on a test taking ``world``: W = 1, 2, 3, 4 (STYLE.md item 9).
 worlds = pytest.mark.parametrize("world", WORLDS)
+
+
+def no_netns() -> Optional[str]:
+    """Why network namespaces cannot be made here (not root, no ``ip netns``), or None."""
+    from compcomm.bench import netns
+
+    try:
+        netns.check_privileges()
+    except netns.NetnsError as e:
+        return str(e)
+    return None
+
+
+#: Skip marker for tests that need the namespace profiles (eth1g, ...).
+needs_netns = pytest.mark.skipif(bool(no_netns()),
+                                 reason=f"network namespaces unavailable: {no_netns()}")

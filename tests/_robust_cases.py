@@ -154,16 +154,22 @@ def _trained(cls, rank: int, steps: int = 4, **kw):
     return ps, opt
 
 
+def _edited(sd: dict, f):
+    """A maker of deep copies of ``sd`` changed by ``f`` (one bad input of a table)."""
+
+    def make():
+        bad = copy.deepcopy(sd)
+        f(bad)
+        return bad
+
+    return make
+
+
 def _bad_optimizer_states(sd: dict, zoadam: bool) -> list:
     """(mutation of a good state dict, exception, message regex)."""
 
     def edit(f):
-        def make():
-            bad = copy.deepcopy(sd)
-            f(bad)
-            return bad
-
-        return make
+        return _edited(sd, f)
 
     pg, st, cc = "param_groups", "state", "compcomm"
     cases = [
@@ -335,12 +341,7 @@ def _zero_step(model, opt, rank: int, seed: int) -> None:
 
 def _bad_shards(sd: dict) -> list:
     def edit(f):
-        def make():
-            bad = copy.deepcopy(sd)
-            f(bad)
-            return bad
-
-        return make
+        return _edited(sd, f)
 
     o = "optimizer"
     return [

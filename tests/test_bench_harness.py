@@ -18,19 +18,8 @@ from compcomm.bench import cli, model, netns
 # 11-13; its fit errors, up to ~60%, are reported in results.md instead.)
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "bench", "results", "eth1g_quiet.json")
 
+from _backends import needs_netns
 
-def _netns_usable() -> str:
-    try:
-        netns.check_privileges()
-    except netns.NetnsError as e:
-        return str(e)
-    return ""
-
-
-_why_not = _netns_usable()
-needs_netns = pytest.mark.skipif(
-    bool(_why_not), reason=f"network namespaces unavailable: {_why_not}"
-)
 
 
 def _mine(net: netns.Network) -> dict:

@@ -16,17 +16,8 @@ import sys
 import pytest
 from compcomm.bench import netns, runner, train
 
+from _backends import needs_netns
 
-def _netns_usable() -> str:
-    try:
-        netns.check_privileges()
-    except netns.NetnsError as e:
-        return str(e)
-    return ""
-
-
-_why_not = _netns_usable()
-needs_netns = pytest.mark.skipif(bool(_why_not), reason=f"network namespaces unavailable: {_why_not}")
 
 # small enough for ~10 s per profile on a loaded 2-core machine; every code path of the GPU run
 LOOPBACK_OPTS = "ddp_adamw,ddp_adamw_bf16hook,onebitadam,onebitadam_nofreeze,zerooneadam," \
