@@ -50,12 +50,13 @@ def resolve_comm(name: str, comm_backend_name: str, process_group: Any) -> Any:
     return comm
 
 
-def fp32_grad(p: torch.Tensor) -> torch.Tensor:
-    """A contiguous fp32 copy of the gradient of ``p`` (the optimizer never writes ``p.grad``)."""
+def fp32_grad(p: torch.Tensor, copy: bool = True) -> torch.Tensor:
+    """The gradient of ``p`` as a contiguous fp32 tensor: a copy (the optimizer never writes
+    ``p.grad``), or with ``copy=False`` the gradient itself when it already is one (read only)."""
     g = p.grad
     if g.is_sparse:
         raise UnsupportedError("compcomm optimizers do not support sparse gradients")
-    return g.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+    return g.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=copy)
 
 
 def average_(tensors: List[torch.Tensor], comm: Any, timeout: float = DEFAULT_TIMEOUT) -> None:

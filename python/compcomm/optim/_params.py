@@ -3,13 +3,17 @@ parameters, the moments, and the groups' ``exp_avg_mask`` on the right device.""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from .functional import masked_
 
-__all__ = ["master", "write_back", "moments", "group_mask", "mask_"]
+__all__ = ["master", "write_back", "write_back_multi", "moments", "group_mask", "mask_",
+           "group_chunks", "CHUNK_ELEMENTS"]
+
+#: Most elements per list of a multi-tensor update (bounds its temporaries: 4 x 256 MiB fp32).
+CHUNK_ELEMENTS = 1 << 26
 
 
 def master(p: torch.Tensor, state: Dict[str, Any]) -> torch.Tensor:
@@ -27,6 +31,34 @@ def write_back(p: torch.Tensor, state: Dict[str, Any]) -> None:
     """Copy the fp32 master copy into a low-precision ``p`` (round to nearest)."""
     if p.dtype != torch.float32:
         p.data.copy_(state["master_param"])
+
+
+def write_back_multi(ps: Sequence[torch.Tensor], states: Sequence[Dict[str, Any]]) -> None:
+    """:func:`write_back` over lists (one multi-tensor copy for the low-precision parameters)."""
+    low = [(p.data, s["master_param"]) for p, s in zip(ps, states) if p.dtype != torch.float32]
+    if low:
+        torch._foreach_copy_([d for d, _ in low], [m for _, m in low])
+
+
+def group_chunks(items: Sequence[Tuple[Any, ...]], limit: int = CHUNK_ELEMENTS
+                 ) -> Iterator[Tuple[Dict[str, Any], List[Tuple[Any, ...]]]]:
+    """``items`` (tuples ``(group, parameter, ...)``) cut into runs of one group's parameters on one
+    device, at most ``limit`` elements each (a larger parameter alone): yields ``(group, run)``,
+    the lists a multi-tensor update takes."""
+    run: List[Tuple[Any, ...]] = []
+    key: Any = None
+    count = 0
+    for item in items:
+        group, p = item[0], item[1]
+        k = (id(group), p.device)
+        if run and (k != key or count + p.numel() > limit):
+            yield run[0][0], run
+            run, count = [], 0
+        key = k
+        run.append(item)
+        count += p.numel()
+    if run:
+        yield run[0][0], run
 
 
 def group_mask(group: Dict[str, Any], like: torch.Tensor) -> Optional[torch.Tensor]:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional, Tuple
+from typing import Any, Dict, Iterable, Optional, Tuple
+
+import torch
 
 from ..schedule import FreezeSchedule, StepKind
 from . import functional as F
-from ._params import mask_, master, moments, write_back
+from ._params import group_chunks, mask_, master, moments, write_back_multi
 from ._validation import check_common, check_int
 from .base import OneBitBase
 
@@ -119,28 +121,31 @@ class OneBitAdam(OneBitBase):
         warm = kind is StepKind.FULL_AVERAGE
         grads = self._grads(average=warm)
         items = list(self._params())
-        if warm:
-            for group, p in items:
-                m, v = moments(p, self.state[p])
-                F.adam_moments_(m, v, grads[p], group)
-        else:
-            def momentum(group, p, out):  # b1 m + (1-b1) g_local, staged: m itself waits
-                m = self.state[p].get("exp_avg")
-                if m is None:  # no warm-up step yet: zero momentum, made when the step commits
-                    m = out.zero_()
-                F.onebit_momentum(m, grads[p], group, out)
+        averaged: Dict[torch.Tensor, torch.Tensor] = {}
+        if not warm:
+            def momentum(entries):  # b1 m + (1-b1) g_local, staged: m itself waits
+                for group, run in group_chunks(entries):
+                    # no warm-up step yet: zero momentum, made when the step commits
+                    ms = [self.state[p].get("exp_avg") for _, p, _ in run]
+                    ms = [out.zero_() if m is None else m for m, (_, _, out) in zip(ms, run)]
+                    F.onebit_momentum_multi(ms, [grads[p] for _, p, _ in run], group,
+                                            [out for _, _, out in run])
 
             averaged = self._compressed_average(items, momentum)
-            for group, p in items:
-                m, _ = moments(p, self.state[p])
-                m.copy_(averaged[p])
-                mask_(m, group)
-        for group, p in items:
-            state = self.state[p]
-            state["step"] = t
-            w = master(p, state)
+        for group, run in group_chunks(items):
+            ps = [p for _, p in run]
+            states = [self.state[p] for p in ps]
+            ms, vs = map(list, zip(*(moments(p, st) for p, st in zip(ps, states))))
+            if warm:
+                F.adam_moments_multi_(ms, vs, [grads[p] for p in ps], group)
+            else:
+                torch._foreach_copy_(ms, [averaged[p] for p in ps])
+                for m in ms:
+                    mask_(m, group)
+            for st in states:
+                st["step"] = t
             # the variance (and its correction) frozen after the warm-up
-            F.adam_step_(w, state["exp_avg"], state["exp_avg_sq"], group, t,
-                         min(t, self.freeze_step))
-            write_back(p, state)
+            F.adam_step_multi_([master(p, st) for p, st in zip(ps, states)], ms, vs, group, t,
+                               min(t, self.freeze_step))
+            write_back_multi(ps, states)
         self.schedule.advance(kind)

@@ -164,12 +164,14 @@ class OneBitBase(torch.optim.Optimizer):
                           "changed): error buffers reset to zero", RuntimeWarning, stacklevel=4)
 
     def _compressed_average(self, items: List[Tuple[Dict[str, Any], torch.Tensor]],
-                            fill: Callable[[Dict[str, Any], torch.Tensor, torch.Tensor], None]
+                            fill: Callable[[List[Tuple[Dict[str, Any], torch.Tensor,
+                                                       torch.Tensor]]], None]
                             ) -> Dict[torch.Tensor, torch.Tensor]:
         """1-bit average across ranks of one fp32 tensor per parameter of ``items``.
 
-        ``fill(group, p, out)`` writes the tensor to average for ``p`` into ``out`` (fp32, shaped
-        like ``p``); the buckets are filled one by one, each while the previous is on the wire.
+        ``fill(entries)`` writes, for each ``(group, p, out)`` of ``entries``, the tensor to
+        average for ``p`` into ``out`` (fp32, shaped like ``p``); it is called once per bucket
+        (with that bucket's parameters), each bucket while the previous one is on the wire.
         Returns ``{p: averaged tensor}`` (views into staging buffers, valid until the next call).
         All or nothing: on an exception nothing outside the staging buffers was written, on any
         rank. One rank: the filled tensors themselves (no compression without peers).
@@ -180,7 +182,7 @@ class OneBitBase(torch.optim.Optimizer):
             views = {}
             for group, p in items:
                 views[p] = torch.empty(p.shape, dtype=torch.float32, device=p.device)
-                fill(group, p, views[p])
+            fill([(group, p, views[p]) for group, p in items])
             return views
         buckets = self._bucket_plan(items)
         numels = [sum(items[j][1].numel() for j in idx) for idx in buckets]
@@ -192,13 +194,13 @@ class OneBitBase(torch.optim.Optimizer):
         views: Dict[torch.Tensor, torch.Tensor] = {}
 
         def stage(b: int) -> torch.Tensor:
-            flat, off = self._staging[b], 0
+            flat, off, entries = self._staging[b], 0, []
             for j in buckets[b]:
                 group, p = items[j]
-                view = flat[off:off + p.numel()].view(p.shape)
-                fill(group, p, view)
-                views[p] = view
+                views[p] = flat[off:off + p.numel()].view(p.shape)
+                entries.append((group, p, views[p]))
                 off += p.numel()
+            fill(entries)
             return flat
 
         # buckets of one device at a time (a model may keep groups on several devices)
@@ -222,8 +224,11 @@ class OneBitBase(torch.optim.Optimizer):
     def _grads(self, average: bool) -> Dict[torch.Tensor, torch.Tensor]:
         """fp32 gradients of every parameter that has one, averaged across ranks if ``average``
         (and not already averaged by DDP's hook or the user)."""
-        grads = {p: fp32_grad(p) for _, p in self._params()}
-        if getattr(self, "_grad_scale", None) is not None:
+        # a copy only where the gradient is written (scaled, averaged) or not fp32 and contiguous
+        scale = getattr(self, "_grad_scale", None)
+        copy = scale is not None or (average and not (self.grads_averaged or self._hook_averaged))
+        grads = {p: fp32_grad(p, copy) for _, p in self._params()}
+        if scale is not None:
             inv = 1.0 / float(self._grad_scale)
             for g in grads.values():
                 g.mul_(inv)

@@ -6,16 +6,24 @@ Each function takes the tensors it reads and writes (fp32: the parameter or its 
 nothing. The optimizers apply them to whole parameters; anything holding shards can apply them to
 shards. The order of the floating-point operations is part of the contract: the trajectory tests
 compare runs bit for bit, so a rewrite must keep it.
+
+The ``*_multi`` twins apply the same operations, in the same order, to lists of tensors with
+``torch._foreach_*`` ops: a handful of kernel launches per parameter group instead of a handful per
+parameter (on a GPU the per-parameter launches cost more than the arithmetic: ~50 ms of a 121M-
+parameter step with 4 processes sharing the device). On the CPU the foreach ops loop over the same
+per-tensor ops, so results are bit-identical there; on a GPU they may differ in the last bit
+(torch's CUDA ``div`` by a scalar multiplies by its reciprocal, the foreach kernel divides).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 Group = Mapping[str, Any]
+Tensors = Sequence[torch.Tensor]
 
 
 def sqrt_bc(beta: float, t: int) -> float:
@@ -79,6 +87,46 @@ def adam_step_(w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, group: Group, 
     w.add_(adam_update(m, v, w, group, bc1_t, bc2_t), alpha=-group["lr"])
 
 
+def adam_moments_multi_(ms: Tensors, vs: Tensors, gs: Tensors, group: Group) -> None:
+    """:func:`adam_moments_` over lists."""
+    b1, b2 = group["betas"]
+    torch._foreach_mul_(ms, b1)
+    torch._foreach_add_(ms, gs, alpha=1 - b1)
+    torch._foreach_mul_(vs, b2)
+    torch._foreach_addcmul_(vs, gs, gs, value=1 - b2)
+
+
+def onebit_momentum_multi(ms: Tensors, gs: Tensors, group: Group, outs: Tensors) -> None:
+    """:func:`onebit_momentum` over lists (``ms[i]`` may be ``outs[i]`` itself)."""
+    b1 = group["betas"][0]
+    torch._foreach_copy_(outs, ms)
+    torch._foreach_mul_(outs, b1)
+    torch._foreach_add_(outs, gs, alpha=1 - b1)
+
+
+def adam_update_multi(ms: Tensors, vs: Tensors, ws: Tensors, group: Group, bc1_t: int,
+                      bc2_t: int) -> List[torch.Tensor]:
+    """:func:`adam_update` over lists: new tensors."""
+    denom = torch._foreach_sqrt(vs)
+    if group["bias_correction"]:
+        torch._foreach_div_(denom, sqrt_bc(group["betas"][1], bc2_t))
+    torch._foreach_add_(denom, group["eps"])
+    update = torch._foreach_div(ms, denom)
+    del denom
+    if group["bias_correction"]:
+        torch._foreach_div_(update, 1.0 - group["betas"][0] ** bc1_t)
+    if group["weight_decay"] > 0:
+        torch._foreach_add_(update, ws, alpha=group["weight_decay"])
+    return update
+
+
+def adam_step_multi_(ws: Tensors, ms: Tensors, vs: Tensors, group: Group, bc1_t: int,
+                     bc2_t: int) -> None:
+    """:func:`adam_step_` over lists."""
+    torch._foreach_add_(ws, adam_update_multi(ms, vs, ws, group, bc1_t, bc2_t),
+                        alpha=-group["lr"])
+
+
 # --------------------------------------------------------------------------------------------
 # 0/1 Adam
 # --------------------------------------------------------------------------------------------
@@ -97,6 +145,23 @@ def zero_one_local_(w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.
     w.add_(update)
     if acc is not None:
         acc.add_(update)
+
+
+def zero_one_local_multi_(ws: Tensors, ms: Tensors, vs: Tensors, gs: Tensors, group: Group,
+                          bc1_t: int, bc2_t: int, update_variance: bool,
+                          accs: Optional[Tensors] = None) -> None:
+    """:func:`zero_one_local_` over lists."""
+    b1, b2 = group["betas"]
+    if update_variance:
+        torch._foreach_mul_(vs, b2)
+        torch._foreach_addcmul_(vs, gs, gs, value=1 - b2)
+    torch._foreach_mul_(ms, b1)
+    torch._foreach_add_(ms, gs, alpha=1 - b1)
+    update = adam_update_multi(ms, vs, ws, group, bc1_t, bc2_t)
+    torch._foreach_mul_(update, -group["lr"])
+    torch._foreach_add_(ws, update)
+    if accs is not None:
+        torch._foreach_add_(accs, update)
 
 
 def zero_one_sync_input(w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

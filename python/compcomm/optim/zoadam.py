@@ -8,7 +8,8 @@ import torch
 
 from ..schedule import StepKind, ZeroOneSchedule, legacy_kind_name
 from . import functional as F
-from ._params import group_mask, mask_, master, moments, write_back
+from ._params import (group_chunks, group_mask, mask_, master, moments, write_back,
+                      write_back_multi)
 from ._validation import check_common, check_int
 from .base import OneBitBase
 
@@ -122,22 +123,27 @@ class ZeroOneAdam(OneBitBase):
             # nothing else is sent: agree on skipping with one 4-byte all-reduce
             self._check_finite(grads.values(), agree=True)
         elif kind is StepKind.ONEBIT_GRAD:
-            grads = self._compressed_average(items, lambda group, p, out: out.copy_(grads[p]))
+            grads = self._compressed_average(items, lambda entries: torch._foreach_copy_(
+                [out for _, _, out in entries], [grads[p] for _, p, _ in entries]))
             for group, p in items:
                 mask_(grads[p], group)
         elif kind is StepKind.SYNC:
             self._sync_step(items, grads)
-        for group, p in items if kind is not StepKind.SYNC else ():
-            state = self.state[p]
-            m, v = moments(p, state)
-            state["step"] = t
-            acc = None
+        for group, run in group_chunks(items) if kind is not StepKind.SYNC else ():
+            ps = [p for _, p in run]
+            states = [self.state[p] for p in ps]
+            ms, vs = map(list, zip(*(moments(p, st) for p, st in zip(ps, states))))
+            for st in states:
+                st["step"] = t
+            accs = None
             if frozen:
-                acc = self._accumulator(p, state)
-                state["lrs"] += group["lr"]
-            F.zero_one_local_(master(p, state), m, v, grads[p], group, bc1_t, bc2_t,
-                              update_variance=kind is StepKind.FULL_AVERAGE, acc=acc)
-            write_back(p, state)
+                accs = [self._accumulator(p, st) for p, st in zip(ps, states)]
+                for st in states:
+                    st["lrs"] += group["lr"]
+            F.zero_one_local_multi_([master(p, st) for p, st in zip(ps, states)], ms, vs,
+                                    [grads[p] for p in ps], group, bc1_t, bc2_t,
+                                    update_variance=kind is StepKind.FULL_AVERAGE, accs=accs)
+            write_back_multi(ps, states)
         sched.advance(kind)  # once per step, as DeepSpeed does per parameter
         if sched.frozen and not frozen:
             self._zero_errors()  # the buffers now serve u instead of g: restart them
@@ -160,12 +166,13 @@ class ZeroOneAdam(OneBitBase):
         t = sched.step + 1
         pending: Dict[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = {}
 
-        def stage(group: Dict[str, Any], p: torch.Tensor, out: torch.Tensor) -> None:
-            state = self.state[p]
-            m, v = moments(p, state)
-            pending[p] = F.zero_one_sync_input(master(p, state), m, v, grads[p],
-                                               state.get("momentum_accumulator"), group,
-                                               sched.freeze_t, sched.var_updates, out)
+        def stage(entries: List[Tuple[Dict[str, Any], torch.Tensor, torch.Tensor]]) -> None:
+            for group, p, out in entries:
+                state = self.state[p]
+                m, v = moments(p, state)
+                pending[p] = F.zero_one_sync_input(master(p, state), m, v, grads[p],
+                                                   state.get("momentum_accumulator"), group,
+                                                   sched.freeze_t, sched.var_updates, out)
 
         averaged = self._compressed_average(items, stage)
         for group, p in items:
