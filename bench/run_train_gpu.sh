@@ -93,9 +93,10 @@ log "phases: $PHASES; optimizer flags: '${FUSED_FLAG}', timing '${TIMING_FLAGS}'
 TIMING_OPTS=${TIMING_OPTS:-ddp_adamw,ddp_adamw_bf16hook,onebitadam,zerooneadam,zero2_adamw,zero2_onebitadam}
 if has timing; then
   for P in $P1 $P10 $PU; do
-    case $P in eth1g) B=165; MS=22 ;; *) B=65; MS=10 ;; esac
+    case $P in eth1g) B=${B1G:-165}; MS=${MS1G:-22} ;; *) B=${B10G:-65}; MS=10 ;; esac
+    OPTS=$TIMING_OPTS; [ $P = eth1g ] || OPTS=${TIMING_OPTS_FAST:-$TIMING_OPTS}
     run timing_$P $B $PY -m compcomm.bench train --device cuda --profile $P --world-size 4 --model gpt2s \
-      --optimizers "$TIMING_OPTS" $FUSED_FLAG $TIMING_FLAGS --steps 6 --baseline-steps 3 --warmup 2 --lr 1e-4 --local-step-scaler 1 \
+      --optimizers "$OPTS" $FUSED_FLAG $TIMING_FLAGS --steps ${TIMING_STEPS:-6} --baseline-steps 3 --warmup 2 --lr 1e-4 --local-step-scaler 1 \
       --timing-only --compute-steps 2 --max-seconds $MS --timeout $(( B - 5 )) --out "$WORK" --name train_timing_$P
   done
   # one table over the profiles (the efficiency check needs unshaped next to the shaped ones)
