@@ -39,7 +39,7 @@ run() {
   return $rc
 }
 finish() {
-  cp bench/results/train_gpu_*.md bench/results/train_gpu_*.png "$OUT/" 2>/dev/null
+  [ -n "${MPS_ON:-}" ] && { echo quit | nvidia-cuda-mps-control; log "MPS daemon stopped"; }
   cp "$WORK"/*.md "$WORK"/*.json "$WORK"/*.png "$WORK/logs/" 2>/dev/null
   tar -czf "$OUT/results.tar.gz" -C "$WORK" . 2>/dev/null
   ls -la "$OUT" | tee -a "$OUT/run.log"
@@ -86,6 +86,21 @@ FUSED_FLAG=${FUSED_FLAG-$($PY -c 'import inspect, compcomm.optim as o; p = inspe
 # 5.3 -> 66 -> NonFiniteError); it changes neither the bytes nor the cost of a step.
 TIMING_FLAGS=${TIMING_FLAGS---bias-correction}
 LOSS_FLAGS=${LOSS_FLAGS---bias-correction}
+# MPS=1: the ranks' kernels run side by side under an MPS daemon (started here, stopped on exit)
+# instead of time-slicing the GPU. Without it every collective of W processes sharing one GPU pays
+# tens of ms of context switching (a 2^16-element NCCL allreduce took 27 ms at W=4), which separate
+# hosts do not; with it the shared GPU behaves more like W GPUs. Results get the suffix _mps.
+SFX=
+if [ "${MPS:-0}" = 1 ]; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/ccmps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/ccmps/log
+  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+  if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then
+    MPS_ON=1; SFX=_mps; log "MPS daemon started"
+  else
+    log "MPS unavailable (no nvidia-cuda-mps-control or it failed): time-sliced GPU"
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  fi
+fi
 log "phases: $PHASES; optimizer flags: '${FUSED_FLAG}', timing '${TIMING_FLAGS}', loss '${LOSS_FLAGS}'"
 
 # 3. training timing runs: ~121M-parameter byte-level GPT, bf16 autocast, batch 8 x 256 per rank
@@ -97,31 +112,31 @@ if has timing; then
     OPTS=$TIMING_OPTS; [ $P = eth1g ] || OPTS=${TIMING_OPTS_FAST:-$TIMING_OPTS}
     run timing_$P $B $PY -m compcomm.bench train --device cuda --profile $P --world-size 4 --model gpt2s \
       --optimizers "$OPTS" $FUSED_FLAG $TIMING_FLAGS --steps ${TIMING_STEPS:-6} --baseline-steps 3 --warmup 2 --lr 1e-4 --local-step-scaler 1 \
-      --timing-only --compute-steps 2 --max-seconds $MS --timeout $(( B - 5 )) --out "$WORK" --name train_timing_$P
+      --timing-only --compute-steps 2 --max-seconds $MS --timeout $(( B - 5 )) --out "$WORK" --name train_timing_$P$SFX
   done
   # one table over the profiles (the efficiency check needs unshaped next to the shaped ones)
-  $PY - "$WORK" <<'PYEOF' >>"$OUT/run.log" 2>&1
+  $PY - "$WORK" "$SFX" <<'PYEOF' >>"$OUT/run.log" 2>&1
 import glob, json, os, sys
 from compcomm.bench import train
 w = sys.argv[1]
-docs = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(w, "train_timing_*.json")))]
+docs = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(w, "train_timing_*%s.json" % sys.argv[2])))]
 if docs:
     doc = {"meta": docs[0]["meta"], "rows": [r for d in docs for r in d["rows"]]}
     doc["meta"]["command"] = " ; ".join(d["meta"]["command"] for d in docs)
-    print(train.write_outputs(doc, w, "train_gpu_timing"))
+    print(train.write_outputs(doc, w, "train_gpu_timing" + sys.argv[2]))
 PYEOF
-  cp "$WORK"/train_gpu_timing.md "$WORK"/train_gpu_timing.png "$OUT/" 2>/dev/null
+  cp "$WORK"/train_gpu_timing$SFX.md "$WORK"/train_gpu_timing$SFX.png "$OUT/" 2>/dev/null
 fi
 
 # 4. loss runs (equal steps vs the uncompressed twin, freeze_step past the run): the twins average
 #    fp32 gradients every step (~1.1 s at W=4 on eth10g, the fastest emulated link measured)
 if has loss; then
   LP=${LOSS_PROFILE:-${P10:-loopback}}
-  run loss_$LP 150 $PY -m compcomm.bench train --device cuda --profile $LP --world-size 4 --model gpt2s \
+  run loss_$LP ${LOSS_BUDGET:-150} $PY -m compcomm.bench train --device cuda --profile $LP --world-size 4 --model gpt2s \
     --optimizers onebitadam,onebitadam_nofreeze,onebitlamb,onebitlamb_nofreeze $FUSED_FLAG $LOSS_FLAGS \
     --steps ${LOSS_STEPS:-40} --warmup ${LOSS_WARMUP:-10} --eval-every 10 --val-batches 8 \
-    --compute-steps 2 --max-seconds 50 --timeout 145 --out "$WORK" --name train_gpu_loss
-  cp "$WORK"/train_gpu_loss.md "$WORK"/train_gpu_loss.png "$OUT/" 2>/dev/null
+    --compute-steps 2 --max-seconds ${LOSS_MAXS:-50} --timeout $(( ${LOSS_BUDGET:-150} - 5 )) --out "$WORK" --name train_gpu_loss$SFX
+  cp "$WORK"/train_gpu_loss$SFX.md "$WORK"/train_gpu_loss$SFX.png "$OUT/" 2>/dev/null
 fi
 
 # 2. collective sweep on emulated hosts, W=4 (quick: 1 warm-up, 1 probe, >= 2 timed calls)
@@ -131,5 +146,5 @@ if has sweep; then
   [ -n "$P10" ] && run sweep_$P10 40 $PY bench/bench_nccl.py --profile $P10 --world-size 4 --min-log 16 \
     --max-log 26 --log-step 2 --quick --budget 0.2 --skip nccl_allreduce_nonblocking --out "$WORK/nccl_${P10}_w4" --timeout 35
 fi
-for f in "$WORK"/train_gpu_timing.md "$WORK"/train_gpu_loss.md; do [ -f "$f" ] && cat "$f" >>"$OUT/run.log"; done
+for f in "$WORK"/train_gpu_timing$SFX.md "$WORK"/train_gpu_loss$SFX.md; do [ -f "$f" ] && cat "$f" >>"$OUT/run.log"; done
 exit 0
