@@ -427,7 +427,8 @@ def targets(rows: List[Dict[str, Any]], device: str = "cuda") -> List[Dict[str, 
                   else None for o in ("fsdp2_adamw", "fsdp2_onebit"))
         if ra and ro:
             on = device != "cpu"
-            out.append({"profile": p, "world_size": w, "fast": "fsdp2_onebit (reduce-scatter bytes)",
+            out.append({"profile": p, "world_size": w,
+                        "fast": "fsdp2_onebit (reduce-scatter bytes)",
                         "slow": "fsdp2_adamw (reduce-scatter bytes)", "speedup": ra / ro,
                         "bytes_ratio": ra / ro, "target": 12 if on else None,
                         "met": ra / ro >= 12 if on else None})
