@@ -133,3 +133,81 @@ def ddp_cases(rank: int, world: int) -> Dict[str, Any]:
     state2.load_state_dict(saved)
     res["resume_state_step"] = state2.step == 5 and len(state2.errors) == len(saved["errors"])
     return res
+
+
+def _dcp_template(path: str, key: str) -> Dict[str, Any]:
+    """An empty copy, from the checkpoint's metadata, of what was saved under ``key``: DCP loads
+    tensors in place, and a fresh OneBitFSDP has no error buffers (nor step counts) to load into
+    until its first 1-bit reduction."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = dcp.FileSystemReader(path).read_metadata()
+    out: Dict[str, Any] = {}
+    for fqn, meta in md.state_dict_metadata.items():
+        where = md.planner_data[fqn]  # the path of the leaf in the saved (nested) state dict
+        if where[0] != key:
+            continue
+        leaf = (torch.empty(meta.size, dtype=meta.properties.dtype)
+                if isinstance(meta, TensorStorageMetadata) else None)  # None: a pickled object
+        node: Any = out
+        for part, nxt in zip(where[1:-1], where[2:]):
+            if isinstance(node, list):
+                while len(node) <= part:
+                    node.append(None)
+            if (node[part] if isinstance(node, list) else node.get(part)) is None:
+                node[part] = [] if isinstance(nxt, int) else {}
+            node = node[part]
+        if isinstance(node, list):
+            while len(node) <= where[-1]:
+                node.append(None)
+        node[where[-1]] = leaf
+    return out
+
+
+def _fsdp_adamw_run(world: int, rank: int, steps, model=None, state=None, opt=None):
+    if model is None:
+        model, state = _sharded(world, onebit_warmup=2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    params = []
+    for t in steps:
+        x = torch.randn(4, 13, generator=torch.Generator().manual_seed(100 * t + rank))
+        opt.zero_grad()
+        model(x).pow(2).sum().backward()
+        opt.step()
+        params.append([p.detach().to_local().clone() for p in model.parameters()])
+    return model, state, opt, params
+
+
+def dcp_cases(rank: int, world: int, path: str) -> Dict[str, Any]:
+    """FSDP2 + AdamW + compcomm.fsdp.onebit (warm-up 2): 3 steps, torch.distributed.checkpoint
+    save of model, optimizer and this rank's 1-bit state (a key per rank: the error buffers
+    differ), 3 more steps; a fresh model, optimizer and state loaded from the checkpoint run the
+    same 3 steps: parameters bit-identical at every step."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    key = f"onebit_rank{rank}"
+    model, state, opt, _ = _fsdp_adamw_run(world, rank, range(3))  # 2 warm-up steps, one 1-bit
+    msd, osd = get_state_dict(model, opt)
+    saved = state.state_dict()
+    dcp.save({"model": msd, "optim": osd, key: saved}, checkpoint_id=path)
+    *_, cont = _fsdp_adamw_run(world, rank, range(3, 6), model, state, opt)
+
+    model2, state2, opt2, _ = _fsdp_adamw_run(world, rank, [])
+    msd2, osd2 = get_state_dict(model2, opt2)
+    sd = {"model": msd2, "optim": osd2, key: _dcp_template(path, key)}
+    dcp.load(sd, checkpoint_id=path)
+    set_state_dict(model2, opt2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    state2.load_state_dict(sd[key])
+    loaded = state2.state_dict()
+    *_, resumed = _fsdp_adamw_run(world, rank, range(3, 6), model2, state2, opt2)
+    return {
+        "errors_saved": sorted(saved["errors"]) == ["0", "2"]
+        and all(float(b.abs().sum()) > 0 for v in saved["errors"].values() for b in v),
+        "state_loaded": loaded["steps"] == saved["steps"] and all(
+            torch.equal(a, b) for k in saved["errors"]
+            for a, b in zip(saved["errors"][k], loaded["errors"][k])),
+        "bitwise": all(torch.equal(a, b) for t in range(3) for a, b in zip(cont[t], resumed[t])),
+        "moved": any(not torch.equal(a, b) for a, b in zip(cont[0], cont[-1])),
+    }

@@ -78,3 +78,11 @@ def test_ddp_onebit_hook_converges_with_sgd_and_adamw(world):
         assert hooked < 1.15 * plain + 1e-3, res["adamw_final"]
         plain, hooked, first = res["sgd_final"]
         assert hooked < first, res["sgd_final"]
+
+
+def test_fsdp_dcp_checkpoint_resumes_bitwise(tmp_path):
+    """torch.distributed.checkpoint save/load of an FSDP2 model, its AdamW state and compcomm's
+    1-bit state (error buffers under a key per rank) in the 1-bit phase, W=2 over gloo: the
+    resumed run's parameters equal the uninterrupted run's, bit for bit, for 3 more steps."""
+    for res in run_ranks(2, C.dcp_cases, str(tmp_path / "ckpt"), timeout=300):
+        assert res == {"errors_saved": True, "state_loaded": True, "bitwise": True, "moved": True}

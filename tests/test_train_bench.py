@@ -2,7 +2,8 @@
 small byte-level GPT, over loopback and, as root with iproute2, over the eth1g namespace profile.
 
 No timed assertions: the run finishes, losses are finite and sane, the compressed optimizers send
->= 12x fewer bytes per compressed step than DDP + AdamW, the JSON has its fields. Also checks the
+>= 12x fewer bytes per compressed step than DDP + AdamW (FSDP2 + 1-bit: its reduce-scatter against
+FSDP2's own), the JSON has its fields. Also checks the
 emulated-GPU-host environment (per-rank NCCL_HOSTID etc.) that the GPU runs rely on."""
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from _backends import needs_netns
 
 # small enough for ~10 s per profile on a loaded 2-core machine; every code path of the GPU run
 LOOPBACK_OPTS = "ddp_adamw,ddp_adamw_bf16hook,onebitadam,onebitadam_nofreeze,zerooneadam," \
-                "zero2_adamw,zero2_onebitadam,onebitlamb,onebitlamb_nofreeze"
-ETH_OPTS = "ddp_adamw,onebitadam,zero2_onebitadam"
+                "zero2_adamw,zero2_onebitadam,zero2_onebitadam_noag,onebitlamb," \
+                "onebitlamb_nofreeze,fsdp2_adamw,fsdp2_onebit"
+ETH_OPTS = "ddp_adamw,onebitadam,zero2_onebitadam,fsdp2_adamw,fsdp2_onebit"
 UNCOMPRESSED_LN = math.log(256)  # the loss of a uniform guess over bytes
 
 
@@ -71,11 +73,38 @@ def _check(doc: dict, opts: str, profile: str) -> None:
         r = rows["zero2_onebitadam"]  # (its first compressed step also gathers the momentum once)
         comp = [b for b, ph in zip(r["bytes"], r["phase"]) if ph == "compressed"]
         assert comp and comp[-1] < rows.get("zero2_adamw", rows["ddp_adamw"])["bytes"][-1]
+    if "zero2_onebitadam_noag" in rows:  # no parameter all-gather: >= 12x fewer than ZeRO-2
+        r = rows["zero2_onebitadam_noag"]  # (after its first compressed step, which gathers the
+        comp = [b for b, ph in zip(r["bytes"], r["phase"]) if ph == "compressed"]  # state once)
+        assert len(comp) >= 2 and 12 * comp[-1] <= rows["zero2_adamw"]["bytes"][-1], comp
+    if "fsdp2_onebit" in rows:
+        _check_fsdp(rows["fsdp2_adamw"], rows["fsdp2_onebit"], doc)
     if "ddp_adamw_bf16hook" in rows:
         assert rows["ddp_adamw_bf16hook"]["summary"]["bytes_per_step"] * 2 == pytest.approx(ddp)
     assert doc["targets"] and "time_to_target" in doc
     pairs = [o for o in rows if train.TWIN.get(o) in rows]
     assert {c["optimizer"] for c in doc["loss_checks"]} == set(pairs)
+
+
+def _check_fsdp(plain: dict, onebit: dict, doc: dict) -> None:
+    """FSDP2 bytes as counted (fp32 on the CPU, W=2): a reduce-scatter sends half the gradient,
+    the all-gathers (forward, and backward for all but the root) 1 to 2 times that; the 1-bit
+    phase's reduce-scatter >= 12x fewer bytes, its warm-up the same bytes as FSDP2's own."""
+    rs = plain["reduce_bytes"]
+    assert rs[0] == pytest.approx(plain["params"] * 4 / 2, rel=0.01), (rs, plain["params"])
+    assert all(b == rs[0] for b in rs), rs
+    for b, r in zip(plain["bytes"], rs):
+        assert r < b - r <= 2 * r, (b, r)
+    assert plain["summary"]["reduce_bytes_per_step"] == rs[0]
+    warm = [r for r, ph in zip(onebit["reduce_bytes"], onebit["phase"]) if ph == "warmup"]
+    comp = [(b, r) for b, r, ph in zip(onebit["bytes"], onebit["reduce_bytes"], onebit["phase"])
+            if ph == "compressed"]
+    assert warm == [rs[0]] * 2 and len(comp) == 2, (warm, comp)
+    for b, r in comp:
+        assert 0 < 12 * r <= rs[0] and b < plain["bytes"][-1], (b, r)
+    assert onebit["loss"][-1] < onebit["loss"][0] and plain["loss"][-1] < plain["loss"][0]
+    row = [t for t in doc["targets"] if t["fast"] == "fsdp2_onebit (reduce-scatter bytes)"]
+    assert len(row) == 1 and row[0]["bytes_ratio"] >= 12, row
 
 
 def test_train_cpu_twin_loopback(tmp_path):

@@ -13,21 +13,10 @@ Model: a GPT-style byte-level transformer (pre-norm, causal attention, tied embe
 trained on the Python standard library's own source (last 10 % held out for validation), bf16
 autocast on GPUs with fp32 parameters (the master weights).
 
-Optimizers (``--optimizers``), default arguments except ``lr`` and the warm-up (``--warmup``):
-
-=====================  ========================================================================
-ddp_adamw              DistributedDataParallel + torch.optim.AdamW
-ddp_adamw_bf16hook     the same with DDP's ``bf16_compress_hook`` (on gloo: the same hook body;
-                       torch refuses its own without NCCL)
-onebitadam             compcomm.optim.OneBitAdam(freeze_step=--warmup) (no DDP: it communicates)
-onebitadam_nofreeze    OneBitAdam with freeze_step past the run (Adam with fp32 averaging)
-zerooneadam            compcomm.optim.ZeroOneAdam(var_freeze_step=--warmup)
-zero2_adamw            compcomm.zero.ZeroOptimizer(stage 2) around torch.optim.AdamW
-zero2_onebitadam       ZeroOptimizer(stage 2) around OneBitAdam(freeze_step=--warmup)
-onebitlamb             compcomm.optim.OneBitLamb(freeze_step=--warmup)
-lamb                   OneBitLamb with freeze_step past the run (LAMB with fp32 averaging);
-onebitlamb_nofreeze    the same as ``lamb``
-=====================  ========================================================================
+Optimizers (``--optimizers``): DDP + AdamW (fp32 or bf16-hook gradients), OneBitAdam, ZeroOneAdam,
+OneBitLamb and their uncompressed twins, ZeRO-2 + AdamW / OneBitAdam (exact and no-all-gather
+modes), FSDP2 + AdamW (bf16) and FSDP2 + compcomm's 1-bit reduce-scatter: the table and how each
+is built are in :mod:`compcomm.bench.train_setups`.
 
 Timing (per rank, CUDA-synchronized; all ranks enter every step together after a barrier; the
 figure of a step is the slowest rank's): ``fwdbwd`` = zero_grad + forward + backward, ``opt`` =
@@ -37,14 +26,14 @@ times ``--compute-steps`` forward+backward passes of the same model with no comm
 (all ranks at once, so the GPU/CPU sharing is the same): ``compute_s``; then
 ``comm_s = step_s - compute_s`` (communication plus the optimizer's own arithmetic). Per-step
 phases: ``full`` (uncompressed optimizers), ``warmup`` / ``compressed`` (1-bit Adam/LAMB, ZeRO +
-OneBitAdam), ZeroOneAdam's ``var`` / ``grad1bit`` / ``local`` / ``sync``; medians are per phase,
+OneBitAdam, FSDP2 + 1-bit), ZeroOneAdam's ``var`` / ``grad1bit`` / ``local`` / ``sync``; medians are per phase,
 the first step of a phase left out when the phase has 3 or more steps, and steps after a
 divergence (loss non-finite or above 3x the first step's; the optimizer then stops) left out.
 
 Bytes per step: what rank 0's compcomm communicator counted (``Communicator.bytes_sent``: the
 sender's share of each collective, ring allreduce = ``2(W-1)/W`` of the buffer); for DDP, which
 talks to torch directly, the ring formula ``2(W-1)/W * gradient bytes`` (fp32, or bf16 with the
-hook). The loss logging allreduce is not counted. Validation loss on held-out text every
+hook); FSDP2's collectives are counted as they are called (see :mod:`.train_setups`). The loss logging allreduce is not counted. Validation loss on held-out text every
 ``--eval-every`` steps (not in the timed wall clock).
 
 Outputs in ``--out``: ``<name>.json`` (every step), ``<name>.md`` (the table), ``<name>.png``
@@ -55,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import inspect
 import json
 import math
 import os
@@ -66,29 +54,9 @@ import time
 from typing import Any, Dict, List, Optional, Sequence
 
 from .netns import PROFILES
+from .train_setups import COMPRESSED, OPTIMIZERS, TWIN, make, phase
 
 __all__ = ["main", "OPTIMIZERS", "MODELS", "build_model", "summarize"]
-
-OPTIMIZERS = (
-    "ddp_adamw",
-    "ddp_adamw_bf16hook",
-    "onebitadam",
-    "onebitadam_nofreeze",
-    "zerooneadam",
-    "zero2_adamw",
-    "zero2_onebitadam",
-    "lamb",
-    "onebitlamb",
-    "onebitlamb_nofreeze",
-)
-#: the uncompressed twin of each compressed optimizer (loss comparison) and its fp32 baseline
-TWIN = {
-    "onebitadam": "onebitadam_nofreeze",
-    "zerooneadam": "onebitadam_nofreeze",
-    "onebitlamb": "onebitlamb_nofreeze",
-    "zero2_onebitadam": "zero2_adamw",
-}
-COMPRESSED = ("onebitadam", "zerooneadam", "zero2_onebitadam", "onebitlamb")
 
 MODELS: Dict[str, Dict[str, int]] = {
     "tiny": dict(d_model=256, heads=4, layers=10, seq=64),
@@ -134,82 +102,6 @@ def _sync(dev: Any) -> None:
         torch.cuda.synchronize(dev)
 
 
-def _make(name: str, model: Any, cfg: Dict[str, Any], world: int, dev: Any) -> Dict[str, Any]:
-    """The training objects of optimizer ``name``: ``module`` (what to call), ``opt``, ``kind``."""
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from compcomm.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
-
-    lr, never, warm = cfg["lr"], cfg["steps"] + 10, cfg["warmup"]
-    extra: Dict[str, Any] = {}
-    if cfg.get("backend") == "nccl":
-        extra["comm_backend_name"] = "nccl"
-    fused = {} if cfg.get("fused") is None else {"fused": bool(cfg["fused"])}
-    if fused and "fused" not in inspect.signature(OneBitAdam).parameters:
-        fused = {}  # this compcomm's optimizers no longer take it (bucketed by default)
-    bc = {"bias_correction": True} if cfg.get("bias_correction") else {}
-    if name.startswith("ddp_"):
-        ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
-        if name == "ddp_adamw_bf16hook":
-            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
-                bf16_compress_hook,
-            )
-
-            hook = bf16_compress_hook if dev.type == "cuda" else _bf16_hook_cpu
-            ddp.register_comm_hook(dist.group.WORLD, hook)
-        return {"module": ddp, "opt": torch.optim.AdamW(ddp.parameters(), lr=lr), "kind": "ddp"}
-    if name.startswith("zero2_"):
-        from compcomm.zero import ZeroOptimizer
-
-        if name == "zero2_adamw":
-            cls, kw = torch.optim.AdamW, {"lr": lr}
-        else:
-            cls, kw = OneBitAdam, dict(lr=lr, freeze_step=warm, **bc)
-        opt = ZeroOptimizer(model.parameters(), cls, stage=2, module=model, optimizer_kwargs=kw)
-        return {"module": model, "opt": opt, "kind": "zero"}
-    if name in ("onebitadam", "onebitadam_nofreeze"):
-        fs = warm if name == "onebitadam" else never
-        opt = OneBitAdam(model.parameters(), lr=lr, freeze_step=fs, **bc, **fused, **extra)
-    elif name == "zerooneadam":
-        zk = {k: cfg[k] for k in ("local_step_scaler", "local_step_clipper") if cfg.get(k)}
-        opt = ZeroOneAdam(model.parameters(), lr=lr, var_freeze_step=warm, **zk, **bc, **fused,
-                          **extra)
-    elif name in ("onebitlamb", "lamb", "onebitlamb_nofreeze"):
-        fs = warm if name == "onebitlamb" else never
-        opt = OneBitLamb(model.parameters(), lr=cfg["lamb_lr"], freeze_step=fs, **bc, **extra)
-    else:
-        raise ValueError(f"train: unknown optimizer {name!r}; choose from {', '.join(OPTIMIZERS)}")
-    return {"module": model, "opt": opt, "kind": "compcomm"}
-
-
-def _bf16_hook_cpu(state, bucket):  # type: ignore[no-untyped-def]  (DDP checks annotations)
-    """torch's ``bf16_compress_hook`` (refused by DDP without NCCL), for gloo: the bucket divided
-    by W, cast to bf16, summed by allreduce and copied back."""
-    import torch
-    import torch.distributed as dist
-
-    buf = bucket.buffer()
-    c = buf.to(torch.bfloat16).div_(dist.get_world_size())
-    fut = dist.all_reduce(c, async_op=True).get_future()
-
-    def decompress(f):  # type: ignore[no-untyped-def]
-        buf.copy_(f.value()[0])
-        return buf
-
-    return fut.then(decompress)
-
-
-def _phase(name: str, opt: Any, t: int, warm: int) -> str:
-    """What step ``t`` (1-based, about to run) is for optimizer ``name``."""
-    if name == "zerooneadam":
-        return opt.step_kind()
-    if name in ("onebitadam", "onebitlamb", "zero2_onebitadam"):
-        return "warmup" if t <= warm else "compressed"
-    return "full"
-
-
 def _train_one(name: str, cfg: Dict[str, Any], rank: int, world: int, dev: Any, new_model: Any,
                batch: Any, train: Any, loss_of: Any, evaluate: Any, barrier: Any,
                rec: Dict[str, List[Any]], evals: List[List[float]], out: Any) -> Dict[str, Any]:
@@ -219,10 +111,14 @@ def _train_one(name: str, cfg: Dict[str, Any], rank: int, world: int, dev: Any, 
     import torch.distributed as dist
 
     model = new_model()
-    objs = _make(name, model, cfg, world, dev)
+    objs = make(name, model, cfg, world, dev)
     module, opt, kind = objs["module"], objs["opt"], objs["kind"]
     nparams = sum(p.numel() for p in model.parameters())
     comm = getattr(opt, "comm", None)
+    counted = objs.get("sent") or ((lambda: comm.bytes_sent) if comm is not None else None)
+    reduce_sent = objs.get("reduce_sent")  # FSDP2: the gradient reduce-scatters alone
+    if reduce_sent is not None:
+        rec.setdefault("reduce_bytes", [])
     grad_bytes = nparams * (2 if name == "ddp_adamw_bf16hook" else 4)
     ddp_bytes = 2 * (world - 1) * grad_bytes // world if world > 1 else 0
     gen = torch.Generator().manual_seed(10_000 * (rank + 1))  # the same batches in every run
@@ -235,8 +131,9 @@ def _train_one(name: str, cfg: Dict[str, Any], rank: int, world: int, dev: Any, 
     try:
         for t in range(1, steps + 1):
             x, y = batch(train, torch.randint(0, train.numel() - seq - 1, (bsz,), generator=gen))
-            rec["phase"].append(_phase(name, opt, t, cfg["warmup"]))
-            before = comm.bytes_sent if comm is not None else 0
+            rec["phase"].append(phase(name, opt, t, cfg["warmup"]))
+            before = counted() if counted is not None else 0
+            rbefore = reduce_sent() if reduce_sent is not None else 0
             barrier()
             _sync(dev)
             t0 = time.perf_counter()
@@ -248,7 +145,9 @@ def _train_one(name: str, cfg: Dict[str, Any], rank: int, world: int, dev: Any, 
             opt.step()
             _sync(dev)
             t2 = time.perf_counter()
-            sent = comm.bytes_sent - before if comm is not None else ddp_bytes
+            sent = counted() - before if counted is not None else ddp_bytes
+            if reduce_sent is not None:
+                rec["reduce_bytes"].append(int(reduce_sent() - rbefore))
             rec["fwdbwd_s"].append(t1 - t0)
             rec["opt_s"].append(t2 - t1)
             rec["step_s"].append(t2 - t0)
@@ -435,6 +334,8 @@ def summarize(row: Dict[str, Any]) -> Dict[str, Any]:
             "opt_s": _median_skip_first([row["opt_s"][i] for i in idx]),
             "bytes": statistics.mean(row["bytes"][i] for i in pick),
         }
+        if row.get("reduce_bytes"):  # FSDP2: the gradient reduce-scatters alone
+            phases[ph]["reduce_bytes"] = statistics.mean(row["reduce_bytes"][i] for i in pick)
     if not phases:
         phases["full"] = {"steps": 0, "step_s": None, "fwdbwd_s": None, "opt_s": None, "bytes": 0}
     main = {"zerooneadam": "local"}.get(row["optimizer"], "compressed")
@@ -455,6 +356,7 @@ def summarize(row: Dict[str, Any]) -> Dict[str, Any]:
         "phases": phases,
         "step_s": s,
         "bytes_per_step": phases[main]["bytes"],
+        "reduce_bytes_per_step": phases[main].get("reduce_bytes"),
         "tokens_per_s": tok / s if s else None,
         "comm_s": (s - row["compute_s"]) if s is not None and row.get("compute_s") else None,
         "wall_s": sum(row["step_s"]),
@@ -481,9 +383,11 @@ def targets(rows: List[Dict[str, Any]], device: str = "cuda") -> List[Dict[str, 
     """The issue's targets that this run's rows allow checking (ratios of main-phase step times).
 
     GPU (W=4): eth1g OneBitAdam >= 25x DDP+AdamW and >= 12x DDP+bf16 hook, ZeroOneAdam local steps
-    >= 1.5x OneBitAdam's, ZeRO-2+OneBitAdam >= 15x ZeRO-2+AdamW; eth10g OneBitAdam >= 10x
-    DDP+AdamW; a compressed step within 1.3x of (unshaped step + bytes / link rate). CPU twin
-    (eth1g, W=4): OneBitAdam >= 4x DDP+AdamW. Other ratios are listed without a target."""
+    >= 1.5x OneBitAdam's, ZeRO-2+OneBitAdam in the no-all-gather mode >= 15x ZeRO-2+AdamW (issue
+    13), FSDP2 + 1-bit >= 3x FSDP2 bf16 (issue 16); eth10g OneBitAdam >= 10x DDP+AdamW; a
+    compressed step within 1.3x of (unshaped step + bytes / link rate); FSDP2's 1-bit
+    reduce-scatter >= 12x fewer bytes than its bf16 one (any profile). CPU twin (eth1g, W=4):
+    OneBitAdam >= 4x DDP+AdamW. Other ratios are listed without a target."""
     by = {(r["profile"], r["world_size"], r["optimizer"]): r for r in rows if "summary" in r}
 
     def st(p: str, w: int, o: str, phase: Optional[str] = None) -> Optional[float]:
@@ -501,7 +405,9 @@ def targets(rows: List[Dict[str, Any]], device: str = "cuda") -> List[Dict[str, 
             ("onebitadam", None, "ddp_adamw", None, 25 if p == "eth1g" else 10),
             ("onebitadam", None, "ddp_adamw_bf16hook", None, 12),
             ("zerooneadam", "local", "onebitadam", None, 1.5),
-            ("zero2_onebitadam", None, "zero2_adamw", None, 15),
+            ("zero2_onebitadam", None, "zero2_adamw", None, None),  # "exact": all-gathers
+            ("zero2_onebitadam_noag", None, "zero2_adamw", None, 15),
+            ("fsdp2_onebit", None, "fsdp2_adamw", None, 3),
         ]
         for fast, fph, slow, sph, want in checks:
             a, b = st(p, w, slow, sph), st(p, w, fast, fph)
@@ -511,11 +417,21 @@ def targets(rows: List[Dict[str, Any]], device: str = "cuda") -> List[Dict[str, 
                 want = 4
                 applies = p == "eth1g" and w == 4 and (fast, slow) == ("onebitadam", "ddp_adamw")
             else:
-                applies = (p == "eth1g" and w == 4) or (
-                    p == "eth10g" and w == 4 and (fast, slow) == ("onebitadam", "ddp_adamw"))
+                applies = want is not None and ((p == "eth1g" and w == 4) or (
+                    p == "eth10g" and w == 4 and (fast, slow) == ("onebitadam", "ddp_adamw")))
             out.append({"profile": p, "world_size": w, "fast": fast + (f" ({fph})" if fph else ""),
                         "slow": slow, "speedup": a / b, "target": want if applies else None,
                         "met": (a / b >= want) if applies else None})
+        # issue 16: bytes of FSDP2's gradient reduce-scatter, 1-bit phase against bf16 (fp32 on CPU)
+        ra, ro = (by[(p, w, o)]["summary"].get("reduce_bytes_per_step") if (p, w, o) in by
+                  else None for o in ("fsdp2_adamw", "fsdp2_onebit"))
+        if ra and ro:
+            on = device != "cpu"
+            out.append({"profile": p, "world_size": w,
+                        "fast": "fsdp2_onebit (reduce-scatter bytes)",
+                        "slow": "fsdp2_adamw (reduce-scatter bytes)", "speedup": ra / ro,
+                        "bytes_ratio": ra / ro, "target": 12 if on else None,
+                        "met": ra / ro >= 12 if on else None})
     # efficiency: compressed step on a shaped link vs unshaped step + bytes / rate
     for r in rows:
         prof = PROFILES.get(r["profile"])
@@ -536,6 +452,10 @@ def targets(rows: List[Dict[str, Any]], device: str = "cuda") -> List[Dict[str, 
                     "speedup": ideal / got, "efficiency_ratio": got / ideal, "target": 1 / 1.3,
                     "met": got / ideal <= 1.3})
     return out
+
+
+#: compressed optimizers with a loss target: within 2 % of the twin (issues 13 and 16)
+_LOSS_TARGET = ("onebitadam", "onebitlamb", "fsdp2_onebit")
 
 
 def loss_checks(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -559,7 +479,7 @@ def loss_checks(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
                     "train_loss": a, "twin_train_loss": b,
                     "val_step": val[2] if val else None, "val_loss": val[0] if val else None,
                     "twin_val_loss": val[1] if val else None, "rel": rel,
-                    "within_2pct": rel <= 0.02 if o in ("onebitadam", "onebitlamb") else None})
+                    "within_2pct": rel <= 0.02 if o in _LOSS_TARGET else None})
     return out
 
 
@@ -634,7 +554,9 @@ def markdown(doc: Dict[str, Any]) -> str:
     if ph_rows:
         out += ["", "Per phase (median step ms / mean bytes per step):", ""]
         for r in ph_rows:
-            parts = [f"{k}: {v['step_s'] * 1e3:.1f} ms, {_fmt_bytes(v['bytes'])} ({v['steps']} steps)"
+            parts = [f"{k}: {v['step_s'] * 1e3:.1f} ms, {_fmt_bytes(v['bytes'])}"
+                     + (f" (reduce-scatter {_fmt_bytes(v['reduce_bytes'])})" if "reduce_bytes" in v
+                        else "") + f" ({v['steps']} steps)"
                      for k, v in r["summary"]["phases"].items()]
             out.append(f"- {r['profile']} W={r['world_size']} {r['optimizer']}: " + "; ".join(parts))
     if doc.get("targets"):
@@ -643,8 +565,9 @@ def markdown(doc: Dict[str, Any]) -> str:
         for t in doc["targets"]:
             tgt = "" if t["target"] is None else (f">= {t['target']:g}x" if "efficiency_ratio" not in t
                                                    else "<= 1.3x of ideal")
-            sp = (f"{t['speedup']:.1f}x" if "efficiency_ratio" not in t
-                  else f"{t['efficiency_ratio']:.2f}x of ideal")
+            sp = (f"{t['efficiency_ratio']:.2f}x of ideal" if "efficiency_ratio" in t else
+                  f"{t['bytes_ratio']:.1f}x fewer bytes" if "bytes_ratio" in t else
+                  f"{t['speedup']:.1f}x")
             out.append(f"| {t['profile']} | {t['world_size']} | {t['fast']} | {t['slow']} | {sp} | "
                        f"{tgt} | {'' if t['met'] is None else ('yes' if t['met'] else 'NO')} |")
     if doc.get("loss_checks"):

@@ -1,0 +1,264 @@
+"""The optimizer set-ups of ``compcomm-bench train`` (:mod:`compcomm.bench.train`).
+
+Default arguments except ``lr`` and the warm-up (``--warmup``):
+
+=====================  ========================================================================
+ddp_adamw              DistributedDataParallel + torch.optim.AdamW
+ddp_adamw_bf16hook     the same with DDP's ``bf16_compress_hook`` (on gloo: the same hook body;
+                       torch refuses its own without NCCL)
+onebitadam             compcomm.optim.OneBitAdam(freeze_step=--warmup) (no DDP: it communicates)
+onebitadam_nofreeze    OneBitAdam with freeze_step past the run (Adam with fp32 averaging)
+zerooneadam            compcomm.optim.ZeroOneAdam(var_freeze_step=--warmup)
+zero2_adamw            compcomm.zero.ZeroOptimizer(stage 2) around torch.optim.AdamW
+zero2_onebitadam       ZeroOptimizer(stage 2) around OneBitAdam(freeze_step=--warmup), the
+                       default ``onebit_mode`` ("exact": parameters all-gathered every step)
+zero2_onebitadam_noag  the same with ``onebit_mode="no_allgather"`` (momentum, frozen variance
+                       replicated after the warm-up: a compressed step sends only the 1-bit
+                       allreduce and an 8-byte norm)
+onebitlamb             compcomm.optim.OneBitLamb(freeze_step=--warmup)
+lamb                   OneBitLamb with freeze_step past the run (LAMB with fp32 averaging);
+onebitlamb_nofreeze    the same as ``lamb``
+fsdp2_adamw            torch FSDP2: ``fully_shard`` on every transformer block and the root,
+                       MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16) with bf16
+                       autocast on GPUs (fp32 otherwise), torch.optim.AdamW on the DTensor shards
+fsdp2_onebit           the same model with ``compcomm.fsdp.onebit(model, warmup_steps=--warmup)``
+                       (FSDP's own reduce-scatter for --warmup steps, then compcomm's 1-bit
+                       reduce-scatter with error feedback) and torch.optim.AdamW, the pairing
+                       docs/fsdp.md recommends (an adaptive optimizer)
+=====================  ========================================================================
+
+Bytes of the FSDP2 rows: FSDP2 talks to torch, so each FSDP module's all-gather (and, for
+``fsdp2_adamw``, its reduce-scatter) is FSDP's own default collective wrapped in a counter
+(``set_custom_all_gather`` / ``set_custom_reduce_scatter``; the same calls, with the ring
+convention of the other rows: a rank sends ``(W-1)`` shards per all-gather and per reduce-scatter,
+in the dtype FSDP hands over). ``fsdp2_onebit``'s warm-up reduce-scatters (FSDP's own, inside
+compcomm's ``ReduceScatter``) are counted by the same formula from the module's all-gather shard
+size, its 1-bit reduce-scatters by compcomm's communicator (``bytes_sent``). The rows also carry
+``reduce_bytes`` (the gradient reduce-scatters alone: what issue 16's 12x bytes target compares).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Dict, List, Tuple
+
+__all__ = ["OPTIMIZERS", "TWIN", "COMPRESSED", "make", "phase", "bf16_hook_cpu", "FSDPBytes"]
+
+OPTIMIZERS = (
+    "ddp_adamw",
+    "ddp_adamw_bf16hook",
+    "onebitadam",
+    "onebitadam_nofreeze",
+    "zerooneadam",
+    "zero2_adamw",
+    "zero2_onebitadam",
+    "zero2_onebitadam_noag",
+    "lamb",
+    "onebitlamb",
+    "onebitlamb_nofreeze",
+    "fsdp2_adamw",
+    "fsdp2_onebit",
+)
+#: the uncompressed twin of each compressed optimizer (loss comparison) and its fp32 baseline
+TWIN = {
+    "onebitadam": "onebitadam_nofreeze",
+    "zerooneadam": "onebitadam_nofreeze",
+    "onebitlamb": "onebitlamb_nofreeze",
+    "zero2_onebitadam": "zero2_adamw",
+    "zero2_onebitadam_noag": "zero2_adamw",
+    "fsdp2_onebit": "fsdp2_adamw",
+}
+COMPRESSED = ("onebitadam", "zerooneadam", "zero2_onebitadam", "zero2_onebitadam_noag",
+              "onebitlamb", "fsdp2_onebit")
+#: steps 1..--warmup are "warmup", the later ones "compressed"
+_FREEZING = ("onebitadam", "onebitlamb", "zero2_onebitadam", "zero2_onebitadam_noag",
+             "fsdp2_onebit")
+
+
+def phase(name: str, opt: Any, t: int, warm: int) -> str:
+    """What step ``t`` (1-based, about to run) is for optimizer ``name``."""
+    if name == "zerooneadam":
+        return opt.step_kind()
+    if name in _FREEZING:
+        return "warmup" if t <= warm else "compressed"
+    return "full"
+
+
+def make(name: str, model: Any, cfg: Dict[str, Any], world: int, dev: Any) -> Dict[str, Any]:
+    """The training objects of optimizer ``name``: ``module`` (what to call), ``opt``, ``kind``;
+    FSDP2 rows also ``sent`` and ``reduce_sent`` (cumulative bytes this rank sent: all, and the
+    gradient reductions alone); the others count with ``opt.comm`` or DDP's ring formula."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from compcomm.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
+
+    lr, never, warm = cfg["lr"], cfg["steps"] + 10, cfg["warmup"]
+    extra: Dict[str, Any] = {}
+    if cfg.get("backend") == "nccl":
+        extra["comm_backend_name"] = "nccl"
+    fused = {} if cfg.get("fused") is None else {"fused": bool(cfg["fused"])}
+    if fused and "fused" not in inspect.signature(OneBitAdam).parameters:
+        fused = {}  # this compcomm's optimizers no longer take it (bucketed by default)
+    bc = {"bias_correction": True} if cfg.get("bias_correction") else {}
+    if name.startswith("ddp_"):
+        ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+        if name == "ddp_adamw_bf16hook":
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+                bf16_compress_hook,
+            )
+
+            hook = bf16_compress_hook if dev.type == "cuda" else bf16_hook_cpu
+            ddp.register_comm_hook(dist.group.WORLD, hook)
+        return {"module": ddp, "opt": torch.optim.AdamW(ddp.parameters(), lr=lr), "kind": "ddp"}
+    if name.startswith("fsdp2_"):
+        return _fsdp2(name, model, cfg, world, dev)
+    if name.startswith("zero2_"):
+        from compcomm.zero import ZeroOptimizer
+
+        if name == "zero2_adamw":
+            cls, kw = torch.optim.AdamW, {"lr": lr}
+        else:
+            cls, kw = OneBitAdam, dict(lr=lr, freeze_step=warm, **bc)
+        mode = {"onebit_mode": "no_allgather"} if name == "zero2_onebitadam_noag" else {}
+        opt = ZeroOptimizer(model.parameters(), cls, stage=2, module=model, optimizer_kwargs=kw,
+                            **mode)
+        return {"module": model, "opt": opt, "kind": "zero"}
+    if name in ("onebitadam", "onebitadam_nofreeze"):
+        fs = warm if name == "onebitadam" else never
+        opt = OneBitAdam(model.parameters(), lr=lr, freeze_step=fs, **bc, **fused, **extra)
+    elif name == "zerooneadam":
+        zk = {k: cfg[k] for k in ("local_step_scaler", "local_step_clipper") if cfg.get(k)}
+        opt = ZeroOneAdam(model.parameters(), lr=lr, var_freeze_step=warm, **zk, **bc, **fused,
+                          **extra)
+    elif name in ("onebitlamb", "lamb", "onebitlamb_nofreeze"):
+        fs = warm if name == "onebitlamb" else never
+        opt = OneBitLamb(model.parameters(), lr=cfg["lamb_lr"], freeze_step=fs, **bc, **extra)
+    else:
+        raise ValueError(f"train: unknown optimizer {name!r}; choose from {', '.join(OPTIMIZERS)}")
+    return {"module": model, "opt": opt, "kind": "compcomm"}
+
+
+def bf16_hook_cpu(state, bucket):  # type: ignore[no-untyped-def]  (DDP checks annotations)
+    """torch's ``bf16_compress_hook`` (refused by DDP without NCCL), for gloo: the bucket divided
+    by W, cast to bf16, summed by allreduce and copied back."""
+    import torch
+    import torch.distributed as dist
+
+    buf = bucket.buffer()
+    c = buf.to(torch.bfloat16).div_(dist.get_world_size())
+    fut = dist.all_reduce(c, async_op=True).get_future()
+
+    def decompress(f):  # type: ignore[no-untyped-def]
+        buf.copy_(f.value()[0])
+        return buf
+
+    return fut.then(decompress)
+
+
+# ------------------------------------------------------------------------------------------------
+# FSDP2
+# ------------------------------------------------------------------------------------------------
+class FSDPBytes:
+    """Bytes this rank sends in FSDP2's collectives, per FSDP module (ring convention: ``W-1``
+    shards per all-gather and per reduce-scatter)."""
+
+    def __init__(self) -> None:
+        self.gather = 0
+        self.reduce = 0
+        #: module name -> (elements of its all-gather shard, world size)
+        self.shard: Dict[str, Tuple[int, int]] = {}
+
+    def gathered(self, name: str, shard: Any, world: int) -> None:
+        self.shard[name] = (shard.numel(), world)
+        self.gather += (world - 1) * shard.numel() * shard.element_size()
+
+    def reduced(self, full: Any, world: int) -> None:
+        self.reduce += (world - 1) * full.numel() * full.element_size() // world
+
+    def reduce_formula(self, reductions: Dict[str, int], element_size: int) -> int:
+        """Bytes of ``reductions[name]`` full-precision reduce-scatters of each module, by the
+        ring formula from its all-gather shard (FSDP pads both the same way)."""
+        return sum((w - 1) * n * element_size * reductions.get(name, 0)
+                   for name, (n, w) in self.shard.items())
+
+
+class _CountedGather:
+    """FSDP2's default all-gather (the same call), counting what this rank sends."""
+
+    def __init__(self, tally: FSDPBytes, name: str) -> None:
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+
+        self.inner, self.tally, self.name = DefaultAllGather(), tally, name
+
+    def allocate(self, size: Any, *, dtype: Any, device: Any) -> Any:
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: Any, input_tensor: Any, group: Any,
+                 async_op: bool = False) -> Any:
+        self.tally.gathered(self.name, input_tensor, group.size())
+        return self.inner(output_tensor, input_tensor, group, async_op)
+
+
+class _CountedReduceScatter:
+    """FSDP2's default reduce-scatter (the same call), counting what this rank sends."""
+
+    def __init__(self, tally: FSDPBytes) -> None:
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+        self.inner, self.tally = DefaultReduceScatter(), tally
+
+    def allocate(self, size: Any, *, dtype: Any, device: Any) -> Any:
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: Any, input_tensor: Any, group: Any, op: Any,
+                 async_op: bool = False) -> Any:
+        self.tally.reduced(input_tensor, group.size())
+        return self.inner(output_tensor, input_tensor, group, op, async_op)
+
+
+def _fsdp2(name: str, model: Any, cfg: Dict[str, Any], world: int, dev: Any) -> Dict[str, Any]:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    import compcomm
+    import compcomm.fsdp
+
+    bf16 = dev.type == "cuda" and cfg.get("amp") == "bf16"
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 \
+        else MixedPrecisionPolicy()
+    mesh = init_device_mesh(dev.type, (world,))
+    for blk in model.blocks:
+        fully_shard(blk, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    # module names as compcomm.fsdp.onebit names them (its step counts are keyed by them)
+    mods: List[Tuple[str, Any]] = [(n or "<root>", m) for n, m in model.named_modules()
+                                   if isinstance(m, FSDPModule)]
+    tally = FSDPBytes()
+    for n, m in mods:
+        m.set_custom_all_gather(_CountedGather(tally, n))
+    reduce_sent: Callable[[], int]
+    if name == "fsdp2_onebit":
+        state = compcomm.fsdp.onebit(model, warmup_steps=cfg["warmup"])
+        comm = compcomm.get_communicator(mesh.get_group())
+        esize = 2 if bf16 else 4
+        warm = cfg["warmup"]
+
+        def reduce_sent() -> int:  # FSDP's own reduce-scatters in the warm-up, then compcomm's
+            if set(state.steps) - set(tally.shard):
+                raise RuntimeError(f"train: compcomm.fsdp module names {sorted(state.steps)} "
+                                   f"differ from the benchmark's {sorted(tally.shard)}")
+            full = {k: min(v, warm) for k, v in state.steps.items()}
+            return tally.reduce_formula(full, esize) + int(comm.bytes_sent)
+    else:
+        for _, m in mods:
+            m.set_custom_reduce_scatter(_CountedReduceScatter(tally))
+
+        def reduce_sent() -> int:
+            return tally.reduce
+
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
+    return {"module": model, "opt": opt, "kind": "fsdp", "reduce_sent": reduce_sent,
+            "sent": lambda: tally.gather + reduce_sent()}
