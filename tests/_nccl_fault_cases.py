@@ -48,6 +48,7 @@ SETUP = 120.0  # seconds for everything that is not the fault under test (init, 
 SHUTDOWN_LIMIT = 15.0  # seconds shutdown_nccl(timeout=10) may take
 N = 1 << 16  # all_reduce elements
 N_COMPRESSED = 4099
+N_UNSEEN = 1000  # a size the communicator has not run: no earlier header where this call's lands
 BIG = 1 << 26  # 256 MiB of float32: an all_reduce still moving when a peer is killed under it
 TYPED = ("CommTimeoutError", "BackendError")
 
@@ -278,11 +279,12 @@ def _native(side: Side, blocking: bool = True) -> Any:
                                   blocking=blocking)
 
 
-def _compressed_inputs(rank: int, dev: torch.device, comm: Any = None) -> List[torch.Tensor]:
+def _compressed_inputs(rank: int, dev: torch.device, comm: Any = None,
+                       n: int = N_COMPRESSED) -> List[torch.Tensor]:
     import compcomm
 
     g = torch.Generator().manual_seed(100 + rank)
-    t = torch.randn(N_COMPRESSED, generator=g).to(dev)
+    t = torch.randn(n, generator=g).to(dev)
     we, se = compcomm.error_buffers(t, group=comm)
     return [t, we, se]
 
@@ -291,10 +293,14 @@ def hung_peer(side: Side, blocking: bool, warm: bool) -> Dict[str, Any]:
     """The last rank stays alive but stops calling NCCL (it waits in the side channel, as a rank
     stuck in a data loader or sleeping would); the others call the communicator's all_reduce, then
     -- on a fresh communicator -- compcomm.compressed_allreduce, each with timeout T. Each must
-    raise CommTimeoutError within 2T, find the communicator closed, raise at once on the next call,
-    leave the compressed call's tensors unchanged, and shut down in bounded time. ``warm``: the
-    ranks run each operation together once first (connections made; the fault is on the device);
-    else the faulted call is the first one."""
+    raise CommTimeoutError within 2T (or, W >= 3, BackendError when another survivor's abort
+    reaches it before its own deadline), find the communicator closed, raise at once on the next
+    call, leave the compressed call's tensors unchanged, and shut down in bounded time. ``warm``:
+    the ranks run each operation together once first (connections made; the fault is on the
+    device); else the faulted call is the first one. The faulted compressed call has a size the
+    warm-up did not: the headers it reads back after the watchdog's abort were never received, and
+    stale ones of another size would read as "ranks passed different sizes" were the abort not
+    checked first (Communicator::check_open)."""
     import compcomm
     from compcomm._buffers import buffer_of
     from compcomm._nccl import shutdown_nccl
@@ -326,10 +332,11 @@ def hung_peer(side: Side, blocking: bool, warm: bool) -> Dict[str, Any]:
 
     # 2. compcomm.compressed_allreduce on a fresh communicator (every rank makes it).
     comm = _native(side, blocking)
-    t, we, se = _compressed_inputs(side.rank, dev, comm)
     if warm:
-        compcomm.compressed_allreduce(t, we, se, group=comm, timeout=SETUP)
+        compcomm.compressed_allreduce(*_compressed_inputs(side.rank, dev, comm), group=comm,
+                                      timeout=SETUP)
         torch.cuda.synchronize(dev)
+    t, we, se = _compressed_inputs(side.rank, dev, comm, n=N_UNSEEN)
     side.barrier("hung/3")
     if side.rank != silent:
         before = [x.clone() for x in (t, we, se)]
@@ -412,10 +419,10 @@ def torch_default_hung(side: Side) -> Dict[str, Any]:
     default path, ``compcomm.compressed_allreduce(t, we, se)`` with group=None, which resolves to
     compcomm's native NCCL communicator made from torch's default group. After a warm-up call by
     all ranks the last rank stops calling; the others' call with ``timeout=T`` must raise
-    CommTimeoutError within 2T (the knob is the call's ``timeout`` argument: it bounds each
-    collective of the native communicator, whose watchdog aborts it; the process group's own
-    timeout only bounds torch's collectives, e.g. the unique-id broadcast), leave the tensors
-    unchanged and close the communicator; compcomm.shutdown() is bounded."""
+    CommTimeoutError within 2T (as in hung_peer), leave the tensors unchanged and close the
+    communicator; compcomm.shutdown() is bounded. The knob is the call's ``timeout`` argument: it
+    bounds each collective of the native communicator, whose watchdog aborts it; the process
+    group's own timeout only bounds torch's collectives (here the unique-id broadcast)."""
     import compcomm
     from compcomm import _C
     from compcomm._comm import resolve
