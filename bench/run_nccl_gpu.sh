@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The NCCL backend on a GPU machine, in one device call: build, tests/test_nccl.py, bench/bench_nccl.py.
+# The NCCL backend on a GPU machine, in one device call: build, tests/test_nccl.py, bench/bench_nccl.py,
+# tests/test_nccl_faults.py.
 # Run from the repository root (the device tool's working directory), carrying .whl (the DeepSpeed
 # wheel and its pure-Python dependencies) when DeepSpeed should be compared:
 #     bash bench/run_nccl_gpu.sh
@@ -63,6 +64,13 @@ if [ "$GPUS" -gt 1 ]; then
     --out "bench/results/nccl_h200x$GPUS" >"$OUT/bench_nccl_x$GPUS.log" 2>&1
   rc=$?; log "bench x$GPUS rc=$rc"; [ $rc -eq 0 ] || status=1
   tail -30 "$OUT/bench_nccl_x$GPUS.log"
+fi
+# Last, so the benches above are never cut short by it (~4-5 min; FAULTS=0 skips; alone:
+# bench/run_faults_gpu.sh).
+if [ "${FAULTS:-1}" = 1 ]; then
+  log "tests/test_nccl_faults.py (dead/hung peer, W=2..4 ranks sharing the GPU as emulated hosts)"
+  timeout 420 $PY -m pytest tests/test_nccl_faults.py -v -rs -p no:cacheprovider --timeout 300 >"$OUT/test_nccl_faults.log" 2>&1
+  rc=$?; log "pytest rc=$rc: $(tail -1 "$OUT/test_nccl_faults.log")"; [ $rc -eq 0 ] || status=1
 fi
 cp bench/results/nccl_h200* "$OUT/" 2>/dev/null || true
 log "done, status $status"

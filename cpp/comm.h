@@ -42,6 +42,11 @@ class Communicator {
   void reset_bytes_sent() { bytes_sent_ = 0; }
   // Unique over the process's lifetime (unlike the address, which a later communicator may reuse).
   uint64_t id() const { return id_; }
+  // Throws the error that closed this communicator if something closed it asynchronously (NCCL: the
+  // timeout watchdog, whose abort ends the device work of earlier calls without their data); a
+  // no-op for backends whose calls complete or fail on the host. An algorithm that waited on the
+  // host for earlier calls' device work calls it before reading what they received.
+  void check_open(const char* call) { do_check_open(call); }
 
  protected:
   virtual void do_all_to_all(const Buffer& send, const Buffer& recv, const CallOptions& opts) = 0;
@@ -51,6 +56,7 @@ class Communicator {
   virtual void do_all_reduce(const Buffer& buf, ReduceOp op, const CallOptions& opts) = 0;
   virtual void do_broadcast(const Buffer& buf, int root, const CallOptions& opts) = 0;
   virtual void do_barrier(const CallOptions& opts) = 0;
+  virtual void do_check_open(const char* /*call*/) {}
 
  private:
   int64_t bytes_sent_ = 0;

@@ -290,6 +290,9 @@ void run_compressed(const char* name, Communicator& comm, const Buffer& tensor, 
         check_status(kernels::device_copy(host.data(), headers, sizeof(Header) * world, stream), "device_copy",
                      rank);
         check_status(kernels::stream_sync(stream), "stream_sync", rank);
+        // A watchdog abort (a peer died or never called) also ends the wait, with `headers` never
+        // received: raise that timeout or failure, not a verdict on stale bytes.
+        comm.check_open(name);
         check_headers(host.data(), world, rank, mine);
       } else {
         check_headers(headers, world, rank, mine);

@@ -524,6 +524,12 @@ void NcclCommunicator::watchdog_poll() {
   }
 }
 
+void NcclCommunicator::do_check_open(const char* call) {
+  std::lock_guard<std::mutex> lock(mu_);
+  absorb_watchdog_abort_locked(call);
+  if (closed_) throw_closed_locked(call);
+}
+
 void NcclCommunicator::synchronize(double timeout_s) {
   const double deadline = now_s() + timeout_s;
   std::vector<cudaEvent_t> events;

@@ -89,6 +89,8 @@ class NcclCommunicator final : public Communicator {
   void do_all_reduce(const Buffer& buf, ReduceOp op, const CallOptions& opts) override;
   void do_broadcast(const Buffer& buf, int root, const CallOptions& opts) override;
   void do_barrier(const CallOptions& opts) override;
+  // Throws (TimeoutError or BackendError, with the reason) if the communicator is closed.
+  void do_check_open(const char* call) override;
 
  private:
   struct Pending;  // an event recorded after a collective, with its deadline
