@@ -23,8 +23,9 @@ fi
   echo "[$(date +%T)] $(cd /tmp && $PY -c 'import sys, torch, compcomm; print(sys.version.split()[0], torch.__version__, torch.cuda.device_count(), "GPU(s);", compcomm.build_info())' 2>&1)"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
 } | tee "$OUT/faults.log"
-timeout 570 $PY -m pytest tests/test_nccl_faults.py tests/test_nccl.py::test_silent_peer_gives_timeout_then_closed \
-  -v -rs -p no:cacheprovider --timeout 300 --durations 0 >>"$OUT/faults.log" 2>&1
+PT_TIMEOUT=; $PY -c 'import pytest_timeout' 2>/dev/null && PT_TIMEOUT="--timeout 300"
+timeout ${LIMIT:-570} $PY -m pytest tests/test_nccl_faults.py tests/test_nccl.py::test_silent_peer_gives_timeout_then_closed \
+  -v -rs -p no:cacheprovider $PT_TIMEOUT --durations 0 >>"$OUT/faults.log" 2>&1
 rc=$?
 echo "[$(date +%T)] pytest rc=$rc" | tee -a "$OUT/faults.log"
 grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" "$OUT/faults.log" | tail -40

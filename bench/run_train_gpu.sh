@@ -107,7 +107,7 @@ log "phases: $PHASES; optimizer flags: '${FUSED_FLAG}', timing '${TIMING_FLAGS}'
 #    (in order of importance: eth1g holds most targets; unshaped is the efficiency reference)
 TIMING_OPTS=${TIMING_OPTS:-ddp_adamw,ddp_adamw_bf16hook,onebitadam,zerooneadam,zero2_adamw,zero2_onebitadam}
 if has timing; then
-  for P in $P1 $P10 $PU; do
+  for P in ${TIMING_PROFILES:-$P1 $P10 $PU}; do
     case $P in eth1g) B=${B1G:-165}; MS=${MS1G:-22} ;; *) B=${B10G:-65}; MS=10 ;; esac
     OPTS=$TIMING_OPTS; [ $P = eth1g ] || OPTS=${TIMING_OPTS_FAST:-$TIMING_OPTS}
     run timing_$P $B $PY -m compcomm.bench train --device cuda --profile $P --world-size 4 --model gpt2s \
