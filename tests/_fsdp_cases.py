@@ -135,36 +135,6 @@ def ddp_cases(rank: int, world: int) -> Dict[str, Any]:
     return res
 
 
-def _dcp_template(path: str, key: str) -> Dict[str, Any]:
-    """An empty copy, from the checkpoint's metadata, of what was saved under ``key``: DCP loads
-    tensors in place, and a fresh OneBitFSDP has no error buffers (nor step counts) to load into
-    until its first 1-bit reduction."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    md = dcp.FileSystemReader(path).read_metadata()
-    out: Dict[str, Any] = {}
-    for fqn, meta in md.state_dict_metadata.items():
-        where = md.planner_data[fqn]  # the path of the leaf in the saved (nested) state dict
-        if where[0] != key:
-            continue
-        leaf = (torch.empty(meta.size, dtype=meta.properties.dtype)
-                if isinstance(meta, TensorStorageMetadata) else None)  # None: a pickled object
-        node: Any = out
-        for part, nxt in zip(where[1:-1], where[2:]):
-            if isinstance(node, list):
-                while len(node) <= part:
-                    node.append(None)
-            if (node[part] if isinstance(node, list) else node.get(part)) is None:
-                node[part] = [] if isinstance(nxt, int) else {}
-            node = node[part]
-        if isinstance(node, list):
-            while len(node) <= where[-1]:
-                node.append(None)
-        node[where[-1]] = leaf
-    return out
-
-
 def _fsdp_adamw_run(world: int, rank: int, steps, model=None, state=None, opt=None):
     if model is None:
         model, state = _sharded(world, onebit_warmup=2)
@@ -196,13 +166,17 @@ def dcp_cases(rank: int, world: int, path: str) -> Dict[str, Any]:
 
     model2, state2, opt2, _ = _fsdp_adamw_run(world, rank, [])
     msd2, osd2 = get_state_dict(model2, opt2)
-    sd = {"model": msd2, "optim": osd2, key: _dcp_template(path, key)}
+    fresh = state2.state_dict()  # a fresh state is a complete template (zeros, step 0)
+    sized = sorted((k, [b.numel() for b in v]) for k, v in fresh["errors"].items()) == \
+        sorted((k, [b.numel() for b in v]) for k, v in saved["errors"].items())
+    sd = {"model": msd2, "optim": osd2, key: fresh}
     dcp.load(sd, checkpoint_id=path)
     set_state_dict(model2, opt2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     state2.load_state_dict(sd[key])
     loaded = state2.state_dict()
     *_, resumed = _fsdp_adamw_run(world, rank, range(3, 6), model2, state2, opt2)
     return {
+        "template_sized": sized,
         "errors_saved": sorted(saved["errors"]) == ["0", "2"]
         and all(float(b.abs().sum()) > 0 for v in saved["errors"].values() for b in v),
         "state_loaded": loaded["steps"] == saved["steps"] and all(

@@ -20,7 +20,8 @@ stream-ordered on the caller's stream (CUDA) and writes only ``output_tensor``.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+import math
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -72,6 +73,9 @@ class OneBitFSDP:
         self.replicate_group = replicate_group
         self.steps: Dict[str, int] = {}
         self._errors: Dict[str, List[torch.Tensor]] = {}  # name -> [worker_error, server_error]
+        # name -> (worker, server) error-buffer sizes, known from the parameters when installed
+        # (so that state_dict() is a complete template for torch.distributed.checkpoint.load)
+        self._sizes: Dict[str, Tuple[int, int]] = {}
 
     def compressing(self, name: str) -> bool:
         """Whether module ``name``'s next reduction is 1-bit."""
@@ -90,12 +94,15 @@ class OneBitFSDP:
         return bufs
 
     def state_dict(self) -> Dict[str, Any]:
-        """Step counts and this rank's error buffers (CPU copies)."""
+        """Step counts and this rank's error buffers (CPU copies), for every module from the start
+        (zeros and 0 before its first 1-bit reduction): a fresh state's ``state_dict()`` is the
+        template ``torch.distributed.checkpoint.load`` fills in place."""
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
+        errors = {k: [torch.zeros(w), torch.zeros(sv)] for k, (w, sv) in self._sizes.items()}
+        errors.update({k: [b.detach().cpu().clone() for b in v] for k, v in self._errors.items()})
         return {"format": "compcomm.fsdp/1", "rank": rank, "world": world,
-                "steps": dict(self.steps),
-                "errors": {k: [b.detach().cpu().clone() for b in v] for k, v in self._errors.items()}}
+                "steps": {**{k: 0 for k in self._sizes}, **self.steps}, "errors": errors}
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; error buffers only when rank and world size match."""
@@ -160,6 +167,23 @@ def _all_reduce_hook(state: OneBitFSDP, name: str):
     return hook
 
 
+def _shard_numel(m: torch.nn.Module) -> int:
+    """Elements of FSDP module ``m``'s reduced gradient shard: its own parameters (not those of
+    nested FSDP modules) that take gradients, each dim-0 padded to a multiple of the mesh size."""
+    total, stack = 0, [m]
+    while stack:
+        mod = stack.pop()
+        stack.extend(c for c in mod.children() if not isinstance(c, FSDPModule))
+        for p in mod.parameters(recurse=False):
+            if not p.requires_grad or p.numel() == 0:
+                continue
+            mesh = getattr(p, "device_mesh", None)
+            world = mesh.size() if mesh is not None else 1
+            dim0 = p.shape[0] if p.dim() else 1
+            total += math.ceil(dim0 / world) * (p.numel() // dim0)
+    return total
+
+
 def onebit(model: torch.nn.Module, warmup_steps: int = 100,
            replicate_group: Optional[Any] = None) -> OneBitFSDP:
     """Install 1-bit compressed gradient reduction on every FSDP2 module of ``model``.
@@ -194,8 +218,17 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
         raise ValueError("compcomm.fsdp.onebit: argument 'model' has no FSDP module "
                          "(wrap it with torch.distributed.fsdp.fully_shard first)")
     for name, m in mods:
+        shard = _shard_numel(m)
         if replicate_group is None:
             m.set_custom_reduce_scatter(OneBitReduceScatter(state, name))
+            s8 = -(-shard // 8) * 8
+            world = shard and next(p for p in m.parameters() if p.requires_grad).device_mesh.size()
+            size = (world * s8, s8)
         else:
             m.set_all_reduce_hook(_all_reduce_hook(state, name))
+            name += "/replicas"
+            world = dist.get_world_size(replicate_group)
+            size = (padded_numel(shard, world), padded_numel(shard, world) // world)
+        if shard:
+            state._sizes[name] = size
     return state
