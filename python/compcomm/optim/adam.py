@@ -27,6 +27,10 @@ class OneBitAdam(OneBitBase):
         m \leftarrow \mathrm{C}\big(\beta_1 m + (1-\beta_1) g_{local}\big) \odot mask,\quad
         p \leftarrow p - lr\,\big(m / (\sqrt{v}+\epsilon) + wd\,p\big)
 
+    On CUDA the update of a param group without ``exp_avg_mask`` runs as multi-tensor kernels
+    (:mod:`compcomm.optim._fused`, one pass over memory; ``COMPCOMM_FUSED_OPTIM=0`` in the
+    environment selects the ``torch._foreach`` ops instead).
+
     Parameters
     ----------
     params : iterable
