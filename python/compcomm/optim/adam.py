@@ -148,7 +148,8 @@ class OneBitAdam(OneBitBase):
             xs = [(grads if warm else averaged)[p] for p in ps]
             for st in states:
                 st["step"] = t
-            bc2_t = min(t, self.freeze_step)  # the variance (and its correction) frozen after
+            # the variance (and its correction) frozen after the warm-up
+            bc2_t = min(t, self.freeze_step)
             lowps = [None if p.dtype == torch.float32 else p.data for p in ps]
             if _fused.usable(group, ws, ms, vs, xs, lowp=lowps):  # one CUDA pass per chunk
                 step = _fused.adam_warmup_step_ if warm else _fused.onebit_compressed_step_
