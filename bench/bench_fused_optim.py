@@ -5,7 +5,8 @@ Model: GPT-style shapes (12 layers, d 768, vocab 46080, context 1024): 121M para
 tensors, cut into lists as the optimizer cuts them (optim._params.group_chunks). Rows:
 
 - ``momentum``: the compressed phase's staging, out = b1 m + (1-b1) g (reads m, g; writes out);
-- ``compressed step``: m = averaged; w -= lr (m / (sqrt(v)+eps) + wd w) (reads a, v, w; writes m, w);
+- ``compressed step``: m = averaged; w -= lr (m / (sqrt(v)+eps) + wd w) (reads a, v, w;
+  writes m, w);
 - ``warm-up step``: both moments from g, then the step (reads m, v, g, w; writes m, v, w);
 - each with bf16 parameters too (fp32 master updated, bf16 copy written: +2 bytes/element);
 - ``OneBitAdam.step``: a whole compressed-phase step at W=1 (gradient checks included), with
@@ -138,7 +139,8 @@ def main(argv=None) -> int:
                      timed(fused_step(True, low), args.iters)))
     rows.append(("momentum + compressed step (fp32)", 32, rows[0][2] + rows[1][2],
                  rows[0][3] + rows[1][3]))
-    del ms, vs, gs, avgs, outs, lowps, ws
+    for ts in (ms, vs, gs, avgs, outs, lowps, ws):
+        ts.clear()  # free the micro-benchmark's tensors
     torch.cuda.empty_cache()
 
     # a whole compressed-phase step at W=1 (one process, no communication)
@@ -157,9 +159,11 @@ def main(argv=None) -> int:
 
     name = torch.cuda.get_device_name(dev)
     lines = [f"OneBitAdam update on {name}, {n / 1e6:.1f}M parameters in {len(shapes)} tensors "
-             f"({len(chunks)} lists); CUDA events, median of {args.iters}; torch {torch.__version__}",
+             f"({len(chunks)} lists); CUDA events, median of {args.iters}; "
+             f"torch {torch.__version__}",
              "",
-             "| row | bytes/elem | foreach ms | fused ms | speedup | floor ms (4.2 TB/s) | fused / floor |",
+             "| row | bytes/elem | foreach ms | fused ms | speedup | floor ms (4.2 TB/s) "
+             "| fused / floor |",
              "|---|---|---|---|---|---|---|"]
     for row, b, fe, fu in rows:
         floor = n * b / HBM * 1e3

@@ -28,7 +28,7 @@ from _backends import no_cuda_kernels, no_gpu, skipif
 
 
 def gpu(fn):
-    """Marks a test that needs a CUDA device and the CUDA kernels (skipped, with the reason, else)."""
+    """Marks a test that needs a CUDA device and the CUDA kernels (else skipped, with why)."""
     return pytest.mark.gpu(skipif(no_gpu() or no_cuda_kernels())(fn))
 
 
@@ -86,7 +86,8 @@ GROUPS = {
 
 class Lists:
     """``n`` fp32 lists of tensors of ``sizes`` on the GPU: contiguous tensors, or views at an
-    element offset (``offsets[k]`` for list k) into larger buffers whose rest must stay as it was."""
+    element offset (``offsets[k]`` for list k) into larger buffers whose rest must stay as it
+    was."""
 
     def __init__(self, sizes: List[int], n: int, offsets=None, gen=None):
         self.sizes, self.bases, self.lists = sizes, [], []

@@ -168,10 +168,10 @@ def _step(fn: str, ws: Tensors, ms: Tensors, vs: Tensors, xs: Tensors, x_name: s
     if lowps is not None and any(t is not None for t in lowps):
         lp = _ptrs(lowps, "lowps", numels, dev, check, optional=True, dtypes=tuple(_LOWP))
         types = [_C.DType.float32 if t is None else _LOWP[t.dtype] for t in lowps]
-    getattr(k, fn)(numels, _ptrs(xs, x_name, numels, dev, check), _ptrs(ms, "ms", numels, dev, check),
-                   _ptrs(vs, "vs", numels, dev, check), _ptrs(ws, "ws", numels, dev, check), lp,
-                   types, **_hyper(group, bc1_t, bc2_t), device=dev,
-                   stream=_stream(dev) if numels else 0)
+    getattr(k, fn)(numels, _ptrs(xs, x_name, numels, dev, check),
+                   _ptrs(ms, "ms", numels, dev, check), _ptrs(vs, "vs", numels, dev, check),
+                   _ptrs(ws, "ws", numels, dev, check), lp, types, **_hyper(group, bc1_t, bc2_t),
+                   device=dev, stream=_stream(dev) if numels else 0)
 
 
 def onebit_compressed_step_(ws: Tensors, ms: Tensors, vs: Tensors, avgs: Tensors,
