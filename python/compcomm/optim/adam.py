@@ -7,6 +7,7 @@ from typing import Any, Dict, Iterable, Optional, Tuple
 import torch
 
 from ..schedule import FreezeSchedule, StepKind
+from . import _fused
 from . import functional as F
 from ._params import group_chunks, mask_, master, moments, write_back_multi
 from ._validation import check_common, check_int
@@ -25,6 +26,10 @@ class OneBitAdam(OneBitBase):
     .. math::
         m \leftarrow \mathrm{C}\big(\beta_1 m + (1-\beta_1) g_{local}\big) \odot mask,\quad
         p \leftarrow p - lr\,\big(m / (\sqrt{v}+\epsilon) + wd\,p\big)
+
+    On CUDA the update of a param group without ``exp_avg_mask`` runs as multi-tensor kernels
+    (:mod:`compcomm.optim._fused`, one pass over memory; ``COMPCOMM_FUSED_OPTIM=0`` in the
+    environment selects the ``torch._foreach`` ops instead).
 
     Parameters
     ----------
@@ -125,27 +130,37 @@ class OneBitAdam(OneBitBase):
         if not warm:
             def momentum(entries):  # b1 m + (1-b1) g_local, staged: m itself waits
                 for group, run in group_chunks(entries):
-                    # no warm-up step yet: zero momentum, made when the step commits
+                    # no warm-up step yet: zero momentum (None), made when the step commits
                     ms = [self.state[p].get("exp_avg") for _, p, _ in run]
-                    ms = [out.zero_() if m is None else m for m, (_, _, out) in zip(ms, run)]
-                    F.onebit_momentum_multi(ms, [grads[p] for _, p, _ in run], group,
-                                            [out for _, _, out in run])
+                    gs, outs = [grads[p] for _, p, _ in run], [out for _, _, out in run]
+                    if _fused.usable(group, ms, gs, outs):
+                        _fused.onebit_momentum(ms, gs, group, outs, check=False)
+                        continue
+                    ms = [out.zero_() if m is None else m for m, out in zip(ms, outs)]
+                    F.onebit_momentum_multi(ms, gs, group, outs)
 
             averaged = self._compressed_average(items, momentum)
         for group, run in group_chunks(items):
             ps = [p for _, p in run]
             states = [self.state[p] for p in ps]
             ms, vs = map(list, zip(*(moments(p, st) for p, st in zip(ps, states))))
-            if warm:
-                F.adam_moments_multi_(ms, vs, [grads[p] for p in ps], group)
-            else:
-                torch._foreach_copy_(ms, [averaged[p] for p in ps])
-                for m in ms:
-                    mask_(m, group)
+            ws = [master(p, st) for p, st in zip(ps, states)]
+            xs = [(grads if warm else averaged)[p] for p in ps]
             for st in states:
                 st["step"] = t
             # the variance (and its correction) frozen after the warm-up
-            F.adam_step_multi_([master(p, st) for p, st in zip(ps, states)], ms, vs, group, t,
-                               min(t, self.freeze_step))
+            bc2_t = min(t, self.freeze_step)
+            lowps = [None if p.dtype == torch.float32 else p.data for p in ps]
+            if _fused.usable(group, ws, ms, vs, xs, lowp=lowps):  # one CUDA pass per chunk
+                step = _fused.adam_warmup_step_ if warm else _fused.onebit_compressed_step_
+                step(ws, ms, vs, xs, group, t, bc2_t, lowps, check=False)
+                continue
+            if warm:
+                F.adam_moments_multi_(ms, vs, xs, group)
+            else:
+                torch._foreach_copy_(ms, xs)
+                for m in ms:
+                    mask_(m, group)
+            F.adam_step_multi_(ws, ms, vs, group, t, bc2_t)
             write_back_multi(ps, states)
         self.schedule.advance(kind)

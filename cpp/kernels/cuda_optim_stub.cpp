@@ -1,0 +1,17 @@
+// Stands in for the multi-tensor optimizer kernels in builds without a CUDA toolkit: kNotBuilt.
+#include "optim_kernels.h"
+
+namespace compcomm::kernels::cuda {
+Status onebit_momentum(int, const int64_t*, float* const*, const float* const*, const float* const*, double,
+                       Stream) {
+  return Status::kNotBuilt;
+}
+Status onebit_compressed_step(int, const int64_t*, const float* const*, float* const*, const float* const*,
+                              float* const*, void* const*, const InputType*, const AdamHyper&, Stream) {
+  return Status::kNotBuilt;
+}
+Status adam_warmup_step(int, const int64_t*, float* const*, float* const*, const float* const*,
+                        float* const*, void* const*, const InputType*, const AdamHyper&, Stream) {
+  return Status::kNotBuilt;
+}
+}  // namespace compcomm::kernels::cuda

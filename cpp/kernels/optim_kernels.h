@@ -1,0 +1,55 @@
+// Multi-tensor CUDA kernels of the 1-bit Adam update (python/compcomm/optim/functional.py is the
+// contract: the same floating-point operations in the same order, each rounded to fp32, divisions
+// true divisions, no contraction into FMAs -- so a float32 CPU evaluation of that op sequence is
+// the oracle, bit for bit).
+//
+// Every call takes `count` tensors as parallel lists: entry i of each list points at numels[i]
+// contiguous elements (fp32 unless said otherwise), pointers of one entry may differ in alignment
+// (16-byte aligned entries take vectorised loads, others scalar ones). Entries of one list must not
+// overlap other entries; `out` may alias `m` in onebit_momentum. Low-precision outputs: lowp may be
+// nullptr (none in the call) or hold nullptr for an entry without one; lowp_types[i] is kFloat16 or
+// kBFloat16 (round to nearest even) where lowp[i] is set. All work is queued on `stream` of the
+// current device; the calls never allocate, never sync and never throw. kNotBuilt without CUDA.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels.h"
+
+namespace compcomm::kernels {
+
+// A parameter group's hyper-parameters, as the Python layer holds them (doubles). The kernels round
+// each derived scalar to fp32 the way torch does for a python-float argument: 1 - beta is computed
+// in double, then rounded.
+struct AdamHyper {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  bool bias_correction = false;
+  double bc1 = 1.0;       // 1 - beta1^t1 (used with bias_correction)
+  double sqrt_bc2 = 1.0;  // sqrt(1 - beta2^t2) (used with bias_correction)
+};
+
+namespace cuda {
+
+// out_i = m_i * b1 + (1-b1) * g_i (m_i nullptr: m = 0): 1-bit Adam's local momentum, the tensor the
+// compressed allreduce averages. m is only read.
+Status onebit_momentum(int count, const int64_t* numels, float* const* out, const float* const* m,
+                       const float* const* g, double beta1, Stream stream);
+
+// The compressed phase's commit and step, one pass: m = a; denom = sqrt(v) [/ sqrt_bc2] + eps;
+// u = m / denom [/ bc1] [+ wd * w if wd > 0]; w = w + (-lr) * u; lowp = w rounded. v is only read.
+Status onebit_compressed_step(int count, const int64_t* numels, const float* const* a, float* const* m,
+                              const float* const* v, float* const* w, void* const* lowp,
+                              const InputType* lowp_types, const AdamHyper& hyper, Stream stream);
+
+// The warm-up (plain Adam) step, one pass: m = m*b1 + (1-b1)*g; v = v*b2 + ((1-b2)*g)*g; then the step
+// of onebit_compressed_step with these m, v.
+Status adam_warmup_step(int count, const int64_t* numels, float* const* m, float* const* v,
+                        const float* const* g, float* const* w, void* const* lowp,
+                        const InputType* lowp_types, const AdamHyper& hyper, Stream stream);
+
+}  // namespace cuda
+}  // namespace compcomm::kernels
