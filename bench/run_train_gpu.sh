@@ -133,7 +133,7 @@ fi
 if has loss; then
   LP=${LOSS_PROFILE:-${P10:-loopback}}
   run loss_$LP ${LOSS_BUDGET:-150} $PY -m compcomm.bench train --device cuda --profile $LP --world-size 4 --model gpt2s \
-    --optimizers onebitadam,onebitadam_nofreeze,onebitlamb,onebitlamb_nofreeze $FUSED_FLAG $LOSS_FLAGS \
+    --optimizers ${LOSS_OPTS:-onebitadam,onebitadam_nofreeze,onebitlamb,onebitlamb_nofreeze} $FUSED_FLAG $LOSS_FLAGS \
     --steps ${LOSS_STEPS:-40} --warmup ${LOSS_WARMUP:-10} --eval-every 10 --val-batches 8 \
     --compute-steps 2 --max-seconds ${LOSS_MAXS:-50} --timeout $(( ${LOSS_BUDGET:-150} - 5 )) --out "$WORK" --name train_gpu_loss$SFX
   cp "$WORK"/train_gpu_loss$SFX.md "$WORK"/train_gpu_loss$SFX.png "$OUT/" 2>/dev/null
