@@ -49,7 +49,7 @@ def shard_file(directory: str, rank: int, world: int) -> str:
 
 def shard_state_dict(opt: Any, names: Optional[Dict[int, str]] = None) -> Dict[str, Any]:
     """This rank's checkpoint of ``opt`` (a ZeroOptimizer) as a dict of CPU tensors and plain data."""
-    opt._complete(len(opt._pending))
+    opt._grads.wait()
     groups = []
     for grp in opt.groups:
         groups.append(
