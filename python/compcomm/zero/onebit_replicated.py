@@ -228,7 +228,7 @@ class ReplicatedMomentum:
             y[b.numel:].zero_()  # padding: 1 bit cannot say 0, unsharded keeps no padding
             b.span(self.m[gi]).copy_(y)
         self._avg = []
-        t = inner.sched["step"] + 1
+        t = inner.schedule.step + 1
         for gi, grp in enumerate(self.groups):
             group = inner.param_groups[gi]
             st = self._shard_state(gi)

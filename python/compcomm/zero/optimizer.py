@@ -22,6 +22,7 @@ model; every rank must run the same modules.
 
 from __future__ import annotations
 
+import enum
 import functools
 import math
 from typing import Any, Callable, Dict, Iterable, List, Optional
@@ -33,16 +34,40 @@ from .._buffers import buffer_of
 from .._comm import resolve
 from .._defaults import DEFAULT_TIMEOUT
 from ..amp import LossScaler
+from ..schedule import StepKind
 from .config import validate_zero_config
 from .grad_reducer import GradReducer, clip_coef
 from .layout import alignment, build_groups, partition
 from .onebit_reducer import OneBitReducer
 from .onebit_replicated import MODES, ReplicatedMomentum
 from .param_gather import ParamGatherer
-from .rules import onebit_inner_kwargs, onebit_kind
+from .rules import RULES, check_stage, onebit_inner_kwargs, onebit_kind
 from .unsharded import UnshardedPhase
 
-__all__ = ["ZeroOptimizer", "initialize"]
+__all__ = ["ZeroOptimizer", "Phase", "initialize"]
+
+
+class Phase(enum.Enum):
+    """How the coming ``step()`` reduces the gradients (:attr:`ZeroOptimizer.phase`)."""
+
+    #: averaged in full precision, reduce-scattered into the gradient shards (any optimizer;
+    #: a 1-bit optimizer's warm-up or variance steps)
+    FULL = "full"
+    #: the local gradients 1-bit reduce-scattered into the shards (:mod:`.onebit_reducer`)
+    ONEBIT = "onebit"
+    #: OneBitAdam's replicated momentum, 1-bit allreduced (:mod:`.onebit_replicated`)
+    REPLICATED = "replicated"
+    #: ZeroOneAdam's local-step phase: unsharded, gradients stay local (:mod:`.unsharded`)
+    LOCAL = "local"
+
+    @property
+    def compressed(self) -> bool:
+        """Whether the step reduces with 1-bit compression (gradients staged until ``step()``)."""
+        return self in (Phase.ONEBIT, Phase.REPLICATED)
+
+
+#: The schedule's step kinds that ZeRO reduces with 1-bit compression.
+_COMPRESSED_KINDS = (StepKind.ONEBIT, StepKind.ONEBIT_GRAD)
 
 
 class ZeroOptimizer:
@@ -140,19 +165,16 @@ class ZeroOptimizer:
         self.skipped_steps = 0
         self.global_steps = 0
         self.overlap = bool(self.config["overlap_comm"])
+        #: "OneBitAdam" / "ZeroOneAdam" for those compcomm optimizers, else None
         self.onebit = onebit_kind(optimizer_class)
-        if self.onebit == "ZeroOneAdam" and stage == 3:
-            raise ValueError(
-                "optimizer_class: ZeroOneAdam with ZeRO stage 3 is not supported (its local steps "
-                "update every rank's full copy of the parameters, which stage 3 does not keep); use "
-                "stage 1 or 2, or OneBitAdam"
-            )
-        self.onebit_mode = _onebit_mode(self.onebit, self.config["onebit_mode"], stage)
+        check_stage(self.onebit, stage)
+        self._rules = RULES.get(self.onebit or "")
+        self.onebit_mode = _onebit_mode(self.onebit, self._rules, self.config["onebit_mode"], stage)
         replicated = self.onebit_mode in ("exact", "no_allgather")
         self.exact_resume = bool((optimizer_kwargs or {}).get("exact_resume", False))
         self._errors: Dict[tuple, tuple] = {}  # (group, bucket) -> (worker_error, server_error)
 
-        align = alignment(self.onebit is not None, replicated, self.world)
+        align = alignment(self._rules is not None, replicated, self.world)
         bucket = self.config["reduce_bucket_size"] if stage < 3 else 0
         #: the parameter groups' layouts (:class:`compcomm.zero.layout.GroupLayout`)
         self.groups, self.device = build_groups(params, bucket, self.world, align)
@@ -160,7 +182,7 @@ class ZeroOptimizer:
             partition(grp, self.comm, self.rank, stage, self.device, self.timeout)
 
         kwargs = dict(optimizer_kwargs or {})
-        if self.onebit is not None:
+        if self._rules is not None:
             kwargs = onebit_inner_kwargs(self.onebit, kwargs)
         self.optimizer = optimizer_class(
             [dict(grp.options, params=[grp.master]) for grp in self.groups], **kwargs
@@ -169,12 +191,12 @@ class ZeroOptimizer:
         self._grads = GradReducer(self.groups, stage, self._async, self.overlap, self.rank,
                                   self.world, self.device, self.timeout)
         self._onebit: Optional[OneBitReducer] = None
-        if self.onebit is not None and not replicated:
+        if self._rules is not None and not replicated:
             self._onebit = OneBitReducer(
                 self.groups, self._grads, self.comm, self._async, self._error_buffers,
                 self._input_scale, lambda: self.scaler.scale, self.gas, self.clip,
                 overlap=stage >= 2 and self.overlap and self.clip == 0 and self.world > 1,
-                keep_pool=self.onebit != "OneBitAdam", rank=self.rank, world=self.world,
+                keep_pool=self._rules.full_steps_recur, rank=self.rank, world=self.world,
                 device=self.device, timeout=self.timeout)
         #: OneBitAdam's compressed phase in the "exact" / "no_allgather" modes (onebit_replicated.py)
         self._replicated: Optional[ReplicatedMomentum] = None
@@ -184,7 +206,7 @@ class ZeroOptimizer:
                 self.comm, self._async, lambda: self.scaler.scale, self.gas, self.clip, self.rank,
                 self.world, self.device, self.timeout)
         self._unsharded: Optional[UnshardedPhase] = None
-        if self.onebit == "ZeroOneAdam":
+        if self._rules is not None and self._rules.local_phase:
             self._unsharded = UnshardedPhase(self.groups, self.optimizer, self.comm,
                                              self.optimizer.comm, self._async, stage, self.rank,
                                              self.device, self.timeout)
@@ -202,16 +224,25 @@ class ZeroOptimizer:
     # ---- what the coming step does -----------------------------------------------------------
 
     @property
-    def _local_phase(self) -> bool:
+    def phase(self) -> Phase:
+        """How the coming ``step()`` reduces the gradients: from the wrapped optimizer's schedule
+        (:class:`compcomm.schedule.StepKind`) and ``onebit_mode``."""
+        if self._unsharded is not None and self._unsharded.active:
+            return Phase.LOCAL
+        if self._rules is None or self.optimizer.schedule.next_kind() not in _COMPRESSED_KINDS:
+            return Phase.FULL
+        return Phase.REPLICATED if self._replicated is not None else Phase.ONEBIT
+
+    @property
+    def local_phase(self) -> bool:
+        """Whether ZeroOneAdam runs unsharded now (its local-step phase, :mod:`.unsharded`)."""
         return self._unsharded is not None and self._unsharded.active
 
+    # kept for the tests written before the split (they read these private names)
+    _local_phase = local_phase
+
     def _compressed_phase(self) -> bool:
-        """Whether the coming step reduces gradients with the 1-bit compressed reduce-scatter."""
-        if self.onebit is None:
-            return False
-        if self.onebit == "ZeroOneAdam":
-            return self.optimizer.step_kind() == "grad1bit"
-        return not self.optimizer.next_step_averages()
+        return self.phase.compressed
 
     @property
     def _exchanges(self) -> List[tuple]:
@@ -221,7 +252,7 @@ class ZeroOptimizer:
     def _input_scale(self, gi: int) -> float:
         """What the compressed tensor is multiplied by: ``1 - beta1`` for OneBitAdam (its local
         momentum contribution), 1 for ZeroOneAdam (which compresses gradients)."""
-        if self.onebit == "OneBitAdam":
+        if self._rules.compresses_momentum:
             return 1.0 - float(self.optimizer.param_groups[gi]["betas"][0])
         return 1.0
 
@@ -237,14 +268,14 @@ class ZeroOptimizer:
     # ---- gradient hooks (stage 2/3) ------------------------------------------------------------
 
     def _grad_ready(self, gi: int, ti: int, p: torch.Tensor) -> None:
-        if p.grad is None or self._local_phase:  # local phase: gradients stay whole and local
+        if p.grad is None or self.local_phase:  # local phase: gradients stay whole and local
             return
         bi = self.groups[gi].tensors[ti].bucket
         if self._onebit is not None:
             self._onebit.check_open(gi, bi)
-        onebit = self._compressed_phase()
+        onebit = self.phase.compressed
         complete = self._grads.accumulate(gi, ti, p.grad, onebit,
-                                          keep_pool=self.onebit != "OneBitAdam")
+                                          keep_pool=self._rules is None or self._rules.full_steps_recur)
         p.grad = None
         if complete:
             if not onebit:
@@ -317,7 +348,7 @@ class ZeroOptimizer:
         for grp in self.groups:
             for p in grp.params:
                 p.grad = None
-            if self.stage >= 2 and not self._local_phase:
+            if self.stage >= 2 and not self.local_phase:
                 grp.master.grad.zero_()
             else:
                 grp.master.grad = None
@@ -333,16 +364,14 @@ class ZeroOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        compressed = self._compressed_phase()
-        local = self._local_phase
-        replicated = compressed and self._replicated is not None
+        phase = self.phase
         scale = 1.0 / (self.gas * self.scaler.scale)
-        if replicated:
+        if phase is Phase.REPLICATED:
             norm_sq = self._replicated.reduce()
-        elif local:
+        elif phase is Phase.LOCAL:
             self._grads.wait()
             norm_sq = self._grads.mean_sq_norm(self._unsharded.grads(scale))
-        elif compressed:
+        elif phase is Phase.ONEBIT:
             norm_sq = self._onebit.reduce()
         else:
             self._grads.flush()
@@ -356,23 +385,25 @@ class ZeroOptimizer:
             self.scaler.update(finite=False)
             self.zero_grad()
             return loss
-        if self.clip > 0 and self.last_grad_norm > self.clip and not (compressed or local):
+        if self.clip > 0 and self.last_grad_norm > self.clip and phase is Phase.FULL:
             coef = self.clip / (self.last_grad_norm + 1e-6)
             for grp in self.groups:
                 grp.master.grad.mul_(coef)
-        if local:
+        if phase is Phase.LOCAL:
             self._unsharded.step(clip_coef(norm_sq, self.clip, scale))
-        elif replicated:
+        elif phase is Phase.REPLICATED:
             self._replicated.update()
         else:
             self.optimizer.step()
         self.global_steps += 1
         self.scaler.update(finite=True)
-        if not local and not (replicated and not self._replicated.publishes):
+        if phase is not Phase.LOCAL and (phase is not Phase.REPLICATED
+                                         or self._replicated.publishes):
             self._publish()
-        if self.onebit == "ZeroOneAdam" and not local and self.optimizer.freeze_key:
+        if (self._unsharded is not None and phase is not Phase.LOCAL
+                and self.optimizer.schedule.frozen):
             self._enter_local_phase()
-        if self.stage >= 2 and not self._local_phase:
+        if self.stage >= 2 and not self.local_phase:
             for grp in self.groups:
                 grp.master.grad.zero_()
         else:
@@ -490,10 +521,11 @@ class ZeroOptimizer:
         load_shard_state_dict(self, sd)
 
 
-def _onebit_mode(onebit: Optional[str], mode: Optional[str], stage: int) -> Optional[str]:
+def _onebit_mode(onebit: Optional[str], rules: Any, mode: Optional[str],
+                 stage: int) -> Optional[str]:
     """The compressed phase's form for OneBitAdam (None for other optimizers); ValueError naming
     ``onebit_mode`` for a value that does not apply."""
-    if onebit != "OneBitAdam":
+    if rules is None or not rules.modes:
         if mode is not None:
             raise ValueError(f"zero_optimization.onebit_mode={mode!r} applies only to OneBitAdam, "
                              f"not to {onebit or 'this optimizer'}")

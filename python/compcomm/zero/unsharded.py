@@ -16,9 +16,28 @@ from typing import Any, Dict, List
 import torch
 
 from .._buffers import buffer_of
+from ..schedule import StepKind
 from .layout import GroupLayout
 
-__all__ = ["UnshardedPhase"]
+__all__ = ["UnshardedPhase", "use_group"]
+
+
+def use_group(inner: Any, comm: Any, grads_averaged: bool) -> None:
+    """Make the 1-bit optimizer ``inner`` talk through ``comm`` from now on, and say whether the
+    gradients it gets are averaged already.
+
+    Written against the optimizer's public attributes (``compressor_factory`` builds the
+    compressor of a communicator; the old one is closed), as ``OneBitBase`` has no public method
+    for it. The bucket plan of its compressed average is rebuilt on its own: the parameters
+    change whenever the group does (shards <-> the model's parameters), and a one-rank optimizer
+    plans no buckets.
+    """
+    inner.compressor.close()
+    inner.compressor = inner.compressor_factory(comm)
+    inner.comm = comm
+    inner.world_size = comm.size()
+    inner.rank = comm.rank()
+    inner.grads_averaged = bool(grads_averaged)
 
 
 class UnshardedPhase:
@@ -85,7 +104,7 @@ class UnshardedPhase:
                 opt.state[p] = st
             opt.param_groups[gi]["params"] = list(grp.params)
             grp.master.grad = None
-        opt._set_comm(self.comm, grads_averaged=False)
+        use_group(opt, self.comm, grads_averaged=False)
         self.active = True
 
     def leave(self) -> None:
@@ -97,7 +116,7 @@ class UnshardedPhase:
                 opt.state.pop(p, None)
             opt.param_groups[gi]["params"] = [grp.master]
             grp.master.grad = torch.zeros_like(grp.master) if self.stage >= 2 else None
-        opt._set_comm(self.shard_comm, grads_averaged=True)
+        use_group(opt, self.shard_comm, grads_averaged=True)
         self.active = False
 
     def grads(self, scale: float) -> List[tuple]:
@@ -108,7 +127,7 @@ class UnshardedPhase:
         """One local or sync step of the unsharded ZeroOneAdam on this rank's local gradients
         times ``coef`` (the micro-step average, loss scale and clipping)."""
         opt = self.inner
-        sync = opt.step_kind() == "sync"
+        sync = opt.schedule.next_kind() is StepKind.SYNC
         # The GradScaler protocol: the optimizer divides its fp32 copies of the gradients by
         # grad_scale (p.grad itself may be fp16/bf16 and is not touched).
         opt.grad_scale = 1.0 / coef
