@@ -73,7 +73,7 @@ def shard_state_dict(opt: Any, names: Optional[Dict[int, str]] = None) -> Dict[s
         "local_phase": opt._local_phase,
         "local_params": ([grp.flat.detach().cpu().clone() for grp in opt.groups]
                          if opt._local_phase else None),
-        "errors": ({k: (we.cpu().clone(), se.cpu().clone()) for k, (we, se) in opt._errors.items()}
+        "errors": ({k: (we.cpu(), se.cpu()) for k, (we, se) in (opt.error_state() or {}).items()}
                    if opt.exact_resume else None),
         "loss_scale": opt.loss_scale,
         "global_steps": opt.global_steps,
@@ -206,9 +206,7 @@ def _load_agreed(opt: Any, sd: Any, error: Optional[BaseException]) -> None:
     opt.optimizer.load_state_dict(sd["optimizer"])
     if opt._replicated is not None:  # OneBitAdam's full momentum: regathered from the new shards
         opt._replicated.reset()
-    saved_errors = sd.get("errors") or {}
-    opt._errors = ({k: (we.to(opt.device, copy=True), se.to(opt.device, copy=True))
-                    for k, (we, se) in saved_errors.items()} if opt.exact_resume else {})
+    opt.load_error_state(sd.get("errors") if opt.exact_resume else None)
     opt.loss_scale = float(sd["loss_scale"])
     opt.global_steps = int(sd["global_steps"])
     opt.skipped_steps = int(sd["skipped_steps"])

@@ -20,13 +20,14 @@ failed or any rank's gradient is not finite -- so a skipped step changes nothing
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
 from .. import _C
 from .._buffers import buffer_of
 from ..collectives import compressed_reduce_scatter, workspace_bytes
+from ..compress import OneBitCompressor
 from ..errors import NonFiniteError
 from .grad_reducer import GradReducer, clip_coef
 from .layout import GroupLayout
@@ -46,9 +47,9 @@ class OneBitReducer:
         The data-parallel group.
     async_comm : _C.zero.AsyncComm
         The owner's worker thread (the overlapped exchanges go through it).
-    error_buffers : callable
-        ``error_buffers(group, bucket)``: the bucket's (worker_error, server_error), fp32, of its
-        padded and chunk lengths (kept by the owner across steps and in checkpoints).
+    compressor : compcomm.compress.OneBitCompressor
+        Holds every bucket's error-feedback buffers (key ``(group, bucket)``) and exchange
+        workspace, across steps and in checkpoints.
     input_scale : callable
         ``input_scale(group index)``: what the compressed tensor is the local gradient times.
     loss_scale : callable
@@ -68,7 +69,7 @@ class OneBitReducer:
     """
 
     def __init__(self, groups: List[GroupLayout], grads: GradReducer, comm: Any, async_comm: Any,
-                 error_buffers: Callable[[int, int], Tuple[torch.Tensor, torch.Tensor]],
+                 compressor: OneBitCompressor,
                  input_scale: Callable[[int], float], loss_scale: Callable[[], float], gas: int,
                  clip: float, overlap: bool, keep_pool: bool, rank: int, world: int,
                  device: torch.device, timeout: float) -> None:
@@ -76,7 +77,7 @@ class OneBitReducer:
         self.grads = grads
         self.comm = comm
         self.async_comm = async_comm
-        self.error_buffers = error_buffers
+        self.compressor = compressor
         self.input_scale = input_scale
         self.loss_scale = loss_scale
         self.gas = gas
@@ -87,11 +88,15 @@ class OneBitReducer:
         self.world = world
         self.device = device
         self.timeout = timeout
-        #: overlapped exchanges of this step: (work, group, bucket, fp32 input)
+        #: overlapped exchanges of this step: (work, group, bucket, fp32 input, workspace)
         self.exchanges: List[tuple] = []
-        self._ws: Dict[tuple, torch.Tensor] = {}  # (group, bucket) -> exchange workspace
 
     # ---- during backward -----------------------------------------------------------------------
+
+    def error_buffers(self, gi: int, bi: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Bucket ``bi``'s (worker_error, server_error): its padded and chunk lengths, fp32."""
+        return self.compressor.error_buffers((gi, bi), self.groups[gi].buckets[bi].padded,
+                                             self.device)
 
     def check_open(self, gi: int, bi: int) -> None:
         """RuntimeError if bucket ``bi``'s exchange has started (a gradient came too late)."""
@@ -122,16 +127,13 @@ class OneBitReducer:
             self.grads.release(gi, base)
         x.mul_(self.input_scale(gi) / (self.gas * self.loss_scale()))
         we, se = self.error_buffers(gi, bi)
-        ws = self._ws.get((gi, bi))
-        if ws is None:  # zero-filled: the GPU scratch must start zeroed (every call leaves it so)
-            total = workspace_bytes(b.padded, self.world, self.device.type == "cuda")
-            ws = torch.zeros(total, dtype=torch.uint8, device=self.device)
-            self._ws[(gi, bi)] = ws
+        ws = self.compressor.workspace(
+            (gi, bi), workspace_bytes(b.padded, self.world, self.device.type == "cuda"), self.device)
         out = b.shard_of(grp.master.grad)
         work = self.async_comm.compressed_reduce_scatter_exchange(
             buffer_of(x), buffer_of(we), buffer_of(se), buffer_of(out), buffer_of(ws),
             timeout_s=self.timeout)
-        self.exchanges.append((work, gi, bi, x))
+        self.exchanges.append((work, gi, bi, x, ws))
         self.grads.acc[gi].exchanged.add(bi)
 
     # ---- step ----------------------------------------------------------------------------------
@@ -185,7 +187,7 @@ class OneBitReducer:
                     self.submit_exchange(gi, bi)
         # x = k * g / (gas * loss_scale): the norm is that of x / k
         norm_sq = self.grads.mean_sq_norm([(x, 1.0 / self.input_scale(gi))
-                                           for _, gi, _, x in self.exchanges])
+                                           for _, gi, _, x, _ in self.exchanges])
         failure: Optional[Exception] = None
         for work, *_ in self.exchanges:
             try:
@@ -195,13 +197,13 @@ class OneBitReducer:
             except Exception as e:  # noqa: BLE001 -- re-raised once every work is done
                 failure = failure or e
         if failure is None and math.isfinite(norm_sq):
-            for _, gi, bi, x in self.exchanges:
+            for _, gi, bi, x, ws in self.exchanges:
                 grp = self.groups[gi]
                 we, se = self.error_buffers(gi, bi)
                 out = grp.buckets[bi].shard_of(grp.master.grad)
                 _C.zero.compressed_reduce_scatter_commit(
                     self.comm, buffer_of(x), buffer_of(we), buffer_of(se), buffer_of(out),
-                    buffer_of(self._ws[(gi, bi)]))
+                    buffer_of(ws))
                 self._finish_shard(gi, bi, out)
         self.drop()
         if failure is not None:
@@ -218,9 +220,3 @@ class OneBitReducer:
                 pass
         self.exchanges.clear()
         self.grads.reset()
-
-    # ---- state ---------------------------------------------------------------------------------
-
-    def nbytes(self) -> int:
-        """Bytes of exchange workspaces."""
-        return sum(ws.numel() for ws in self._ws.values())

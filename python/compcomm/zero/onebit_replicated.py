@@ -32,12 +32,12 @@ Equal to unsharded OneBitAdam when that optimizer compresses the same buckets: i
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
-from .. import _C
 from .._buffers import buffer_of
+from ..compress import OneBitCompressor
 from ..errors import NonFiniteError
 from ..optim.functional import adam_update
 from .grad_reducer import GradReducer, clip_coef
@@ -60,11 +60,10 @@ class ReplicatedMomentum:
         Where the local gradients are staged (and the norm all-reduce).
     inner : OneBitAdam
         The wrapped optimizer (its shard state, hyper-parameters and schedule).
-    error_buffers : callable
-        ``error_buffers(group, bucket)``: the bucket's (worker_error, server_error).
-    comm : compcomm Communicator
+    compressor : compcomm.compress.OneBitCompressor
+        The compressed average and every bucket's error-feedback buffers.
     async_comm : _C.zero.AsyncComm
-        The owner's worker thread.
+        The owner's worker thread (the full tensors are all-gathered through it).
     loss_scale : callable
         Returns the current loss scale.
     gas : int
@@ -75,8 +74,7 @@ class ReplicatedMomentum:
     """
 
     def __init__(self, mode: str, groups: List[GroupLayout], grads: GradReducer, inner: Any,
-                 error_buffers: Callable[[int, int], Tuple[torch.Tensor, torch.Tensor]],
-                 comm: Any, async_comm: Any, loss_scale: Callable[[], float], gas: int,
+                 compressor: OneBitCompressor, async_comm: Any, loss_scale: Callable[[], float], gas: int,
                  clip: float, rank: int, world: int, device: torch.device,
                  timeout: float) -> None:
         if mode not in ("exact", "no_allgather"):
@@ -85,8 +83,7 @@ class ReplicatedMomentum:
         self.groups = groups
         self.grads = grads
         self.inner = inner
-        self.error_buffers = error_buffers
-        self.comm = comm
+        self.compressor = compressor
         self.async_comm = async_comm
         self.loss_scale = loss_scale
         self.gas = gas
@@ -98,7 +95,6 @@ class ReplicatedMomentum:
         self.m: Dict[int, torch.Tensor] = {}  # group -> full fp32 momentum (flat layout)
         self.v: Dict[int, torch.Tensor] = {}  # no_allgather: group -> full frozen variance
         self.w: Dict[int, torch.Tensor] = {}  # no_allgather, fp16/bf16: group -> full fp32 master
-        self._ws: Dict[Tuple[int, int], torch.Tensor] = {}  # (group, bucket) -> exchange workspace
         self._avg: List[Tuple[int, int, torch.Tensor]] = []  # reduced buckets awaiting update()
 
     # ---- state -------------------------------------------------------------------------------
@@ -115,10 +111,9 @@ class ReplicatedMomentum:
         self.w.clear()
         self._avg.clear()
 
-    def nbytes(self) -> Tuple[int, int]:
-        """(optimizer-state bytes of the full tensors, bytes of exchange workspaces)."""
-        state = sum(t.numel() * 4 for d in (self.m, self.v, self.w) for t in d.values())
-        return state, sum(t.numel() for t in self._ws.values())
+    def nbytes(self) -> int:
+        """Optimizer-state bytes of the full tensors."""
+        return sum(t.numel() * 4 for d in (self.m, self.v, self.w) for t in d.values())
 
     def _shard_state(self, gi: int) -> Dict[str, Any]:
         grp = self.groups[gi]
@@ -150,19 +145,12 @@ class ReplicatedMomentum:
         for w, _ in works:
             w.wait(self.timeout)
 
-    def _workspace(self, gi: int, bi: int, padded: int) -> torch.Tensor:
-        ws = self._ws.get((gi, bi))
-        if ws is None:  # zero-filled: the GPU norm kernels need a zeroed scratch on first use
-            total = _C.compressed_allreduce_layout(padded, self.world,
-                                                   self.device.type == "cuda")["total"]
-            ws = torch.zeros(max(total, 1), dtype=torch.uint8, device=self.device)
-            self._ws[(gi, bi)] = ws
-        return ws
-
     # ---- the step ----------------------------------------------------------------------------
 
     def reduce(self) -> float:
-        """Compress every bucket's ``b1 * m + (1 - b1) * g_local`` with the compressed allreduce.
+        """Compress every bucket's ``b1 * m + (1 - b1) * g_local`` with the compressed allreduce
+        (the compressor's :meth:`~compcomm.compress.OneBitCompressor.average_`, error feedback
+        per bucket, key ``(group, bucket)``).
 
         Nothing outside this object's scratch is written unless every exchange succeeded and the
         gradient norm is finite; then the error buffers are committed and the averaged buckets wait
@@ -176,49 +164,27 @@ class ReplicatedMomentum:
             return norm_sq
         self._ensure()
         coef = clip_coef(norm_sq, self.clip, scale)
-        staged = []
-        for gi, bi, x in items:
-            b = self.groups[gi].buckets[bi]
+        staged: List[Tuple[int, int, torch.Tensor]] = []
+
+        def stage(i: int) -> torch.Tensor:  # bucket i + 1 is staged while bucket i is on the wire
+            gi, bi, x = items[i]
             b1 = float(self.inner.param_groups[gi]["betas"][0])
             if coef != 1.0:
                 x.mul_(coef)
-            m = b.span(self.m[gi])
+            m = self.groups[gi].buckets[bi].span(self.m[gi])
             # the same operations as unsharded OneBitAdam's staging, so the same bits
             y = torch.mul(m, b1).add_(x, alpha=1 - b1)
             staged.append((gi, bi, y))
-        if self.world > 1 and not self._exchange(staged):
+            return y
+
+        try:
+            self.compressor.average_([(gi, bi) for gi, bi, _ in items],
+                                     [self.groups[gi].buckets[bi].padded for gi, bi, _ in items],
+                                     stage, self.device)
+        except NonFiniteError:  # raised on every rank, nothing written: skip the step
             return math.inf
         self._avg = staged
         return norm_sq
-
-    def _exchange(self, staged: List[Tuple[int, int, torch.Tensor]]) -> bool:
-        """Compressed allreduce of every staged bucket, all or nothing (False: a rank had a
-        non-finite value, nothing was written)."""
-        works, args = [], []
-        for gi, bi, y in staged:
-            b = self.groups[gi].buckets[bi]
-            we, se = self.error_buffers(gi, bi)
-            stream = torch.cuda.current_stream(y.device).cuda_stream if y.is_cuda else 0
-            a = (buffer_of(y), buffer_of(we), buffer_of(se),
-                 buffer_of(self._workspace(gi, bi, b.padded)))
-            works.append(self.async_comm.compressed_allreduce_exchange(*a, self.timeout, stream))
-            args.append((a, stream))
-        failure: Optional[Exception] = None
-        finite = True
-        for w in works:  # wait for all: they use this rank's buffers
-            try:
-                w.wait(self.timeout * 3)
-            except NonFiniteError:  # raised on every rank: skip the step
-                finite = False
-            except Exception as e:  # noqa: BLE001 -- re-raised once every work is done
-                failure = failure or e
-        if failure is not None:
-            raise failure
-        if not finite:
-            return False
-        for a, stream in args:
-            _C.zero.compressed_allreduce_commit(self.comm, *a, stream)
-        return True
 
     def update(self) -> None:
         """Apply the averaged momentum (after the skip decision; nothing here fails)."""

@@ -34,6 +34,7 @@ from .._buffers import buffer_of
 from .._comm import resolve
 from .._defaults import DEFAULT_TIMEOUT
 from ..amp import LossScaler
+from ..compress import OneBitCompressor
 from ..schedule import StepKind
 from .config import validate_zero_config
 from .grad_reducer import GradReducer, clip_coef
@@ -172,7 +173,6 @@ class ZeroOptimizer:
         self.onebit_mode = _onebit_mode(self.onebit, self._rules, self.config["onebit_mode"], stage)
         replicated = self.onebit_mode in ("exact", "no_allgather")
         self.exact_resume = bool((optimizer_kwargs or {}).get("exact_resume", False))
-        self._errors: Dict[tuple, tuple] = {}  # (group, bucket) -> (worker_error, server_error)
 
         align = alignment(self._rules is not None, replicated, self.world)
         bucket = self.config["reduce_bucket_size"] if stage < 3 else 0
@@ -188,12 +188,15 @@ class ZeroOptimizer:
             [dict(grp.options, params=[grp.master]) for grp in self.groups], **kwargs
         )
         self._async = _C.zero.AsyncComm(self.comm)
+        #: 1-bit optimizers: the error-feedback buffers of ZeRO's buckets, key (group, bucket)
+        self.compressor: Optional[OneBitCompressor] = (
+            OneBitCompressor(self.comm, self.timeout) if self._rules is not None else None)
         self._grads = GradReducer(self.groups, stage, self._async, self.overlap, self.rank,
                                   self.world, self.device, self.timeout)
         self._onebit: Optional[OneBitReducer] = None
         if self._rules is not None and not replicated:
             self._onebit = OneBitReducer(
-                self.groups, self._grads, self.comm, self._async, self._error_buffers,
+                self.groups, self._grads, self.comm, self._async, self.compressor,
                 self._input_scale, lambda: self.scaler.scale, self.gas, self.clip,
                 overlap=stage >= 2 and self.overlap and self.clip == 0 and self.world > 1,
                 keep_pool=self._rules.full_steps_recur, rank=self.rank, world=self.world,
@@ -202,8 +205,8 @@ class ZeroOptimizer:
         self._replicated: Optional[ReplicatedMomentum] = None
         if replicated:
             self._replicated = ReplicatedMomentum(
-                self.onebit_mode, self.groups, self._grads, self.optimizer, self._error_buffers,
-                self.comm, self._async, lambda: self.scaler.scale, self.gas, self.clip, self.rank,
+                self.onebit_mode, self.groups, self._grads, self.optimizer, self.compressor,
+                self._async, lambda: self.scaler.scale, self.gas, self.clip, self.rank,
                 self.world, self.device, self.timeout)
         self._unsharded: Optional[UnshardedPhase] = None
         if self._rules is not None and self._rules.local_phase:
@@ -256,14 +259,26 @@ class ZeroOptimizer:
             return 1.0 - float(self.optimizer.param_groups[gi]["betas"][0])
         return 1.0
 
-    def _error_buffers(self, gi: int, bi: int) -> tuple:
-        """(worker_error of the bucket's padded length, server_error of its chunk), fp32."""
-        key = (gi, bi)
-        if key not in self._errors:  # not error_buffers(): its padded_numel would pad further
-            b = self.groups[gi].buckets[bi]
-            self._errors[key] = (torch.zeros(b.padded, dtype=torch.float32, device=self.device),
-                                 torch.zeros(b.chunk, dtype=torch.float32, device=self.device))
-        return self._errors[key]
+    @property
+    def _errors(self) -> Dict[tuple, tuple]:
+        """Copies of the bucket error buffers, ``{(group, bucket): (worker, server)}`` (read by
+        tests written before the compressor held them)."""
+        return self.error_state() or {}
+
+    def error_state(self) -> Optional[Dict[tuple, tuple]]:
+        """Copies of this rank's bucket error buffers, ``{(group, bucket): (worker_error,
+        server_error)}`` (the checkpoints' ``errors``); None for an optimizer without them."""
+        if self.compressor is None:
+            return None
+        return {k: (v["worker_error"], v["server_error"])
+                for k, v in self.compressor.state_dict().items()}
+
+    def load_error_state(self, errors: Optional[Dict[tuple, tuple]]) -> None:
+        """Take over bucket error buffers from :meth:`error_state` (validated against this
+        layout); None or ``{}``: they restart at zero."""
+        if self.compressor is not None:
+            self.compressor.load_state_dict(
+                {k: {"worker_error": we, "server_error": se} for k, (we, se) in (errors or {}).items()})
 
     # ---- gradient hooks (stage 2/3) ------------------------------------------------------------
 
@@ -292,7 +307,7 @@ class ZeroOptimizer:
         dropped, as 0/1 Adam zeroes its errors at the freeze, and so is the gradient staging."""
         self._grads.wait()
         self._unsharded.enter(gather)
-        self._errors.clear()
+        self.compressor.reset()
         self._grads.drop_buffers()
 
     def _leave_local_phase(self) -> None:
@@ -461,13 +476,10 @@ class ZeroOptimizer:
                 grads += grp.master.grad.numel() * 4
             master += grp.master.numel() * 4
         buffers = self._grads.nbytes()
-        buffers += sum((we.numel() + se.numel()) * 4 for we, se in self._errors.values())
-        if self._onebit is not None:
-            buffers += self._onebit.nbytes()
+        if self.compressor is not None:  # error buffers and exchange workspaces of the buckets
+            buffers += sum(self.compressor.nbytes())
         if self._replicated is not None:  # the momentum (no_allgather: variance, master) in full
-            full, workspaces = self._replicated.nbytes()
-            state += full
-            buffers += workspaces
+            state += self._replicated.nbytes()
         for st in self.optimizer.state.values():
             for v in st.values():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
@@ -492,6 +504,8 @@ class ZeroOptimizer:
         self._hooks.clear()
         if self._stage3 is not None:
             self._stage3.remove()
+        if self.compressor is not None:
+            self.compressor.close()
         self._async.close()
 
     def __del__(self) -> None:
