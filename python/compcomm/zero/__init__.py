@@ -6,7 +6,8 @@ from .checkpoint import consolidate, load_checkpoint, save_checkpoint
 from .compressed import compressed_reduce_scatter
 from .config import ZERO_DEFAULTS, validate_zero_config
 from .memory import estimate_memory
-from .optimizer import ZeroOptimizer, initialize
+from .entry import initialize
+from .optimizer import ZeroOptimizer
 
 __all__ = [
     "ZeroOptimizer",

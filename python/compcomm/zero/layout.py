@@ -124,6 +124,21 @@ class GroupLayout:
         return [flat[s.offset : s.offset + s.numel].view(full_shape(p))
                 for p, s in zip(self.params, self.tensors)]
 
+    def nbytes(self) -> Dict[str, int]:
+        """Bytes this group holds, by kind: ``params`` (the flat parameters in stage 1/2; the
+        shard plus whatever is gathered in stage 3), ``grads`` (``p.grad`` and the fp32 gradient
+        shard), ``master`` (the fp32 master shard)."""
+        if self.flat is not None:
+            params = self.flat.numel() * self.flat.element_size()
+        else:
+            params = self.param_shard.numel() * self.param_shard.element_size()
+            params += sum(p.data.numel() * p.data.element_size() for p in self.params)
+        grads = sum(p.grad.numel() * p.grad.element_size() for p in self.params
+                    if p.grad is not None)
+        if self.master.grad is not None:
+            grads += self.master.grad.numel() * 4
+        return {"params": params, "grads": grads, "master": self.master.numel() * 4}
+
     def shapes(self) -> List[Tuple[int, ...]]:
         """The parameters' full shapes (also while stage 3 holds them released)."""
         return [tuple(full_shape(p)) for p in self.params]

@@ -43,10 +43,7 @@ from ..optim.functional import adam_update
 from .grad_reducer import GradReducer, clip_coef
 from .layout import GroupLayout
 
-__all__ = ["MODES", "ReplicatedMomentum"]
-
-#: Values of ``zero_optimization.onebit_mode`` (None: "exact").
-MODES = ("exact", "no_allgather", "sharded")
+__all__ = ["ReplicatedMomentum"]
 
 
 class ReplicatedMomentum:

@@ -22,7 +22,6 @@ model; every rank must run the same modules.
 
 from __future__ import annotations
 
-import enum
 import functools
 import math
 from typing import Any, Callable, Dict, Iterable, List, Optional
@@ -35,40 +34,17 @@ from .._comm import resolve
 from .._defaults import DEFAULT_TIMEOUT
 from ..amp import LossScaler
 from ..compress import OneBitCompressor
-from ..schedule import StepKind
-from .config import validate_zero_config
+from .checkpoint import errors_of, load_errors, load_shard_state_dict, shard_state_dict
+from .config import check_arguments
 from .grad_reducer import GradReducer, clip_coef
 from .layout import alignment, build_groups, partition
 from .onebit_reducer import OneBitReducer
-from .onebit_replicated import MODES, ReplicatedMomentum
+from .onebit_replicated import ReplicatedMomentum
 from .param_gather import ParamGatherer
-from .rules import RULES, check_stage, onebit_inner_kwargs, onebit_kind
+from .rules import RULES, Phase, check_stage, onebit_inner_kwargs, onebit_kind, onebit_mode
 from .unsharded import UnshardedPhase
 
-__all__ = ["ZeroOptimizer", "Phase", "initialize"]
-
-
-class Phase(enum.Enum):
-    """How the coming ``step()`` reduces the gradients (:attr:`ZeroOptimizer.phase`)."""
-
-    #: averaged in full precision, reduce-scattered into the gradient shards (any optimizer;
-    #: a 1-bit optimizer's warm-up or variance steps)
-    FULL = "full"
-    #: the local gradients 1-bit reduce-scattered into the shards (:mod:`.onebit_reducer`)
-    ONEBIT = "onebit"
-    #: OneBitAdam's replicated momentum, 1-bit allreduced (:mod:`.onebit_replicated`)
-    REPLICATED = "replicated"
-    #: ZeroOneAdam's local-step phase: unsharded, gradients stay local (:mod:`.unsharded`)
-    LOCAL = "local"
-
-    @property
-    def compressed(self) -> bool:
-        """Whether the step reduces with 1-bit compression (gradients staged until ``step()``)."""
-        return self in (Phase.ONEBIT, Phase.REPLICATED)
-
-
-#: The schedule's step kinds that ZeRO reduces with 1-bit compression.
-_COMPRESSED_KINDS = (StepKind.ONEBIT, StepKind.ONEBIT_GRAD)
+__all__ = ["ZeroOptimizer", "Phase"]
 
 
 class ZeroOptimizer:
@@ -138,22 +114,9 @@ class ZeroOptimizer:
         timeout: float = DEFAULT_TIMEOUT,
         **zero_config: Any,
     ) -> None:
-        if stage not in (1, 2, 3) or isinstance(stage, bool):
-            raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
-        if "stage" in zero_config and zero_config["stage"] != stage:
-            raise ValueError(f"stage={stage} contradicts zero_config stage={zero_config['stage']}")
-        zero_config = dict(zero_config, stage=stage)
-        self.config = validate_zero_config(zero_config, where="ZeroOptimizer")
-        if stage == 3 and module is None:
-            raise ValueError("module: stage 3 needs the model (module=...) to install its hooks")
-        if int(gradient_accumulation_steps) < 1:
-            raise ValueError(
-                f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}"
-            )
-        if gradient_clipping < 0:
-            raise ValueError(f"gradient_clipping must be >= 0, got {gradient_clipping}")
-        if loss_scale < 0:
-            raise ValueError(f"loss_scale must be >= 0 (0: dynamic), got {loss_scale}")
+        #: the validated ``zero_optimization`` keys
+        self.config = check_arguments(stage, zero_config, module, gradient_accumulation_steps,
+                                      gradient_clipping, loss_scale)
         self.stage = stage
         self.comm = resolve(process_group)
         self.world = self.comm.size()
@@ -163,6 +126,8 @@ class ZeroOptimizer:
         self.clip = float(gradient_clipping)
         #: the loss scaler (``backward`` multiplies the loss by ``scaler.scale``)
         self.scaler = LossScaler(loss_scale, initial_scale_power, loss_scale_window, min_loss_scale)
+        self.dynamic_scale, self.scale_window, self.min_scale = (
+            self.scaler.dynamic, self.scaler.window, self.scaler.min_scale)
         self.skipped_steps = 0
         self.global_steps = 0
         self.overlap = bool(self.config["overlap_comm"])
@@ -170,7 +135,9 @@ class ZeroOptimizer:
         self.onebit = onebit_kind(optimizer_class)
         check_stage(self.onebit, stage)
         self._rules = RULES.get(self.onebit or "")
-        self.onebit_mode = _onebit_mode(self.onebit, self._rules, self.config["onebit_mode"], stage)
+        # full-precision steps come back (any optimizer but OneBitAdam): keep the staging pool
+        self._keep_pool = self._rules is None or self._rules.full_steps_recur
+        self.onebit_mode = onebit_mode(self.onebit, self.config["onebit_mode"], stage)
         replicated = self.onebit_mode in ("exact", "no_allgather")
         self.exact_resume = bool((optimizer_kwargs or {}).get("exact_resume", False))
 
@@ -199,7 +166,7 @@ class ZeroOptimizer:
                 self.groups, self._grads, self.comm, self._async, self.compressor,
                 self._input_scale, lambda: self.scaler.scale, self.gas, self.clip,
                 overlap=stage >= 2 and self.overlap and self.clip == 0 and self.world > 1,
-                keep_pool=self._rules.full_steps_recur, rank=self.rank, world=self.world,
+                keep_pool=self._keep_pool, rank=self.rank, world=self.world,
                 device=self.device, timeout=self.timeout)
         #: OneBitAdam's compressed phase in the "exact" / "no_allgather" modes (onebit_replicated.py)
         self._replicated: Optional[ReplicatedMomentum] = None
@@ -230,9 +197,9 @@ class ZeroOptimizer:
     def phase(self) -> Phase:
         """How the coming ``step()`` reduces the gradients: from the wrapped optimizer's schedule
         (:class:`compcomm.schedule.StepKind`) and ``onebit_mode``."""
-        if self._unsharded is not None and self._unsharded.active:
+        if self.local_phase:
             return Phase.LOCAL
-        if self._rules is None or self.optimizer.schedule.next_kind() not in _COMPRESSED_KINDS:
+        if self._rules is None or not Phase.compresses(self.optimizer.schedule.next_kind()):
             return Phase.FULL
         return Phase.REPLICATED if self._replicated is not None else Phase.ONEBIT
 
@@ -252,33 +219,13 @@ class ZeroOptimizer:
         """The 1-bit exchanges queued during backward (read by tests)."""
         return self._onebit.exchanges if self._onebit is not None else []
 
-    def _input_scale(self, gi: int) -> float:
-        """What the compressed tensor is multiplied by: ``1 - beta1`` for OneBitAdam (its local
-        momentum contribution), 1 for ZeroOneAdam (which compresses gradients)."""
-        if self._rules.compresses_momentum:
-            return 1.0 - float(self.optimizer.param_groups[gi]["betas"][0])
-        return 1.0
-
     @property
     def _errors(self) -> Dict[tuple, tuple]:
-        """Copies of the bucket error buffers, ``{(group, bucket): (worker, server)}`` (read by
-        tests written before the compressor held them)."""
-        return self.error_state() or {}
+        """Copies of the bucket error buffers (as checkpoints hold them)."""
+        return errors_of(self.compressor) if self.compressor is not None else {}
 
-    def error_state(self) -> Optional[Dict[tuple, tuple]]:
-        """Copies of this rank's bucket error buffers, ``{(group, bucket): (worker_error,
-        server_error)}`` (the checkpoints' ``errors``); None for an optimizer without them."""
-        if self.compressor is None:
-            return None
-        return {k: (v["worker_error"], v["server_error"])
-                for k, v in self.compressor.state_dict().items()}
-
-    def load_error_state(self, errors: Optional[Dict[tuple, tuple]]) -> None:
-        """Take over bucket error buffers from :meth:`error_state` (validated against this
-        layout); None or ``{}``: they restart at zero."""
-        if self.compressor is not None:
-            self.compressor.load_state_dict(
-                {k: {"worker_error": we, "server_error": se} for k, (we, se) in (errors or {}).items()})
+    def _input_scale(self, gi: int) -> float:
+        return self._rules.input_scale(self.optimizer.param_groups[gi])
 
     # ---- gradient hooks (stage 2/3) ------------------------------------------------------------
 
@@ -289,8 +236,7 @@ class ZeroOptimizer:
         if self._onebit is not None:
             self._onebit.check_open(gi, bi)
         onebit = self.phase.compressed
-        complete = self._grads.accumulate(gi, ti, p.grad, onebit,
-                                          keep_pool=self._rules is None or self._rules.full_steps_recur)
+        complete = self._grads.accumulate(gi, ti, p.grad, onebit, self._keep_pool)
         p.grad = None
         if complete:
             if not onebit:
@@ -309,9 +255,6 @@ class ZeroOptimizer:
         self._unsharded.enter(gather)
         self.compressor.reset()
         self._grads.drop_buffers()
-
-    def _leave_local_phase(self) -> None:
-        self._unsharded.leave()
 
     # ---- public API --------------------------------------------------------------------------
 
@@ -333,21 +276,6 @@ class ZeroOptimizer:
     @loss_scale.setter
     def loss_scale(self, value: float) -> None:
         self.scaler.scale = float(value)
-
-    @property
-    def dynamic_scale(self) -> bool:
-        """Whether the loss scale is dynamic."""
-        return self.scaler.dynamic
-
-    @property
-    def scale_window(self) -> int:
-        """``loss_scale_window``."""
-        return self.scaler.window
-
-    @property
-    def min_scale(self) -> float:
-        """``min_loss_scale``."""
-        return self.scaler.min_scale
 
     def backward(self, loss: torch.Tensor) -> None:
         """``(loss * loss_scale).backward()``: use this with fp16 loss scaling."""
@@ -454,6 +382,72 @@ class ZeroOptimizer:
         if self._stage3 is not None:
             self._stage3.gather_all()
 
+    # ---- checkpoints: the interface of zero/checkpoint.py (which owns the file format) --------
+
+    @property
+    def has_local_phase(self) -> bool:
+        """Whether the wrapped optimizer steps unsharded after its freeze (ZeroOneAdam)."""
+        return self._unsharded is not None
+
+    def wait(self) -> None:
+        """Wait for the gradient reductions still queued (stage 2/3 with ``overlap_comm``)."""
+        self._grads.wait()
+
+    def export_state(self) -> Dict[str, Any]:
+        """This rank's state, as checkpoints hold it (live tensors; nothing copied): ``masters``
+        (the fp32 master shard of each group), ``optimizer`` (the wrapped optimizer's state
+        dict), ``local_phase``, ``local_params`` (ZeroOneAdam's local phase: each group's flat
+        parameters, this rank's own; else None), ``errors`` (with ``exact_resume``: copies of the
+        bucket error buffers, ``{(group, bucket): (worker, server)}``; else None),
+        ``loss_scale``, ``global_steps``, ``skipped_steps``. Waits for queued reductions first."""
+        self.wait()
+        local = self.local_phase
+        return {
+            "masters": [grp.master for grp in self.groups],
+            "optimizer": self.optimizer.state_dict(),
+            "local_phase": local,
+            "local_params": [grp.flat for grp in self.groups] if local else None,
+            "errors": errors_of(self.compressor) if self.exact_resume else None,
+            "loss_scale": self.loss_scale,
+            "global_steps": self.global_steps,
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def import_state(self, state: Dict[str, Any]) -> None:
+        """Take over a state of :meth:`export_state`'s form, already checked against this
+        optimizer (:func:`compcomm.zero.checkpoint.validate_shard_state_dict`). Collective (the
+        parameters are re-assembled from the new shards, except in the local phase)."""
+        for grp, master in zip(self.groups, state["masters"]):
+            grp.master.data.copy_(master)
+        local = bool(state["local_phase"])
+        if local and not self.local_phase:
+            self._enter_local_phase(gather=False)  # the state comes from the checkpoint
+        elif self.local_phase and not local:
+            self._unsharded.leave()
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self._replicated is not None:  # OneBitAdam's full momentum: regathered from the shards
+            self._replicated.reset()
+        if self.compressor is not None:
+            load_errors(self.compressor, state["errors"] if self.exact_resume else None)
+        self.loss_scale = float(state["loss_scale"])
+        self.global_steps = int(state["global_steps"])
+        self.skipped_steps = int(state["skipped_steps"])
+        if local:
+            for grp, flat in zip(self.groups, state["local_params"]):
+                grp.flat.copy_(flat)
+        else:
+            self._publish()
+
+    def ranks_failed(self, failed: bool) -> List[int]:
+        """Collective: the ranks that pass ``failed=True`` (one all-reduce of a flag per rank,
+        through the worker thread so that it never overtakes queued collectives)."""
+        if self.world == 1:
+            return [self.rank] if failed else []
+        flags = torch.zeros(self.world, dtype=torch.float32, device=self.device)
+        flags[self.rank] = float(failed)
+        self._async.all_reduce(buffer_of(flags), _C.ReduceOp.sum, self.timeout).wait(self.timeout)
+        return [r for r, f in enumerate(flags.tolist()) if f > 0]
+
     # ---- introspection -----------------------------------------------------------------------
 
     def memory_bytes(self) -> Dict[str, int]:
@@ -462,19 +456,11 @@ class ZeroOptimizer:
         gradient shards), ``master`` (fp32 master shards) and
         ``optimizer_state`` (tensors in the wrapped optimizer's state), ``buffers`` (stage 2/3
         gradient staging buffers, at most a few buckets)."""
-        params = grads = master = state = 0
+        out = {"params": 0, "grads": 0, "master": 0}
         for grp in self.groups:
-            if self.stage < 3:
-                params += grp.flat.numel() * grp.flat.element_size()
-            else:
-                params += grp.param_shard.numel() * grp.param_shard.element_size()
-                params += sum(p.data.numel() * p.data.element_size() for p in grp.params)
-            for p in grp.params:
-                if p.grad is not None:
-                    grads += p.grad.numel() * p.grad.element_size()
-            if grp.master.grad is not None:
-                grads += grp.master.grad.numel() * 4
-            master += grp.master.numel() * 4
+            for k, n in grp.nbytes().items():
+                out[k] += n
+        state = 0
         buffers = self._grads.nbytes()
         if self.compressor is not None:  # error buffers and exchange workspaces of the buckets
             buffers += sum(self.compressor.nbytes())
@@ -488,13 +474,7 @@ class ZeroOptimizer:
             inner = self.optimizer.memory_bytes()
             state += inner["error_feedback"]
             buffers += inner["buffers"]
-        return {
-            "params": params,
-            "grads": grads,
-            "master": master,
-            "optimizer_state": state,
-            "buffers": buffers,
-        }
+        return dict(out, optimizer_state=state, buffers=buffers)
 
     def close(self) -> None:
         """Wait for pending work, remove hooks, and stop the communication thread."""
@@ -519,8 +499,6 @@ class ZeroOptimizer:
 
     def state_dict(self) -> Dict[str, Any]:
         """This rank's shard of the optimizer (see :mod:`compcomm.zero.checkpoint`)."""
-        from .checkpoint import shard_state_dict
-
         return shard_state_dict(self)
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
@@ -530,59 +508,4 @@ class ZeroOptimizer:
         raises on every rank and changes nothing
         (:func:`compcomm.zero.checkpoint.load_shard_state_dict`).
         """
-        from .checkpoint import load_shard_state_dict
-
         load_shard_state_dict(self, sd)
-
-
-def _onebit_mode(onebit: Optional[str], rules: Any, mode: Optional[str],
-                 stage: int) -> Optional[str]:
-    """The compressed phase's form for OneBitAdam (None for other optimizers); ValueError naming
-    ``onebit_mode`` for a value that does not apply."""
-    if rules is None or not rules.modes:
-        if mode is not None:
-            raise ValueError(f"zero_optimization.onebit_mode={mode!r} applies only to OneBitAdam, "
-                             f"not to {onebit or 'this optimizer'}")
-        return None
-    mode = "exact" if mode is None else mode
-    if mode not in MODES:
-        raise ValueError(f"zero_optimization.onebit_mode must be one of {', '.join(map(repr, MODES))}"
-                         f", got {mode!r}")
-    if mode == "no_allgather" and stage == 3:
-        raise ValueError("zero_optimization.onebit_mode='no_allgather' needs stage 1 or 2 (every "
-                         "rank updates the whole parameters, which stage 3 does not keep)")
-    return mode
-
-
-def initialize(
-    model: torch.nn.Module,
-    optimizer_config: Dict[str, Any],
-    zero_config: Dict[str, Any],
-    process_group: Any = None,
-    **kwargs: Any,
-) -> ZeroOptimizer:
-    """A ZeroOptimizer for ``model`` from DeepSpeed-style sections.
-
-    Parameters
-    ----------
-    model : torch.nn.Module
-        The model (its parameters; stage 3 also installs module hooks).
-    optimizer_config : dict
-        DeepSpeed's ``optimizer`` section, e.g. ``{"type": "AdamW", "params": {"lr": 1e-3}}``.
-    zero_config : dict
-        DeepSpeed's ``zero_optimization`` section; ``stage`` must be 1, 2 or 3.
-    process_group : optional
-        The data-parallel group.
-    **kwargs
-        Further ZeroOptimizer arguments (``gradient_accumulation_steps``, ``gradient_clipping``,
-        ``loss_scale``, ``timeout``).
-    """
-    from ..optim.factory import optimizer_from_config as _optimizer_factory
-    from .config import validate_zero_config
-
-    zero = validate_zero_config(zero_config)
-    if zero["stage"] not in (1, 2, 3):
-        raise ValueError(f"zero_config.stage must be 1, 2 or 3, got {zero['stage']!r}")
-    cls, kw, _ = _optimizer_factory(optimizer_config)
-    return ZeroOptimizer(model.parameters(), cls, process_group=process_group, module=model,
-                         optimizer_kwargs=kw, **kwargs, **zero)
