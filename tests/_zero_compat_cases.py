@@ -13,7 +13,6 @@ import os
 from typing import Any, Dict, List
 
 import torch
-
 from _zero_onebit_cases import _flat, _params, _Synthetic
 
 WORLD = 2
@@ -118,7 +117,6 @@ def check(rank: int, world: int, directory: str, scratch: str) -> List[str]:
     """Load every old checkpoint, save it again (same contents as the old file), continue and
     compare with the old code's trajectory bit for bit. Returns the cases checked."""
     import numpy as np
-
     from compcomm._comm import resolve
     from compcomm.zero import load_checkpoint, save_checkpoint
     from compcomm.zero.checkpoint import shard_file

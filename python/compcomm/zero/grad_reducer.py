@@ -18,7 +18,7 @@ all-reduce of a float64 through the worker thread, so it never overtakes queued 
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -157,12 +157,14 @@ class GradReducer:
     # ---- full-precision reduction --------------------------------------------------------------
 
     def submit(self, gi: int, bi: int) -> None:
-        """Reduce-scatter bucket ``bi``'s staged gradient (added to the shard by :meth:`complete`)."""
+        """Reduce-scatter bucket ``bi``'s staged gradient (added to the shard by
+        :meth:`complete`)."""
         grp = self.groups[gi]
         st, base = self.take(gi, bi)
         self.acc[gi].arrived[bi].clear()
         recv = torch.empty(grp.buckets[bi].chunk, dtype=grp.dtype, device=self.device)
-        work = self.async_comm.reduce_scatter(buffer_of(st), buffer_of(recv), timeout_s=self.timeout)
+        work = self.async_comm.reduce_scatter(buffer_of(st), buffer_of(recv),
+                                              timeout_s=self.timeout)
         self._pending.append((work, gi, bi, base, recv))
         if not self.overlap:
             self.complete(len(self._pending))
@@ -229,7 +231,8 @@ class GradReducer:
         for g, c in grads:
             local += g.double().pow(2).sum() * (c * c)
         # through the worker thread: it must not overtake collectives still queued there
-        self.async_comm.all_reduce(buffer_of(local), _C.ReduceOp.sum, self.timeout).wait(self.timeout)
+        work = self.async_comm.all_reduce(buffer_of(local), _C.ReduceOp.sum, self.timeout)
+        work.wait(self.timeout)
         return float(local.item())
 
     def mean_sq_norm(self, grads: List[Tuple[torch.Tensor, float]]) -> float:

@@ -1,4 +1,4 @@
-"""ZeRO's layout: where every parameter of a group lives in a flat buffer, its buckets and this rank's shard.
+"""ZeRO's layout: where each parameter lives in its group's flat buffer, buckets and shards.
 
 ``_C.zero.plan_buckets`` lays a group's parameters end to end in a flat buffer cut into buckets
 (``reduce_bucket_size`` elements for stage 1/2, one parameter per bucket for stage 3). Each bucket

@@ -1,4 +1,4 @@
-"""ZeRO's 1-bit gradient reduction: the local gradient, compressed, reduce-scattered into the shards.
+"""ZeRO's 1-bit gradient reduction: the local gradient compressed and reduce-scattered to shards.
 
 Used by OneBitAdam's compressed phase in ``onebit_mode="sharded"`` and by ZeroOneAdam's 1-bit
 gradient steps. Bucket ``b`` of this rank's local gradient ``g`` (averaged over micro-steps,
@@ -102,8 +102,8 @@ class OneBitReducer:
         """RuntimeError if bucket ``bi``'s exchange has started (a gradient came too late)."""
         if bi in self.grads.acc[gi].exchanged:
             raise RuntimeError(
-                f"ZeroOptimizer: a gradient arrived for bucket {bi} after its 1-bit exchange started: "
-                f"more than gradient_accumulation_steps={self.gas} backward passes before step()")
+                f"ZeroOptimizer: a gradient arrived for bucket {bi} after its 1-bit exchange "
+                f"started: more than gradient_accumulation_steps={self.gas} backward passes before step()")
 
     def bucket_complete(self, gi: int, bi: int) -> None:
         """Every gradient of bucket ``bi`` has arrived for one micro-step: with overlap, exchange
@@ -127,8 +127,8 @@ class OneBitReducer:
             self.grads.release(gi, base)
         x.mul_(self.input_scale(gi) / (self.gas * self.loss_scale()))
         we, se = self.error_buffers(gi, bi)
-        ws = self.compressor.workspace(
-            (gi, bi), workspace_bytes(b.padded, self.world, self.device.type == "cuda"), self.device)
+        nbytes = workspace_bytes(b.padded, self.world, self.device.type == "cuda")
+        ws = self.compressor.workspace((gi, bi), nbytes, self.device)
         out = b.shard_of(grp.master.grad)
         work = self.async_comm.compressed_reduce_scatter_exchange(
             buffer_of(x), buffer_of(we), buffer_of(se), buffer_of(out), buffer_of(ws),

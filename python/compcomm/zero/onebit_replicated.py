@@ -71,7 +71,8 @@ class ReplicatedMomentum:
     """
 
     def __init__(self, mode: str, groups: List[GroupLayout], grads: GradReducer, inner: Any,
-                 compressor: OneBitCompressor, async_comm: Any, loss_scale: Callable[[], float], gas: int,
+                 compressor: OneBitCompressor, async_comm: Any,
+                 loss_scale: Callable[[], float], gas: int,
                  clip: float, rank: int, world: int, device: torch.device,
                  timeout: float) -> None:
         if mode not in ("exact", "no_allgather"):

@@ -168,7 +168,7 @@ class ZeroOptimizer:
                 overlap=stage >= 2 and self.overlap and self.clip == 0 and self.world > 1,
                 keep_pool=self._keep_pool, rank=self.rank, world=self.world,
                 device=self.device, timeout=self.timeout)
-        #: OneBitAdam's compressed phase in the "exact" / "no_allgather" modes (onebit_replicated.py)
+        #: OneBitAdam's compressed phase in the "exact" / "no_allgather" modes
         self._replicated: Optional[ReplicatedMomentum] = None
         if replicated:
             self._replicated = ReplicatedMomentum(

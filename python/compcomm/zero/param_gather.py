@@ -23,7 +23,8 @@ from .layout import GroupLayout, full_numel, full_shape
 
 __all__ = ["ParamGatherer"]
 
-_HOOK_WARNING = "Full backward hook is firing when gradients are computed with respect to module outputs"
+_HOOK_WARNING = ("Full backward hook is firing when gradients are computed with respect to module "
+                 "outputs")
 
 
 class ParamGatherer:

@@ -11,8 +11,8 @@ from typing import Any, Dict, Mapping, Optional
 from .. import _C
 from ..schedule import StepKind
 
-__all__ = ["MODES", "Phase", "OneBitRules", "RULES", "onebit_kind", "onebit_inner_kwargs", "onebit_mode",
-           "check_stage"]
+__all__ = ["MODES", "Phase", "OneBitRules", "RULES", "onebit_kind", "onebit_inner_kwargs",
+           "onebit_mode", "check_stage"]
 
 #: Values of ``zero_optimization.onebit_mode`` (None: "exact").
 MODES = ("exact", "no_allgather", "sharded")
