@@ -40,7 +40,7 @@ from .grad_reducer import GradReducer, clip_coef
 from .layout import alignment, build_groups, partition
 from .onebit_reducer import OneBitReducer
 from .onebit_replicated import ReplicatedMomentum
-from .param_gather import ParamGatherer
+from .param_gather import ParamGatherer, publish
 from .rules import RULES, Phase, check_stage, onebit_inner_kwargs, onebit_kind, onebit_mode
 from .unsharded import UnshardedPhase
 
@@ -357,22 +357,9 @@ class ZeroOptimizer:
         return loss
 
     def _publish(self) -> None:
-        """fp32 shards -> parameter dtype shards -> (stage 1/2) the full parameters everywhere."""
-        ag = self.config["allgather_bucket_size"]
-        if self.device.type != "cpu":
-            ag = 0  # the split all-gather scatters pieces on the host; GPU buckets go whole
-        works = []
-        for grp in self.groups:
-            if self.stage == 3:
-                grp.param_shard.copy_(grp.master)
-                continue
-            shard = grp.master.to(grp.dtype)
-            staging = torch.empty(ag if 0 < ag < grp.max_padded else 0, dtype=grp.dtype)
-            works.append((self._async.bucketed_all_gather(
-                grp.plan, buffer_of(shard), buffer_of(grp.flat), max_elements=ag,
-                staging=buffer_of(staging), timeout_s=self.timeout), (staging, shard)))
-        for w, _ in works:
-            w.wait(self.timeout)
+        """The new master shards become the model's parameters (:func:`.param_gather.publish`)."""
+        publish(self.groups, self._async, self.config["allgather_bucket_size"], self.device,
+                self.timeout)
         if self._stage3 is not None:
             self._stage3.after_step()
 
@@ -489,13 +476,13 @@ class ZeroOptimizer:
         self._async.close()
 
     def __del__(self) -> None:
-        # stop the worker thread with the GIL released (close() drains the queue first)
-        a = getattr(self, "_async", None)
-        if a is not None:
-            try:
-                a.close()
-            except Exception:
-                pass
+        # stop the worker threads with the GIL released (close() drains the queue first)
+        for owner in (getattr(self, "compressor", None), getattr(self, "_async", None)):
+            if owner is not None:
+                try:
+                    owner.close()
+                except Exception:
+                    pass
 
     def state_dict(self) -> Dict[str, Any]:
         """This rank's shard of the optimizer (see :mod:`compcomm.zero.checkpoint`)."""

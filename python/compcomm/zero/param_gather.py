@@ -1,6 +1,11 @@
-"""ZeRO stage 3: parameters stored as shards, gathered per module before use and released after.
+"""Parameters from their shards: after a step (:func:`publish`) and, in stage 3, per module.
 
-Module hooks all-gather a module's own parameters before its forward and its backward, prefetching
+After the inner step the fp32 master shards are cast to the parameter dtype and (stage 1/2)
+all-gathered back into the flat parameters that the model's parameters are views of, in calls of
+at most ``allgather_bucket_size`` elements; stage 3 keeps only the new parameter shard.
+
+Stage 3 stores parameters only as shards (:class:`ParamGatherer`): module hooks all-gather a
+module's own parameters before its forward and its backward, prefetching
 the next modules of the recorded trace (the first step's forward order; reversed for backward) up
 to ``stage3_prefetch_bucket_size`` elements and never more than ``stage3_max_live_parameters``
 alive, and release them afterwards -- except parameters of at most
@@ -21,7 +26,7 @@ import torch
 from .._buffers import buffer_of
 from .layout import GroupLayout, full_numel, full_shape
 
-__all__ = ["ParamGatherer"]
+__all__ = ["ParamGatherer", "publish"]
 
 _HOOK_WARNING = ("Full backward hook is firing when gradients are computed with respect to module "
                  "outputs")
@@ -215,3 +220,24 @@ class ParamGatherer:
     def after_grad(self, p: torch.Tensor) -> None:
         """``p``'s gradient has been taken: release it (unless it persists)."""
         self._release(p)
+
+
+def publish(groups: List[GroupLayout], async_comm: Any, allgather_bucket_size: int,
+            device: torch.device, timeout: float) -> None:
+    """fp32 master shards -> parameter dtype shards -> (stage 1/2: groups with a ``flat``) the
+    full parameters on every rank (collective)."""
+    ag = allgather_bucket_size
+    if device.type != "cpu":
+        ag = 0  # the split all-gather scatters pieces on the host; GPU buckets go whole
+    works = []
+    for grp in groups:
+        if grp.flat is None:  # stage 3: the hooks gather from the parameter shard
+            grp.param_shard.copy_(grp.master)
+            continue
+        shard = grp.master.to(grp.dtype)
+        staging = torch.empty(ag if 0 < ag < grp.max_padded else 0, dtype=grp.dtype)
+        works.append((async_comm.bucketed_all_gather(
+            grp.plan, buffer_of(shard), buffer_of(grp.flat), max_elements=ag,
+            staging=buffer_of(staging), timeout_s=timeout), (staging, shard)))
+    for w, _ in works:
+        w.wait(timeout)
