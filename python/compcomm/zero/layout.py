@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
+from collections.abc import Mapping
+from typing import Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -28,7 +29,7 @@ ONEBIT_ALIGNMENT = 8  # 1-bit optimizers: chunks of whole bytes of signs
 
 
 @dataclasses.dataclass(frozen=True)
-class Bucket:
+class Bucket(Mapping):
     """One bucket of a group's flat layout.
 
     ``numel`` elements of parameters start at ``offset`` of the flat buffer, zero-padded to
@@ -50,8 +51,11 @@ class Bucket:
             raise KeyError(key)
         return getattr(self, key)
 
-    def keys(self) -> Tuple[str, ...]:
-        return _BUCKET_FIELDS
+    def __iter__(self) -> Iterator[str]:
+        return iter(_BUCKET_FIELDS)
+
+    def __len__(self) -> int:
+        return len(_BUCKET_FIELDS)
 
     @property
     def num_tensors(self) -> int:
