@@ -37,8 +37,6 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "pyth
 EXTENSION = "_C"
 
 #: (importing module, target module, private name or None for an edge of a cycle) -> reason.
-#: zero/ is being rewritten on its own branch (issue 15's ZeRO part); only import lines may be
-#: touched here, so its reaches stay listed until that rewrite replaces them.
 ALLOWED: Dict[Tuple[str, str, Optional[str]], str] = {
 }
 
@@ -220,7 +218,6 @@ def test_no_reach_into_private_names():
 
 #: modules over the ~500-line limit today -> reason; may only shrink, as ALLOWED.
 LONG_ALLOWED = {
-    "compcomm.zero.optimizer": "zero/: split by the ZeRO rewrite (layout, reducers, gather)",
     "compcomm.bench.train": "bench/: the training benchmark, not yet split",
     "compcomm.bench.cli": "bench/: the benchmark command line, not yet split",
 }

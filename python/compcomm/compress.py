@@ -204,6 +204,35 @@ class OneBitCompressor:
         for args in calls:
             _C.zero.compressed_allreduce_commit(self.comm, *args, stream)
 
+    # -- one bucket's buffers, for a caller that runs a 1-bit collective of its own on them (ZeRO's
+    #    compressed reduce-scatter); they are kept, counted, saved and reset as the others
+
+    def error_buffers(self, key: Hashable, padded: int,
+                      device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Bucket ``key``'s ``(worker_error, server_error)``: ``padded`` and ``padded / world``
+        fp32 elements on ``device``; zeros when new or when ``padded`` changed, moved to
+        ``device`` when loaded elsewhere."""
+        bufs = self._buffers.get(key)
+        if bufs is None or bufs[0].numel() != padded:
+            bufs = (torch.zeros(padded, dtype=torch.float32, device=device),
+                    torch.zeros(padded // self.comm.size(), dtype=torch.float32, device=device),
+                    torch.zeros(0, dtype=torch.uint8, device=device))
+            self._buffers[key] = bufs
+        elif bufs[0].device != device:
+            bufs = (bufs[0].to(device), bufs[1].to(device), bufs[2].to(device))
+            self._buffers[key] = bufs
+        return bufs[0], bufs[1]
+
+    def workspace(self, key: Hashable, nbytes: int, device: torch.device) -> torch.Tensor:
+        """Bucket ``key``'s exchange workspace of ``nbytes`` bytes on ``device``, zero-filled when
+        made (the GPU kernels need a zeroed scratch on first use; every call leaves it so). The
+        bucket's error buffers must exist (:meth:`error_buffers`)."""
+        we, se, ws = self._buffers[key]
+        if ws.numel() != nbytes or ws.device != device:
+            ws = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+            self._buffers[key] = (we, se, ws)
+        return ws
+
     def nbytes(self) -> Tuple[int, int]:
         """(bytes of error buffers, bytes of exchange workspaces) held now."""
         errors = sum((we.numel() + se.numel()) * 4 for we, se, _ in self._buffers.values())

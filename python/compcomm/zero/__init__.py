@@ -5,8 +5,9 @@ from __future__ import annotations
 from .checkpoint import consolidate, load_checkpoint, save_checkpoint
 from .compressed import compressed_reduce_scatter
 from .config import ZERO_DEFAULTS, validate_zero_config
+from .entry import initialize
 from .memory import estimate_memory
-from .optimizer import ZeroOptimizer, initialize
+from .optimizer import ZeroOptimizer
 
 __all__ = [
     "ZeroOptimizer",

@@ -24,7 +24,6 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .. import _C
-from .._buffers import buffer_of
 from .._checkpoint import (
     atomic_save,
     check_optimizer_state,
@@ -35,9 +34,10 @@ from .._checkpoint import (
     need_tensor,
     read_checkpoint,
 )
+from ..compress import OneBitCompressor
 
 __all__ = ["shard_state_dict", "load_shard_state_dict", "save_checkpoint", "load_checkpoint",
-           "consolidate", "shard_file"]
+           "consolidate", "shard_file", "errors_of", "load_errors"]
 
 FORMAT = "compcomm.zero/1"
 
@@ -47,37 +47,51 @@ def shard_file(directory: str, rank: int, world: int) -> str:
     return os.path.join(directory, f"zero_rank{rank}_of{world}.pt")
 
 
+def errors_of(compressor: OneBitCompressor) -> Dict[tuple, tuple]:
+    """Copies of the bucket error buffers of ZeRO's ``compressor`` in the checkpoints' form,
+    ``{(group, bucket): (worker_error, server_error)}``."""
+    return {k: (v["worker_error"], v["server_error"]) for k, v in compressor.state_dict().items()}
+
+
+def load_errors(compressor: OneBitCompressor, errors: Optional[Dict[tuple, tuple]]) -> None:
+    """Hand ``compressor`` the error buffers of :func:`errors_of`'s form (checked against the
+    layout by :func:`validate_shard_state_dict`); None or ``{}``: they restart at zero."""
+    compressor.load_state_dict({k: {"worker_error": we, "server_error": se}
+                                for k, (we, se) in (errors or {}).items()})
+
+
 def shard_state_dict(opt: Any, names: Optional[Dict[int, str]] = None) -> Dict[str, Any]:
     """This rank's checkpoint of ``opt`` (a ZeroOptimizer) as a dict of CPU tensors and plain data."""
-    opt._complete(len(opt._pending))
+    state = opt.export_state()
     groups = []
-    for grp in opt.groups:
+    for grp, master in zip(opt.groups, state["masters"]):
         groups.append(
             {
-                "sizes": [t[0] for t in grp.tensors],
-                "shapes": [tuple(getattr(p, "_zero_shape", p.shape)) for p in grp.params],
+                "sizes": [s.numel for s in grp.tensors],
+                "shapes": grp.shapes(),
                 "names": [names.get(id(p)) if names else None for p in grp.params],
                 "dtype": str(grp.dtype).replace("torch.", ""),
                 "bucket_size": grp.plan.bucket_size,
                 "alignment": grp.plan.alignment,
-                "master": grp.master.detach().cpu().clone(),
+                "master": master.detach().cpu().clone(),
             }
         )
+    local = state["local_params"]
+    errors = state["errors"]
     return {
         "format": FORMAT,
         "stage": opt.stage,
         "world": opt.world,
         "rank": opt.rank,
         "groups": groups,
-        "optimizer": opt.optimizer.state_dict(),
-        "local_phase": opt._local_phase,
-        "local_params": ([grp.flat.detach().cpu().clone() for grp in opt.groups]
-                         if opt._local_phase else None),
-        "errors": ({k: (we.cpu().clone(), se.cpu().clone()) for k, (we, se) in opt._errors.items()}
-                   if opt.exact_resume else None),
-        "loss_scale": opt.loss_scale,
-        "global_steps": opt.global_steps,
-        "skipped_steps": opt.skipped_steps,
+        "optimizer": state["optimizer"],
+        "local_phase": state["local_phase"],
+        "local_params": [f.detach().cpu().clone() for f in local] if local is not None else None,
+        "errors": ({k: (we.cpu(), se.cpu()) for k, (we, se) in errors.items()}
+                   if errors is not None else None),
+        "loss_scale": state["loss_scale"],
+        "global_steps": state["global_steps"],
+        "skipped_steps": state["skipped_steps"],
     }
 
 
@@ -115,7 +129,7 @@ def validate_shard_state_dict(opt: Any, sd: Any) -> None:
     for gi, (g, grp) in enumerate(zip(groups, opt.groups)):
         gw = f"{w}['groups'][{gi}]"
         g = need_mapping(gw, g)
-        if (g.get("sizes") != [t[0] for t in grp.tensors]
+        if (g.get("sizes") != [s.numel for s in grp.tensors]
                 or g.get("bucket_size") != grp.plan.bucket_size
                 or g.get("alignment", grp.plan.alignment) != grp.plan.alignment):
             raise ValueError(f"{gw} has a different layout (sizes, bucket size or alignment)")
@@ -124,7 +138,7 @@ def validate_shard_state_dict(opt: Any, sd: Any) -> None:
     if local is not None and not isinstance(local, bool):
         raise TypeError(f"{w}['local_phase'] must be true or false, got {local!r}")
     local = bool(local)
-    if local and opt.onebit != "ZeroOneAdam":
+    if local and not opt.has_local_phase:
         raise ValueError(f"{w}['local_phase'] is true but the wrapped optimizer is not ZeroOneAdam")
     if local:
         flats = need_list(f"{w}['local_params']", sd.get("local_params"))
@@ -163,13 +177,7 @@ def validate_shard_state_dict(opt: Any, sd: Any) -> None:
 
 def _agree(opt: Any, error: Optional[BaseException]) -> None:
     """Raise on every rank if ``error`` is set on any (one all-reduce of a flag per rank)."""
-    bad = [opt.rank] if error is not None else []
-    if opt.world > 1:
-        flags = torch.zeros(opt.world, dtype=torch.float32, device=opt.device)
-        flags[opt.rank] = float(error is not None)
-        # through the worker thread: it must not overtake collectives still queued there
-        opt._async.all_reduce(buffer_of(flags), _C.ReduceOp.sum, opt.timeout).wait(opt.timeout)
-        bad = [r for r, f in enumerate(flags.tolist()) if f > 0]
+    bad = opt.ranks_failed(error is not None)
     if error is not None:
         raise error
     if bad:
@@ -196,27 +204,17 @@ def _load_agreed(opt: Any, sd: Any, error: Optional[BaseException]) -> None:
             error = e
     _agree(opt, error)
     # validated on every rank: nothing below raises on bad input
-    for g, grp in zip(sd["groups"], opt.groups):
-        grp.master.data.copy_(g["master"])
     local = bool(sd.get("local_phase"))
-    if local and not opt._local_phase:
-        opt._enter_local_phase(gather=False)  # the state comes from the checkpoint
-    elif opt._local_phase and not local:
-        opt._leave_local_phase()
-    opt.optimizer.load_state_dict(sd["optimizer"])
-    if opt._replicated is not None:  # OneBitAdam's full momentum: regathered from the new shards
-        opt._replicated.reset()
-    saved_errors = sd.get("errors") or {}
-    opt._errors = ({k: (we.to(opt.device, copy=True), se.to(opt.device, copy=True))
-                    for k, (we, se) in saved_errors.items()} if opt.exact_resume else {})
-    opt.loss_scale = float(sd["loss_scale"])
-    opt.global_steps = int(sd["global_steps"])
-    opt.skipped_steps = int(sd["skipped_steps"])
-    if local:
-        for grp, flat in zip(opt.groups, sd["local_params"]):
-            grp.flat.copy_(flat)
-    else:
-        opt._publish()
+    opt.import_state({
+        "masters": [g["master"] for g in sd["groups"]],
+        "optimizer": sd["optimizer"],
+        "local_phase": local,
+        "local_params": sd["local_params"] if local else None,
+        "errors": sd.get("errors"),
+        "loss_scale": float(sd["loss_scale"]),
+        "global_steps": int(sd["global_steps"]),
+        "skipped_steps": int(sd["skipped_steps"]),
+    })
 
 
 def save_checkpoint(opt: Any, directory: str, module: Optional[torch.nn.Module] = None) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Dict
 
-__all__ = ["ZERO_DEFAULTS", "validate_zero_config"]
+__all__ = ["ZERO_DEFAULTS", "validate_zero_config", "check_arguments"]
 
 # DeepSpeed's defaults (runtime/zero/config.py). Sizes are element counts.
 ZERO_DEFAULTS: Dict[str, Any] = {
@@ -126,3 +126,23 @@ def validate_zero_config(cfg: Dict[str, Any], where: str = "zero_optimization") 
     if out["overlap_comm"] is None:
         out["overlap_comm"] = stage == 3
     return out
+
+
+def check_arguments(stage: Any, zero_config: Dict[str, Any], module: Any, gas: Any, clip: float,
+                    loss_scale: float) -> Dict[str, Any]:
+    """ZeroOptimizer's arguments checked (ValueError naming the argument): returns its validated
+    ``zero_optimization`` keys, ``stage`` included."""
+    if stage not in (1, 2, 3) or isinstance(stage, bool):
+        raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
+    if "stage" in zero_config and zero_config["stage"] != stage:
+        raise ValueError(f"stage={stage} contradicts zero_config stage={zero_config['stage']}")
+    config = validate_zero_config(dict(zero_config, stage=stage), where="ZeroOptimizer")
+    if stage == 3 and module is None:
+        raise ValueError("module: stage 3 needs the model (module=...) to install its hooks")
+    if int(gas) < 1:
+        raise ValueError(f"gradient_accumulation_steps must be >= 1, got {gas}")
+    if clip < 0:
+        raise ValueError(f"gradient_clipping must be >= 0, got {clip}")
+    if loss_scale < 0:
+        raise ValueError(f"loss_scale must be >= 0 (0: dynamic), got {loss_scale}")
+    return config

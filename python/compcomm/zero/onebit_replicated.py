@@ -32,19 +32,18 @@ Equal to unsharded OneBitAdam when that optimizer compresses the same buckets: i
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
-from .. import _C
 from .._buffers import buffer_of
+from ..compress import OneBitCompressor
 from ..errors import NonFiniteError
 from ..optim.functional import adam_update
+from .grad_reducer import GradReducer, clip_coef
+from .layout import GroupLayout
 
-__all__ = ["MODES", "ReplicatedMomentum"]
-
-#: Values of ``zero_optimization.onebit_mode`` (None: "exact").
-MODES = ("exact", "no_allgather", "sharded")
+__all__ = ["ReplicatedMomentum"]
 
 
 class ReplicatedMomentum:
@@ -52,20 +51,48 @@ class ReplicatedMomentum:
 
     Parameters
     ----------
-    opt : ZeroOptimizer
-        The owner (its groups, communicator, error buffers and wrapped OneBitAdam).
     mode : {"exact", "no_allgather"}
+    groups : list of GroupLayout
+    grads : GradReducer
+        Where the local gradients are staged (and the norm all-reduce).
+    inner : OneBitAdam
+        The wrapped optimizer (its shard state, hyper-parameters and schedule).
+    compressor : compcomm.compress.OneBitCompressor
+        The compressed average and every bucket's error-feedback buffers.
+    async_comm : _C.zero.AsyncComm
+        The owner's worker thread (the full tensors are all-gathered through it).
+    loss_scale : callable
+        Returns the current loss scale.
+    gas : int
+    clip : float
+    rank, world : int
+    device : torch.device
+    timeout : float
     """
 
-    def __init__(self, opt: Any, mode: str) -> None:
+    def __init__(self, mode: str, groups: List[GroupLayout], grads: GradReducer, inner: Any,
+                 compressor: OneBitCompressor, async_comm: Any,
+                 loss_scale: Callable[[], float], gas: int,
+                 clip: float, rank: int, world: int, device: torch.device,
+                 timeout: float) -> None:
         if mode not in ("exact", "no_allgather"):
             raise ValueError(f"ReplicatedMomentum: mode must be 'exact' or 'no_allgather', got {mode!r}")
-        self.opt = opt
         self.mode = mode
+        self.groups = groups
+        self.grads = grads
+        self.inner = inner
+        self.compressor = compressor
+        self.async_comm = async_comm
+        self.loss_scale = loss_scale
+        self.gas = gas
+        self.clip = clip
+        self.rank = rank
+        self.world = world
+        self.device = device
+        self.timeout = timeout
         self.m: Dict[int, torch.Tensor] = {}  # group -> full fp32 momentum (flat layout)
         self.v: Dict[int, torch.Tensor] = {}  # no_allgather: group -> full frozen variance
         self.w: Dict[int, torch.Tensor] = {}  # no_allgather, fp16/bf16: group -> full fp32 master
-        self._ws: Dict[Tuple[int, int], torch.Tensor] = {}  # (group, bucket) -> exchange workspace
         self._avg: List[Tuple[int, int, torch.Tensor]] = []  # reduced buckets awaiting update()
 
     # ---- state -------------------------------------------------------------------------------
@@ -82,14 +109,13 @@ class ReplicatedMomentum:
         self.w.clear()
         self._avg.clear()
 
-    def nbytes(self) -> Tuple[int, int]:
-        """(optimizer-state bytes of the full tensors, bytes of exchange workspaces)."""
-        state = sum(t.numel() * 4 for d in (self.m, self.v, self.w) for t in d.values())
-        return state, sum(t.numel() for t in self._ws.values())
+    def nbytes(self) -> int:
+        """Optimizer-state bytes of the full tensors."""
+        return sum(t.numel() * 4 for d in (self.m, self.v, self.w) for t in d.values())
 
     def _shard_state(self, gi: int) -> Dict[str, Any]:
-        grp = self.opt.groups[gi]
-        st = self.opt.optimizer.state[grp.master]
+        grp = self.groups[gi]
+        st = self.inner.state[grp.master]
         if "exp_avg" not in st:  # zeros if no warm-up step ran (freeze_step=0)
             st["exp_avg"] = torch.zeros_like(grp.master, dtype=torch.float32)
             st["exp_avg_sq"] = torch.zeros_like(grp.master, dtype=torch.float32)
@@ -98,9 +124,8 @@ class ReplicatedMomentum:
     def _ensure(self) -> None:
         """All-gather, once, the shards this mode keeps in full (momentum; no_allgather: also the
         frozen variance and fp16/bf16 master weights)."""
-        opt = self.opt
         works = []
-        for gi, grp in enumerate(opt.groups):
+        for gi, grp in enumerate(self.groups):
             if gi in self.m:
                 continue
             st = self._shard_state(gi)
@@ -110,100 +135,68 @@ class ReplicatedMomentum:
                 if grp.dtype != torch.float32:
                     srcs.append((self.w, grp.master.detach()))
             for dst, shard in srcs:
-                full = torch.empty(grp.plan.flat_numel, dtype=torch.float32, device=opt.device)
+                full = torch.empty(grp.plan.flat_numel, dtype=torch.float32, device=self.device)
                 dst[gi] = full
                 shard = shard.contiguous()
-                works.append((opt._async.bucketed_all_gather(
-                    grp.plan, buffer_of(shard), buffer_of(full), timeout_s=opt.timeout), shard))
+                works.append((self.async_comm.bucketed_all_gather(
+                    grp.plan, buffer_of(shard), buffer_of(full), timeout_s=self.timeout), shard))
         for w, _ in works:
-            w.wait(opt.timeout)
-
-    def _workspace(self, gi: int, bi: int, padded: int) -> torch.Tensor:
-        ws = self._ws.get((gi, bi))
-        if ws is None:  # zero-filled: the GPU norm kernels need a zeroed scratch on first use
-            total = _C.compressed_allreduce_layout(padded, self.opt.world,
-                                                   self.opt.device.type == "cuda")["total"]
-            ws = torch.zeros(max(total, 1), dtype=torch.uint8, device=self.opt.device)
-            self._ws[(gi, bi)] = ws
-        return ws
+            w.wait(self.timeout)
 
     # ---- the step ----------------------------------------------------------------------------
 
     def reduce(self) -> float:
-        """Compress every bucket's ``b1 * m + (1 - b1) * g_local`` with the compressed allreduce.
+        """Compress every bucket's ``b1 * m + (1 - b1) * g_local`` with the compressed allreduce
+        (the compressor's :meth:`~compcomm.compress.OneBitCompressor.average_`, error feedback
+        per bucket, key ``(group, bucket)``).
 
         Nothing outside this object's scratch is written unless every exchange succeeded and the
         gradient norm is finite; then the error buffers are committed and the averaged buckets wait
         for :meth:`update`. Returns the mean over ranks of the squared local-gradient norms
         (``inf``: the step is skipped on every rank).
         """
-        opt = self.opt
-        items = opt._local_buckets()
-        scale = 1.0 / (opt.gas * opt.loss_scale)
-        norm_sq = opt._mean_sq_norm([(x, scale) for _, _, x in items])
+        items = self.grads.local_buckets()
+        scale = 1.0 / (self.gas * self.loss_scale())
+        norm_sq = self.grads.mean_sq_norm([(x, scale) for _, _, x in items])
         if not math.isfinite(norm_sq):
             return norm_sq
         self._ensure()
-        coef = opt._local_coef(norm_sq, scale)
-        staged = []
-        for gi, bi, x in items:
-            b = opt.groups[gi].buckets[bi]
-            b1 = float(opt.optimizer.param_groups[gi]["betas"][0])
+        coef = clip_coef(norm_sq, self.clip, scale)
+        staged: List[Tuple[int, int, torch.Tensor]] = []
+
+        def stage(i: int) -> torch.Tensor:  # bucket i + 1 is staged while bucket i is on the wire
+            gi, bi, x = items[i]
+            b1 = float(self.inner.param_groups[gi]["betas"][0])
             if coef != 1.0:
                 x.mul_(coef)
-            m = self.m[gi][b["offset"]: b["offset"] + b["padded"]]
+            m = self.groups[gi].buckets[bi].span(self.m[gi])
             # the same operations as unsharded OneBitAdam's staging, so the same bits
             y = torch.mul(m, b1).add_(x, alpha=1 - b1)
             staged.append((gi, bi, y))
-        if opt.world > 1 and not self._exchange(staged):
+            return y
+
+        try:
+            self.compressor.average_([(gi, bi) for gi, bi, _ in items],
+                                     [self.groups[gi].buckets[bi].padded for gi, bi, _ in items],
+                                     stage, self.device)
+        except NonFiniteError:  # raised on every rank, nothing written: skip the step
             return math.inf
         self._avg = staged
         return norm_sq
 
-    def _exchange(self, staged: List[Tuple[int, int, torch.Tensor]]) -> bool:
-        """Compressed allreduce of every staged bucket, all or nothing (False: a rank had a
-        non-finite value, nothing was written)."""
-        opt = self.opt
-        works, args = [], []
-        for gi, bi, y in staged:
-            b = opt.groups[gi].buckets[bi]
-            we, se = opt._error_buffers(gi, bi)
-            stream = torch.cuda.current_stream(y.device).cuda_stream if y.is_cuda else 0
-            a = (buffer_of(y), buffer_of(we), buffer_of(se),
-                 buffer_of(self._workspace(gi, bi, b["padded"])))
-            works.append(opt._async.compressed_allreduce_exchange(*a, opt.timeout, stream))
-            args.append((a, stream))
-        failure: Optional[Exception] = None
-        finite = True
-        for w in works:  # wait for all: they use this rank's buffers
-            try:
-                w.wait(opt.timeout * 3)
-            except NonFiniteError:  # raised on every rank: skip the step
-                finite = False
-            except Exception as e:  # noqa: BLE001 -- re-raised once every work is done
-                failure = failure or e
-        if failure is not None:
-            raise failure
-        if not finite:
-            return False
-        for a, stream in args:
-            _C.zero.compressed_allreduce_commit(opt.comm, *a, stream)
-        return True
-
     def update(self) -> None:
         """Apply the averaged momentum (after the skip decision; nothing here fails)."""
-        opt = self.opt
-        inner = opt.optimizer
+        inner = self.inner
         for gi, bi, y in self._avg:
-            b = opt.groups[gi].buckets[bi]
-            y[b["numel"]:].zero_()  # padding: 1 bit cannot say 0, unsharded keeps no padding
-            self.m[gi][b["offset"]: b["offset"] + b["padded"]].copy_(y)
+            b = self.groups[gi].buckets[bi]
+            y[b.numel:].zero_()  # padding: 1 bit cannot say 0, unsharded keeps no padding
+            b.span(self.m[gi]).copy_(y)
         self._avg = []
-        t = inner.sched["step"] + 1
-        for gi, grp in enumerate(opt.groups):
+        t = inner.schedule.step + 1
+        for gi, grp in enumerate(self.groups):
             group = inner.param_groups[gi]
             st = self._shard_state(gi)
-            opt._own_chunks(grp, self.m[gi], st["exp_avg"])
+            grp.own_chunks(self.m[gi], st["exp_avg"], self.rank)
             if self.mode == "exact":
                 w, m, v = grp.master.data, st["exp_avg"], st["exp_avg_sq"]
             else:
@@ -216,5 +209,5 @@ class ReplicatedMomentum:
             if self.mode == "no_allgather":
                 if gi in self.w:
                     grp.flat.copy_(w)  # the model's parameters (param dtype)
-                opt._own_chunks(grp, w, grp.master.data)  # shards stay current for checkpoints
+                grp.own_chunks(w, grp.master.data, self.rank)  # shards stay current for checkpoints
         inner.schedule.advance(inner.schedule.next_kind())  # the wrapped optimizer's step count

@@ -3,12 +3,86 @@ checks before it touches the model)."""
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import functools
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Mapping, Optional
 
 from .. import _C
+from ..schedule import StepKind
 
-__all__ = ["onebit_kind", "onebit_inner_kwargs"]
+__all__ = ["MODES", "Phase", "OneBitRules", "RULES", "onebit_kind", "onebit_inner_kwargs",
+           "onebit_mode", "check_stage"]
+
+#: Values of ``zero_optimization.onebit_mode`` (None: "exact").
+MODES = ("exact", "no_allgather", "sharded")
+
+
+class Phase(enum.Enum):
+    """How the coming ``step()`` reduces the gradients (:attr:`ZeroOptimizer.phase`)."""
+
+    #: averaged in full precision, reduce-scattered into the gradient shards (any optimizer;
+    #: a 1-bit optimizer's warm-up or variance steps)
+    FULL = "full"
+    #: the local gradients 1-bit reduce-scattered into the shards (:mod:`.onebit_reducer`)
+    ONEBIT = "onebit"
+    #: OneBitAdam's replicated momentum, 1-bit allreduced (:mod:`.onebit_replicated`)
+    REPLICATED = "replicated"
+    #: ZeroOneAdam's local-step phase: unsharded, gradients stay local (:mod:`.unsharded`)
+    LOCAL = "local"
+
+    @property
+    def compressed(self) -> bool:
+        """Whether the step reduces with 1-bit compression (gradients staged until ``step()``)."""
+        return self in (Phase.ONEBIT, Phase.REPLICATED)
+
+    @staticmethod
+    def compresses(kind: StepKind) -> bool:
+        """Whether ZeRO reduces a step of the wrapped optimizer's ``kind`` with 1-bit compression
+        (the others average in full precision, or run locally)."""
+        return kind in (StepKind.ONEBIT, StepKind.ONEBIT_GRAD)
+
+
+@dataclasses.dataclass(frozen=True)
+class OneBitRules:
+    """How ZeroOptimizer runs one 1-bit optimizer."""
+
+    #: its compressed phase averages the momentum ``b1 m + (1 - b1) g``: ZeRO's sharded form
+    #: compresses the local contribution ``(1 - b1) g`` (else the gradient ``g`` itself)
+    compresses_momentum: bool
+    #: full-precision steps come back after compressed ones (0/1 Adam's variance steps), so the
+    #: full-precision staging pool is kept
+    full_steps_recur: bool
+    #: after its freeze it steps locally, unsharded (:mod:`.unsharded`)
+    local_phase: bool
+    #: ``zero_optimization.onebit_mode`` applies (the replicated-momentum forms)
+    modes: bool
+    #: why it cannot run with stage 3 ("" if it can)
+    no_stage3: str = ""
+
+    def input_scale(self, group: Mapping[str, Any]) -> float:
+        """What ZeRO's sharded 1-bit reduction sends, as a multiple of the local gradient:
+        ``1 - beta1`` (the local momentum contribution) or 1."""
+        return 1.0 - float(group["betas"][0]) if self.compresses_momentum else 1.0
+
+
+#: The 1-bit optimizers ZeroOptimizer knows, by :func:`onebit_kind`.
+RULES: Dict[str, OneBitRules] = {
+    "OneBitAdam": OneBitRules(compresses_momentum=True, full_steps_recur=False, local_phase=False,
+                              modes=True),
+    "ZeroOneAdam": OneBitRules(
+        compresses_momentum=False, full_steps_recur=True, local_phase=True, modes=False,
+        no_stage3="its local steps update every rank's full copy of the parameters, which stage 3 "
+                  "does not keep"),
+}
+
+
+def check_stage(name: Optional[str], stage: int) -> None:
+    """ValueError naming ``optimizer_class`` if 1-bit optimizer ``name`` cannot run at ``stage``."""
+    rules = RULES.get(name or "")
+    if rules is not None and stage == 3 and rules.no_stage3:
+        raise ValueError(f"optimizer_class: {name} with ZeRO stage 3 is not supported "
+                         f"({rules.no_stage3}); use stage 1 or 2, or OneBitAdam")
 
 
 def onebit_kind(optimizer_class: Any) -> Optional[str]:
@@ -47,3 +121,22 @@ def onebit_inner_kwargs(name: str, kwargs: Dict[str, Any]) -> Dict[str, Any]:
     # ZeroOptimizer skips non-finite steps itself (global norm / overflow flag, on every rank)
     return dict(kwargs, comm_backend_name="torch", grads_averaged=True, check_finite=False,
                 process_group=_C.LocalCommunicator())
+
+
+def onebit_mode(name: Optional[str], mode: Optional[str], stage: int) -> Optional[str]:
+    """The compressed phase's form for OneBitAdam (None for other optimizers); ValueError naming
+    ``onebit_mode`` for a value that does not apply."""
+    rules = RULES.get(name or "")
+    if rules is None or not rules.modes:
+        if mode is not None:
+            raise ValueError(f"zero_optimization.onebit_mode={mode!r} applies only to OneBitAdam, "
+                             f"not to {name or 'this optimizer'}")
+        return None
+    mode = "exact" if mode is None else mode
+    if mode not in MODES:
+        raise ValueError(f"zero_optimization.onebit_mode must be one of {', '.join(map(repr, MODES))}"
+                         f", got {mode!r}")
+    if mode == "no_allgather" and stage == 3:
+        raise ValueError("zero_optimization.onebit_mode='no_allgather' needs stage 1 or 2 (every "
+                         "rank updates the whole parameters, which stage 3 does not keep)")
+    return mode
