@@ -87,9 +87,11 @@ class OneBitBase(torch.optim.Optimizer):
         #: what each step does (compcomm.schedule); subclasses replace it with their own
         self.schedule: Any = FreezeSchedule(0)
 
-    def _set_comm(self, comm: Any, grads_averaged: bool) -> None:
-        """Talk through ``comm`` from now on. ZeroOptimizer runs 0/1 Adam's variance phase on
-        shards with a one-rank communicator and its local-step phase unsharded on the real group."""
+    def set_group(self, comm: Any, grads_averaged: bool = False) -> None:
+        """Talk through the compcomm Communicator ``comm`` from now on (a new compressor, the bucket
+        plan rebuilt at the next step), and say whether the gradients of later steps arrive
+        averaged already. ZeroOptimizer runs 0/1 Adam's variance phase on shards with a one-rank
+        communicator and its local-step phase unsharded on the real group."""
         self.compressor.close()
         self.compressor = self.compressor_factory(comm)
         self._plan_key = None

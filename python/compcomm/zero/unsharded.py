@@ -24,20 +24,8 @@ __all__ = ["UnshardedPhase", "use_group"]
 
 def use_group(inner: Any, comm: Any, grads_averaged: bool) -> None:
     """Make the 1-bit optimizer ``inner`` talk through ``comm`` from now on, and say whether the
-    gradients it gets are averaged already.
-
-    Written against the optimizer's public attributes (``compressor_factory`` builds the
-    compressor of a communicator; the old one is closed), as ``OneBitBase`` has no public method
-    for it. The bucket plan of its compressed average is rebuilt on its own: the parameters
-    change whenever the group does (shards <-> the model's parameters), and a one-rank optimizer
-    plans no buckets.
-    """
-    inner.compressor.close()
-    inner.compressor = inner.compressor_factory(comm)
-    inner.comm = comm
-    inner.world_size = comm.size()
-    inner.rank = comm.rank()
-    inner.grads_averaged = bool(grads_averaged)
+    gradients it gets are averaged already (:meth:`compcomm.optim.base.OneBitBase.set_group`)."""
+    inner.set_group(comm, grads_averaged)
 
 
 class UnshardedPhase:
