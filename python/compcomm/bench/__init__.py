@@ -5,4 +5,5 @@
 (:mod:`compcomm.bench.model`) that projects the result onto clusters.
 """
 
-__all__ = ["cli", "model", "netns", "runner", "train", "worker"]
+__all__ = ["cli", "model", "netns", "runner", "sweep_report", "train", "train_rank", "train_report",
+           "train_setups", "worker"]
