@@ -15,11 +15,16 @@
 // the better choice (one noisy run on a loaded 2-core machine, 3 ranks: the compressed allreduce up to
 // 2x slower with the busy policy). oversubscribed() is that policy.
 //
-// No MPI here: the policy is plain arithmetic on the caller's clock, so tests can drive it.
+// No MPI here: the policy is plain arithmetic on the caller's clock, so tests can drive it; pause()
+// and poll_until() below act on it through the wait loop shared with the NCCL backend (../poll.h).
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
+#include <thread>
+
+#include "../poll.h"
 
 namespace compcomm {
 
@@ -67,6 +72,16 @@ class Backoff {
     return Action::kSleep;
   }
 
+  // The pacer step of poll_until (../poll.h): idle(), then what it says.
+  void pause(double now) {
+    int us = 0;
+    switch (idle(now, &us)) {
+      case Action::kSpin: break;
+      case Action::kYield: std::this_thread::yield(); break;
+      case Action::kSleep: std::this_thread::sleep_for(std::chrono::microseconds(us)); break;
+    }
+  }
+
   // Seconds without progress after which sleeping starts.
   double sleep_after_s() const { return sleep_after_s_; }
 
@@ -76,5 +91,14 @@ class Backoff {
   double sleep_after_s_;
   int sleep_us_;
 };
+
+// Calls `poll(&progress)` until it returns true (done), pausing between polls as Backoff says (no
+// sleeping while `bytes` may still be moving). Past the deadline, calls on_timeout, which throws.
+template <class Poll, class OnTimeout>
+void poll_until(const BackoffPolicy& policy, double deadline, int64_t bytes, Poll&& poll,
+                OnTimeout&& on_timeout) {
+  Backoff backoff(policy, now_s(), bytes);
+  poll_until(backoff, deadline, poll, on_timeout);
+}
 
 }  // namespace compcomm

@@ -89,7 +89,7 @@ class MpiCommunicator final : public Communicator {
   void do_barrier(const CallOptions& opts) override;
 
  private:
-  struct Staging;  // pinned host buffers and CUDA events (CUDA builds only)
+  struct Staging;  // pinned host buffers and CUDA events (CUDA builds only; mpi_staging.h)
   using Start = std::function<int(const void* send, void* recv, MPI_Request* req)>;
 
   // Runs one collective: `start` posts it on (send, recv) host or device pointers. `send_bytes` of

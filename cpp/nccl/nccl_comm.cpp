@@ -1,93 +1,18 @@
 #include "nccl_comm.h"
 
 #include <cuda_runtime_api.h>
-#include <dlfcn.h>
 #include <nccl.h>
 
-#include <chrono>
-#include <cstdlib>
 #include <cstring>
+
+#include "../cuda_guard.h"
+#include "../poll.h"
+#include "nccl_loader.h"
+#include "nccl_watchdog.h"
 
 namespace compcomm::nccl {
 
 namespace {
-
-// The NCCL functions this file uses, resolved from the run-time library. Types come from the
-// build-time header; only functions present since NCCL 2.14 are used.
-struct Api {
-  decltype(&::ncclGetVersion) GetVersion;
-  decltype(&::ncclGetUniqueId) GetUniqueId;
-  decltype(&::ncclCommInitRankConfig) CommInitRankConfig;
-  decltype(&::ncclCommFinalize) CommFinalize;
-  decltype(&::ncclCommDestroy) CommDestroy;
-  decltype(&::ncclCommAbort) CommAbort;
-  decltype(&::ncclCommGetAsyncError) CommGetAsyncError;
-  decltype(&::ncclGetErrorString) GetErrorString;
-  decltype(&::ncclGetLastError) GetLastError;
-  decltype(&::ncclAllReduce) AllReduce;
-  decltype(&::ncclBroadcast) Broadcast;
-  decltype(&::ncclAllGather) AllGather;
-  decltype(&::ncclReduceScatter) ReduceScatter;
-  decltype(&::ncclSend) Send;
-  decltype(&::ncclRecv) Recv;
-  decltype(&::ncclGroupStart) GroupStart;
-  decltype(&::ncclGroupEnd) GroupEnd;
-  std::string path;
-};
-
-std::mutex g_load_mu;
-const Api* g_api = nullptr;  // set once, never freed (the library stays loaded)
-
-template <class F>
-bool resolve(void* handle, const char* name, F& fn, std::string& missing) {
-  fn = reinterpret_cast<F>(dlsym(handle, name));
-  if (!fn) missing += std::string(missing.empty() ? "" : ", ") + name;
-  return fn != nullptr;
-}
-
-// Fills `api` from `handle`; returns the names it could not find ("" if none).
-std::string resolve_all(void* handle, Api& a) {
-  std::string missing;
-  resolve(handle, "ncclGetVersion", a.GetVersion, missing);
-  resolve(handle, "ncclGetUniqueId", a.GetUniqueId, missing);
-  resolve(handle, "ncclCommInitRankConfig", a.CommInitRankConfig, missing);
-  resolve(handle, "ncclCommFinalize", a.CommFinalize, missing);
-  resolve(handle, "ncclCommDestroy", a.CommDestroy, missing);
-  resolve(handle, "ncclCommAbort", a.CommAbort, missing);
-  resolve(handle, "ncclCommGetAsyncError", a.CommGetAsyncError, missing);
-  resolve(handle, "ncclGetErrorString", a.GetErrorString, missing);
-  resolve(handle, "ncclGetLastError", a.GetLastError, missing);
-  resolve(handle, "ncclAllReduce", a.AllReduce, missing);
-  resolve(handle, "ncclBroadcast", a.Broadcast, missing);
-  resolve(handle, "ncclAllGather", a.AllGather, missing);
-  resolve(handle, "ncclReduceScatter", a.ReduceScatter, missing);
-  resolve(handle, "ncclSend", a.Send, missing);
-  resolve(handle, "ncclRecv", a.Recv, missing);
-  resolve(handle, "ncclGroupStart", a.GroupStart, missing);
-  resolve(handle, "ncclGroupEnd", a.GroupEnd, missing);
-  return missing;
-}
-
-const Api& api() {
-  if (!g_api) load();
-  return *g_api;
-}
-
-double now_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-// Sleeps a little between polls: spin-yield first (low latency for short waits), then back off.
-void backoff(int& spins) {
-  if (++spins < 2000) {
-    std::this_thread::yield();
-  } else {
-    std::this_thread::sleep_for(std::chrono::microseconds(spins < 20000 ? 20 : 500));
-  }
-}
-
-ncclComm_t as_comm(void* c) { return static_cast<ncclComm_t>(c); }
-cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 
 ncclDataType_t nccl_type(DType t) {
   switch (t) {
@@ -121,137 +46,7 @@ ncclRedOp_t nccl_op(ReduceOp op) {
   throw InvalidArgument("nccl: unsupported reduce op");
 }
 
-// "<NCCL's string for the code>: <NCCL's last error message>".
-std::string nccl_text(int result, void* comm) {
-  const Api& a = api();
-  std::string s = a.GetErrorString(static_cast<ncclResult_t>(result));
-  const char* last = a.GetLastError(as_comm(comm));
-  if (last && *last) s += std::string(": ") + last;
-  return s;
-}
-
-void check_cuda(cudaError_t e, const char* call, int rank) {
-  if (e == cudaSuccess) return;
-  throw BackendError(detail::concat("[rank ", rank, "] nccl ", call, ": CUDA error ",
-                                    cudaGetErrorName(e), ": ", cudaGetErrorString(e)),
-                     call, "cuda", static_cast<int>(e), rank);
-}
-
-// Makes `device` current for the scope and restores the previous device afterwards.
-class DeviceGuard {
- public:
-  DeviceGuard(int device, const char* call, int rank) {
-    check_cuda(cudaGetDevice(&prev_), call, rank);
-    if (prev_ != device)
-      check_cuda(cudaSetDevice(device), call, rank);
-    else
-      prev_ = -1;
-  }
-  ~DeviceGuard() {
-    if (prev_ >= 0) cudaSetDevice(prev_);
-  }
-
- private:
-  int prev_ = -1;
-};
-
-// Like DeviceGuard but never throws: for abort and teardown paths, which must always complete.
-class QuietDeviceGuard {
- public:
-  explicit QuietDeviceGuard(int device) {
-    if (cudaGetDevice(&prev_) != cudaSuccess || prev_ == device)
-      prev_ = -1;
-    else if (cudaSetDevice(device) != cudaSuccess)
-      prev_ = -1;
-    cudaGetLastError();
-  }
-  ~QuietDeviceGuard() {
-    if (prev_ >= 0) cudaSetDevice(prev_);
-  }
-
- private:
-  int prev_ = -1;
-};
-
-bool capturing(void* stream) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(as_stream(stream), &status) != cudaSuccess) {
-    cudaGetLastError();  // e.g. the legacy stream queried during another thread's capture
-    return true;         // be conservative: never record/query events then
-  }
-  return status != cudaStreamCaptureStatusNone;
-}
-
 }  // namespace
-
-std::string load(const std::vector<std::string>& candidates) {
-  std::lock_guard<std::mutex> lock(g_load_mu);
-  if (g_api) return g_api->path;
-  std::vector<std::pair<std::string, int>> tries;  // (name, dlopen flags)
-  if (const char* env = std::getenv("COMPCOMM_NCCL_LIBRARY"); env && *env)
-    tries.push_back({env, 0});
-  tries.push_back({"libnccl.so.2", RTLD_NOLOAD});  // already in the process (torch's copy)
-  for (const auto& c : candidates) tries.push_back({c, 0});
-  tries.push_back({"libnccl.so.2", 0});  // the dynamic linker's search path (a system NCCL)
-  std::string tried;
-  for (const auto& [name, flags] : tries) {
-    void* h = dlopen(name.c_str(), RTLD_NOW | RTLD_GLOBAL | flags);
-    if (!h) {
-      if (!(flags & RTLD_NOLOAD)) {
-        const char* err = dlerror();
-        tried += "\n  " + name + ": " + (err ? err : "not found");
-      }
-      continue;
-    }
-    auto* a = new Api{};
-    const std::string missing = resolve_all(h, *a);
-    if (!missing.empty()) {
-      tried += "\n  " + name + ": lacks " + missing + " (NCCL >= 2.14 is needed)";
-      delete a;
-      dlclose(h);
-      continue;
-    }
-    Dl_info info{};
-    a->path = dladdr(reinterpret_cast<void*>(a->GetVersion), &info) && info.dli_fname
-                  ? info.dli_fname
-                  : name;
-    g_api = a;
-    return a->path;
-  }
-  throw Unsupported("NCCL library not found; tried:" + tried +
-                        "\nInstall torch with CUDA (it ships NCCL) or nvidia-nccl-cu13, or set "
-                        "COMPCOMM_NCCL_LIBRARY to libnccl.so.2",
-                    "load", "nccl", 0, -1);
-}
-
-bool loaded() {
-  std::lock_guard<std::mutex> lock(g_load_mu);
-  return g_api != nullptr;
-}
-
-int runtime_version() {
-  int v = 0;
-  const ncclResult_t r = api().GetVersion(&v);
-  if (r != ncclSuccess)
-    throw BackendError("ncclGetVersion failed: " + nccl_text(r, nullptr), "version", "nccl", r);
-  return v;
-}
-
-std::string unique_id() {
-  ncclUniqueId id;
-  const ncclResult_t r = api().GetUniqueId(&id);
-  if (r != ncclSuccess)
-    throw BackendError("ncclGetUniqueId failed: " + nccl_text(r, nullptr), "unique_id", "nccl", r);
-  static_assert(sizeof(id.internal) == kUniqueIdBytes, "NCCL_UNIQUE_ID_BYTES changed");
-  return std::string(id.internal, sizeof(id.internal));
-}
-
-struct NcclCommunicator::Pending {
-  cudaEvent_t event;
-  double deadline;
-  double timeout_s;
-  const char* call;
-};
 
 // One collective: holds the lock (so the watchdog cannot abort mid-call), checks the communicator
 // is open and the buffers are on its device, makes the device current, and after the NCCL calls
@@ -264,7 +59,7 @@ class NcclCommunicator::Call {
         opts_(opts),
         lock_(c.mu_),
         deadline_(now_s() + opts.timeout_s),
-        device_(c.device_, name, c.rank_) {
+        device_(c.device_, {"nccl", name, c.rank_}) {
     c_.absorb_watchdog_abort_locked(name_);
     if (c_.closed_) c_.throw_closed_locked(name_);
     if (c_.blocking_) c_.call_deadline_.store(deadline_);
@@ -283,7 +78,7 @@ class NcclCommunicator::Call {
   ncclComm_t comm() const { return as_comm(c_.comm_); }
   cudaStream_t stream() const { return as_stream(opts_.stream); }
   void check(int result) { c_.check_locked(result, name_, deadline_); }
-  void cuda(cudaError_t e) const { check_cuda(e, name_, c_.rank_); }
+  void cuda(cudaError_t e) const { check_cuda(e, {"nccl", name_, c_.rank_}); }
   void done() { c_.track_locked(opts_.stream, opts_.timeout_s, name_); }
   double deadline() const { return deadline_; }
 
@@ -307,7 +102,7 @@ NcclCommunicator::NcclCommunicator(const std::string& id_bytes, int rank, int si
                  device);
   COMPCOMM_CHECK(timeout_s > 0, "NcclCommunicator: timeout_s must be positive, got ", timeout_s);
   const Api& a = api();
-  DeviceGuard guard(device, "init", rank);
+  DeviceGuard guard(device, {"nccl", "init", rank});
 
   ncclUniqueId id;
   std::memcpy(id.internal, id_bytes.data(), kUniqueIdBytes);
@@ -316,20 +111,23 @@ NcclCommunicator::NcclCommunicator(const std::string& id_bytes, int rank, int si
   ncclComm_t c = nullptr;
   ncclResult_t r = a.CommInitRankConfig(&c, size, id, rank, &config);
   const double deadline = now_s() + timeout_s;
-  int spins = 0;
-  while (c && !blocking && (r == ncclSuccess || r == ncclInProgress)) {
-    ncclResult_t st = ncclSuccess;
-    const ncclResult_t q = a.CommGetAsyncError(c, &st);
-    r = q != ncclSuccess ? q : st;
-    if (r != ncclInProgress) break;
-    if (now_s() > deadline) {
-      a.CommAbort(c);
-      throw TimeoutError(detail::concat("[rank ", rank, "] nccl init: the ", size,
-                                        " ranks did not all join within ", timeout_s,
-                                        " s; the communicator was aborted"),
-                         "init", "nccl", ncclInProgress, rank);
-    }
-    backoff(spins);
+  if (c && !blocking && (r == ncclSuccess || r == ncclInProgress)) {
+    CountingBackoff pacer;
+    poll_until(
+        pacer, deadline,
+        [&](bool*) {
+          ncclResult_t st = ncclSuccess;
+          const ncclResult_t q = a.CommGetAsyncError(c, &st);
+          r = q != ncclSuccess ? q : st;
+          return r != ncclInProgress;
+        },
+        [&] {
+          a.CommAbort(c);
+          throw TimeoutError(detail::concat("[rank ", rank, "] nccl init: the ", size,
+                                            " ranks did not all join within ", timeout_s,
+                                            " s; the communicator was aborted"),
+                             "init", "nccl", ncclInProgress, rank);
+        });
   }
   if (r != ncclSuccess) {
     const std::string text = nccl_text(r, c);
@@ -345,7 +143,7 @@ NcclCommunicator::NcclCommunicator(const std::string& id_bytes, int rank, int si
     a.CommAbort(c);
     comm_ = nullptr;
     live_comm_.store(nullptr);
-    check_cuda(e, "init", rank);
+    check_cuda(e, {"nccl", "init", rank});
   }
   if (watchdog) watchdog_ = std::thread(&NcclCommunicator::watchdog_loop, this);
 }
@@ -406,20 +204,23 @@ void NcclCommunicator::check_locked(int result, const char* call, double deadlin
   absorb_watchdog_abort_locked(call);
   if (closed_) throw_closed_locked(call);
   const Api& a = api();
-  int spins = 0;
-  while (result == ncclInProgress) {  // non-blocking mode: wait for NCCL to finish the host side
-    ncclResult_t st = ncclSuccess;
-    const ncclResult_t q = a.CommGetAsyncError(as_comm(comm_), &st);
-    result = q != ncclSuccess ? q : st;
-    if (result != ncclInProgress) break;
-    if (now_s() > deadline_s) {
-      const std::string msg =
-          detail::concat("[rank ", rank_, "] nccl ", call,
-                         " timed out: the peers did not answer; the communicator was aborted");
-      abort_locked(msg, true);
-      throw TimeoutError(msg, call, "nccl", ncclInProgress, rank_);
-    }
-    backoff(spins);
+  if (result == ncclInProgress) {  // non-blocking mode: wait for NCCL to finish the host side
+    CountingBackoff pacer;
+    poll_until(
+        pacer, deadline_s,
+        [&](bool*) {
+          ncclResult_t st = ncclSuccess;
+          const ncclResult_t q = a.CommGetAsyncError(as_comm(comm_), &st);
+          result = q != ncclSuccess ? q : st;
+          return result != ncclInProgress;
+        },
+        [&] {
+          const std::string msg =
+              detail::concat("[rank ", rank_, "] nccl ", call,
+                             " timed out: the peers did not answer; the communicator was aborted");
+          abort_locked(msg, true);
+          throw TimeoutError(msg, call, "nccl", ncclInProgress, rank_);
+        });
   }
   if (result == ncclSuccess) return;
   const std::string msg =
@@ -428,100 +229,6 @@ void NcclCommunicator::check_locked(int result, const char* call, double deadlin
   // state, so it is aborted rather than used again.
   if (result != ncclInvalidArgument && result != ncclInvalidUsage) abort_locked(msg, false);
   throw BackendError(msg, call, "nccl", result, rank_);
-}
-
-void NcclCommunicator::track_locked(void* stream, double timeout_s, const char* call) {
-  // A world of one rank has no peer to wait for: nothing can hang, so no event is needed.
-  if (size_ == 1 || !watchdog_.joinable() || capturing(stream)) return;
-  cudaEvent_t ev;
-  if (!free_events_.empty()) {
-    ev = static_cast<cudaEvent_t>(free_events_.back());
-    free_events_.pop_back();
-  } else {
-    check_cuda(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "watchdog", rank_);
-  }
-  const cudaError_t e = cudaEventRecord(ev, as_stream(stream));
-  if (e != cudaSuccess) {
-    free_events_.push_back(ev);
-    check_cuda(e, "watchdog", rank_);
-  }
-  pending_.push_back(std::make_unique<Pending>(Pending{ev, now_s() + timeout_s, timeout_s, call}));
-}
-
-void NcclCommunicator::release_events_locked() {
-  for (auto& p : pending_) free_events_.push_back(p->event);
-  pending_.clear();
-  for (void* ev : free_events_) cudaEventDestroy(static_cast<cudaEvent_t>(ev));
-  free_events_.clear();
-}
-
-void NcclCommunicator::watchdog_loop() {
-  // Queries from this thread must not invalidate a graph capture running on another thread.
-  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-  cudaThreadExchangeStreamCaptureMode(&mode);
-  cudaSetDevice(device_);
-  try {
-    watchdog_poll();
-  } catch (const std::exception& e) {  // never let an exception end the process from this thread
-    std::lock_guard<std::mutex> lock(mu_);
-    abort_locked(std::string("nccl watchdog failed: ") + e.what(), false);
-  }
-}
-
-void NcclCommunicator::watchdog_poll() {
-  while (!stop_.load()) {
-    {
-      std::unique_lock<std::mutex> wl(wd_mu_);
-      wd_cv_.wait_for(wl, std::chrono::milliseconds(10));
-    }
-    if (stop_.load()) break;
-    const double t = now_s();
-    const double in_call = call_deadline_.load();
-    if (in_call > 0 && t > in_call) {
-      // The calling thread is stuck inside NCCL and holds mu_: abort from here. NCCL's abort flag
-      // makes the stuck call return; the caller then finds the communicator closed.
-      if (!abort_claimed_.exchange(true)) {
-        QuietDeviceGuard guard(device_);
-        api().CommAbort(as_comm(live_comm_.load()));
-      }
-      break;
-    }
-    std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
-    if (!lock.owns_lock()) continue;  // a call is running; look again at the next tick
-    if (closed_) break;
-    for (auto it = pending_.begin(); it != pending_.end();) {
-      const cudaError_t q = cudaEventQuery((*it)->event);
-      if (q == cudaSuccess) {
-        free_events_.push_back((*it)->event);
-        it = pending_.erase(it);
-        continue;
-      }
-      if (q != cudaErrorNotReady) {
-        abort_locked(detail::concat("[rank ", rank_, "] nccl: device error ", cudaGetErrorName(q),
-                                    ": ", cudaGetErrorString(q), "; the communicator was aborted"),
-                     false);
-        break;
-      }
-      if (t > (*it)->deadline) {
-        abort_locked(detail::concat("[rank ", rank_, "] nccl ", (*it)->call,
-                                    " did not complete within its timeout of ", (*it)->timeout_s,
-                                    " s (a peer died or never called it); the communicator "
-                                    "was aborted"),
-                     true);
-        break;
-      }
-      ++it;
-    }
-    if (closed_) break;
-    ncclResult_t st = ncclSuccess;
-    if (api().CommGetAsyncError(as_comm(comm_), &st) == ncclSuccess && st != ncclSuccess &&
-        st != ncclInProgress) {
-      abort_locked(detail::concat("[rank ", rank_, "] nccl: asynchronous error: ",
-                                  nccl_text(st, comm_), "; the communicator was aborted"),
-                   false);
-      break;
-    }
-  }
 }
 
 void NcclCommunicator::do_check_open(const char* call) {
@@ -541,14 +248,14 @@ void NcclCommunicator::synchronize(double timeout_s) {
   // Events stay valid while pending or pooled; they are destroyed only by destroy(), which this
   // object's owner does not call concurrently with synchronize().
   for (cudaEvent_t ev : events) {
-    int spins = 0;
+    CountingBackoff pacer;
     for (;;) {
       {
         std::lock_guard<std::mutex> lock(mu_);
         if (closed_) throw_closed_locked("synchronize");
         const cudaError_t q = cudaEventQuery(ev);
         if (q == cudaSuccess) break;
-        if (q != cudaErrorNotReady) check_cuda(q, "synchronize", rank_);
+        if (q != cudaErrorNotReady) check_cuda(q, {"nccl", "synchronize", rank_});
         if (now_s() > deadline) {
           const std::string msg = detail::concat("[rank ", rank_,
                                                  "] nccl synchronize: device work did not finish "
@@ -558,7 +265,7 @@ void NcclCommunicator::synchronize(double timeout_s) {
           throw TimeoutError(msg, "synchronize", "nccl", 0, rank_);
         }
       }
-      backoff(spins);
+      pacer.pause();
     }
   }
 }
@@ -577,18 +284,18 @@ void NcclCommunicator::destroy(double timeout_s) {
     const Api& a = api();
     const double deadline = now_s() + timeout_s;
     bool ok = true;
-    int spins = 0;
+    CountingBackoff pacer;  // one schedule for both waits below
     for (auto& p : pending_) {  // let tracked device work finish first (a dead peer: abort instead)
       cudaError_t q;
       while ((q = cudaEventQuery(p->event)) == cudaErrorNotReady && now_s() < deadline)
-        backoff(spins);
+        pacer.pause();
       ok = ok && q == cudaSuccess;
     }
     ncclResult_t r = ok ? a.CommFinalize(as_comm(comm_)) : ncclInternalError;
     while (ok && r == ncclInProgress) {
       if (a.CommGetAsyncError(as_comm(comm_), &r) != ncclSuccess) r = ncclInternalError;
       if (r == ncclInProgress && now_s() > deadline) break;
-      backoff(spins);
+      pacer.pause();
     }
     if (ok && r == ncclSuccess) {
       a.CommDestroy(as_comm(comm_));
@@ -699,7 +406,7 @@ void NcclCommunicator::do_barrier(const CallOptions& opts) {
     call.cuda(e);
     call.done();
   }
-  int spins = 0;
+  CountingBackoff pacer;
   for (;;) {
     std::unique_lock<std::mutex> lock(mu_);
     const cudaError_t q = cudaEventQuery(ev);
@@ -711,7 +418,7 @@ void NcclCommunicator::do_barrier(const CallOptions& opts) {
     }
     if (q != cudaErrorNotReady) {
       cudaEventDestroy(ev);
-      check_cuda(q, "barrier", rank_);
+      check_cuda(q, {"nccl", "barrier", rank_});
     }
     if (now_s() > deadline) {
       cudaEventDestroy(ev);
@@ -721,7 +428,7 @@ void NcclCommunicator::do_barrier(const CallOptions& opts) {
       throw TimeoutError(msg, "barrier", "nccl", 0, rank_);
     }
     lock.unlock();
-    backoff(spins);
+    pacer.pause();
   }
   cudaEventDestroy(ev);
 }

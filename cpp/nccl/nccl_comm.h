@@ -93,7 +93,7 @@ class NcclCommunicator final : public Communicator {
   void do_check_open(const char* call) override;
 
  private:
-  struct Pending;  // an event recorded after a collective, with its deadline
+  struct Pending;  // an event recorded after a collective, with its deadline (nccl_watchdog.h)
   class Call;  // guard for one collective: device, liveness check, error mapping, watchdog event
 
   void* comm_ = nullptr;                    // ncclComm_t; written under mu_

@@ -1,0 +1,348 @@
+// How the bytes of one collective move (MpiCommunicator::run, exchange, run_staged_chunked): host
+// buffers and CUDA-aware device pointers go to MPI as they are; other device buffers are copied
+// through the pinned staging buffers (mpi_staging.h) on the caller's stream, in pieces whose copies
+// overlap MPI's transfers.
+#include "mpi_staging.h"
+
+#include <algorithm>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#ifdef COMPCOMM_MPI_CUDA
+#include "../cuda_guard.h"
+#endif
+#include "backoff.h"
+
+namespace compcomm {
+
+#ifdef COMPCOMM_MPI_CUDA
+namespace {
+cudaStream_t stream_of(const CallOptions& opts) { return static_cast<cudaStream_t>(opts.stream); }
+
+// Whether the work recorded before `ev` has finished; throws on a CUDA error.
+bool event_ready(cudaEvent_t ev, const char* call, int rank) {
+  const cudaError_t e = cudaEventQuery(ev);
+  if (e == cudaSuccess) return true;
+  if (e != cudaErrorNotReady) check_cuda(e, {"mpi", call, rank}, "cudaEventQuery");
+  return false;
+}
+}  // namespace
+#endif  // COMPCOMM_MPI_CUDA
+
+#ifdef COMPCOMM_MPI_CUDA
+MpiCommunicator::Staging& MpiCommunicator::staging(int device, double deadline, const char* call,
+                                                   double timeout_s) {
+  const CudaCallSite where{"mpi", call, rank_};
+  if (!staging_) staging_ = std::make_unique<Staging>();
+  Staging& st = *staging_;
+  if (st.done)  // the previous call's copy back reads the staging buffers until this event fires
+    poll_until(
+        policy_, deadline, 0, [&](bool*) { return event_ready(st.done, call, rank_); },
+        [&] { timed_out(call, timeout_s); });
+  if (st.device != device) {  // events belong to a device
+    st.release_events();
+    st.device = device;
+  }
+  if (!st.done) COMPCOMM_CHECK_CUDA(cudaEventCreateWithFlags(&st.done, cudaEventDisableTiming), where);
+  return st;
+}
+#endif
+
+#ifdef COMPCOMM_MPI_CUDA
+char* MpiCommunicator::reserve(Staging& st, int which, int64_t bytes, const char* call) {
+  const CudaCallSite where{"mpi", call, rank_};
+  if (st.capacity[which] < bytes) {  // grown by half at least, so slowly growing sizes rarely realloc
+    const int64_t grown = std::max<int64_t>(bytes, st.capacity[which] * 3 / 2);
+    if (st.host[which]) COMPCOMM_CHECK_CUDA(cudaFreeHost(st.host[which]), where);
+    st.host[which] = nullptr;
+    st.capacity[which] = 0;
+    COMPCOMM_CHECK_CUDA(cudaHostAlloc(&st.host[which], static_cast<size_t>(grown), cudaHostAllocPortable),
+                        where);
+    st.capacity[which] = grown;
+  }
+  return static_cast<char*>(st.host[which]);
+}
+#endif
+
+void MpiCommunicator::run(const char* call, const Buffer& send, int64_t send_bytes, const Buffer& recv,
+                          int64_t recv_bytes, int64_t in_place_offset, const Start& start,
+                          const CallOptions& opts) {
+  check_usable(call);
+  const double deadline = now_s() + opts.timeout_s;
+  MPI_Request req = MPI_REQUEST_NULL;
+  const bool in_place =
+      in_place_offset >= 0 && send.data == static_cast<const char*>(recv.data) + in_place_offset;
+  if (recv.on_host() || cuda_aware_) {
+    if (!recv.on_host()) {
+#ifdef COMPCOMM_MPI_CUDA
+      // MPI reads device memory directly: the producer's work on the stream must be done first.
+      QuietDeviceGuard guard(recv.device);
+      const CudaCallSite where{"mpi", call, rank_};
+      COMPCOMM_CHECK_CUDA(cudaStreamSynchronize(stream_of(opts)), where);
+#endif
+    }
+    check(start(in_place ? nullptr : send.data, recv.data, &req), call);
+    wait(call, &req, std::max(send_bytes, recv_bytes), deadline, opts.timeout_s);
+    return;
+  }
+#ifdef COMPCOMM_MPI_CUDA
+  // Host-staged: send goes to staging (at its in-place offset in the recv region when MPI supports it,
+  // which saves a second buffer), MPI runs on host memory, recv is copied back on the stream.
+  QuietDeviceGuard guard(recv.device);
+  const CudaCallSite where{"mpi", call, rank_};
+  cudaStream_t stream = stream_of(opts);
+  Staging& st = staging(recv.device, deadline, call, opts.timeout_s);
+  const bool stage_in_place = in_place_offset >= 0;
+  const int64_t region = stage_in_place ? std::max(recv_bytes, in_place_offset + send_bytes) : recv_bytes;
+  char* r = reserve(st, 1, region, call);
+  char* s = stage_in_place ? r + in_place_offset : reserve(st, 0, send_bytes, call);
+  if (send_bytes > 0)
+    COMPCOMM_CHECK_CUDA(cudaMemcpyAsync(s, send.data, static_cast<size_t>(send_bytes), cudaMemcpyDeviceToHost,
+                                        stream), where);
+  COMPCOMM_CHECK_CUDA(cudaEventRecord(st.done, stream), where);
+  poll_until(
+      policy_, deadline, send_bytes, [&](bool*) { return event_ready(st.done, call, rank_); },
+      [&] { timed_out(call, opts.timeout_s); });
+  check(start(stage_in_place ? nullptr : s, r, &req), call);
+  wait(call, &req, std::max(send_bytes, recv_bytes), deadline, opts.timeout_s);
+  if (recv_bytes > 0)
+    COMPCOMM_CHECK_CUDA(cudaMemcpyAsync(recv.data, r, static_cast<size_t>(recv_bytes), cudaMemcpyHostToDevice,
+                                        stream), where);
+  COMPCOMM_CHECK_CUDA(cudaEventRecord(st.done, stream), where);
+#else
+  (void)send_bytes;
+  (void)recv_bytes;
+  (void)deadline;
+  throw Unsupported(detail::concat("[rank ", rank_, "] mpi ", call,
+                                   ": the buffers are on a CUDA device but this build of compcomm has no "
+                                   "CUDA runtime"),
+                    call, "mpi", 0, rank_);
+#endif
+}
+
+void MpiCommunicator::exchange(const char* call, const Buffer& send, const Buffer& recv,
+                               const std::vector<Msg>& sends, const std::vector<Msg>& recvs,
+                               const std::vector<std::pair<int64_t, int64_t>>& pieces, int64_t own_from,
+                               int64_t own_to, int64_t own_bytes, const CallOptions& opts) {
+  constexpr int kTag = 0x6363;  // messages between two ranks match in posting order; one tag will do
+  check_usable(call);
+  const double deadline = now_s() + opts.timeout_s;
+  const size_t nr = recvs.size(), n = nr + sends.size();
+  std::vector<MPI_Request> reqs(n, MPI_REQUEST_NULL);  // recvs, then sends
+  // Whatever ends this call early (a timeout, an MPI or CUDA error) leaves the communicator broken,
+  // and a pending receive should not write into the caller's memory after we return: cancel each and
+  // wait for the cancel (local for receives) -- at most about a second, since a receive already
+  // matched to a message of a hung peer never completes; pending sends only read: released.
+  struct Abandon {
+    MpiCommunicator* self;
+    std::vector<MPI_Request>& reqs;
+    size_t nr;
+    const char* call;
+    int unwinding = std::uncaught_exceptions();
+    ~Abandon() {
+      if (std::uncaught_exceptions() == unwinding) return;  // normal return: all completed
+      self->broken_ = true;
+      if (self->broken_reason_.empty()) self->broken_reason_ = detail::concat(call, " failed");
+      for (size_t i = 0; i < reqs.size(); ++i) {
+        if (reqs[i] == MPI_REQUEST_NULL) continue;
+        if (i < nr) {
+          MPI_Cancel(&reqs[i]);
+          const double until = now_s() + 1.0;
+          int flag = 0;
+          while (MPI_Test(&reqs[i], &flag, MPI_STATUS_IGNORE) == MPI_SUCCESS && !flag && now_s() < until)
+            std::this_thread::yield();
+          if (flag) continue;
+        }
+        MPI_Request_free(&reqs[i]);
+      }
+    }
+  } abandon{this, reqs, nr, call};
+  std::vector<int> done_idx(n);
+  int64_t bytes = 0;
+  for (const Msg& m : recvs) bytes += m.bytes;
+  const char* own_src = static_cast<const char*>(send.data) + own_from;
+  char* own_dst = static_cast<char*>(recv.data) + own_to;
+  const bool staged = !recv.on_host() && !cuda_aware_;
+  auto post_recvs = [&](char* base) {
+    for (size_t i = 0; i < nr; ++i)
+      check(MPI_Irecv(base + recvs[i].off, static_cast<int>(recvs[i].bytes), MPI_BYTE, recvs[i].peer, kTag,
+                      comm_, &reqs[i]),
+            call);
+  };
+  auto post_send = [&](const char* base, size_t i) {
+    check(MPI_Isend(base + sends[i].off, static_cast<int>(sends[i].bytes), MPI_BYTE, sends[i].peer, kTag, comm_,
+                    &reqs[nr + i]),
+          call);
+  };
+  // Completions in any order; `landed(i)` sees each finished receive once.
+  size_t finished = 0;
+  auto test = [&](bool* progress, auto&& landed) {
+    int count = 0;
+    check(MPI_Testsome(static_cast<int>(n), reqs.data(), &count, done_idx.data(), MPI_STATUSES_IGNORE), call);
+    if (count == MPI_UNDEFINED || count == 0) return;
+    *progress = true;
+    finished += static_cast<size_t>(count);
+    for (int k = 0; k < count; ++k)
+      if (static_cast<size_t>(done_idx[k]) < nr) landed(static_cast<size_t>(done_idx[k]));
+  };
+
+  if (!staged) {
+    if (!recv.on_host()) {
+#ifdef COMPCOMM_MPI_CUDA
+      // MPI reads device memory directly: the producer's work on the stream must be done first.
+      QuietDeviceGuard guard(recv.device);
+      const CudaCallSite where{"mpi", call, rank_};
+      COMPCOMM_CHECK_CUDA(cudaStreamSynchronize(stream_of(opts)), where);
+      if (own_bytes > 0 && own_src != own_dst)
+        COMPCOMM_CHECK_CUDA(
+            cudaMemcpy(own_dst, own_src, static_cast<size_t>(own_bytes), cudaMemcpyDeviceToDevice), where);
+#endif
+    } else if (own_bytes > 0 && own_src != own_dst) {
+      std::memcpy(own_dst, own_src, static_cast<size_t>(own_bytes));
+    }
+    post_recvs(static_cast<char*>(recv.data));
+    for (size_t i = 0; i < sends.size(); ++i) post_send(static_cast<const char*>(send.data), i);
+    poll_until(
+        policy_, deadline, bytes,
+        [&](bool* progress) {
+          test(progress, [](size_t) {});
+          return finished == n;
+        },
+        [&] { timed_out(call, opts.timeout_s); });
+    return;
+  }
+#ifdef COMPCOMM_MPI_CUDA
+  // Host-staged: every piece of send is copied to the host on the stream with an event after it;
+  // a send goes out once its piece's event fired, and each received message is copied back as it
+  // lands, so copies in both directions overlap the transfers.
+  QuietDeviceGuard guard(recv.device);
+  const CudaCallSite where{"mpi", call, rank_};
+  cudaStream_t stream = stream_of(opts);
+  Staging& st = staging(recv.device, deadline, call, opts.timeout_s);
+  char* hs = reserve(st, 0, send.bytes(), call);
+  char* hr = reserve(st, 1, recv.bytes(), call);
+  const int64_t npieces = static_cast<int64_t>(pieces.size());
+  while (static_cast<int64_t>(st.events.size()) < npieces) {
+    cudaEvent_t e;
+    COMPCOMM_CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), where);
+    st.events.push_back(e);
+  }
+  post_recvs(hr);  // before any send, so that no message arrives unexpected
+  for (int64_t i = 0; i < npieces; ++i) {
+    const auto [off, len] = pieces[static_cast<size_t>(i)];
+    COMPCOMM_CHECK_CUDA(cudaMemcpyAsync(hs + off, static_cast<const char*>(send.data) + off,
+                                        static_cast<size_t>(len), cudaMemcpyDeviceToHost, stream), where);
+    COMPCOMM_CHECK_CUDA(cudaEventRecord(st.events[static_cast<size_t>(i)], stream), where);
+  }
+  if (own_bytes > 0 && own_src != own_dst)
+    COMPCOMM_CHECK_CUDA(cudaMemcpyAsync(own_dst, own_src, static_cast<size_t>(own_bytes),
+                                        cudaMemcpyDeviceToDevice, stream), where);
+  int64_t ready = 0;  // pieces on the host (events fire in stream order)
+  size_t posted = 0;
+  poll_until(
+      policy_, deadline, bytes,
+      [&](bool* progress) {
+        while (ready < npieces && event_ready(st.events[static_cast<size_t>(ready)], call, rank_)) {
+          ++ready;
+          *progress = true;
+        }
+        while (posted < sends.size() && sends[posted].piece < ready) post_send(hs, posted++);
+        test(progress, [&](size_t i) {
+          COMPCOMM_CHECK_CUDA(cudaMemcpyAsync(static_cast<char*>(recv.data) + recvs[i].off, hr + recvs[i].off,
+                                              static_cast<size_t>(recvs[i].bytes), cudaMemcpyHostToDevice,
+                                              stream), where);
+        });
+        return finished == n;
+      },
+      [&] { timed_out(call, opts.timeout_s); });
+  COMPCOMM_CHECK_CUDA(cudaEventRecord(st.done, stream), where);
+#else
+  (void)pieces;
+  throw Unsupported(detail::concat("[rank ", rank_, "] mpi ", call,
+                                   ": the buffers are on a CUDA device but this build of compcomm has no "
+                                   "CUDA runtime"),
+                    call, "mpi", 0, rank_);
+#endif
+}
+
+void MpiCommunicator::run_staged_chunked(const char* call, const Buffer& buf, bool copy_in, bool copy_out,
+                                         const std::function<int(void*, int64_t, MPI_Request*)>& start_chunk,
+                                         const CallOptions& opts) {
+#ifdef COMPCOMM_MPI_CUDA
+  check_usable(call);
+  const double deadline = now_s() + opts.timeout_s;
+  QuietDeviceGuard guard(buf.device);
+  const CudaCallSite where{"mpi", call, rank_};
+  cudaStream_t stream = stream_of(opts);
+  const int64_t esize = static_cast<int64_t>(dtype_size(buf.dtype));
+  const int64_t per = chunk_bytes_ > 0 ? std::max<int64_t>(1, chunk_bytes_ / esize) : std::max<int64_t>(1, buf.count);
+  const int64_t nchunks = buf.count == 0 ? 0 : (buf.count + per - 1) / per;
+  Staging& st = staging(buf.device, deadline, call, opts.timeout_s);
+  char* host = reserve(st, 1, buf.bytes(), call);
+  while (static_cast<int64_t>(st.events.size()) < nchunks) {
+    cudaEvent_t e;
+    COMPCOMM_CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), where);
+    st.events.push_back(e);
+  }
+  auto chunk = [&](int64_t i, int64_t* off, int64_t* n) {
+    *off = i * per;
+    *n = std::min(per, buf.count - *off);
+  };
+  auto* dev = static_cast<char*>(buf.data);
+  if (copy_in)
+    for (int64_t i = 0; i < nchunks; ++i) {
+      int64_t off, n;
+      chunk(i, &off, &n);
+      COMPCOMM_CHECK_CUDA(cudaMemcpyAsync(host + off * esize, dev + off * esize, static_cast<size_t>(n * esize),
+                                          cudaMemcpyDeviceToHost, stream), where);
+      COMPCOMM_CHECK_CUDA(cudaEventRecord(st.events[i], stream), where);
+    }
+  std::vector<MPI_Request> reqs(static_cast<size_t>(nchunks), MPI_REQUEST_NULL);
+  int64_t posted = 0, finished = 0;
+  poll_until(
+      policy_, deadline, buf.bytes(),
+      [&](bool* progress) {
+        while (posted < nchunks && (!copy_in || event_ready(st.events[posted], call, rank_))) {
+          int64_t off, n;
+          chunk(posted, &off, &n);
+          check(start_chunk(host + off * esize, n, &reqs[posted]), call);
+          ++posted;
+          *progress = true;
+        }
+        // Copied back in order, so only the oldest posted chunk is tested.
+        while (finished < posted) {
+          int flag = 0;
+          check(MPI_Test(&reqs[finished], &flag, MPI_STATUS_IGNORE), call);
+          if (!flag) break;
+          if (copy_out) {
+            int64_t off, n;
+            chunk(finished, &off, &n);
+            COMPCOMM_CHECK_CUDA(cudaMemcpyAsync(dev + off * esize, host + off * esize,
+                                                static_cast<size_t>(n * esize), cudaMemcpyHostToDevice, stream),
+                                where);
+          }
+          ++finished;
+          *progress = true;
+        }
+        return finished == nchunks;
+      },
+      [&] { timed_out(call, opts.timeout_s); });
+  COMPCOMM_CHECK_CUDA(cudaEventRecord(st.done, stream), where);
+#else
+  (void)buf;
+  (void)copy_in;
+  (void)copy_out;
+  (void)start_chunk;
+  (void)opts;
+  throw Unsupported(detail::concat("[rank ", rank_, "] mpi ", call,
+                                   ": the buffer is on a CUDA device but this build of compcomm has no CUDA "
+                                   "runtime"),
+                    call, "mpi", 0, rank_);
+#endif
+}
+
+}  // namespace compcomm
