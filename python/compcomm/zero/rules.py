@@ -6,13 +6,15 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import inspect
 from typing import Any, Dict, Mapping, Optional
 
 from .. import _C
+from ..compress import Compressor, OneBitCompressor
 from ..schedule import StepKind
 
 __all__ = ["MODES", "Phase", "OneBitRules", "RULES", "onebit_kind", "onebit_inner_kwargs",
-           "onebit_mode", "check_stage"]
+           "onebit_mode", "check_stage", "build_compressor"]
 
 #: Values of ``zero_optimization.onebit_mode`` (None: "exact").
 MODES = ("exact", "no_allgather", "sharded")
@@ -140,3 +142,15 @@ def onebit_mode(name: Optional[str], mode: Optional[str], stage: int) -> Optiona
         raise ValueError("zero_optimization.onebit_mode='no_allgather' needs stage 1 or 2 (every "
                          "rank updates the whole parameters, which stage 3 does not keep)")
     return mode
+
+
+def build_compressor(inner: Any, comm: Any, timeout: float) -> Compressor:
+    """The compressor of ZeRO's buckets on ZeRO's group ``comm``: built by the wrapped 1-bit
+    optimizer's ``compressor_factory`` (its ``compressor=`` argument; :class:`OneBitCompressor` by
+    default), given ``timeout`` when the factory takes that argument."""
+    factory = getattr(inner, "compressor_factory", None) or OneBitCompressor
+    try:
+        takes_timeout = "timeout" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a callable without a signature: comm only
+        takes_timeout = False
+    return factory(comm, timeout=timeout) if takes_timeout else factory(comm)
