@@ -107,9 +107,16 @@ def resume(rank: int, world: int, comm: Any, case: Dict[str, Any], directory: st
 
 def rank_body(rank: int, world: int, cases: List[Dict[str, Any]], resumes: List[Dict[str, Any]],
               directory: str) -> Dict[str, Any]:
+    from compcomm import _C
+    from compcomm._buffers import buffer_of
     from compcomm._comm import resolve
 
     comm = resolve(None)
-    return {"cases": [trajectory(rank, world, comm, c) for c in cases],
-            "resume": [resume(rank, world, comm, c, f"{directory}/r{i}")
-                       for i, c in enumerate(resumes)]}
+    out = {"cases": [trajectory(rank, world, comm, c) for c in cases],
+           "resume": [resume(rank, world, comm, c, f"{directory}/r{i}")
+                      for i, c in enumerate(resumes)]}
+    scalar = torch.zeros(1, dtype=torch.float64)  # the bytes of ZeRO's norm all-reduce
+    comm.reset_bytes_sent()
+    comm.all_reduce(buffer_of(scalar), _C.ReduceOp.sum, 60.0)
+    out["norm_bytes"] = comm.bytes_sent
+    return out
