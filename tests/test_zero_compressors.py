@@ -142,3 +142,29 @@ def test_default_compressor_is_onebit():
     assert type(z.compressor) is IdentityCompressor
     assert z.memory_bytes()["buffers"] >= 0
     z.close()
+
+
+def test_compressor_without_reduce_scatter_is_rejected_where_needed():
+    """A compressor with only ``average_`` serves the replicated modes; the sharded reduction
+    needs its reduce-scatter and says so at construction."""
+    from compcomm import _C
+    from compcomm.optim import OneBitAdam
+    from compcomm.zero import ZeroOptimizer
+
+    class Plain:
+        def __init__(self, comm):
+            self.inner = IdentityCompressor(comm)
+
+        def __getattr__(self, name):
+            if name.startswith("reduce_scatter"):
+                raise AttributeError(name)
+            return getattr(self.inner, name)
+
+    p = torch.nn.Parameter(torch.ones(10))
+    z = ZeroOptimizer([p], OneBitAdam, process_group=_C.LocalCommunicator(),
+                      optimizer_kwargs={"compressor": Plain})
+    assert isinstance(z.compressor, Plain)
+    z.close()
+    with pytest.raises(TypeError, match="compressor.*reduce_scatter_"):
+        ZeroOptimizer([p], OneBitAdam, process_group=_C.LocalCommunicator(),
+                      optimizer_kwargs={"compressor": Plain}, onebit_mode="sharded")

@@ -161,7 +161,7 @@ class ZeroOptimizer:
         #: 1-bit optimizers: the compressor of ZeRO's buckets (key (group, bucket)), from the
         #: wrapped optimizer's ``compressor_factory``: 1-bit with error feedback by default
         self.compressor: Optional[Compressor] = (
-            build_compressor(self.optimizer, self.comm, self.timeout)
+            build_compressor(self.optimizer, self.comm, self.timeout, not replicated)
             if self._rules is not None else None)
         self._grads = GradReducer(self.groups, stage, self._async, self.overlap, self.rank,
                                   self.world, self.device, self.timeout)
