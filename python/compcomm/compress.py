@@ -4,7 +4,9 @@ state that averaging keeps (error-feedback buffers), behind one interface (:clas
 :class:`OneBitCompressor` is the 1-bit compressed average with error feedback;
 :class:`IdentityCompressor` is its full-precision twin (no compression, no state), for tests and
 benchmarks that need the same optimizer without compression. A new compressor is one class with
-the methods of :class:`Compressor`; the optimizers take it as ``compressor=``.
+the methods of :class:`Compressor`; the optimizers take it as ``compressor=``, and ZeroOptimizer
+builds its own from the wrapped optimizer's ``compressor_factory`` (the ``reduce_scatter_*``
+methods are ZeRO's sharded form).
 
 The 1-bit compressed average of all buckets is one transaction:
 
@@ -20,14 +22,14 @@ so either every rank commits every bucket or none commits anything.
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Hashable, List, Mapping, Protocol, Sequence, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Mapping, Protocol, Sequence, Tuple
 
 import torch
 
 from . import _C
 from ._buffers import buffer_of
 from ._defaults import DEFAULT_TIMEOUT
-from .collectives import padded_numel
+from .collectives import compressed_reduce_scatter, padded_numel, workspace_bytes
 from .errors import CommError, NonFiniteError
 
 __all__ = ["DEFAULT_BUCKET_ELEMENTS", "Compressor", "IdentityCompressor", "OneBitCompressor",
@@ -96,6 +98,13 @@ class Compressor(Protocol):
     tensor}}``; empty for a stateless compressor); ``reset`` forgets it, ``zero_`` zeroes it;
     ``keys`` lists the buckets that have state; ``nbytes`` is (state bytes, workspace bytes);
     ``close`` releases threads.
+
+    ZeRO's sharded form (``onebit_mode="sharded"``, ZeroOneAdam's gradient steps) also needs a
+    reduce-scatter of one bucket: ``tensor`` (fp32, ``P = world * out.numel()`` elements, the same
+    ``P`` on every rank; it may be overwritten) gives this rank's chunk of the average in ``out``.
+    ``reduce_scatter_`` does it at once; ``reduce_scatter_exchange`` queues the collectives on
+    ``async_comm`` (a ``_C.zero.AsyncComm``) and returns its work, writing only the compressor's
+    scratch, and ``reduce_scatter_commit`` (after every exchange succeeded) does the local writes.
     """
 
     def average_(self, keys: Sequence[Hashable], numels: Sequence[int],
@@ -114,6 +123,14 @@ class Compressor(Protocol):
     def load_state_dict(self, state: Mapping[Hashable, Mapping[str, torch.Tensor]]) -> None: ...
 
     def close(self) -> None: ...
+
+    def reduce_scatter_(self, key: Hashable, tensor: torch.Tensor, out: torch.Tensor) -> None: ...
+
+    def reduce_scatter_exchange(self, key: Hashable, tensor: torch.Tensor, out: torch.Tensor,
+                                async_comm: Any) -> Any: ...
+
+    def reduce_scatter_commit(self, key: Hashable, tensor: torch.Tensor,
+                              out: torch.Tensor) -> None: ...
 
 
 class OneBitCompressor:
@@ -233,6 +250,32 @@ class OneBitCompressor:
             self._buffers[key] = (we, se, ws)
         return ws
 
+    def reduce_scatter_(self, key: Hashable, tensor: torch.Tensor, out: torch.Tensor) -> None:
+        """1-bit reduce-scatter of ``tensor`` (``P`` fp32 elements, ``P = world * out.numel()``,
+        overwritten) into this rank's chunk ``out``, with bucket ``key``'s error feedback
+        (:func:`compcomm.compressed_reduce_scatter`)."""
+        we, se = self.error_buffers(key, tensor.numel(), tensor.device)
+        compressed_reduce_scatter(tensor, we, se, out=out, group=self.comm, timeout=self.timeout)
+
+    def reduce_scatter_exchange(self, key: Hashable, tensor: torch.Tensor, out: torch.Tensor,
+                                async_comm: Any) -> Any:
+        """Queue on ``async_comm`` the collective half of :meth:`reduce_scatter_` (writes only
+        bucket ``key``'s workspace); returns its work."""
+        we, se = self.error_buffers(key, tensor.numel(), tensor.device)
+        nbytes = workspace_bytes(tensor.numel(), self.comm.size(), tensor.device.type == "cuda")
+        ws = self.workspace(key, nbytes, tensor.device)
+        return async_comm.compressed_reduce_scatter_exchange(
+            buffer_of(tensor), buffer_of(we), buffer_of(se), buffer_of(out), buffer_of(ws),
+            timeout_s=self.timeout)
+
+    def reduce_scatter_commit(self, key: Hashable, tensor: torch.Tensor,
+                              out: torch.Tensor) -> None:
+        """The local writes of an exchanged reduce-scatter: bucket ``key``'s error buffers and
+        ``out``."""
+        we, se, ws = self._buffers[key]
+        _C.zero.compressed_reduce_scatter_commit(self.comm, buffer_of(tensor), buffer_of(we),
+                                                 buffer_of(se), buffer_of(out), buffer_of(ws))
+
     def nbytes(self) -> Tuple[int, int]:
         """(bytes of error buffers, bytes of exchange workspaces) held now."""
         errors = sum((we.numel() + se.numel()) * 4 for we, se, _ in self._buffers.values())
@@ -298,6 +341,7 @@ class IdentityCompressor:
     def __init__(self, comm: _C.Communicator, timeout: float = DEFAULT_TIMEOUT) -> None:
         self.comm = comm
         self.timeout = float(timeout)
+        self._recv: Dict[Hashable, torch.Tensor] = {}  # exchanged reduce-scatter chunks, by bucket
 
     def average_(self, keys: Sequence[Hashable], numels: Sequence[int],
                  stage: Callable[[int], torch.Tensor], device: torch.device) -> None:
@@ -320,19 +364,41 @@ class IdentityCompressor:
         for t in buckets:
             t.mul_(inv)
 
+    def reduce_scatter_(self, key: Hashable, tensor: torch.Tensor, out: torch.Tensor) -> None:
+        """Full-precision reduce-scatter: this rank's chunk of the average of ``tensor`` (``P``
+        fp32 elements, ``P = world * out.numel()``) into ``out`` (the sum times ``1/W``)."""
+        self.comm.reduce_scatter(buffer_of(tensor), buffer_of(out), _C.ReduceOp.sum, self.timeout)
+        out.mul_(1.0 / self.comm.size())
+
+    def reduce_scatter_exchange(self, key: Hashable, tensor: torch.Tensor, out: torch.Tensor,
+                                async_comm: Any) -> Any:
+        """Queue on ``async_comm`` the reduce-scatter of :meth:`reduce_scatter_` into a scratch
+        chunk of bucket ``key`` (``out`` is written by :meth:`reduce_scatter_commit`)."""
+        recv = self._recv.get(key)
+        if recv is None or recv.numel() != out.numel() or recv.device != out.device:
+            recv = self._recv[key] = torch.empty_like(out)
+        return async_comm.reduce_scatter(buffer_of(tensor), buffer_of(recv),
+                                         timeout_s=self.timeout)
+
+    def reduce_scatter_commit(self, key: Hashable, tensor: torch.Tensor,
+                              out: torch.Tensor) -> None:
+        """``out`` = the exchanged chunk times ``1/W``."""
+        torch.mul(self._recv[key], 1.0 / self.comm.size(), out=out)
+
     def keys(self) -> List[Hashable]:
         """No bucket has state."""
         return []
 
     def reset(self) -> None:
-        """Nothing to forget."""
+        """Nothing to forget (the reduce-scatter scratch is freed)."""
+        self._recv.clear()
 
     def zero_(self) -> None:
         """Nothing to zero."""
 
     def nbytes(self) -> Tuple[int, int]:
-        """(0, 0): no error buffers, no workspaces."""
-        return 0, 0
+        """(0, scratch bytes of the exchanged reduce-scatters): no error buffers."""
+        return 0, sum(t.numel() * t.element_size() for t in self._recv.values())
 
     def state_dict(self) -> Dict[Hashable, Dict[str, torch.Tensor]]:
         """``{}``: nothing to save."""

@@ -34,7 +34,7 @@ from .._checkpoint import (
     need_tensor,
     read_checkpoint,
 )
-from ..compress import OneBitCompressor
+from ..compress import Compressor
 
 __all__ = ["shard_state_dict", "load_shard_state_dict", "save_checkpoint", "load_checkpoint",
            "consolidate", "shard_file", "errors_of", "load_errors"]
@@ -47,13 +47,13 @@ def shard_file(directory: str, rank: int, world: int) -> str:
     return os.path.join(directory, f"zero_rank{rank}_of{world}.pt")
 
 
-def errors_of(compressor: OneBitCompressor) -> Dict[tuple, tuple]:
+def errors_of(compressor: Compressor) -> Dict[tuple, tuple]:
     """Copies of the bucket error buffers of ZeRO's ``compressor`` in the checkpoints' form,
     ``{(group, bucket): (worker_error, server_error)}``."""
     return {k: (v["worker_error"], v["server_error"]) for k, v in compressor.state_dict().items()}
 
 
-def load_errors(compressor: OneBitCompressor, errors: Optional[Dict[tuple, tuple]]) -> None:
+def load_errors(compressor: Compressor, errors: Optional[Dict[tuple, tuple]]) -> None:
     """Hand ``compressor`` the error buffers of :func:`errors_of`'s form (checked against the
     layout by :func:`validate_shard_state_dict`); None or ``{}``: they restart at zero."""
     compressor.load_state_dict({k: {"worker_error": we, "server_error": se}

@@ -1,5 +1,9 @@
 """ZeRO's 1-bit gradient reduction: the local gradient compressed and reduce-scattered to shards.
 
+The reduce-scatter is the compressor's (``reduce_scatter_*`` of :class:`compcomm.compress.Compressor`):
+the wrapped optimizer's ``compressor_factory`` builds it, 1-bit with error feedback by default,
+full precision with :class:`~compcomm.compress.IdentityCompressor`.
+
 Used by OneBitAdam's compressed phase in ``onebit_mode="sharded"`` and by ZeroOneAdam's 1-bit
 gradient steps. Bucket ``b`` of this rank's local gradient ``g`` (averaged over micro-steps,
 unscaled, clipped) is sent as ``k * g_b`` through the compressed reduce-scatter, with the bucket's
@@ -20,14 +24,11 @@ failed or any rank's gradient is not finite -- so a skipped step changes nothing
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional
 
 import torch
 
-from .. import _C
-from .._buffers import buffer_of
-from ..collectives import compressed_reduce_scatter, workspace_bytes
-from ..compress import OneBitCompressor
+from ..compress import Compressor
 from ..errors import NonFiniteError
 from .grad_reducer import GradReducer, clip_coef
 from .layout import GroupLayout
@@ -47,9 +48,9 @@ class OneBitReducer:
         The data-parallel group.
     async_comm : _C.zero.AsyncComm
         The owner's worker thread (the overlapped exchanges go through it).
-    compressor : compcomm.compress.OneBitCompressor
-        Holds every bucket's error-feedback buffers (key ``(group, bucket)``) and exchange
-        workspace, across steps and in checkpoints.
+    compressor : compcomm.compress.Compressor
+        Does each bucket's reduce-scatter (key ``(group, bucket)``) and holds its state (1-bit:
+        error-feedback buffers and exchange workspace), across steps and in checkpoints.
     input_scale : callable
         ``input_scale(group index)``: what the compressed tensor is the local gradient times.
     loss_scale : callable
@@ -69,7 +70,7 @@ class OneBitReducer:
     """
 
     def __init__(self, groups: List[GroupLayout], grads: GradReducer, comm: Any, async_comm: Any,
-                 compressor: OneBitCompressor,
+                 compressor: Compressor,
                  input_scale: Callable[[int], float], loss_scale: Callable[[], float], gas: int,
                  clip: float, overlap: bool, keep_pool: bool, rank: int, world: int,
                  device: torch.device, timeout: float) -> None:
@@ -88,15 +89,10 @@ class OneBitReducer:
         self.world = world
         self.device = device
         self.timeout = timeout
-        #: overlapped exchanges of this step: (work, group, bucket, fp32 input, workspace)
+        #: overlapped exchanges of this step: (work, group, bucket, fp32 input)
         self.exchanges: List[tuple] = []
 
     # ---- during backward -----------------------------------------------------------------------
-
-    def error_buffers(self, gi: int, bi: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Bucket ``bi``'s (worker_error, server_error): its padded and chunk lengths, fp32."""
-        return self.compressor.error_buffers((gi, bi), self.groups[gi].buckets[bi].padded,
-                                             self.device)
 
     def check_open(self, gi: int, bi: int) -> None:
         """RuntimeError if bucket ``bi``'s exchange has started (a gradient came too late)."""
@@ -126,14 +122,9 @@ class OneBitReducer:
             _, base = self.grads.take(gi, bi)
             self.grads.release(gi, base)
         x.mul_(self.input_scale(gi) / (self.gas * self.loss_scale()))
-        we, se = self.error_buffers(gi, bi)
-        nbytes = workspace_bytes(b.padded, self.world, self.device.type == "cuda")
-        ws = self.compressor.workspace((gi, bi), nbytes, self.device)
         out = b.shard_of(grp.master.grad)
-        work = self.async_comm.compressed_reduce_scatter_exchange(
-            buffer_of(x), buffer_of(we), buffer_of(se), buffer_of(out), buffer_of(ws),
-            timeout_s=self.timeout)
-        self.exchanges.append((work, gi, bi, x, ws))
+        work = self.compressor.reduce_scatter_exchange((gi, bi), x, out, self.async_comm)
+        self.exchanges.append((work, gi, bi, x))
         self.grads.acc[gi].exchanged.add(bi)
 
     # ---- step ----------------------------------------------------------------------------------
@@ -160,8 +151,7 @@ class OneBitReducer:
             if self.world == 1:  # as the unsharded optimizers: no compression without peers
                 out.copy_(x)
             else:
-                we, se = self.error_buffers(gi, bi)
-                compressed_reduce_scatter(x, we, se, out=out, group=self.comm, timeout=self.timeout)
+                self.compressor.reduce_scatter_((gi, bi), x, out)
             self._finish_shard(gi, bi, out)
         return norm_sq
 
@@ -187,7 +177,7 @@ class OneBitReducer:
                     self.submit_exchange(gi, bi)
         # x = k * g / (gas * loss_scale): the norm is that of x / k
         norm_sq = self.grads.mean_sq_norm([(x, 1.0 / self.input_scale(gi))
-                                           for _, gi, _, x, _ in self.exchanges])
+                                           for _, gi, _, x in self.exchanges])
         failure: Optional[Exception] = None
         for work, *_ in self.exchanges:
             try:
@@ -197,13 +187,10 @@ class OneBitReducer:
             except Exception as e:  # noqa: BLE001 -- re-raised once every work is done
                 failure = failure or e
         if failure is None and math.isfinite(norm_sq):
-            for _, gi, bi, x, ws in self.exchanges:
+            for _, gi, bi, x in self.exchanges:
                 grp = self.groups[gi]
-                we, se = self.error_buffers(gi, bi)
                 out = grp.buckets[bi].shard_of(grp.master.grad)
-                _C.zero.compressed_reduce_scatter_commit(
-                    self.comm, buffer_of(x), buffer_of(we), buffer_of(se), buffer_of(out),
-                    buffer_of(ws))
+                self.compressor.reduce_scatter_commit((gi, bi), x, out)
                 self._finish_shard(gi, bi, out)
         self.drop()
         if failure is not None:

@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, List, Tuple
 import torch
 
 from .._buffers import buffer_of
-from ..compress import OneBitCompressor
+from ..compress import Compressor
 from ..errors import NonFiniteError
 from ..optim.functional import adam_update
 from .grad_reducer import GradReducer, clip_coef
@@ -57,8 +57,8 @@ class ReplicatedMomentum:
         Where the local gradients are staged (and the norm all-reduce).
     inner : OneBitAdam
         The wrapped optimizer (its shard state, hyper-parameters and schedule).
-    compressor : compcomm.compress.OneBitCompressor
-        The compressed average and every bucket's error-feedback buffers.
+    compressor : compcomm.compress.Compressor
+        The compressed average and every bucket's state (1-bit: error-feedback buffers).
     async_comm : _C.zero.AsyncComm
         The owner's worker thread (the full tensors are all-gathered through it).
     loss_scale : callable
@@ -71,7 +71,7 @@ class ReplicatedMomentum:
     """
 
     def __init__(self, mode: str, groups: List[GroupLayout], grads: GradReducer, inner: Any,
-                 compressor: OneBitCompressor, async_comm: Any,
+                 compressor: Compressor, async_comm: Any,
                  loss_scale: Callable[[], float], gas: int,
                  clip: float, rank: int, world: int, device: torch.device,
                  timeout: float) -> None:

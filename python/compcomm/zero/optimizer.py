@@ -33,7 +33,7 @@ from .._buffers import buffer_of
 from .._comm import resolve
 from .._defaults import DEFAULT_TIMEOUT
 from ..amp import LossScaler
-from ..compress import OneBitCompressor
+from ..compress import Compressor
 from .checkpoint import errors_of, load_errors, load_shard_state_dict, shard_state_dict
 from .config import check_arguments
 from .grad_reducer import GradReducer, clip_coef
@@ -41,7 +41,8 @@ from .layout import alignment, build_groups, partition
 from .onebit_reducer import OneBitReducer
 from .onebit_replicated import ReplicatedMomentum
 from .param_gather import ParamGatherer, publish
-from .rules import RULES, Phase, check_stage, onebit_inner_kwargs, onebit_kind, onebit_mode
+from .rules import (RULES, Phase, build_compressor, check_stage, onebit_inner_kwargs, onebit_kind,
+                    onebit_mode)
 from .unsharded import UnshardedPhase
 
 __all__ = ["ZeroOptimizer", "Phase"]
@@ -72,6 +73,8 @@ class ZeroOptimizer:
         ZeroOneAdam's local-step phase (after ``var_freeze_step``) runs unsharded: its state is
         all-gathered once and the steps are exactly unsharded ZeroOneAdam's (see docs/zero.md).
         ``exact_resume=True`` in ``optimizer_kwargs`` makes checkpoints carry the error buffers.
+        The wrapped optimizer's ``compressor`` (e.g. ``IdentityCompressor``) also does ZeRO's
+        compressed communication in every mode.
         ZeroOneAdam with stage 3, and ``OneBitLamb``, raise ValueError.
     stage : {1, 2, 3}
         ZeRO stage.
@@ -155,9 +158,11 @@ class ZeroOptimizer:
             [dict(grp.options, params=[grp.master]) for grp in self.groups], **kwargs
         )
         self._async = _C.zero.AsyncComm(self.comm)
-        #: 1-bit optimizers: the error-feedback buffers of ZeRO's buckets, key (group, bucket)
-        self.compressor: Optional[OneBitCompressor] = (
-            OneBitCompressor(self.comm, self.timeout) if self._rules is not None else None)
+        #: 1-bit optimizers: the compressor of ZeRO's buckets (key (group, bucket)), from the
+        #: wrapped optimizer's ``compressor_factory``: 1-bit with error feedback by default
+        self.compressor: Optional[Compressor] = (
+            build_compressor(self.optimizer, self.comm, self.timeout, not replicated)
+            if self._rules is not None else None)
         self._grads = GradReducer(self.groups, stage, self._async, self.overlap, self.rank,
                                   self.world, self.device, self.timeout)
         self._onebit: Optional[OneBitReducer] = None

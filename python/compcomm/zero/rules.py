@@ -6,13 +6,15 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import inspect
 from typing import Any, Dict, Mapping, Optional
 
 from .. import _C
+from ..compress import Compressor, OneBitCompressor
 from ..schedule import StepKind
 
 __all__ = ["MODES", "Phase", "OneBitRules", "RULES", "onebit_kind", "onebit_inner_kwargs",
-           "onebit_mode", "check_stage"]
+           "onebit_mode", "check_stage", "build_compressor"]
 
 #: Values of ``zero_optimization.onebit_mode`` (None: "exact").
 MODES = ("exact", "no_allgather", "sharded")
@@ -140,3 +142,26 @@ def onebit_mode(name: Optional[str], mode: Optional[str], stage: int) -> Optiona
         raise ValueError("zero_optimization.onebit_mode='no_allgather' needs stage 1 or 2 (every "
                          "rank updates the whole parameters, which stage 3 does not keep)")
     return mode
+
+
+_REDUCE_SCATTER = ("reduce_scatter_", "reduce_scatter_exchange", "reduce_scatter_commit")
+
+
+def build_compressor(inner: Any, comm: Any, timeout: float, reduce_scatter: bool) -> Compressor:
+    """The compressor of ZeRO's buckets on ZeRO's group ``comm``: built by the wrapped 1-bit
+    optimizer's ``compressor_factory`` (its ``compressor=`` argument; :class:`OneBitCompressor` by
+    default), given ``timeout`` when the factory takes that argument. ``reduce_scatter``: ZeRO
+    will use its reduce-scatter (TypeError naming ``compressor`` if it has none)."""
+    factory = getattr(inner, "compressor_factory", None) or OneBitCompressor
+    try:
+        takes_timeout = "timeout" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a callable without a signature: comm only
+        takes_timeout = False
+    comp = factory(comm, timeout=timeout) if takes_timeout else factory(comm)
+    missing = [m for m in _REDUCE_SCATTER if not hasattr(comp, m)] if reduce_scatter else []
+    if missing:
+        comp.close()
+        raise TypeError(f"optimizer_kwargs.compressor: {type(comp).__name__} has no "
+                        f"{', '.join(missing)}, which ZeRO's sharded 1-bit reduction needs "
+                        "(onebit_mode='sharded', ZeroOneAdam)")
+    return comp
