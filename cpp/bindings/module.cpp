@@ -24,6 +24,7 @@ void bind_nccl(py::module_& m);  // nccl_bindings.cpp
 #endif
 void bind_zero(py::module_& m);  // zero_bindings.cpp
 void bind_optim_cuda(py::module_& m);  // optim_cuda_bindings.cpp
+void bind_optim(py::module_& m);  // optim_bindings.cpp
 
 namespace {
 
@@ -289,6 +290,7 @@ PYBIND11_MODULE(_C, m) {
 #endif
   bind_zero(m);
   bind_optim_cuda(m);
+  bind_optim(m);
 
   m.def("build_info", &build_info_dict, "What this build contains (CUDA, NCCL, MPI) and their versions.");
 

@@ -114,5 +114,27 @@ class _Kernels:
     def decompress(self, *args: Any, **kwargs: Any) -> None: ...
 
 kernels: _Kernels
+
+class _Optim:
+    def adam_step(
+        self, w: Buffer, m: Buffer, v: Buffer, g: Buffer, lr: float, b1: float, b2: float, eps: float,
+        wd: float, step: int, adamw_mode: bool = True, bias_correction: bool = True,
+        param_out: Optional[Buffer] = None, num_threads: int = 0, isa: str = "auto",
+    ) -> None: ...
+    def onebit_warmup_step(
+        self, w: Buffer, m: Buffer, v: Buffer, g: Buffer, lr: float, b1: float, b2: float, eps: float,
+        wd: float, bias_correction: bool, bc1_t: int, bc2_t: int, param_out: Optional[Buffer] = None,
+        num_threads: int = 0, isa: str = "auto",
+    ) -> None: ...
+    def onebit_compressed_step(
+        self, w: Buffer, m: Buffer, v: Buffer, averaged: Buffer, mask: Optional[Buffer], lr: float,
+        b1: float, b2: float, eps: float, wd: float, bias_correction: bool, bc1_t: int, bc2_t: int,
+        param_out: Optional[Buffer] = None, num_threads: int = 0, isa: str = "auto",
+    ) -> None: ...
+    def isa(self) -> str: ...
+    def isa_supported(self, isa: str) -> bool: ...
+    def threading(self) -> str: ...
+
+optim: _Optim
 zero: Any  # BucketPlan, plan_buckets, bucketed_reduce_scatter/all_gather, AsyncComm, Work, compressed_reduce_scatter
 nccl: Any  # load, loaded, runtime_version, unique_id (when built with NCCL)

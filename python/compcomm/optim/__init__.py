@@ -11,6 +11,7 @@ Replace ``torch.optim.Adam`` in a torchrun/mpirun script; the optimizer averages
 
 from .adam import OneBitAdam
 from .checkpoint import load_rank_checkpoint, save_rank_checkpoint
+from .cpu_adam import CPUAdam
 from .lamb import OneBitLamb
 from .zoadam import ZeroOneAdam
 

@@ -1,0 +1,387 @@
+"""A fast CPU Adam / AdamW (DeepSpeed's ``DeepSpeedCPUAdam`` without DeepSpeed) and the 1-bit Adam
+updates as one C++ pass per tensor.
+
+The C++ kernels (``cpp/kernels/cpu_adam.h``) read and write fp32 ``w``, ``m`` and ``v`` and the
+gradient once, vectorised (AVX-512, AVX2 or a generic path chosen at run time, all giving the same
+bits) and multi-threaded, and can write a bf16/fp16 copy of the new parameter in the same pass.
+
+- :func:`adam_step_` is one step of ``torch.optim.AdamW`` (or ``Adam`` with L2 weight decay) with
+  torch's CPU numerics: the same fp32 operations in the same order, fused multiply-adds where
+  torch's CPU kernels fuse them.
+- :func:`onebit_warmup_step_` and :func:`onebit_compressed_step_` are the 1-bit Adam rules of
+  :mod:`compcomm.optim.functional` (``adam_moments_`` + ``adam_step_``; ``m.copy_(averaged)``, the
+  mask, ``adam_step_`` with the frozen ``bc2_t``) and give bit for bit the results of those torch
+  ops on the CPU.
+- The square root is torch's: on x86 builds with MKL on AVX-512 CPUs, torch's CPU ``sqrt`` is
+  MKL's, which is not correctly rounded for ~0.6% of inputs; the kernels reproduce it
+  (``sqrt="rsqrt14"``) or give the correctly rounded one (``"ieee"``), and by default use
+  whichever torch computes on this machine (:func:`torch_sqrt_mode`, probed once).
+- :class:`CPUAdam` is a ``torch.optim.Optimizer`` using :func:`adam_step_` for CPU parameters
+  (ZeRO-Offload's optimizer), fp32 state, an fp32 master copy for bf16/fp16 parameters.
+
+>>> import torch
+>>> from compcomm.optim import CPUAdam
+>>> model = torch.nn.Linear(4, 2)
+>>> opt = CPUAdam(model.parameters(), lr=1e-3, weight_decay=0.01)
+>>> model(torch.randn(3, 4)).sum().backward()
+>>> opt.step()
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
+
+import torch
+
+from .. import _C
+from .._buffers import buffer_of
+
+__all__ = ["CPUAdam", "adam_step_", "onebit_warmup_step_", "onebit_compressed_step_",
+           "kernel_isa", "torch_sqrt_mode"]
+
+Group = Mapping[str, Any]
+
+_K = _C.optim
+_F32 = (torch.float32,)
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def kernel_isa() -> str:
+    """The instruction set the kernels use here: ``'avx512'``, ``'avx2'`` or ``'generic'``."""
+    return _K.isa()
+
+
+_torch_sqrt: Optional[Tuple[Optional[str]]] = None
+
+
+def torch_sqrt_mode() -> Optional[str]:
+    """Which square root torch's CPU ``Tensor.sqrt()`` computes on this machine, as a kernel
+    ``sqrt`` mode: ``'ieee'`` (correctly rounded), ``'rsqrt14'`` (MKL's on AVX-512: see
+    ``cpp/kernels/cpu_adam.h``), or None if it is neither (the kernels then use ``'ieee'`` and
+    cannot be bit-identical to torch's CPU ops). Probed once, on values that tell them apart."""
+    global _torch_sqrt
+    if _torch_sqrt is None:
+        gen = torch.Generator().manual_seed(0)
+        scale = torch.pow(4.0, torch.arange(-70, 60, dtype=torch.float64)).to(torch.float32)
+        x = (1.0 + 3.0 * torch.rand(64, scale.numel(), generator=gen)) * scale
+        x = torch.cat([x.flatten(), torch.tensor([0.0, -0.0, 1.0, 2.0, float("inf"), 1e-45])])
+        want = x.sqrt()
+        found = None
+        for mode in ("ieee", "rsqrt14"):
+            out = torch.empty_like(x)
+            _K.sqrt(buffer_of(x), buffer_of(out), mode)
+            if torch.equal(out, want):
+                found = mode
+                break
+        _torch_sqrt = (found,)
+    return _torch_sqrt[0]
+
+
+def _sqrt_mode(sqrt: Optional[str]) -> str:
+    if sqrt is None:
+        return torch_sqrt_mode() or "ieee"
+    if sqrt not in ("ieee", "rsqrt14"):
+        raise ValueError(f"sqrt must be None, 'ieee' or 'rsqrt14', got {sqrt!r}")
+    return sqrt
+
+
+def _check(fn: str, name: str, t: Any, dtypes: Tuple[torch.dtype, ...],
+           numel: Optional[int]) -> torch.Tensor:
+    """``t`` if it is a contiguous CPU tensor of one of ``dtypes`` with ``numel`` elements, else a
+    TypeError (not a tensor, wrong dtype) or ValueError (device, layout, size) naming ``name``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{fn}: {name} must be a CPU tensor, got device {t.device}")
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{fn}: {name} must be {names}, got {str(t.dtype).replace('torch.', '')}")
+    if t.layout != torch.strided or not t.is_contiguous():
+        raise ValueError(f"{fn}: {name} must be a contiguous (dense) tensor")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"{fn}: {name} has {t.numel()} elements, w has {numel}")
+    return t
+
+
+def _threads(num_threads: Optional[int]) -> int:
+    return torch.get_num_threads() if num_threads is None else int(num_threads)
+
+
+def _state_args(fn: str, w: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                param_out: Optional[torch.Tensor]):
+    n = _check(fn, "w", w, _F32, None).numel()
+    _check(fn, "m", m, _F32, n)
+    _check(fn, "v", v, _F32, n)
+    out = None if param_out is None else buffer_of(_check(fn, "param_out", param_out, _FLOATS, n))
+    return n, out
+
+
+def adam_step_(w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, group: Group,
+               step: int, adamw_mode: bool = True, param_out: Optional[torch.Tensor] = None,
+               num_threads: Optional[int] = None, sqrt: Optional[str] = None) -> None:
+    """One Adam/AdamW step in place, as ``torch.optim.AdamW`` (``adamw_mode``) or
+    ``torch.optim.Adam`` with L2 weight decay on the CPU.
+
+    Parameters
+    ----------
+    w, m, v : torch.Tensor
+        fp32 parameter (or master copy), first and second moment; contiguous CPU tensors of one size.
+    g : torch.Tensor
+        The gradient, fp32, fp16 or bf16, same number of elements.
+    group : Mapping
+        ``lr``, ``betas``, ``eps``, ``weight_decay`` and ``bias_correction`` (default True).
+    step : int
+        The step being taken (1 for the first).
+    adamw_mode : bool
+        Decoupled weight decay (AdamW); False: ``g += weight_decay * w`` (Adam with L2).
+    param_out : torch.Tensor, optional
+        Also write the new ``w`` here (fp32, fp16 or bf16, rounded to nearest even).
+    num_threads : int, optional
+        Threads to use (default ``torch.get_num_threads()``).
+    sqrt : str, optional
+        ``'ieee'`` or ``'rsqrt14'``; default: the one torch uses here (:func:`torch_sqrt_mode`).
+    """
+    fn = "adam_step_"
+    n, out = _state_args(fn, w, m, v, param_out)
+    _check(fn, "g", g, _FLOATS, n)
+    b1, b2 = group["betas"]
+    _K.adam_step(buffer_of(w), buffer_of(m), buffer_of(v), buffer_of(g), float(group["lr"]),
+                 float(b1), float(b2), float(group["eps"]), float(group["weight_decay"]),
+                 int(step), bool(adamw_mode), bool(group.get("bias_correction", True)), out,
+                 _threads(num_threads), sqrt=_sqrt_mode(sqrt))
+
+
+def onebit_warmup_step_(w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                        group: Group, bc1_t: int, bc2_t: int,
+                        param_out: Optional[torch.Tensor] = None,
+                        num_threads: Optional[int] = None, sqrt: Optional[str] = None) -> None:
+    """1-bit Adam's warm-up step in one pass: bit for bit ``functional.adam_moments_(m, v, g,
+    group)`` then ``functional.adam_step_(w, m, v, group, bc1_t, bc2_t)`` on the CPU.
+
+    Parameters
+    ----------
+    w, m, v : torch.Tensor
+        fp32 parameter (or master copy) and moments, contiguous CPU tensors of one size.
+    g : torch.Tensor
+        The averaged gradient (fp32, fp16 or bf16).
+    group : Mapping
+        ``lr``, ``betas``, ``eps``, ``weight_decay``, ``bias_correction``.
+    bc1_t, bc2_t : int
+        The steps the bias corrections are taken at (as in ``functional.adam_step_``).
+    param_out : torch.Tensor, optional
+        Also write the new ``w`` here (fp32, fp16 or bf16): ``write_back`` in the same pass.
+    num_threads : int, optional
+        Threads to use (default ``torch.get_num_threads()``).
+    sqrt : str, optional
+        ``'ieee'`` or ``'rsqrt14'``; default: the one torch uses here (:func:`torch_sqrt_mode`).
+    """
+    fn = "onebit_warmup_step_"
+    n, out = _state_args(fn, w, m, v, param_out)
+    _check(fn, "g", g, _FLOATS, n)
+    b1, b2 = group["betas"]
+    _K.onebit_warmup_step(buffer_of(w), buffer_of(m), buffer_of(v), buffer_of(g),
+                          float(group["lr"]), float(b1), float(b2), float(group["eps"]),
+                          float(group["weight_decay"]), bool(group["bias_correction"]), int(bc1_t),
+                          int(bc2_t), out, _threads(num_threads), sqrt=_sqrt_mode(sqrt))
+
+
+def onebit_compressed_step_(w: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                            averaged: torch.Tensor, group: Group, bc1_t: int, bc2_t: int,
+                            mask: Optional[torch.Tensor] = None,
+                            param_out: Optional[torch.Tensor] = None,
+                            num_threads: Optional[int] = None,
+                            sqrt: Optional[str] = None) -> None:
+    """1-bit Adam's compressed-phase step in one pass: bit for bit ``m.copy_(averaged)``,
+    ``functional.masked_(m, mask)`` and ``functional.adam_step_(w, m, v, group, bc1_t, bc2_t)``
+    (``bc2_t`` the frozen step) on the CPU. ``v`` is only read.
+
+    Parameters
+    ----------
+    w, m, v : torch.Tensor
+        fp32 parameter (or master copy) and moments, contiguous CPU tensors of one size.
+    averaged : torch.Tensor
+        fp32, the ranks' averaged momentum; it may be ``m`` itself.
+    group : Mapping
+        ``lr``, ``betas``, ``eps``, ``weight_decay``, ``bias_correction``.
+    bc1_t, bc2_t : int
+        The steps the bias corrections are taken at.
+    mask : torch.Tensor, optional
+        ``exp_avg_mask``: broadcast to ``m``'s shape and converted to fp32 if it is not already.
+    param_out : torch.Tensor, optional
+        Also write the new ``w`` here (fp32, fp16 or bf16).
+    num_threads : int, optional
+        Threads to use (default ``torch.get_num_threads()``).
+    sqrt : str, optional
+        ``'ieee'`` or ``'rsqrt14'``; default: the one torch uses here (:func:`torch_sqrt_mode`).
+    """
+    fn = "onebit_compressed_step_"
+    n, out = _state_args(fn, w, m, v, param_out)
+    _check(fn, "averaged", averaged, _F32, n)
+    k = None
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(f"{fn}: mask must be a torch.Tensor or None, got {type(mask).__name__}")
+        if mask.shape != m.shape:
+            try:
+                mask = mask.expand(m.shape)
+            except RuntimeError:
+                raise ValueError(f"{fn}: mask of shape {tuple(mask.shape)} does not broadcast to "
+                                 f"m's shape {tuple(m.shape)}") from None
+        if mask.device.type == "cpu" and mask.dtype.is_floating_point:
+            mask = mask.to(torch.float32).contiguous()
+        k = buffer_of(_check(fn, "mask", mask, _F32, n))
+    b1, b2 = group["betas"]
+    _K.onebit_compressed_step(buffer_of(w), buffer_of(m), buffer_of(v), buffer_of(averaged), k,
+                              float(group["lr"]), float(b1), float(b2), float(group["eps"]),
+                              float(group["weight_decay"]), bool(group["bias_correction"]),
+                              int(bc1_t), int(bc2_t), out, _threads(num_threads),
+                              sqrt=_sqrt_mode(sqrt))
+
+
+class CPUAdam(torch.optim.Optimizer):
+    """Adam / AdamW on CPU tensors in one vectorised, multi-threaded C++ pass per parameter.
+
+    The numerics are ``torch.optim.AdamW``'s (``adamw_mode=True``) or ``torch.optim.Adam``'s with
+    L2 weight decay (``adamw_mode=False``) on the CPU, to fp32 rounding, and the state dict has
+    their keys (``step``, ``exp_avg``, ``exp_avg_sq``), so checkpoints load either way. Like
+    DeepSpeed's ``DeepSpeedCPUAdam`` (ZeRO-Offload's optimizer) the state is fp32 whatever the
+    parameter's dtype: a bf16/fp16 parameter keeps an fp32 master copy (``master_param``) that the
+    step updates, and the parameter receives its rounding (to nearest even) in the same pass.
+
+    Parameters
+    ----------
+    params : iterable
+        Parameters or param groups. CPU, contiguous, fp32/fp16/bf16.
+    lr : float
+        Learning rate.
+    betas : (float, float)
+        Decay rates of the moments.
+    eps : float
+        Added to the denominator.
+    weight_decay : float
+        Decoupled (AdamW) weight decay, or the L2 coefficient with ``adamw_mode=False``.
+        DeepSpeed's default, 0 (``torch.optim.AdamW``'s is 0.01).
+    bias_correction : bool
+        Correct the moments for their zero start (torch always does; False is DeepSpeed's switch).
+    adamw_mode : bool
+        Decoupled weight decay (AdamW); False: Adam with L2 weight decay.
+    amsgrad : bool
+        Not supported (ValueError).
+    num_threads : int, optional
+        Threads per step (default ``torch.get_num_threads()`` at each step).
+    sqrt : str, optional
+        ``'ieee'`` or ``'rsqrt14'``; default: the square root torch's CPU ops use here
+        (:func:`torch_sqrt_mode`), so that the step equals ``torch.optim.AdamW``'s bit for bit
+        where the operation order allows (``torch.optim.AdamW(fused=True)`` uses ``'ieee'``).
+
+    Raises
+    ------
+    ValueError
+        Bad hyper-parameters; at ``step()``, a parameter or gradient that is not a contiguous CPU
+        tensor.
+    TypeError
+        At ``step()``, a parameter or gradient that is not fp32/fp16/bf16, or a sparse gradient.
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3,
+                 betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, *, bias_correction: bool = True,
+                 adamw_mode: bool = True, amsgrad: bool = False,
+                 num_threads: Optional[int] = None, sqrt: Optional[str] = None) -> None:
+        name = type(self).__name__
+        if amsgrad:
+            raise ValueError(f"{name}: argument 'amsgrad' is not supported; pass amsgrad=False")
+        if isinstance(lr, torch.Tensor) or not (isinstance(lr, (int, float)) and lr >= 0.0):
+            raise ValueError(f"{name}: argument 'lr' must be a number >= 0, got {lr!r}")
+        if not (isinstance(eps, (int, float)) and eps >= 0.0):
+            raise ValueError(f"{name}: argument 'eps' must be >= 0, got {eps!r}")
+        if not (isinstance(weight_decay, (int, float)) and weight_decay >= 0.0):
+            raise ValueError(f"{name}: argument 'weight_decay' must be >= 0, got {weight_decay!r}")
+        if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0
+                                      for b in betas):
+            raise ValueError(f"{name}: argument 'betas' must be two numbers in [0, 1), "
+                             f"got {betas!r}")
+        if num_threads is not None and (isinstance(num_threads, bool)
+                                        or not isinstance(num_threads, int) or num_threads < 1):
+            raise ValueError(f"{name}: argument 'num_threads' must be an integer >= 1 or None, "
+                             f"got {num_threads!r}")
+        if sqrt not in (None, "ieee", "rsqrt14"):
+            raise ValueError(f"{name}: argument 'sqrt' must be None, 'ieee' or 'rsqrt14', "
+                             f"got {sqrt!r}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        bias_correction=bool(bias_correction), adamw_mode=bool(adamw_mode))
+        super().__init__(params, defaults)
+        self.num_threads = num_threads
+        self.sqrt = sqrt
+
+    def _init_state(self, p: torch.Tensor, state: Dict[str, Any]) -> None:
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32)
+        state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32)
+        if p.dtype != torch.float32:
+            state["master_param"] = p.detach().to(torch.float32).clone()
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """One step for every parameter with a gradient; returns the closure's loss, if given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        fn = f"{type(self).__name__}.step"
+        threads = _threads(self.num_threads)
+        sqrt = _sqrt_mode(self.sqrt)
+        for gi, group in enumerate(self.param_groups):
+            b1, b2 = group["betas"]
+            lr, eps, wd = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
+            bc, adamw = bool(group["bias_correction"]), bool(group["adamw_mode"])
+            for pi, p in enumerate(group["params"]):
+                g = p.grad
+                if g is None:
+                    continue
+                name = f"param group {gi} parameter {pi}"
+                if g.is_sparse:
+                    raise TypeError(f"{fn}: {name} has a sparse gradient (not supported)")
+                _check(fn, name, p, _FLOATS, None)
+                _check(fn, f"the gradient of {name}", g, _FLOATS, p.numel())
+                state = self.state[p]
+                if not state:
+                    self._init_state(p, state)
+                step_t = state["step"]
+                step_t += 1
+                low = p.dtype != torch.float32
+                w = state["master_param"] if low else p
+                _K.adam_step(buffer_of(w), buffer_of(state["exp_avg"]),
+                             buffer_of(state["exp_avg_sq"]), buffer_of(g), lr, float(b1),
+                             float(b2), eps, wd, int(step_t.item()), adamw, bc,
+                             buffer_of(p) if low else None, threads, sqrt=sqrt)
+        return loss
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """As ``torch.optim.Optimizer.load_state_dict`` (a torch AdamW/Adam checkpoint loads too),
+        except that the moments and master copies stay fp32 for bf16/fp16 parameters (torch would
+        cast them to the parameter's dtype), and a missing master copy is taken from the
+        parameter."""
+        fp32 = {idx: {k: v.detach().to(device="cpu", dtype=torch.float32, copy=True)
+                      for k, v in s.items()
+                      if k in ("exp_avg", "exp_avg_sq", "master_param")
+                      and isinstance(v, torch.Tensor)}
+                for idx, s in state_dict["state"].items()}
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for idx, p in zip(saved_ids, params):
+            if idx not in fp32 or p not in self.state:
+                continue
+            state = self.state[p]
+            for k, v in fp32[idx].items():
+                state[k] = v.reshape(p.shape).contiguous()
+            step = state.get("step", 0)
+            state["step"] = (step.detach().to(torch.float32, copy=True).cpu()
+                             if isinstance(step, torch.Tensor)
+                             else torch.tensor(float(step), dtype=torch.float32))
+            if p.dtype != torch.float32 and "master_param" not in state:
+                state["master_param"] = p.detach().to(torch.float32).clone()
+        for group in self.param_groups:  # a torch checkpoint has no adamw_mode
+            group.setdefault("adamw_mode", self.defaults["adamw_mode"])
+            group.setdefault("bias_correction", self.defaults["bias_correction"])
