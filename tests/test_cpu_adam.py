@@ -285,6 +285,34 @@ def test_onebit_compressed_bit_identical(n, isa, masked, bc, wd, threads):
     assert torch.equal(kv, v0)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("offset", [0, 1, 5])
+def test_misaligned_views(isa, offset):
+    """Views starting off a vector boundary: the written-only arrays (m in the compressed phase,
+    the parameter copy) are streamed once aligned, with a partial vector first."""
+    if not EXACT:
+        pytest.skip("torch's CPU sqrt here is unknown")
+    n = 2**17 + 9
+    w, m0, v, g = _state(n + 16, 13)
+    w, v = w[offset:offset + n], v[3:3 + n]
+    mbuf = torch.zeros(n + 16)
+    km = mbuf[offset + 2:offset + 2 + n]
+    averaged = torch.randn(n, generator=g)
+    obuf = torch.zeros(n + 16, dtype=torch.bfloat16)
+    out = obuf[offset + 1:offset + 1 + n]
+    group = _group(wd=0.01)
+    kw = w.clone()
+    m = torch.empty(n)
+    m.copy_(averaged)
+    F.adam_step_(w, m, v, group, 5, 5)
+    K.onebit_compressed_step(B(kw), B(km), B(v), B(averaged), None, group["lr"], 0.9, 0.999,
+                             group["eps"], group["weight_decay"], True, 5, 5, B(out), 1, isa, SQRT)
+    assert torch.equal(kw, w) and torch.equal(km, m)
+    assert torch.equal(out, w.to(torch.bfloat16))
+    assert not mbuf[:offset + 2].any() and not mbuf[offset + 2 + n:].any()
+    assert not obuf[:offset + 1].any() and not obuf[offset + 1 + n:].any()
+
+
 def test_onebit_compressed_wrapper_mask_broadcast_and_alias():
     """The Python wrapper: a mask broadcast against a 2-D parameter, a bf16 copy of the result,
     and ``averaged`` being ``m`` itself (already averaged in place)."""

@@ -87,6 +87,11 @@ constexpr float kSqrtTiny = 0x1p-64f, kSqrtUp = 0x1p64f, kSqrtDown = 0x1p-32f;
 template <class V>
 typename V::T sqrt_of(typename V::T x, bool ieee) {
   if (ieee) return V::sqrt(x);
+  if (V::all_normal(x)) {  // the common case: every lane in [2^-64, inf), nothing to scale or fix
+    const auto y = V::rsqrt14(x);
+    const auto s = V::mul(x, y), h = V::mul(y, V::set1(0.5f));
+    return V::fma(V::fma(V::neg(s), s, x), h, s);
+  }
   const auto small = V::less(x, V::set1(kSqrtTiny));
   const auto xs = V::select(small, V::mul(x, V::set1(kSqrtUp)), x);
   const auto y = V::rsqrt14(xs);
@@ -126,7 +131,8 @@ struct AdamBody {
         has_mask(mask),
         ieee_sqrt(c.sqrt == SqrtMode::kIeee) {}
 
-  void operator()(float* w, float* m, float* v, const G* g, const float* mask, O* out) const {
+  void operator()(float* w, float* m, float* v, const G* g, const float* mask, O* out, bool stream_m,
+                  bool stream_out) const {
     T wv = V::load(w);
     T mv, vv = V::load(v);
     if constexpr (R == AdamRule::kTorchAdam) {
@@ -157,42 +163,80 @@ struct AdamBody {
       wv = V::fma(u, neg_lr, wv);
     }
     V::store(w, wv);
-    V::store(m, mv);
+    if (stream_m)
+      V::stream(m, mv);
+    else
+      V::store(m, mv);
     if constexpr (R != AdamRule::kOneBitCompressed) V::store(v, vv);
-    if constexpr (!std::is_same_v<O, NoOut>) V::store(out, wv);
+    if constexpr (!std::is_same_v<O, NoOut>) {
+      if (stream_out)
+        V::stream(out, wv);
+      else
+        V::store(out, wv);
+    }
   }
 };
+
+// Elements to process before p (elements of `size` bytes) is `align`-aligned; -1 if it never is.
+inline int64_t head_to_align(const void* p, int64_t size, int64_t align) {
+  const auto mis = static_cast<int64_t>(reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(align));
+  if (mis % size != 0) return -1;
+  return (align - mis) % align / size;
+}
 
 template <class V, AdamRule R, class G, class O>
 void adam_range(const AdamCoeffs& c, const AdamTensors& t, int64_t begin, int64_t end) {
   constexpr int64_t W = V::kWidth;
+  constexpr bool kOut = !std::is_same_v<O, NoOut>;
   const AdamBody<V, R, G, O> body(c, t.mask != nullptr);
   const G* g = static_cast<const G*>(t.g);
   O* out = static_cast<O*>(t.param_out);
   const float* mask = t.mask;
+  // r < W elements at i, through stack buffers (zero-padded: no traps; the padding is not written
+  // back): the partial vectors at the ends of the range run the same vector code.
+  auto partial = [&](int64_t i, int64_t r) {
+    if (r <= 0) return;
+    float wb[W] = {}, mb[W] = {}, vb[W] = {}, kb[W] = {};
+    G gb[W] = {};
+    O ob[W] = {};
+    std::memcpy(wb, t.w + i, r * sizeof(float));
+    std::memcpy(mb, t.m + i, r * sizeof(float));
+    std::memcpy(vb, t.v + i, r * sizeof(float));
+    std::memcpy(gb, g + i, r * sizeof(G));
+    if (mask) std::memcpy(kb, mask + i, r * sizeof(float));
+    body(wb, mb, vb, gb, mask ? kb : nullptr, ob, false, false);
+    std::memcpy(t.w + i, wb, r * sizeof(float));
+    std::memcpy(t.m + i, mb, r * sizeof(float));
+    if constexpr (R != AdamRule::kOneBitCompressed) std::memcpy(t.v + i, vb, r * sizeof(float));
+    if constexpr (kOut) std::memcpy(out + i, ob, r * sizeof(O));
+  };
+  // Arrays that are only written (the compressed rule's m, the parameter copy) are written with
+  // non-temporal stores on long ranges: no read-for-ownership of their lines, 4 (or 2) bytes per
+  // element less traffic. That needs them aligned, so a partial vector may come first.
+  constexpr int64_t kStreamMin = int64_t{1} << 14;
+  bool stream_m = false, stream_out = false;
   int64_t i = begin;
-  for (; i + W <= end; i += W) {
-    body(t.w + i, t.m + i, t.v + i, g + i, mask ? mask + i : nullptr,
-         std::is_same_v<O, NoOut> ? nullptr : out + i);
-  }
   if constexpr (W > 1) {
-    const int64_t r = end - i;
-    if (r > 0) {  // the last partial vector, through stack buffers (zero-padded: no traps, unused)
-      float wb[W] = {}, mb[W] = {}, vb[W] = {}, kb[W] = {};
-      G gb[W] = {};
-      O ob[W] = {};
-      std::memcpy(wb, t.w + i, r * sizeof(float));
-      std::memcpy(mb, t.m + i, r * sizeof(float));
-      std::memcpy(vb, t.v + i, r * sizeof(float));
-      std::memcpy(gb, g + i, r * sizeof(G));
-      if (mask) std::memcpy(kb, mask + i, r * sizeof(float));
-      body(wb, mb, vb, gb, mask ? kb : nullptr, ob);
-      std::memcpy(t.w + i, wb, r * sizeof(float));
-      std::memcpy(t.m + i, mb, r * sizeof(float));
-      if constexpr (R != AdamRule::kOneBitCompressed) std::memcpy(t.v + i, vb, r * sizeof(float));
-      if constexpr (!std::is_same_v<O, NoOut>) std::memcpy(out + i, ob, r * sizeof(O));
+    if (end - begin >= kStreamMin) {
+      int64_t head = -1;
+      if constexpr (R == AdamRule::kOneBitCompressed) head = head_to_align(t.m + i, sizeof(float), W * 4);
+      if constexpr (kOut) {
+        if (head < 0) head = head_to_align(out + i, sizeof(O), W * sizeof(O));
+      }
+      if (head >= 0) {
+        partial(i, head);
+        i += head;
+        stream_m = R == AdamRule::kOneBitCompressed && head_to_align(t.m + i, sizeof(float), W * 4) == 0;
+        if constexpr (kOut) stream_out = head_to_align(out + i, sizeof(O), W * sizeof(O)) == 0;
+      }
     }
   }
+  for (; i + W <= end; i += W) {
+    body(t.w + i, t.m + i, t.v + i, g + i, mask ? mask + i : nullptr, kOut ? out + i : nullptr, stream_m,
+         stream_out);
+  }
+  if constexpr (W > 1) partial(i, end - i);
+  if (stream_m || stream_out) V::fence();  // order the non-temporal stores before the caller's sync
 }
 
 // The instantiation for a rule and the dtypes of t (nullptr: not supported).
@@ -248,7 +292,8 @@ void sqrt_range(const float* x, float* out, int64_t n, SqrtMode mode) {
 // ------------------------------------------------------------------------------------------------
 // The vector types. Each provides T, kWidth, set1, load/store for float, Bf16 and F16, and the
 // correctly rounded add, sub, mul, div, sqrt and fma. bf16 stores round to nearest even (a quiet NaN
-// keeps its sign and top payload bits), as torch's conversion. For the rsqrt14 sqrt: less (a mask),
+// keeps its sign and top payload bits), as torch's conversion. For the rsqrt14 sqrt: all_normal (every
+// lane in [2^-64, +inf)), less (a mask),
 // select(mask, a, b), neg, rsqrt14 (of a positive normal float; anything for other inputs) and
 // fix_specials(x, r) (r, except x for +-0 and +inf, and a quiet NaN for x < 0 and NaN).
 // ------------------------------------------------------------------------------------------------
@@ -264,6 +309,9 @@ struct Scalar {
   static void store(float* p, T x) { *p = x; }
   static void store(Bf16* p, T x) { p->bits = half::float_to_bf16(x); }
   static void store(F16* p, T x) { p->bits = half::float_to_half(x); }
+  template <class P>
+  static void stream(P* p, T x) { store(p, x); }
+  static void fence() {}
   static T add(T a, T b) { return a + b; }
   static T sub(T a, T b) { return a - b; }
   static T mul(T a, T b) { return a * b; }
@@ -272,6 +320,7 @@ struct Scalar {
   static T fma(T a, T b, T c) { return std::fma(a, b, c); }
   static T neg(T a) { return -a; }
   static bool less(T a, T b) { return a < b; }
+  static bool all_normal(T a) { return a >= kSqrtTiny && a < std::numeric_limits<float>::infinity(); }
   static T select(bool m, T a, T b) { return m ? a : b; }
   static T rsqrt14(T x) {
     const uint32_t u = half::float_to_bits(x);
@@ -321,6 +370,18 @@ struct Avx2 {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
                      _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
+  // Non-temporal stores to kWidth-element-aligned addresses.
+  static void stream(float* p, T x) { _mm256_stream_ps(p, x); }
+  static void stream(Bf16* p, T x) {
+    alignas(16) Bf16 b[8];
+    store(b, x);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p), _mm_load_si128(reinterpret_cast<const __m128i*>(b)));
+  }
+  static void stream(F16* p, T x) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p),
+                     _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static void fence() { _mm_sfence(); }
   static T add(T a, T b) { return _mm256_add_ps(a, b); }
   static T sub(T a, T b) { return _mm256_sub_ps(a, b); }
   static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
@@ -329,6 +390,11 @@ struct Avx2 {
   static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
   static T neg(T a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.f)); }
   static T less(T a, T b) { return _mm256_cmp_ps(a, b, _CMP_LT_OQ); }
+  static bool all_normal(T a) {
+    const T in = _mm256_and_ps(_mm256_cmp_ps(a, _mm256_set1_ps(kSqrtTiny), _CMP_GE_OQ),
+                               _mm256_cmp_ps(a, _mm256_set1_ps(__builtin_inff()), _CMP_LT_OQ));
+    return _mm256_movemask_ps(in) == 0xff;
+  }
   static T select(T m, T a, T b) { return _mm256_blendv_ps(b, a, m); }
   static T rsqrt14(T x) {
     const __m256i u = _mm256_castps_si256(x), one = _mm256_set1_epi32(1);
@@ -371,20 +437,32 @@ struct Avx512 {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
   static void store(float* p, T x) { _mm512_storeu_ps(p, x); }
-  static void store(Bf16* p, T x) {
+  static __m512i bf16_bits(T x) {  // round to nearest even, in the low 16 bits of each lane
     const __m512i u = _mm512_castps_si512(x);
     const __m512i hi = _mm512_srli_epi32(u, 16);
     const __m512i bias = _mm512_add_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(1)),
                                           _mm512_set1_epi32(0x7fff));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
     const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+    return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
+  }
+  static void store(Bf16* p, T x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(x)));
   }
   static void store(F16* p, T x) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
                         _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
+  // Non-temporal stores to kWidth-element-aligned addresses.
+  static void stream(float* p, T x) { _mm512_stream_ps(p, x); }
+  static void stream(Bf16* p, T x) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(x)));
+  }
+  static void stream(F16* p, T x) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static void fence() { _mm_sfence(); }
   static T add(T a, T b) { return _mm512_add_ps(a, b); }
   static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
   static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
@@ -393,6 +471,10 @@ struct Avx512 {
   static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
   static T neg(T a) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(INT32_MIN))); }
   static __mmask16 less(T a, T b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
+  static bool all_normal(T a) {
+    return (_mm512_cmp_ps_mask(a, _mm512_set1_ps(kSqrtTiny), _CMP_GE_OQ) &
+            _mm512_cmp_ps_mask(a, _mm512_set1_ps(__builtin_inff()), _CMP_LT_OQ)) == 0xffff;
+  }
   static T select(__mmask16 m, T a, T b) { return _mm512_mask_blend_ps(m, b, a); }
   static T rsqrt14(T x) {
     const __m512i u = _mm512_castps_si512(x), one = _mm512_set1_epi32(1);
@@ -427,6 +509,40 @@ struct Avx512 {
   }
 };
 
+// VRSQRT14PS itself: one instruction instead of the ~20 of the emulation, used where it gives the
+// emulation's bits (rsqrt14_hw_matches: every Intel CPU checked so far does).
+struct Avx512Hw : Avx512 {
+  static T rsqrt14(T x) { return _mm512_rsqrt14_ps(x); }
+};
+
+// Compares the instruction with the emulation on every input prefix the emulation reads (both exponent
+// parities x 2^15 fraction prefixes, each with the 8 ignored low bits all 0 and all 1), on powers of 4,
+// and on every exponent the sqrt can feed it (2^-85 and up).
+bool rsqrt14_hw_matches() {
+  alignas(64) uint32_t in[16];
+  int k = 0;
+  bool same = true;
+  auto check = [&](uint32_t u) {
+    in[k++] = u;
+    if (k == 16) {
+      const __m512 x = _mm512_load_ps(reinterpret_cast<const float*>(in));
+      same = same && _mm512_cmpneq_epi32_mask(_mm512_castps_si512(_mm512_rsqrt14_ps(x)),
+                                              _mm512_castps_si512(Avx512::rsqrt14(x))) == 0;
+      k = 0;
+    }
+  };
+  for (uint32_t e = 127; e <= 128; ++e)
+    for (uint32_t j = 0; j < 32768; ++j) {
+      check((e << 23) | (j << 8));
+      check((e << 23) | (j << 8) | 0xffu);
+    }
+  constexpr uint32_t kMantissas[5] = {0u, 1u, 0x2aaaaau, 0x555555u, 0x7fffffu};
+  for (uint32_t e = 42; e <= 254; ++e)
+    for (int i = 0; i < 5; ++i) check((e << 23) | kMantissas[i]);
+  while (k != 0) check(127u << 23);
+  return same;
+}
+
 #endif
 
 }  // namespace
@@ -438,10 +554,12 @@ void detail::adam_sqrt_avx2(const float* x, float* out, int64_t n, SqrtMode mode
 }
 #elif defined(COMPCOMM_ADAM_ISA) && COMPCOMM_ADAM_ISA == 3
 AdamRangeFn detail::adam_pick_avx512(const AdamCoeffs& c, const AdamTensors& t) {
-  return pick<Avx512>(c, t);
+  static const bool hw = rsqrt14_hw_matches();
+  return hw ? pick<Avx512Hw>(c, t) : pick<Avx512>(c, t);
 }
 void detail::adam_sqrt_avx512(const float* x, float* out, int64_t n, SqrtMode mode) {
-  sqrt_range<Avx512>(x, out, n, mode);
+  static const bool hw = rsqrt14_hw_matches();
+  hw ? sqrt_range<Avx512Hw>(x, out, n, mode) : sqrt_range<Avx512>(x, out, n, mode);
 }
 #else
 // ------------------------------------------------------------------------------------------------

@@ -88,15 +88,16 @@ def _sqrt_mode(sqrt: Optional[str]) -> str:
 def _check(fn: str, name: str, t: Any, dtypes: Tuple[torch.dtype, ...],
            numel: Optional[int]) -> torch.Tensor:
     """``t`` if it is a contiguous CPU tensor of one of ``dtypes`` with ``numel`` elements, else a
-    TypeError (not a tensor, wrong dtype) or ValueError (device, layout, size) naming ``name``."""
+    TypeError (not a tensor, wrong dtype) or ValueError (device, layout, size) naming ``name``.
+    (Runs for every tensor of every step: the common case is a few attribute reads.)"""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise ValueError(f"{fn}: {name} must be a CPU tensor, got device {t.device}")
     if t.dtype not in dtypes:
         names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise TypeError(f"{fn}: {name} must be {names}, got {str(t.dtype).replace('torch.', '')}")
-    if t.layout != torch.strided or not t.is_contiguous():
+    if t.is_sparse or not t.is_contiguous():
         raise ValueError(f"{fn}: {name} must be a contiguous (dense) tensor")
     if numel is not None and t.numel() != numel:
         raise ValueError(f"{fn}: {name} has {t.numel()} elements, w has {numel}")
