@@ -1,6 +1,6 @@
 // compcomm._C.optim: the CPU Adam / AdamW step and the 1-bit Adam updates (cpp/kernels/cpu_adam.h).
-// Exports only, plus the argument checks of this entry point: host buffers, dtypes, equal counts, no
-// partial overlap; a bad argument raises ValueError / TypeError naming it. The Python layer
+// Exports only, plus the argument checks of this entry point: host buffers, dtypes, equal counts,
+// no partial overlap; a bad argument raises ValueError / TypeError naming it. The Python layer
 // (compcomm.optim.cpu_adam) checks what a Buffer cannot show (torch device, contiguity).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -25,13 +25,17 @@ kernels::InputType float_type(const char* fn, const char* name, const Buffer& b,
   if (b.dtype == DType::kFloat32) return kernels::InputType::kFloat32;
   if (any_float && b.dtype == DType::kFloat16) return kernels::InputType::kFloat16;
   if (any_float && b.dtype == DType::kBFloat16) return kernels::InputType::kBFloat16;
-  type_error(concat(fn, ": ", name, " must be ", any_float ? "float32, float16 or bfloat16" : "float32",
-                    ", got ", dtype_name(b.dtype)));
+  type_error(concat(fn, ": ", name, " must be ",
+                    any_float ? "float32, float16 or bfloat16" : "float32", ", got ",
+                    dtype_name(b.dtype)));
 }
 
-void check_buffer(const char* fn, const char* name, const Buffer& b, int64_t n, const char* ref = "w") {
-  if (!b.on_host()) value_error(concat(fn, ": ", name, " must be in host memory, got CUDA device ", b.device));
-  if (b.count != n) value_error(concat(fn, ": ", name, " has ", b.count, " elements, ", ref, " has ", n));
+void check_buffer(const char* fn, const char* name, const Buffer& b, int64_t n,
+                  const char* ref = "w") {
+  if (!b.on_host())
+    value_error(concat(fn, ": ", name, " must be in host memory, got CUDA device ", b.device));
+  if (b.count != n)
+    value_error(concat(fn, ": ", name, " has ", b.count, " elements, ", ref, " has ", n));
   if (n > 0 && b.data == nullptr) value_error(concat(fn, ": ", name, " is a null buffer"));
 }
 
@@ -46,14 +50,17 @@ struct Named {
   const Buffer* buf;
 };
 
-// Written buffers may not overlap each other; a read-only one may be the very same memory as a written
-// one (the update is elementwise) but not overlap it partly.
-void check_aliasing(const char* fn, std::initializer_list<Named> written, std::initializer_list<Named> read) {
+// Written buffers may not overlap each other; a read-only one may be the very same memory as a
+// written one (the update is elementwise) but not overlap it partly.
+void check_aliasing(const char* fn, std::initializer_list<Named> written,
+                    std::initializer_list<Named> read) {
   for (auto i = written.begin(); i != written.end(); ++i) {
     for (auto j = i + 1; j != written.end(); ++j)
-      if (overlap(*i->buf, *j->buf)) value_error(concat(fn, ": ", i->name, " and ", j->name, " overlap"));
+      if (overlap(*i->buf, *j->buf))
+        value_error(concat(fn, ": ", i->name, " and ", j->name, " overlap"));
     for (const Named& r : read)
-      if (overlap(*i->buf, *r.buf) && !(i->buf->data == r.buf->data && i->buf->bytes() == r.buf->bytes()))
+      if (overlap(*i->buf, *r.buf) &&
+          !(i->buf->data == r.buf->data && i->buf->bytes() == r.buf->bytes()))
         value_error(concat(fn, ": ", r.name, " partly overlaps ", i->name));
   }
 }
@@ -74,17 +81,21 @@ K::SqrtMode sqrt_of(const std::string& s) {
 
 const char* isa_name(K::AdamIsa isa) {
   switch (isa) {
-    case K::AdamIsa::kAvx512: return "avx512";
-    case K::AdamIsa::kAvx2: return "avx2";
-    case K::AdamIsa::kGeneric: return "generic";
-    case K::AdamIsa::kAuto: break;
+    case K::AdamIsa::kAvx512:
+      return "avx512";
+    case K::AdamIsa::kAvx2:
+      return "avx2";
+    case K::AdamIsa::kGeneric:
+      return "generic";
+    case K::AdamIsa::kAuto:
+      break;
   }
   return "auto";
 }
 
 // Checks the buffers of one update, fills t, and runs it (GIL released by the caller's guard).
-void run(const char* fn, K::AdamCoeffs c, const std::string& sqrt, const Buffer& w, const Buffer& m, const Buffer& v,
-         const Buffer& g, const char* g_name, const std::optional<Buffer>& mask,
+void run(const char* fn, K::AdamCoeffs c, const std::string& sqrt, const Buffer& w, const Buffer& m,
+         const Buffer& v, const Buffer& g, const char* g_name, const std::optional<Buffer>& mask,
          const std::optional<Buffer>& param_out, int num_threads, const std::string& isa) {
   c.sqrt = sqrt_of(sqrt);
   const K::AdamIsa which = isa_of(isa);
@@ -112,7 +123,8 @@ void run(const char* fn, K::AdamCoeffs c, const std::string& sqrt, const Buffer&
     check_buffer(fn, "param_out", out, n);
   }
   if (c.rule == K::AdamRule::kOneBitCompressed)  // v is only read
-    check_aliasing(fn, {{"w", &w}, {"m", &m}, {"param_out", &out}}, {{g_name, &g}, {"mask", &k}, {"v", &v}});
+    check_aliasing(fn, {{"w", &w}, {"m", &m}, {"param_out", &out}},
+                   {{g_name, &g}, {"mask", &k}, {"v", &v}});
   else
     check_aliasing(fn, {{"w", &w}, {"m", &m}, {"v", &v}, {"param_out", &out}}, {{g_name, &g}});
   if (num_threads < 0) value_error(concat(fn, ": num_threads must be >= 0, got ", num_threads));
@@ -127,7 +139,8 @@ void run(const char* fn, K::AdamCoeffs c, const std::string& sqrt, const Buffer&
     py::gil_scoped_release release;
     s = K::adam_update(c, t, n, num_threads, which);
   }
-  if (s != kernels::Status::kSuccess) value_error(concat(fn, ": the kernel rejected its arguments"));
+  if (s != kernels::Status::kSuccess)
+    value_error(concat(fn, ": the kernel rejected its arguments"));
 }
 
 }  // namespace
@@ -135,45 +148,54 @@ void run(const char* fn, K::AdamCoeffs c, const std::string& sqrt, const Buffer&
 void bind_optim(py::module_& parent) {
   py::module_ m = parent.def_submodule(
       "optim",
-      "CPU Adam / AdamW and the 1-bit Adam updates: one vectorised, multi-threaded pass over fp32 w, m, "
+      "CPU Adam / AdamW and the 1-bit Adam updates: one vectorised, multi-threaded pass over fp32 "
+      "w, m, "
       "v and the gradient, optionally writing a bf16/fp16 copy of the new parameter (see "
       "compcomm.optim.cpu_adam for the torch-tensor wrappers).");
 
   m.def(
       "adam_step",
-      [](const Buffer& w, const Buffer& m_, const Buffer& v, const Buffer& g, double lr, double b1, double b2,
-         double eps, double wd, int64_t step, bool adamw_mode, bool bias_correction,
+      [](const Buffer& w, const Buffer& m_, const Buffer& v, const Buffer& g, double lr, double b1,
+         double b2, double eps, double wd, int64_t step, bool adamw_mode, bool bias_correction,
          const std::optional<Buffer>& param_out, int num_threads, const std::string& isa,
          const std::string& sqrt) {
-        if (step < 1) value_error(concat("adam_step: step must be >= 1 (the step being taken), got ", step));
-        run("adam_step", K::adam_coeffs(lr, b1, b2, eps, wd, step, adamw_mode, bias_correction), sqrt, w, m_, v, g,
-            "g", std::nullopt, param_out, num_threads, isa);
+        if (step < 1)
+          value_error(concat("adam_step: step must be >= 1 (the step being taken), got ", step));
+        run("adam_step", K::adam_coeffs(lr, b1, b2, eps, wd, step, adamw_mode, bias_correction),
+            sqrt, w, m_, v, g, "g", std::nullopt, param_out, num_threads, isa);
       },
-      py::arg("w"), py::arg("m"), py::arg("v"), py::arg("g"), py::arg("lr"), py::arg("b1"), py::arg("b2"),
-      py::arg("eps"), py::arg("wd"), py::arg("step"), py::arg("adamw_mode") = true,
-      py::arg("bias_correction") = true, py::arg("param_out") = py::none(), py::arg("num_threads") = 0,
-      py::arg("isa") = "auto", py::arg("sqrt") = "ieee",
-      "One torch.optim.AdamW step (adamw_mode) or Adam step with L2 weight decay, in place on fp32 w, m, v "
-      "from g (fp32/fp16/bf16); step: the step being taken (>= 1). param_out: also write the new w there "
-      "(fp32/fp16/bf16). num_threads 0: the OpenMP default. sqrt: 'ieee' or 'rsqrt14' (torch's CPU sqrt with "
+      py::arg("w"), py::arg("m"), py::arg("v"), py::arg("g"), py::arg("lr"), py::arg("b1"),
+      py::arg("b2"), py::arg("eps"), py::arg("wd"), py::arg("step"), py::arg("adamw_mode") = true,
+      py::arg("bias_correction") = true, py::arg("param_out") = py::none(),
+      py::arg("num_threads") = 0, py::arg("isa") = "auto", py::arg("sqrt") = "ieee",
+      "One torch.optim.AdamW step (adamw_mode) or Adam step with L2 weight decay, in place on fp32 "
+      "w, m, v "
+      "from g (fp32/fp16/bf16); step: the step being taken (>= 1). param_out: also write the new w "
+      "there "
+      "(fp32/fp16/bf16). num_threads 0: the OpenMP default. sqrt: 'ieee' or 'rsqrt14' (torch's CPU "
+      "sqrt with "
       "MKL on AVX-512; see compcomm.optim.cpu_adam.torch_sqrt_mode).");
 
   m.def(
       "onebit_warmup_step",
-      [](const Buffer& w, const Buffer& m_, const Buffer& v, const Buffer& g, double lr, double b1, double b2,
-         double eps, double wd, bool bias_correction, int64_t bc1_t, int64_t bc2_t,
+      [](const Buffer& w, const Buffer& m_, const Buffer& v, const Buffer& g, double lr, double b1,
+         double b2, double eps, double wd, bool bias_correction, int64_t bc1_t, int64_t bc2_t,
          const std::optional<Buffer>& param_out, int num_threads, const std::string& isa,
          const std::string& sqrt) {
         if (bc1_t < 0 || bc2_t < 0)
-          value_error(concat("onebit_warmup_step: bc1_t and bc2_t must be >= 0, got ", bc1_t, ", ", bc2_t));
+          value_error(
+              concat("onebit_warmup_step: bc1_t and bc2_t must be >= 0, got ", bc1_t, ", ", bc2_t));
         run("onebit_warmup_step",
-            K::onebit_coeffs(K::AdamRule::kOneBitWarmup, lr, b1, b2, eps, wd, bias_correction, bc1_t, bc2_t), sqrt,
-            w, m_, v, g, "g", std::nullopt, param_out, num_threads, isa);
+            K::onebit_coeffs(K::AdamRule::kOneBitWarmup, lr, b1, b2, eps, wd, bias_correction,
+                             bc1_t, bc2_t),
+            sqrt, w, m_, v, g, "g", std::nullopt, param_out, num_threads, isa);
       },
-      py::arg("w"), py::arg("m"), py::arg("v"), py::arg("g"), py::arg("lr"), py::arg("b1"), py::arg("b2"),
-      py::arg("eps"), py::arg("wd"), py::arg("bias_correction"), py::arg("bc1_t"), py::arg("bc2_t"),
-      py::arg("param_out") = py::none(), py::arg("num_threads") = 0, py::arg("isa") = "auto", py::arg("sqrt") = "ieee",
-      "1-bit Adam's warm-up step, bit for bit functional.adam_moments_ then functional.adam_step_ on the "
+      py::arg("w"), py::arg("m"), py::arg("v"), py::arg("g"), py::arg("lr"), py::arg("b1"),
+      py::arg("b2"), py::arg("eps"), py::arg("wd"), py::arg("bias_correction"), py::arg("bc1_t"),
+      py::arg("bc2_t"), py::arg("param_out") = py::none(), py::arg("num_threads") = 0,
+      py::arg("isa") = "auto", py::arg("sqrt") = "ieee",
+      "1-bit Adam's warm-up step, bit for bit functional.adam_moments_ then functional.adam_step_ "
+      "on the "
       "CPU: both moments from g, then w -= lr * (m / (sqrt(v) + eps) (+ wd w)), corrected at steps "
       "bc1_t / bc2_t when bias_correction.");
 
@@ -184,17 +206,19 @@ void bind_optim(py::module_& parent) {
          bool bias_correction, int64_t bc1_t, int64_t bc2_t, const std::optional<Buffer>& param_out,
          int num_threads, const std::string& isa, const std::string& sqrt) {
         if (bc1_t < 0 || bc2_t < 0)
-          value_error(
-              concat("onebit_compressed_step: bc1_t and bc2_t must be >= 0, got ", bc1_t, ", ", bc2_t));
+          value_error(concat("onebit_compressed_step: bc1_t and bc2_t must be >= 0, got ", bc1_t,
+                             ", ", bc2_t));
         run("onebit_compressed_step",
-            K::onebit_coeffs(K::AdamRule::kOneBitCompressed, lr, b1, b2, eps, wd, bias_correction, bc1_t, bc2_t),
+            K::onebit_coeffs(K::AdamRule::kOneBitCompressed, lr, b1, b2, eps, wd, bias_correction,
+                             bc1_t, bc2_t),
             sqrt, w, m_, v, averaged, "averaged", mask, param_out, num_threads, isa);
       },
       py::arg("w"), py::arg("m"), py::arg("v"), py::arg("averaged"), py::arg("mask"), py::arg("lr"),
       py::arg("b1"), py::arg("b2"), py::arg("eps"), py::arg("wd"), py::arg("bias_correction"),
-      py::arg("bc1_t"), py::arg("bc2_t"), py::arg("param_out") = py::none(), py::arg("num_threads") = 0,
-      py::arg("isa") = "auto", py::arg("sqrt") = "ieee",
-      "1-bit Adam's compressed-phase step, bit for bit m.copy_(averaged), m *= mask (mask may be None), "
+      py::arg("bc1_t"), py::arg("bc2_t"), py::arg("param_out") = py::none(),
+      py::arg("num_threads") = 0, py::arg("isa") = "auto", py::arg("sqrt") = "ieee",
+      "1-bit Adam's compressed-phase step, bit for bit m.copy_(averaged), m *= mask (mask may be "
+      "None), "
       "functional.adam_step_ with the frozen bc2_t, on the CPU; v is only read.");
 
   m.def(
@@ -207,11 +231,13 @@ void bind_optim(py::module_& parent) {
         const K::SqrtMode mode = sqrt_of(sqrt);
         const K::AdamIsa which = isa_of(isa);
         if (!K::adam_isa_supported(which))
-          value_error(concat("sqrt: isa '", isa, "' is not available on this machine or in this build"));
+          value_error(
+              concat("sqrt: isa '", isa, "' is not available on this machine or in this build"));
         kernels::Status s;
         {
           py::gil_scoped_release release;
-          s = K::adam_sqrt(static_cast<const float*>(x.data), static_cast<float*>(out.data), x.count, mode, which);
+          s = K::adam_sqrt(static_cast<const float*>(x.data), static_cast<float*>(out.data),
+                           x.count, mode, which);
         }
         if (s != kernels::Status::kSuccess) value_error("sqrt: the kernel rejected its arguments");
       },
@@ -219,10 +245,13 @@ void bind_optim(py::module_& parent) {
       "out = the square root of x (fp32) as the update computes it: 'ieee' (correctly rounded) or "
       "'rsqrt14' (torch's CPU sqrt through MKL on AVX-512 machines, see cpp/kernels/cpu_adam.h).");
 
-  m.def("isa", [] { return isa_name(K::adam_best_isa()); },
-        "The instruction set the kernels use on this machine: 'avx512', 'avx2' or 'generic'.");
-  m.def("isa_supported", [](const std::string& isa) { return K::adam_isa_supported(isa_of(isa)); },
-        py::arg("isa"), "Whether isa ('generic', 'avx2', 'avx512') can run here.");
-  m.def("threading", [] { return std::string(K::adam_threading()); },
-        "How the kernels use threads: 'openmp' or 'std::thread'.");
+  m.def(
+      "isa", [] { return isa_name(K::adam_best_isa()); },
+      "The instruction set the kernels use on this machine: 'avx512', 'avx2' or 'generic'.");
+  m.def(
+      "isa_supported", [](const std::string& isa) { return K::adam_isa_supported(isa_of(isa)); },
+      py::arg("isa"), "Whether isa ('generic', 'avx2', 'avx512') can run here.");
+  m.def(
+      "threading", [] { return std::string(K::adam_threading()); },
+      "How the kernels use threads: 'openmp' or 'std::thread'.");
 }

@@ -1,20 +1,22 @@
 // CPU Adam / AdamW and the 1-bit Adam updates (see cpu_adam.h for the per-element numerics).
 //
 // How it is built. This one file is compiled up to three times (cpp/kernels/CMakeLists.txt):
-//   - without COMPCOMM_ADAM_ISA: the entry points (coefficients, argument checks, the run-time choice
+//   - without COMPCOMM_ADAM_ISA: the entry points (coefficients, argument checks, the run-time
+//   choice
 //     of instruction set, the thread split) and the generic scalar loop;
 //   - with COMPCOMM_ADAM_ISA=2 and -mavx2 -mfma -mf16c: the 8-wide loop;
 //   - with COMPCOMM_ADAM_ISA=3 and -mavx512f ...: the 16-wide loop.
-// The loop body below is one template over a vector type, so the three paths are the same sequence of
-// operations by construction. Only the generic object may run on any CPU; everything in the others
-// has internal linkage (an anonymous namespace, intrinsics only, no inline library functions) except
-// the one function the dispatcher calls after checking the CPU, so no AVX code can leak into the
-// generic path through a shared inline definition. Every object is compiled with -ffp-contract=off:
-// the only fused multiply-adds are the explicit ones.
+// The loop body below is one template over a vector type, so the three paths are the same sequence
+// of operations by construction. Only the generic object may run on any CPU; everything in the
+// others has internal linkage (an anonymous namespace, intrinsics only, no inline library
+// functions) except the one function the dispatcher calls after checking the CPU, so no AVX code
+// can leak into the generic path through a shared inline definition. Every object is compiled with
+// -ffp-contract=off: the only fused multiply-adds are the explicit ones.
 //
-// The loop. Each thread gets one contiguous range (a multiple of 64 elements); within it, full vectors
-// are processed in place and the last partial vector is copied to stack buffers, processed by the same
-// vector code and copied back, so the tail needs no scalar twin (and gives the same results).
+// The loop. Each thread gets one contiguous range (a multiple of 64 elements); within it, full
+// vectors are processed in place and the last partial vector is copied to stack buffers, processed
+// by the same vector code and copied back, so the tail needs no scalar twin (and gives the same
+// results).
 #include "cpu_adam.h"
 
 #include <cstddef>
@@ -61,21 +63,22 @@ struct F16 {
 };
 struct NoOut {};  // no parameter copy
 
-// rsqrt14 (VRSQRT14PS) on [1, 4): 64 segments (32 on [1, 2), 32 on [2, 4)) indexed by the exponent's
-// parity and the top 5 fraction bits; within one, with t the next 10 fraction bits, the 17-bit
-// significand of the result is (kRsqrtC - kRsqrtD * t) >> 9 (value in [0.5, 1) as a multiple of
-// 2^-17). Outside [1, 4) the result scales by powers of 2 (rsqrt(4^q x) = 2^-q rsqrt(x)), and exact
-// powers of 4 give exact results. The coefficients were fitted to the instruction's outputs for all
-// 2^24 inputs in [1, 4) (every one reproduced) and the whole function checked against it for every
-// positive float.
+// rsqrt14 (VRSQRT14PS) on [1, 4): 64 segments (32 on [1, 2), 32 on [2, 4)) indexed by the
+// exponent's parity and the top 5 fraction bits; within one, with t the next 10 fraction bits, the
+// 17-bit significand of the result is (kRsqrtC - kRsqrtD * t) >> 9 (value in [0.5, 1) as a multiple
+// of 2^-17). Outside [1, 4) the result scales by powers of 2 (rsqrt(4^q x) = 2^-q rsqrt(x)), and
+// exact powers of 4 give exact results. The coefficients were fitted to the instruction's outputs
+// for all 2^24 inputs in [1, 4) (every one reproduced) and the whole function checked against it
+// for every positive float.
 alignas(64) constexpr int32_t kRsqrtC[64] = {
-    67105920, 66080896, 65102464, 64166144, 63268608, 62407552, 61580928, 60786816, 60022016, 59285632,
-    58575744, 57891328, 57229568, 56589568, 55971712, 55373184, 54793088, 54231424, 53686144, 53156864,
-    52643456, 52144512, 51659776, 51188096, 50728832, 50281856, 49847040, 49422080, 49008512, 48605952,
-    48211840, 47828224, 47450752, 46726272, 46034432, 45371904, 44738048, 44129152, 43544704, 42982528,
-    42442368, 41921920, 41419392, 40935040, 40467072, 40015104, 39577728, 39155072, 38744960, 38347136,
-    37961600, 37588096, 37224832, 36871936, 36528640, 36195328, 35870976, 35554944, 35246976, 34946816,
-    34654848, 34369152, 34091008, 33819392};
+    67105920, 66080896, 65102464, 64166144, 63268608, 62407552, 61580928, 60786816,
+    60022016, 59285632, 58575744, 57891328, 57229568, 56589568, 55971712, 55373184,
+    54793088, 54231424, 53686144, 53156864, 52643456, 52144512, 51659776, 51188096,
+    50728832, 50281856, 49847040, 49422080, 49008512, 48605952, 48211840, 47828224,
+    47450752, 46726272, 46034432, 45371904, 44738048, 44129152, 43544704, 42982528,
+    42442368, 41921920, 41419392, 40935040, 40467072, 40015104, 39577728, 39155072,
+    38744960, 38347136, 37961600, 37588096, 37224832, 36871936, 36528640, 36195328,
+    35870976, 35554944, 35246976, 34946816, 34654848, 34369152, 34091008, 33819392};
 alignas(64) constexpr int32_t kRsqrtD[64] = {
     1001, 955, 915, 877, 841, 807, 775, 747, 719, 693, 669, 647, 625, 603, 585, 567,
     549,  533, 517, 501, 487, 473, 461, 449, 437, 425, 415, 403, 393, 385, 375, 367,
@@ -101,7 +104,8 @@ typename V::T sqrt_of(typename V::T x, bool ieee) {
   return V::fix_specials(x, r);  // +-0, +inf, negative and NaN inputs
 }
 
-// One step over V::kWidth elements at the given pointers. The constants are splatted once per range.
+// One step over V::kWidth elements at the given pointers. The constants are splatted once per
+// range.
 template <class V, AdamRule R, class G, class O>
 struct AdamBody {
   using T = typename V::T;
@@ -131,8 +135,8 @@ struct AdamBody {
         has_mask(mask),
         ieee_sqrt(c.sqrt == SqrtMode::kIeee) {}
 
-  void operator()(float* w, float* m, float* v, const G* g, const float* mask, O* out, bool stream_m,
-                  bool stream_out) const {
+  void operator()(float* w, float* m, float* v, const G* g, const float* mask, O* out,
+                  bool stream_m, bool stream_out) const {
     T wv = V::load(w);
     T mv, vv = V::load(v);
     if constexpr (R == AdamRule::kTorchAdam) {
@@ -179,7 +183,8 @@ struct AdamBody {
 
 // Elements to process before p (elements of `size` bytes) is `align`-aligned; -1 if it never is.
 inline int64_t head_to_align(const void* p, int64_t size, int64_t align) {
-  const auto mis = static_cast<int64_t>(reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(align));
+  const auto mis =
+      static_cast<int64_t>(reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(align));
   if (mis % size != 0) return -1;
   return (align - mis) % align / size;
 }
@@ -219,21 +224,23 @@ void adam_range(const AdamCoeffs& c, const AdamTensors& t, int64_t begin, int64_
   if constexpr (W > 1) {
     if (end - begin >= kStreamMin) {
       int64_t head = -1;
-      if constexpr (R == AdamRule::kOneBitCompressed) head = head_to_align(t.m + i, sizeof(float), W * 4);
+      if constexpr (R == AdamRule::kOneBitCompressed)
+        head = head_to_align(t.m + i, sizeof(float), W * 4);
       if constexpr (kOut) {
         if (head < 0) head = head_to_align(out + i, sizeof(O), W * sizeof(O));
       }
       if (head >= 0) {
         partial(i, head);
         i += head;
-        stream_m = R == AdamRule::kOneBitCompressed && head_to_align(t.m + i, sizeof(float), W * 4) == 0;
+        stream_m =
+            R == AdamRule::kOneBitCompressed && head_to_align(t.m + i, sizeof(float), W * 4) == 0;
         if constexpr (kOut) stream_out = head_to_align(out + i, sizeof(O), W * sizeof(O)) == 0;
       }
     }
   }
   for (; i + W <= end; i += W) {
-    body(t.w + i, t.m + i, t.v + i, g + i, mask ? mask + i : nullptr, kOut ? out + i : nullptr, stream_m,
-         stream_out);
+    body(t.w + i, t.m + i, t.v + i, g + i, mask ? mask + i : nullptr, kOut ? out + i : nullptr,
+         stream_m, stream_out);
   }
   if constexpr (W > 1) partial(i, end - i);
   if (stream_m || stream_out) V::fence();  // order the non-temporal stores before the caller's sync
@@ -244,9 +251,12 @@ template <class V, AdamRule R, class G>
 AdamRangeFn pick_out(const AdamTensors& t) {
   if (t.param_out == nullptr) return &adam_range<V, R, G, NoOut>;
   switch (t.out_type) {
-    case InputType::kFloat32: return &adam_range<V, R, G, float>;
-    case InputType::kFloat16: return &adam_range<V, R, G, F16>;
-    case InputType::kBFloat16: return &adam_range<V, R, G, Bf16>;
+    case InputType::kFloat32:
+      return &adam_range<V, R, G, float>;
+    case InputType::kFloat16:
+      return &adam_range<V, R, G, F16>;
+    case InputType::kBFloat16:
+      return &adam_range<V, R, G, Bf16>;
   }
   return nullptr;
 }
@@ -254,9 +264,12 @@ AdamRangeFn pick_out(const AdamTensors& t) {
 template <class V, AdamRule R>
 AdamRangeFn pick_grad(const AdamTensors& t) {
   switch (t.g_type) {
-    case InputType::kFloat32: return pick_out<V, R, float>(t);
-    case InputType::kFloat16: return pick_out<V, R, F16>(t);
-    case InputType::kBFloat16: return pick_out<V, R, Bf16>(t);
+    case InputType::kFloat32:
+      return pick_out<V, R, float>(t);
+    case InputType::kFloat16:
+      return pick_out<V, R, F16>(t);
+    case InputType::kBFloat16:
+      return pick_out<V, R, Bf16>(t);
   }
   return nullptr;
 }
@@ -264,8 +277,10 @@ AdamRangeFn pick_grad(const AdamTensors& t) {
 template <class V>
 AdamRangeFn pick(const AdamCoeffs& c, const AdamTensors& t) {
   switch (c.rule) {
-    case AdamRule::kTorchAdam: return pick_grad<V, AdamRule::kTorchAdam>(t);
-    case AdamRule::kOneBitWarmup: return pick_grad<V, AdamRule::kOneBitWarmup>(t);
+    case AdamRule::kTorchAdam:
+      return pick_grad<V, AdamRule::kTorchAdam>(t);
+    case AdamRule::kOneBitWarmup:
+      return pick_grad<V, AdamRule::kOneBitWarmup>(t);
     case AdamRule::kOneBitCompressed:  // the averaged momentum is fp32
       return t.g_type == InputType::kFloat32 ? pick_out<V, AdamRule::kOneBitCompressed, float>(t)
                                              : nullptr;
@@ -291,11 +306,11 @@ void sqrt_range(const float* x, float* out, int64_t n, SqrtMode mode) {
 
 // ------------------------------------------------------------------------------------------------
 // The vector types. Each provides T, kWidth, set1, load/store for float, Bf16 and F16, and the
-// correctly rounded add, sub, mul, div, sqrt and fma. bf16 stores round to nearest even (a quiet NaN
-// keeps its sign and top payload bits), as torch's conversion. For the rsqrt14 sqrt: all_normal (every
-// lane in [2^-64, +inf)), less (a mask),
-// select(mask, a, b), neg, rsqrt14 (of a positive normal float; anything for other inputs) and
-// fix_specials(x, r) (r, except x for +-0 and +inf, and a quiet NaN for x < 0 and NaN).
+// correctly rounded add, sub, mul, div, sqrt and fma. bf16 stores round to nearest even (a quiet
+// NaN keeps its sign and top payload bits), as torch's conversion. For the rsqrt14 sqrt: all_normal
+// (every lane in [2^-64, +inf)), less (a mask), select(mask, a, b), neg, rsqrt14 (of a positive
+// normal float; anything for other inputs) and fix_specials(x, r) (r, except x for +-0 and +inf,
+// and a quiet NaN for x < 0 and NaN).
 // ------------------------------------------------------------------------------------------------
 #if !defined(COMPCOMM_ADAM_ISA)
 
@@ -310,7 +325,9 @@ struct Scalar {
   static void store(Bf16* p, T x) { p->bits = half::float_to_bf16(x); }
   static void store(F16* p, T x) { p->bits = half::float_to_half(x); }
   template <class P>
-  static void stream(P* p, T x) { store(p, x); }
+  static void stream(P* p, T x) {
+    store(p, x);
+  }
   static void fence() {}
   static T add(T a, T b) { return a + b; }
   static T sub(T a, T b) { return a - b; }
@@ -320,7 +337,9 @@ struct Scalar {
   static T fma(T a, T b, T c) { return std::fma(a, b, c); }
   static T neg(T a) { return -a; }
   static bool less(T a, T b) { return a < b; }
-  static bool all_normal(T a) { return a >= kSqrtTiny && a < std::numeric_limits<float>::infinity(); }
+  static bool all_normal(T a) {
+    return a >= kSqrtTiny && a < std::numeric_limits<float>::infinity();
+  }
   static T select(bool m, T a, T b) { return m ? a : b; }
   static T rsqrt14(T x) {
     const uint32_t u = half::float_to_bits(x);
@@ -329,7 +348,8 @@ struct Scalar {
     const int32_t q = (d - static_cast<int32_t>(hb)) / 2;
     if (m == 0 && hb == 0) return half::bits_to_float(static_cast<uint32_t>(127 - q) << 23);
     const uint32_t j = m >> 8, s = (hb << 5) | (j >> 10), t = j & 1023u;
-    const uint32_t o = (static_cast<uint32_t>(kRsqrtC[s]) - static_cast<uint32_t>(kRsqrtD[s]) * t) >> 9;
+    const uint32_t o =
+        (static_cast<uint32_t>(kRsqrtC[s]) - static_cast<uint32_t>(kRsqrtD[s]) * t) >> 9;
     return half::bits_to_float((static_cast<uint32_t>(126 - q) << 23) | ((o - 65536u) << 7));
   }
   static T fix_specials(T x, T r) {
@@ -357,8 +377,8 @@ struct Avx2 {
   static void store(Bf16* p, T x) {
     const __m256i u = _mm256_castps_si256(x);
     const __m256i hi = _mm256_srli_epi32(u, 16);
-    const __m256i bias = _mm256_add_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(1)),
-                                          _mm256_set1_epi32(0x7fff));
+    const __m256i bias =
+        _mm256_add_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(1)), _mm256_set1_epi32(0x7fff));
     __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
     r = _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
@@ -375,7 +395,8 @@ struct Avx2 {
   static void stream(Bf16* p, T x) {
     alignas(16) Bf16 b[8];
     store(b, x);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(p), _mm_load_si128(reinterpret_cast<const __m128i*>(b)));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p),
+                     _mm_load_si128(reinterpret_cast<const __m128i*>(b)));
   }
   static void stream(F16* p, T x) {
     _mm_stream_si128(reinterpret_cast<__m128i*>(p),
@@ -405,10 +426,12 @@ struct Avx2 {
     const __m256i j = _mm256_srli_epi32(m, 8);
     const __m256i s = _mm256_or_si256(_mm256_slli_epi32(hb, 5), _mm256_srli_epi32(j, 10));
     const __m256i t = _mm256_and_si256(j, _mm256_set1_epi32(1023));
-    const __m256i c = _mm256_i32gather_epi32(kRsqrtC, s, 4), k = _mm256_i32gather_epi32(kRsqrtD, s, 4);
+    const __m256i c = _mm256_i32gather_epi32(kRsqrtC, s, 4),
+                  k = _mm256_i32gather_epi32(kRsqrtD, s, 4);
     const __m256i o = _mm256_srli_epi32(_mm256_sub_epi32(c, _mm256_mullo_epi32(k, t)), 9);
-    const __m256i r = _mm256_or_si256(_mm256_slli_epi32(_mm256_sub_epi32(_mm256_set1_epi32(126), q), 23),
-                                      _mm256_slli_epi32(_mm256_sub_epi32(o, _mm256_set1_epi32(65536)), 7));
+    const __m256i r =
+        _mm256_or_si256(_mm256_slli_epi32(_mm256_sub_epi32(_mm256_set1_epi32(126), q), 23),
+                        _mm256_slli_epi32(_mm256_sub_epi32(o, _mm256_set1_epi32(65536)), 7));
     const __m256i exact = _mm256_slli_epi32(_mm256_sub_epi32(_mm256_set1_epi32(127), q), 23);
     const __m256i pow4 = _mm256_cmpeq_epi32(_mm256_or_si256(m, hb), _mm256_setzero_si256());
     return _mm256_castsi256_ps(_mm256_blendv_epi8(r, exact, pow4));
@@ -440,8 +463,8 @@ struct Avx512 {
   static __m512i bf16_bits(T x) {  // round to nearest even, in the low 16 bits of each lane
     const __m512i u = _mm512_castps_si512(x);
     const __m512i hi = _mm512_srli_epi32(u, 16);
-    const __m512i bias = _mm512_add_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(1)),
-                                          _mm512_set1_epi32(0x7fff));
+    const __m512i bias =
+        _mm512_add_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7fff));
     const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
     const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
@@ -469,7 +492,10 @@ struct Avx512 {
   static T div(T a, T b) { return _mm512_div_ps(a, b); }
   static T sqrt(T a) { return _mm512_sqrt_ps(a); }
   static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
-  static T neg(T a) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(INT32_MIN))); }
+  static T neg(T a) {
+    return _mm512_castsi512_ps(
+        _mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(INT32_MIN)));
+  }
   static __mmask16 less(T a, T b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
   static bool all_normal(T a) {
     return (_mm512_cmp_ps_mask(a, _mm512_set1_ps(kSqrtTiny), _CMP_GE_OQ) &
@@ -488,14 +514,19 @@ struct Avx512 {
     // 64-entry lookups: two 32-entry permutes per table, chosen by the exponent's parity
     const __mmask16 odd = _mm512_test_epi32_mask(hb, one);
     const __m512i c = _mm512_mask_blend_epi32(
-        odd, _mm512_permutex2var_epi32(_mm512_load_si512(kRsqrtC), s, _mm512_load_si512(kRsqrtC + 16)),
-        _mm512_permutex2var_epi32(_mm512_load_si512(kRsqrtC + 32), s, _mm512_load_si512(kRsqrtC + 48)));
+        odd,
+        _mm512_permutex2var_epi32(_mm512_load_si512(kRsqrtC), s, _mm512_load_si512(kRsqrtC + 16)),
+        _mm512_permutex2var_epi32(_mm512_load_si512(kRsqrtC + 32), s,
+                                  _mm512_load_si512(kRsqrtC + 48)));
     const __m512i k = _mm512_mask_blend_epi32(
-        odd, _mm512_permutex2var_epi32(_mm512_load_si512(kRsqrtD), s, _mm512_load_si512(kRsqrtD + 16)),
-        _mm512_permutex2var_epi32(_mm512_load_si512(kRsqrtD + 32), s, _mm512_load_si512(kRsqrtD + 48)));
+        odd,
+        _mm512_permutex2var_epi32(_mm512_load_si512(kRsqrtD), s, _mm512_load_si512(kRsqrtD + 16)),
+        _mm512_permutex2var_epi32(_mm512_load_si512(kRsqrtD + 32), s,
+                                  _mm512_load_si512(kRsqrtD + 48)));
     const __m512i o = _mm512_srli_epi32(_mm512_sub_epi32(c, _mm512_mullo_epi32(k, t)), 9);
-    const __m512i r = _mm512_or_si512(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(126), q), 23),
-                                      _mm512_slli_epi32(_mm512_sub_epi32(o, _mm512_set1_epi32(65536)), 7));
+    const __m512i r =
+        _mm512_or_si512(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(126), q), 23),
+                        _mm512_slli_epi32(_mm512_sub_epi32(o, _mm512_set1_epi32(65536)), 7));
     const __m512i exact = _mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(127), q), 23);
     const __mmask16 pow4 = _mm512_testn_epi32_mask(_mm512_or_si512(m, hb), _mm512_or_si512(m, hb));
     return _mm512_castsi512_ps(_mm512_mask_blend_epi32(pow4, r, exact));
@@ -515,9 +546,9 @@ struct Avx512Hw : Avx512 {
   static T rsqrt14(T x) { return _mm512_rsqrt14_ps(x); }
 };
 
-// Compares the instruction with the emulation on every input prefix the emulation reads (both exponent
-// parities x 2^15 fraction prefixes, each with the 8 ignored low bits all 0 and all 1), on powers of 4,
-// and on every exponent the sqrt can feed it (2^-85 and up).
+// Compares the instruction with the emulation on every input prefix the emulation reads (both
+// exponent parities x 2^15 fraction prefixes, each with the 8 ignored low bits all 0 and all 1), on
+// powers of 4, and on every exponent the sqrt can feed it (2^-85 and up).
 bool rsqrt14_hw_matches() {
   alignas(64) uint32_t in[16];
   int k = 0;
@@ -548,7 +579,9 @@ bool rsqrt14_hw_matches() {
 }  // namespace
 
 #if defined(COMPCOMM_ADAM_ISA) && COMPCOMM_ADAM_ISA == 2
-AdamRangeFn detail::adam_pick_avx2(const AdamCoeffs& c, const AdamTensors& t) { return pick<Avx2>(c, t); }
+AdamRangeFn detail::adam_pick_avx2(const AdamCoeffs& c, const AdamTensors& t) {
+  return pick<Avx2>(c, t);
+}
 void detail::adam_sqrt_avx2(const float* x, float* out, int64_t n, SqrtMode mode) {
   sqrt_range<Avx2>(x, out, n, mode);
 }
@@ -607,9 +640,9 @@ AdamCoeffs onebit_coeffs(AdamRule rule, double lr, double beta1, double beta2, d
   c.eps = static_cast<float>(eps);
   c.bias_correction = bias_correction;
   if (bias_correction) {
-    c.bc2_sqrt = bc2_t > 0
-                     ? static_cast<float>(std::sqrt(1.0 - std::pow(beta2, static_cast<double>(bc2_t))))
-                     : 1.f;
+    c.bc2_sqrt =
+        bc2_t > 0 ? static_cast<float>(std::sqrt(1.0 - std::pow(beta2, static_cast<double>(bc2_t))))
+                  : 1.f;
     c.bc1 = static_cast<float>(1.0 - std::pow(beta1, static_cast<double>(bc1_t)));
   }
   c.weight_decay = weight_decay > 0.0;
@@ -622,7 +655,8 @@ AdamCoeffs onebit_coeffs(AdamRule rule, double lr, double beta1, double beta2, d
 bool adam_isa_supported(AdamIsa isa) {
   switch (isa) {
     case AdamIsa::kAuto:
-    case AdamIsa::kGeneric: return true;
+    case AdamIsa::kGeneric:
+      return true;
 #if defined(COMPCOMM_ADAM_X86)
     case AdamIsa::kAvx2:
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
@@ -632,7 +666,8 @@ bool adam_isa_supported(AdamIsa isa) {
              __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 #else
     case AdamIsa::kAvx2:
-    case AdamIsa::kAvx512: return false;
+    case AdamIsa::kAvx512:
+      return false;
 #endif
   }
   return false;
@@ -658,11 +693,15 @@ namespace {
 AdamRangeFn pick_for(AdamIsa isa, const AdamCoeffs& c, const AdamTensors& t) {
   switch (isa) {
 #if defined(COMPCOMM_ADAM_X86)
-    case AdamIsa::kAvx512: return detail::adam_pick_avx512(c, t);
-    case AdamIsa::kAvx2: return detail::adam_pick_avx2(c, t);
+    case AdamIsa::kAvx512:
+      return detail::adam_pick_avx512(c, t);
+    case AdamIsa::kAvx2:
+      return detail::adam_pick_avx2(c, t);
 #endif
-    case AdamIsa::kGeneric: return pick<Scalar>(c, t);
-    default: return nullptr;
+    case AdamIsa::kGeneric:
+      return pick<Scalar>(c, t);
+    default:
+      return nullptr;
   }
 }
 
@@ -676,7 +715,8 @@ int default_threads() {
 
 }  // namespace
 
-Status adam_update(const AdamCoeffs& c, const AdamTensors& t, int64_t n, int num_threads, AdamIsa isa) {
+Status adam_update(const AdamCoeffs& c, const AdamTensors& t, int64_t n, int num_threads,
+                   AdamIsa isa) {
   if (n < 0) return Status::kInvalidArgument;
   if (n == 0) return Status::kSuccess;
   if (!t.w || !t.m || !t.v || !t.g) return Status::kInvalidArgument;
@@ -720,10 +760,15 @@ Status adam_sqrt(const float* x, float* out, int64_t n, SqrtMode mode, AdamIsa i
   if (!adam_isa_supported(isa)) return Status::kInvalidArgument;
   switch (isa) {
 #if defined(COMPCOMM_ADAM_X86)
-    case AdamIsa::kAvx512: detail::adam_sqrt_avx512(x, out, n, mode); break;
-    case AdamIsa::kAvx2: detail::adam_sqrt_avx2(x, out, n, mode); break;
+    case AdamIsa::kAvx512:
+      detail::adam_sqrt_avx512(x, out, n, mode);
+      break;
+    case AdamIsa::kAvx2:
+      detail::adam_sqrt_avx2(x, out, n, mode);
+      break;
 #endif
-    default: sqrt_range<Scalar>(x, out, n, mode);
+    default:
+      sqrt_range<Scalar>(x, out, n, mode);
   }
   return Status::kSuccess;
 }

@@ -1,15 +1,16 @@
 // CPU Adam / AdamW and the 1-bit Adam updates: one multi-threaded, vectorised pass over w, m, v and
 // the gradient (or the averaged momentum) per step, fp32 state, and optionally a copy of the new
-// parameter in another dtype (the bf16/fp16 model weights next to an fp32 master) written in the same
-// pass.
+// parameter in another dtype (the bf16/fp16 model weights next to an fp32 master) written in the
+// same pass.
 //
 // Numerics. Every element is computed with the same sequence of IEEE fp32 operations whatever the
 // instruction set (AVX-512, AVX2 or the generic scalar path), the thread count or the element's
-// position, so results never depend on the machine's vector width: +, -, *, / and sqrt are correctly
-// rounded, and where the reference rounds a multiply-add once (torch's CPU kernels do: `add_(x,
-// alpha=a)`, `addcmul_` and `lerp_` are fused multiply-adds both in their vector loops and in their
-// scalar tails) so do these kernels, with an explicit fma; nothing else is contracted (the file is
-// compiled with -ffp-contract=off). The per-element sequences, with fl() the rounding to fp32:
+// position, so results never depend on the machine's vector width: +, -, *, / and sqrt are
+// correctly rounded, and where the reference rounds a multiply-add once (torch's CPU kernels do:
+// `add_(x, alpha=a)`, `addcmul_` and `lerp_` are fused multiply-adds both in their vector loops and
+// in their scalar tails) so do these kernels, with an explicit fma; nothing else is contracted (the
+// file is compiled with -ffp-contract=off). The per-element sequences, with fl() the rounding to
+// fp32:
 //
 //   kTorchAdam (torch.optim.Adam/AdamW, foreach=False, no amsgrad):
 //     if decay != 1:  w = w * decay                            (AdamW: decay = fl(1 - lr*wd))
@@ -26,18 +27,21 @@
 //     u = m / d;   if bias_correction: u = u / bc1;        if weight_decay: u = fma(w, wd, u)
 //     w = fma(u, neg_lr, w)
 //
-// sqrt. torch's CPU `Tensor.sqrt()` on x86 builds with MKL is MKL's vsSqrt (VML_HA), which on AVX-512
-// CPUs is not correctly rounded: it returns the other neighbour for ~0.6% of inputs (errors up to
-// ~0.512 ulp). To reproduce torch bit for bit there, the kernels offer that sqrt too (SqrtMode
-// kRsqrt14), established exhaustively against torch 2.13 / MKL 2024.2 for all 2^32 inputs:
+// sqrt. torch's CPU `Tensor.sqrt()` on x86 builds with MKL is MKL's vsSqrt (VML_HA), which on
+// AVX-512 CPUs is not correctly rounded: it returns the other neighbour for ~0.6% of inputs (errors
+// up to ~0.512 ulp). To reproduce torch bit for bit there, the kernels offer that sqrt too
+// (SqrtMode kRsqrt14), established exhaustively against torch 2.13 / MKL 2024.2 for all 2^32
+// inputs:
 //   x == +-0 -> x;  x == +inf -> +inf;  x < 0 or NaN -> quiet NaN;
 //   x < 2^-64: X = x * 2^64 (else X = x);  y = rsqrt14(X) (VRSQRT14PS);
 //   s = X * y;  h = y * 0.5;  r = fma(-s, s, X) * h + s (one fma);  x < 2^-64: r = r * 2^-32.
-// rsqrt14 is computed in software from its documented piecewise-linear form (64 segments on [1, 4)
-// times powers of 4, coefficients fitted to the instruction's outputs and checked against it for every
-// positive float), so every path gives the same bits; the caller picks the mode that matches the
-// torch it compares with (compcomm.optim.cpu_adam probes torch once). kIeee is the correctly rounded
-// sqrt (torch without MKL, torch on GPU, torch's fused CPU AdamW).
+// rsqrt14 is computed from its piecewise-linear form (64 segments on [1, 4) times powers of 4; Intel
+// publishes a reference implementation, the coefficients here were fitted to the instruction's
+// outputs and checked against it for every positive float), or by the instruction itself on CPUs
+// where it gives the same bits (checked once, at first use), so every path gives the same bits. The
+// caller picks the mode that matches the torch it compares with (compcomm.optim.cpu_adam probes
+// torch once). kIeee is the correctly rounded sqrt (torch without MKL, torch on GPU, torch's fused
+// CPU AdamW).
 //
 // The kernels take raw pointers and counts, never allocate and never throw; arguments are validated
 // by the caller (cpp/bindings/optim_bindings.cpp).
@@ -62,20 +66,20 @@ enum class SqrtMode : int { kIeee = 0, kRsqrt14 = 1 };
 // Python-level arithmetic): build them with adam_coeffs / onebit_coeffs.
 struct AdamCoeffs {
   AdamRule rule = AdamRule::kTorchAdam;
-  float b1 = 0.f;        // fl(beta1)                         1-bit: m * b1
-  float c1 = 0.f;        // fl(1 - beta1)                     1-bit: alpha of add_; torch: lerp_ weight
-  float b2 = 0.f;        // fl(beta2)
-  float c2 = 0.f;        // fl(1 - beta2)                     value of addcmul_
-  float eps = 0.f;       // fl(eps)
+  float b1 = 0.f;   // fl(beta1)                         1-bit: m * b1
+  float c1 = 0.f;   // fl(1 - beta1)                     1-bit: alpha of add_; torch: lerp_ weight
+  float b2 = 0.f;   // fl(beta2)
+  float c2 = 0.f;   // fl(1 - beta2)                     value of addcmul_
+  float eps = 0.f;  // fl(eps)
   float bc2_sqrt = 1.f;  // torch: fl((1 - beta2^t) ** 0.5); 1-bit: fl(sqrt(1 - beta2^bc2_t))
   // kTorchAdam
   float decay = 1.f;     // fl(1 - lr * wd) for AdamW, 1 otherwise
   float l2 = 0.f;        // fl(wd) for Adam with L2 (adamw_mode false), 0 otherwise
   float neg_step = 0.f;  // fl(-(lr / (1 - beta1^t)))  (lr without bias correction)
   // 1-bit rules
-  float bc1 = 1.f;       // fl(1 - beta1^bc1_t)
-  float wd = 0.f;        // fl(wd)
-  float neg_lr = 0.f;    // fl(-lr)
+  float bc1 = 1.f;     // fl(1 - beta1^bc1_t)
+  float wd = 0.f;      // fl(wd)
+  float neg_lr = 0.f;  // fl(-lr)
   bool bias_correction = false;
   bool weight_decay = false;  // wd > 0
   SqrtMode sqrt = SqrtMode::kIeee;
@@ -94,9 +98,9 @@ AdamCoeffs onebit_coeffs(AdamRule rule, double lr, double beta1, double beta2, d
 
 // The arrays of one update, n elements each (contiguous).
 struct AdamTensors {
-  float* w = nullptr;   // parameter (or fp32 master), updated in place
-  float* m = nullptr;   // first moment, updated in place
-  float* v = nullptr;   // second moment, updated in place (read only in kOneBitCompressed)
+  float* w = nullptr;  // parameter (or fp32 master), updated in place
+  float* m = nullptr;  // first moment, updated in place
+  float* v = nullptr;  // second moment, updated in place (read only in kOneBitCompressed)
   // kTorchAdam / kOneBitWarmup: the gradient, of g_type. kOneBitCompressed: the averaged momentum,
   // fp32 (g_type must be kFloat32).
   const void* g = nullptr;
@@ -119,8 +123,9 @@ bool adam_isa_supported(AdamIsa isa);
 // "openmp" or "std::thread".
 const char* adam_threading();
 
-// out[i] = the square root of x[i] in `mode`, with the vector loop of `isa` (tests, and the probe that
-// tells which sqrt torch uses). kInvalidArgument as adam_update.
-Status adam_sqrt(const float* x, float* out, int64_t n, SqrtMode mode, AdamIsa isa = AdamIsa::kAuto);
+// out[i] = the square root of x[i] in `mode`, with the vector loop of `isa` (tests, and the probe
+// that tells which sqrt torch uses). kInvalidArgument as adam_update.
+Status adam_sqrt(const float* x, float* out, int64_t n, SqrtMode mode,
+                 AdamIsa isa = AdamIsa::kAuto);
 
 }  // namespace compcomm::kernels::cpu
