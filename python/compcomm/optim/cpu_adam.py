@@ -363,20 +363,23 @@ class CPUAdam(torch.optim.Optimizer):
         except that the moments and master copies stay fp32 for bf16/fp16 parameters (torch would
         cast them to the parameter's dtype), and a missing master copy is taken from the
         parameter."""
-        fp32 = {idx: {k: v.detach().to(device="cpu", dtype=torch.float32, copy=True)
-                      for k, v in s.items()
-                      if k in ("exp_avg", "exp_avg_sq", "master_param")
-                      and isinstance(v, torch.Tensor)}
-                for idx, s in state_dict["state"].items()}
+        keys = ("exp_avg", "exp_avg_sq", "master_param")
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = dict(zip(saved_ids, (p for g in self.param_groups for p in g["params"])))
+        # torch casts the state to the parameter's dtype: keep fp32 copies for bf16/fp16 ones
+        fp32 = {idx: {k: v.detach().to(device="cpu", dtype=torch.float32, copy=True)
+                      for k, v in s.items() if k in keys and isinstance(v, torch.Tensor)}
+                for idx, s in state_dict["state"].items()
+                if idx in params and params[idx].dtype != torch.float32}
         super().load_state_dict(state_dict)
-        params = [p for g in self.param_groups for p in g["params"]]
-        for idx, p in zip(saved_ids, params):
-            if idx not in fp32 or p not in self.state:
+        for idx, p in params.items():
+            if p not in self.state:
                 continue
             state = self.state[p]
-            for k, v in fp32[idx].items():
-                state[k] = v.reshape(p.shape).contiguous()
+            state.update(fp32.get(idx, {}))
+            for k in keys:  # the kernels need dense, contiguous fp32 tensors of p's shape
+                if k in state:
+                    state[k] = state[k].reshape(p.shape).contiguous()
             step = state.get("step", 0)
             state["step"] = (step.detach().to(torch.float32, copy=True).cpu()
                              if isinstance(step, torch.Tensor)
