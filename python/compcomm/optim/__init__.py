@@ -15,5 +15,5 @@ from .cpu_adam import CPUAdam
 from .lamb import OneBitLamb
 from .zoadam import ZeroOneAdam
 
-__all__ = ["OneBitAdam", "ZeroOneAdam", "OneBitLamb", "save_rank_checkpoint",
+__all__ = ["OneBitAdam", "ZeroOneAdam", "OneBitLamb", "CPUAdam", "save_rank_checkpoint",
            "load_rank_checkpoint"]
