@@ -35,6 +35,22 @@ def _backward(params, rank: int, step: int, micro: int) -> None:
     _loss(params, rank, step, micro).backward()
 
 
+def plain_run(opt: Any, params, backward, steps: int, gas: int) -> List[Any]:
+    """The unsharded twin's trajectory: ``steps`` steps of ``opt``, each after ``backward(t)``
+    (which accumulates ``gas`` micro-steps; the sum is divided by ``gas``, exact for 2); the flat
+    parameters after every step."""
+    out = []
+    for t in range(1, steps + 1):
+        backward(t)
+        if gas > 1:
+            for p in params:
+                p.grad.mul_(1.0 / gas)  # exact for gas = 2
+        opt.step()
+        opt.zero_grad()
+        out.append(_flat(params))
+    return out
+
+
 def _flat(params) -> Any:
     return torch.cat([p.detach().float().reshape(-1) for p in params]).numpy().copy()
 
@@ -147,15 +163,8 @@ def local_phase_case(rank: int, world: int, comm: Any, case: Dict[str, Any]) -> 
 
     params = [torch.nn.Parameter(p.to(dtype)) for p in _params()]
     opt = ZeroOneAdam(params, process_group=comm, **case["kwargs"])
-    out["plain"] = []
-    for t in range(1, case["steps"] + 1):
-        _zoa_backward(params, rank, t, case["gas"])
-        if case["gas"] > 1:
-            for p in params:
-                p.grad.mul_(1.0 / case["gas"])  # exact for gas = 2
-        opt.step()
-        opt.zero_grad()
-        out["plain"].append(_flat(params))
+    out["plain"] = plain_run(opt, params, lambda t: _zoa_backward(params, rank, t, case["gas"]),
+                             case["steps"], case["gas"])
     inner = opt.memory_bytes()
     out["plain_state_bytes"] = sum(v.numel() * v.element_size()
                                    for v in _state_tensors(opt)) + inner["error_feedback"]

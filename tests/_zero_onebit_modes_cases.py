@@ -7,7 +7,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from _zero_onebit_cases import _flat, _state_tensors
+from _zero_onebit_cases import _flat, _state_tensors, plain_run
 from _zero_onebit_cases import grad as _grad
 
 SIZES = [50, 70, 30, 110]  # reduce_bucket_size 120: buckets [50, 70], [30], [110]
@@ -75,15 +75,8 @@ def trajectory(rank: int, world: int, comm: Any, case: Dict[str, Any]) -> Dict[s
     opt = OneBitAdam(params, process_group=comm, reduce_bucket_size=BUCKET,
                      per_parameter=case["stage"] == 3, **case["kwargs"])
     model = _Synthetic(params)
-    out["plain"] = []
-    for t in range(1, case["steps"] + 1):
-        _backward(model, rank, t, case["gas"])
-        if case["gas"] > 1:
-            for p in params:
-                p.grad.mul_(1.0 / case["gas"])  # exact for gas = 2
-        opt.step()
-        opt.zero_grad()
-        out["plain"].append(_flat(params))
+    out["plain"] = plain_run(opt, params, lambda t: _backward(model, rank, t, case["gas"]),
+                             case["steps"], case["gas"])
     return out
 
 
