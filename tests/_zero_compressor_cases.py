@@ -10,7 +10,7 @@ from typing import Any, Dict, List
 import torch
 
 from _zero_onebit_cases import _flat, _state_tensors, plain_run
-from _zero_onebit_modes_cases import BUCKET, _backward, _Synthetic, init_params
+from _zero_onebit_modes_cases import BUCKET, _backward, _Synthetic, init_params, zero_run
 
 
 def _inner(case: Dict[str, Any]):
@@ -66,17 +66,10 @@ def trajectory(rank: int, world: int, comm: Any, case: Dict[str, Any]) -> Dict[s
 
 def resume(rank: int, world: int, comm: Any, case: Dict[str, Any], directory: str) -> Dict[str, Any]:
     """Checkpoints in the compressed phase (no error buffers to save), resumed into a fresh ZeRO."""
-    from compcomm.zero import load_checkpoint, save_checkpoint
+    from compcomm.zero import load_checkpoint
 
     def run(params, model, z, first, last, save_at=()):
-        traj = {}
-        for t in range(first, last + 1):
-            _backward(model, rank, t, case["gas"])
-            z.step()
-            traj[t] = _flat(params)
-            if t in save_at:
-                save_checkpoint(z, f"{directory}/step{t}")
-        return traj
+        return zero_run(rank, case["gas"], directory, params, model, z, first, last, save_at)
 
     extra = {"exact_resume": case.get("exact_resume", False)}
     params = init_params()

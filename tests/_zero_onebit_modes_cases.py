@@ -114,21 +114,30 @@ def nonfinite(rank: int, world: int, comm: Any, mode: str) -> Dict[str, Any]:
     return out
 
 
+def zero_run(rank: int, gas: int, directory: str, params, model, z, first: int, last: int,
+             save_at=()) -> Dict[int, Any]:
+    """ZeroOptimizer ``z``'s steps ``first..last``: the flat parameters after each, a checkpoint
+    in ``directory/step<t>`` after the steps in ``save_at``."""
+    from compcomm.zero import save_checkpoint
+
+    traj = {}
+    for t in range(first, last + 1):
+        _backward(model, rank, t, gas)
+        z.step()
+        traj[t] = _flat(params)
+        if t in save_at:
+            save_checkpoint(z, f"{directory}/step{t}")
+    return traj
+
+
 def resume(rank: int, world: int, comm: Any, case: Dict[str, Any], directory: str) -> Dict[str, Any]:
     """exact_resume checkpoints in the compressed phase, resumed into a fresh optimizer."""
-    from compcomm.zero import load_checkpoint, save_checkpoint
+    from compcomm.zero import load_checkpoint
 
     dtype = getattr(torch, case.get("dtype", "float32"))
 
     def run(params, model, z, first, last, save_at=()):
-        traj = {}
-        for t in range(first, last + 1):
-            _backward(model, rank, t, case["gas"])
-            z.step()
-            traj[t] = _flat(params)
-            if t in save_at:
-                save_checkpoint(z, f"{directory}/step{t}")
-        return traj
+        return zero_run(rank, case["gas"], directory, params, model, z, first, last, save_at)
 
     params = init_params(dtype)
     model = _Synthetic(params)
