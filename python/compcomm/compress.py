@@ -45,15 +45,20 @@ DEFAULT_BUCKET_ELEMENTS = 500_000_000
 def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether every element of ``tensors`` is finite (one host synchronisation per device).
 
-    One multi-tensor max-norm per (device, dtype): NaN and Inf propagate into it, finite values
-    never overflow it (a few launches instead of two per tensor)."""
+    On a GPU one multi-tensor max-norm per (device, dtype) (a few launches instead of two per
+    tensor); on the CPU each tensor's min and max (torch's CPU max-norm is ~10x slower). NaN and
+    Inf propagate into both, and finite values never overflow them."""
     lists: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
     for t in tensors:
         if t.numel():
             lists.setdefault((t.device, t.dtype), []).append(t)
     flags: Dict[torch.device, List[torch.Tensor]] = {}
     for (dev, _), ts in lists.items():
-        flags.setdefault(dev, []).append(torch.stack(torch._foreach_norm(ts, math.inf)).float())
+        if dev.type == "cpu":
+            ends = torch.stack([torch.stack(torch.aminmax(t.reshape(-1))) for t in ts])
+        else:
+            ends = torch.stack(torch._foreach_norm(ts, math.inf))
+        flags.setdefault(dev, []).append(ends.reshape(-1).float())
     return all(bool(torch.isfinite(torch.cat(f)).all()) for f in flags.values())
 
 

@@ -181,6 +181,8 @@ class OneBitBase(torch.optim.Optimizer):
         if not items:
             return {}
         if self.world_size == 1:  # nothing is sent: no buckets, no staging kept between steps
+            # (ZeroOptimizer runs its inner optimizer on shards at world size 1: a kept buffer
+            # would cost a shard-sized fp32 copy)
             views = {}
             for group, p in items:
                 views[p] = torch.empty(p.shape, dtype=torch.float32, device=p.device)
