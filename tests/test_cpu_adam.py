@@ -22,6 +22,7 @@ from compcomm import _C
 from compcomm._buffers import buffer_of as B
 from compcomm.optim import CPUAdam
 from compcomm.optim import functional as F
+from compcomm.optim import cpu_adam
 from compcomm.optim.cpu_adam import (
     adam_step_,
     kernel_isa,
@@ -524,3 +525,44 @@ def test_cpuadam_bad_arguments():
     s.grad = torch.zeros(8)[::2]
     with pytest.raises(ValueError, match="the gradient of param group 0 parameter 0 must be"):
         CPUAdam([s]).step()
+
+
+# ---------------------------------------------------------------------------------------------
+# OneBitAdam on the CPU uses the kernels (where they give torch's bits) with the same trajectory.
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onebitadam_cpu_step_uses_the_kernels_bit_for_bit(monkeypatch, dtype):
+    from compcomm.optim import OneBitAdam
+
+    if not cpu_adam.matches_torch_rules():
+        pytest.skip("the kernels do not give torch's bits on this machine (then unused)")
+    calls = {"warmup": 0, "compressed": 0}
+    for name, key in (("onebit_warmup_step_", "warmup"), ("onebit_compressed_step_", "compressed")):
+        real = getattr(cpu_adam, name)
+
+        def counted(*a, _real=real, _key=key, **k):
+            calls[_key] += 1
+            return _real(*a, **k)
+
+        monkeypatch.setattr(cpu_adam, name, counted)
+
+    def trajectory(env):
+        monkeypatch.setenv("COMPCOMM_FUSED_OPTIM", env)
+        gen = torch.Generator().manual_seed(3)
+        ps = [torch.nn.Parameter(torch.randn(n, generator=gen).to(dtype)) for n in (7, 4099, 300)]
+        opt = OneBitAdam(ps, lr=1e-2, freeze_step=2, weight_decay=0.01, bias_correction=True)
+        out = []
+        for _ in range(5):
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=gen).to(dtype)
+            opt.step()
+            out.append([p.detach().clone() for p in ps])
+        return out
+
+    reference = trajectory("0")
+    assert calls == {"warmup": 0, "compressed": 0}
+    fused = trajectory("1")
+    assert calls == {"warmup": 2 * 3, "compressed": 3 * 3}
+    for a, b in zip(reference, fused):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterable, Optional, Tuple
 
+import os
+
 import torch
 
 from ..schedule import FreezeSchedule, StepKind
-from . import _fused
+from . import _fused, cpu_adam
 from . import functional as F
 from ._params import group_chunks, mask_, master, moments, write_back_multi
 from ._validation import check_common, check_int
@@ -29,7 +31,9 @@ class OneBitAdam(OneBitBase):
 
     On CUDA the update of a param group without ``exp_avg_mask`` runs as multi-tensor kernels
     (:mod:`compcomm.optim._fused`, one pass over memory; ``COMPCOMM_FUSED_OPTIM=0`` in the
-    environment selects the ``torch._foreach`` ops instead).
+    environment selects the ``torch._foreach`` ops instead); on the CPU as one C++ pass per tensor
+    (:mod:`compcomm.optim.cpu_adam`), where those kernels give the bits of the torch ops on this
+    machine (:func:`~compcomm.optim.cpu_adam.matches_torch_rules`, checked once).
 
     Parameters
     ----------
@@ -155,6 +159,11 @@ class OneBitAdam(OneBitBase):
                 step = _fused.adam_warmup_step_ if warm else _fused.onebit_compressed_step_
                 step(ws, ms, vs, xs, group, t, bc2_t, lowps, check=False)
                 continue
+            if _cpu_kernels_usable(group, ps, ws):  # one C++ pass per tensor
+                step = cpu_adam.onebit_warmup_step_ if warm else cpu_adam.onebit_compressed_step_
+                for w, m, v, x, lowp in zip(ws, ms, vs, xs, lowps):
+                    step(w, m, v, x, group, t, bc2_t, param_out=lowp)
+                continue
             if warm:
                 F.adam_moments_multi_(ms, vs, xs, group)
             else:
@@ -164,3 +173,13 @@ class OneBitAdam(OneBitBase):
             F.adam_step_multi_(ws, ms, vs, group, t, bc2_t)
             write_back_multi(ps, states)
         self.schedule.advance(kind)
+
+
+def _cpu_kernels_usable(group: Dict[str, Any], ps, ws) -> bool:
+    """Whether the C++ CPU kernels may update this chunk: CPU parameters, no ``exp_avg_mask``,
+    contiguous tensors, not switched off (``COMPCOMM_FUSED_OPTIM=0``) and bit-identical to the
+    torch-op rules on this machine."""
+    return (group.get("exp_avg_mask") is None and all(p.is_cpu for p in ps)
+            and all(p.data.is_contiguous() and w.is_contiguous() for p, w in zip(ps, ws))
+            and os.environ.get("COMPCOMM_FUSED_OPTIM", "1") != "0"
+            and cpu_adam.matches_torch_rules())

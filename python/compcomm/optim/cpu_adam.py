@@ -37,7 +37,7 @@ from .. import _C
 from .._buffers import buffer_of
 
 __all__ = ["CPUAdam", "adam_step_", "onebit_warmup_step_", "onebit_compressed_step_",
-           "kernel_isa", "torch_sqrt_mode"]
+           "kernel_isa", "torch_sqrt_mode", "matches_torch_rules"]
 
 Group = Mapping[str, Any]
 
@@ -75,6 +75,43 @@ def torch_sqrt_mode() -> Optional[str]:
                 break
         _torch_sqrt = (found,)
     return _torch_sqrt[0]
+
+
+_matches: Optional[bool] = None
+
+
+def matches_torch_rules() -> bool:
+    """Whether the 1-bit kernels give, on this machine, the bits of the torch-op rules of
+    :mod:`compcomm.optim.functional` (what the optimizers' trajectory tests pin down). Checked once
+    by running both on the same random tensors (odd sizes: vector bodies and scalar tails; with and
+    without bias correction and weight decay); the optimizers use the kernels only if it holds."""
+    global _matches
+    if _matches is None:
+        from . import functional as F
+
+        gen = torch.Generator().manual_seed(1)
+        ok = torch_sqrt_mode() is not None
+        for n, bc, wd in ((7, False, 0.0), (4099, True, 0.01), (1031, True, 0.0)):
+            if not ok:
+                break
+            group = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": wd,
+                     "bias_correction": bc}
+            w, m, g, a = (torch.randn(n, generator=gen) for _ in range(4))
+            v = torch.rand(n, generator=gen)
+            ref = [t.clone() for t in (w, m, v)]
+            F.adam_moments_(ref[1], ref[2], g, group)
+            F.adam_step_(ref[0], ref[1], ref[2], group, 3, 3)
+            got = [t.clone() for t in (w, m, v)]
+            onebit_warmup_step_(got[0], got[1], got[2], g, group, 3, 3, num_threads=1)
+            ok = all(torch.equal(x, y) for x, y in zip(ref, got))
+            ref = [t.clone() for t in (w, m, v)]
+            ref[1].copy_(a)
+            F.adam_step_(ref[0], ref[1], ref[2], group, 5, 2)
+            got = [t.clone() for t in (w, m, v)]
+            onebit_compressed_step_(got[0], got[1], got[2], a, group, 5, 2, num_threads=1)
+            ok = ok and all(torch.equal(x, y) for x, y in zip(ref, got))
+        _matches = ok
+    return _matches
 
 
 def _sqrt_mode(sqrt: Optional[str]) -> str:
