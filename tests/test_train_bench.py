@@ -168,3 +168,17 @@ def test_rank_failure_does_not_hang(tmp_path):
     with pytest.raises(runner.SweepError):
         runner.run_on_profile("loopback", 2, ["-c", code], timeout=300)
     assert time.monotonic() - t0 < 100  # the deadline is 300 s
+
+
+def test_lr_schedule():
+    """--lr-schedule cosine: a linear ramp to lr, then a cosine decay to 0.1 x lr at the last step."""
+    from compcomm.bench.train_rank import lr_factor
+
+    const = {"lr_schedule": "constant", "lr_warmup": 5}
+    assert [lr_factor(const, t, 20) for t in (1, 10, 20)] == [1.0, 1.0, 1.0]
+    cos = {"lr_schedule": "cosine", "lr_warmup": 4}
+    assert [lr_factor(cos, t, 20) for t in (1, 2, 4)] == [0.25, 0.5, 1.0]
+    assert lr_factor(cos, 12, 20) == pytest.approx(0.55)  # half-way through the decay
+    assert lr_factor(cos, 20, 20) == pytest.approx(0.1)
+    decay = [lr_factor(cos, t, 20) for t in range(4, 21)]
+    assert all(a > b for a, b in zip(decay, decay[1:]))

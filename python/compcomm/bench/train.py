@@ -100,6 +100,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                     help="forward+backward passes without communication (the compute reference)")
     ap.add_argument("--lr", type=float, default=None, help="Adam-family lr (6e-4 gpt2s, 2e-3 tiny)")
     ap.add_argument("--lamb-lr", type=float, default=None, help="LAMB lr (default: 2 x --lr)")
+    ap.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                    help="constant lr, or a linear ramp over --lr-warmup steps then a cosine decay "
+                         "to 0.1 x lr at the last step (the usual GPT pre-training schedule)")
+    ap.add_argument("--lr-warmup", type=int, default=0,
+                    help="steps of the linear lr ramp (--lr-schedule cosine)")
     ap.add_argument("--amp", choices=("bf16", "none"), default=None,
                     help="autocast dtype (default: bf16 on cuda, none on cpu)")
     ap.add_argument("--backend", choices=("torch", "nccl"), default="torch",
@@ -186,7 +191,8 @@ def _meta(a: argparse.Namespace, argv: Sequence[str]) -> Dict[str, Any]:
         "python": platform.python_version(),
         "command": "compcomm-bench train " + " ".join(argv),
         "device": a.device, "model": a.model, **a.mcfg, "batch": a.batch, "lr": a.lr,
-        "lamb_lr": a.lamb_lr, "warmup": a.warmup, "amp": a.amp, "backend": a.backend,
+        "lamb_lr": a.lamb_lr, "lr_schedule": a.lr_schedule, "lr_warmup": a.lr_warmup,
+        "warmup": a.warmup, "amp": a.amp, "backend": a.backend,
         "non_default": ("; non-default: " + ", ".join(nd)) if nd else "",
         "params": param_count(**a.mcfg), "target_val_loss": a.target_val_loss,
     }
@@ -223,7 +229,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        max_seconds=a.max_seconds,
                        eval_every=0 if a.timing_only else a.eval_every,
                        val_batches=a.val_batches, compute_steps=a.compute_steps, lr=a.lr,
-                       lamb_lr=a.lamb_lr, amp=a.amp, backend=a.backend, fused=a.fused,
+                       lamb_lr=a.lamb_lr, lr_schedule=a.lr_schedule, lr_warmup=a.lr_warmup,
+                       amp=a.amp, backend=a.backend, fused=a.fused,
                        bias_correction=a.bias_correction,
                        local_step_scaler=a.local_step_scaler,
                        local_step_clipper=a.local_step_clipper, data_bytes=a.data_bytes,

@@ -66,6 +66,18 @@ def _sync(dev: Any) -> None:
         torch.cuda.synchronize(dev)
 
 
+def lr_factor(cfg: Dict[str, Any], t: int, steps: int) -> float:
+    """The lr multiplier of step ``t`` (1-based) of ``steps``: 1 (constant), or a linear ramp over
+    ``lr_warmup`` steps then a cosine decay to 0.1 at the last step."""
+    if cfg.get("lr_schedule", "constant") == "constant":
+        return 1.0
+    ramp = cfg.get("lr_warmup", 0)
+    if t <= ramp:
+        return t / ramp
+    done = (t - ramp) / max(1, steps - ramp)
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * done))
+
+
 def _train_one(name: str, cfg: Dict[str, Any], rank: int, world: int, dev: Any, new_model: Any,
                batch: Any, train: Any, loss_of: Any, evaluate: Any, barrier: Any,
                rec: Dict[str, List[Any]], evals: List[List[float]], out: Any) -> Dict[str, Any]:
@@ -89,6 +101,7 @@ def _train_one(name: str, cfg: Dict[str, Any], rank: int, world: int, dev: Any, 
     seq, bsz = cfg["seq"], cfg["batch"]
     steps = cfg["steps"] if (name in COMPRESSED or cfg["baseline_steps"] is None) \
         else cfg["baseline_steps"]
+    base_lr = [g["lr"] for g in opt.param_groups]
     wall = 0.0
     began = time.monotonic()
     stopped_early = False
@@ -101,6 +114,8 @@ def _train_one(name: str, cfg: Dict[str, Any], rank: int, world: int, dev: Any, 
             barrier()
             _sync(dev)
             t0 = time.perf_counter()
+            for g, lr in zip(opt.param_groups, base_lr):
+                g["lr"] = lr * lr_factor(cfg, t, steps)
             opt.zero_grad(set_to_none=True)
             loss = loss_of(module, x, y)
             loss.backward()

@@ -214,6 +214,13 @@ def time_to_target(rows: List[Dict[str, Any]], target: Optional[float]) -> Dict[
     return res
 
 
+
+def _schedule(meta: Dict[str, Any]) -> str:
+    if meta.get("lr_schedule", "constant") == "constant":
+        return " constant"
+    return (f" with a linear ramp over {meta.get('lr_warmup', 0)} steps then cosine decay to "
+            "0.1 x at the last step")
+
 def markdown(doc: Dict[str, Any]) -> str:
     meta, rows = doc["meta"], doc["rows"]
     out = [f"# compcomm-bench train ({meta['device']}, measured)", ""]
@@ -222,7 +229,7 @@ def markdown(doc: Dict[str, Any]) -> str:
         f"{meta['heads']} heads, {meta['layers']} layers, seq {meta['seq']}), batch {meta['batch']} "
         f"sequences per rank, {'bf16 autocast, fp32 master weights' if meta['amp'] == 'bf16' else 'fp32'}"
         f"; text: Python {meta['python']} standard library source (10 % held out). lr {meta['lr']} "
-        f"(LAMB {meta['lamb_lr']}), warm-up (freeze_step / var_freeze_step) {meta['warmup']}, "
+        f"(LAMB {meta['lamb_lr']}){_schedule(meta)}, warm-up (freeze_step / var_freeze_step) {meta['warmup']}, "
         f"otherwise default optimizer arguments{meta.get('non_default') or ''}. Host: {meta['host']}, "
         f"{meta['cpus']} CPUs, {meta.get('gpu') or 'no GPU'}; load average before/after "
         f"{meta['loadavg_before']} / {meta.get('loadavg_after')}; torch {meta['torch']}, "
