@@ -128,13 +128,15 @@ PYEOF
   cp "$WORK"/train_gpu_timing$SFX.md "$WORK"/train_gpu_timing$SFX.png "$OUT/" 2>/dev/null
 fi
 
-# 4. loss runs (equal steps vs the uncompressed twin, freeze_step past the run): the twins average
+# 4. loss runs (equal steps vs the uncompressed twin, freeze_step past the run; LOSS_FLAGS come last
+#    so they override the defaults, e.g. "--bias-correction --lr-schedule cosine --lr-warmup 30
+#    --eval-every 50"): the twins average
 #    fp32 gradients every step (~1.1 s at W=4 on eth10g, the fastest emulated link measured)
 if has loss; then
   LP=${LOSS_PROFILE:-${P10:-loopback}}
   run loss_$LP ${LOSS_BUDGET:-150} $PY -m compcomm.bench train --device cuda --profile $LP --world-size 4 --model gpt2s \
-    --optimizers ${LOSS_OPTS:-onebitadam,onebitadam_nofreeze,onebitlamb,onebitlamb_nofreeze} $FUSED_FLAG $LOSS_FLAGS \
-    --steps ${LOSS_STEPS:-40} --warmup ${LOSS_WARMUP:-10} --eval-every 10 --val-batches 8 \
+    --optimizers ${LOSS_OPTS:-onebitadam,onebitadam_nofreeze,onebitlamb,onebitlamb_nofreeze} $FUSED_FLAG \
+    --steps ${LOSS_STEPS:-40} --warmup ${LOSS_WARMUP:-10} --eval-every 10 --val-batches 8 $LOSS_FLAGS \
     --compute-steps 2 --max-seconds ${LOSS_MAXS:-50} --timeout $(( ${LOSS_BUDGET:-150} - 5 )) --out "$WORK" --name train_gpu_loss$SFX
   cp "$WORK"/train_gpu_loss$SFX.md "$WORK"/train_gpu_loss$SFX.png "$OUT/" 2>/dev/null
 fi
