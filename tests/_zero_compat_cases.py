@@ -1,6 +1,6 @@
 """Rank bodies for tests/test_zero_compat.py: ZeRO checkpoints written by the code before the
 ZeroOptimizer split (tests/data/zero_v1, made by :func:`make` at commit 000a584) load into today's
-ZeroOptimizer and continue bit for bit as that code continued them; loading one and saving it
+ZeroOptimizer and continue as that code continued them (to a few ulps); loading one and saving it
 again writes the same file contents (the on-disk format did not change).
 
 To remake the data (only if the format is changed on purpose, with a converter for the old one):
@@ -115,7 +115,7 @@ def _same(a: Any, b: Any, where: str) -> None:
 
 def check(rank: int, world: int, directory: str, scratch: str) -> List[str]:
     """Load every old checkpoint, save it again (same contents as the old file), continue and
-    compare with the old code's trajectory bit for bit. Returns the cases checked."""
+    compare with the old code's trajectory (to a few ulps). Returns the cases checked."""
     import numpy as np
     from compcomm._comm import resolve
     from compcomm.zero import load_checkpoint, save_checkpoint
@@ -133,7 +133,11 @@ def check(rank: int, world: int, directory: str, scratch: str) -> List[str]:
         _same(old, torch.load(path, map_location="cpu", weights_only=False), f"{name} rank {rank}")
         got = _run(params, model, z, rank, case["save_at"] + 1, case["steps"], case.get("gas", 1))
         z.close()
+        # The files are compared bit for bit above; the continued steps only to a few ulps: the
+        # expected trajectory was computed on one machine, and torch's vectorized CPU math (sqrt,
+        # division) differs by an ulp between CPUs (seen in CI: 2.4e-7 relative at one element).
         for t, (a, e) in enumerate(zip(got, expected[name]), start=case["save_at"] + 1):
-            np.testing.assert_array_equal(a, e, err_msg=f"{name}: rank {rank} step {t}")
+            np.testing.assert_allclose(a, e, rtol=2e-6, atol=1e-8,
+                                       err_msg=f"{name}: rank {rank} step {t}")
         done.append(name)
     return done

@@ -1,7 +1,7 @@
 """ZeRO checkpoints of the format ``compcomm.zero/1`` written before ZeroOptimizer was split by
 concern (tests/data/zero_v1, made at commit 000a584 by ``_zero_compat_cases.make``) still load:
-saved again they give the same file contents, and the runs continue bit for bit as the old code
-continued them (OneBitAdam sharded / exact / no_allgather with error buffers, ZeroOneAdam in its
+saved again they give the same file contents, and the runs continue as the old code
+continued them, to a few ulps of CPU math (OneBitAdam sharded / exact / no_allgather with error buffers, ZeroOneAdam in its
 local phase, AdamW at stage 3 with a dynamic loss scale)."""
 
 from __future__ import annotations
