@@ -200,6 +200,11 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("bytes_sent", &Communicator::bytes_sent,
                              "Bytes this rank has sent through this communicator (nccl-tests conventions).")
       .def("reset_bytes_sent", &Communicator::reset_bytes_sent)
+      .def_property_readonly(
+          "device_abort_flag",
+          [](const Communicator& c) { return reinterpret_cast<uintptr_t>(c.device_abort_flag()); },
+          "Device address of the flag an abort sets before cancelling enqueued work (0: none; the "
+          "backend's calls complete or fail on the host).")
       .def(
           "all_to_all",
           [](Communicator& c, const Buffer& s, const Buffer& r, double t, uintptr_t st) {
@@ -367,5 +372,18 @@ PYBIND11_MODULE(_C, m) {
               "decompress");
       },
       py::arg("scale"), py::arg("packed"), py::arg("out"), py::arg("stream") = 0,
+      py::call_guard<py::gil_scoped_release>());
+  k.def(
+      "commit_gate",
+      [](const Buffer& flag, const Buffer& scales, int64_t stride, int world, uintptr_t stream) {
+        COMPCOMM_CHECK(flag.dtype == DType::kInt32 && flag.count >= 1, "commit_gate: flag must be int32");
+        COMPCOMM_CHECK(scales.dtype == DType::kFloat32 && world >= 0 && stride >= 1 &&
+                           (world == 0 || (world - 1) * stride < scales.count),
+                       "commit_gate: scales must be float32 with (world-1)*stride < numel");
+        auto f = scales.on_host() ? kernels::cpu::commit_gate : kernels::cuda::commit_gate;
+        check(f(ptr<const int>(flag), ptr<float>(scales), stride, world, reinterpret_cast<void*>(stream)),
+              "commit_gate");
+      },
+      py::arg("flag"), py::arg("scales"), py::arg("stride"), py::arg("world"), py::arg("stream") = 0,
       py::call_guard<py::gil_scoped_release>());
 }
