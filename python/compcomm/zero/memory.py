@@ -6,7 +6,7 @@ from typing import Any, Dict, Optional, Union
 
 import torch
 
-__all__ = ["estimate_memory", "model_numels"]
+__all__ = ["estimate_memory", "model_numels", "measure"]
 
 
 def model_numels(model: torch.nn.Module) -> tuple:
@@ -23,6 +23,48 @@ def model_numels(model: torch.nn.Module) -> tuple:
                 total += p.numel()
         largest = max(largest, own)
     return total, largest
+
+
+def _tensor_bytes(state: Any) -> int:
+    return sum(v.numel() * v.element_size() for st in state.values() for v in st.values()
+               if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
+def measure(zo: Any) -> Dict[str, int]:
+    """What :meth:`ZeroOptimizer.memory_bytes` returns, measured on the live tensors of ``zo``.
+
+    ``device`` + ``host`` = ``params + grads + master + optimizer_state``; ``host`` is what
+    ZeRO-Offload keeps in host memory (the master, gradient and optimizer-state shards with
+    ``offload_optimizer``, the parameter shards with ``offload_param``), 0 without offload
+    (also on a CPU-only run, where "device" memory is host memory too)."""
+    out = {"params": 0, "grads": 0, "master": 0}
+    for grp in zo.groups:
+        for k, n in grp.nbytes().items():
+            out[k] += n
+    buffers = zo._grads.nbytes()
+    if zo.compressor is not None:  # error buffers and exchange workspaces of the buckets
+        buffers += sum(zo.compressor.nbytes())
+    inner_state = _tensor_bytes(zo.optimizer.state)
+    state = inner_state
+    if zo._replicated is not None:  # the momentum (no_allgather: variance, master) in full
+        state += zo._replicated.nbytes()
+    if hasattr(zo.optimizer, "memory_bytes"):  # a 1-bit optimizer's own error feedback
+        inner = zo.optimizer.memory_bytes()
+        state += inner["error_feedback"]
+        buffers += inner["buffers"]
+    host = 0
+    off = zo.offload
+    if off is not None:
+        buffers += off.nbytes()
+        if off.optimizer:
+            idle = off.idle_grad_bytes(zo.groups)
+            out["grads"] += idle
+            host += out["master"] + inner_state + idle + sum(
+                grp.master.grad.numel() * 4 for grp in zo.groups if grp.master.grad is not None)
+        if off.param and zo.stage == 3:
+            host += sum(g.param_shard.numel() * g.param_shard.element_size() for g in zo.groups)
+    total = sum(out.values()) + state
+    return dict(out, optimizer_state=state, buffers=buffers, device=total - host, host=host)
 
 
 def estimate_memory(
