@@ -95,7 +95,10 @@ def estimate_memory(
     world_size : int
         Data-parallel ranks (DeepSpeed's G, total GPUs).
     offload : {None, "optimizer", "optimizer+param"}
-        Offload choice for DeepSpeed's formulas (stage 2: "optimizer" = ``cpu_offload``).
+        ZeRO-Offload: ``offload_optimizer`` (stages 1-3), and ``offload_param`` too (stage 3).
+        Moves ``master``, ``optimizer_state`` (the wrapped optimizer's shards) and the fp32
+        gradient shard (stage 1: a persistent one, counted in ``grads``) to ``host``, and with
+        "optimizer+param" the parameter shards; also selects DeepSpeed's offload formulas.
     largest_layer : int, optional
         L when ``model_or_numel`` is a count (default: T).
     gpus_per_node, num_nodes, additional_buffer_factor, zero_init
@@ -125,7 +128,10 @@ def estimate_memory(
     dict
         ``params``, ``grads``, ``master``, ``optimizer_state``, ``buffers``: bytes one rank of
         compcomm's ZeroOptimizer holds for each (steady state after backward; padding, and
-        communication buffers other than the 1-bit ones, excluded), and their sum ``total``. ``gpu`` and ``cpu``: DeepSpeed's estimator
+        communication buffers other than the 1-bit ones, excluded), and their sum ``total``.
+        ``device`` and ``host``: where ``params + grads + master + optimizer_state`` are (``host``
+        0 without offload), as :meth:`ZeroOptimizer.memory_bytes` reports them. ``gpu`` and
+        ``cpu``: DeepSpeed's estimator
         formulas (ONEBIT_SPEC.md section f) for stage 2 and 3 (None for stages 0/1, where DeepSpeed
         has no estimator), in bytes.
     """
@@ -148,6 +154,12 @@ def estimate_memory(
         offload = None
     if offload == "optimizer+param" and stage != 3:
         raise ValueError("offload='optimizer+param' needs stage 3")
+    if offload is not None and stage == 0:
+        raise ValueError("offload needs stage 1, 2 or 3")
+    if offload is not None and onebit is not None and (onebit != "OneBitAdam"
+                                                       or onebit_mode not in (None, "exact")):
+        raise ValueError("offload: of the 1-bit optimizers only OneBitAdam with onebit_mode "
+                         "'exact' runs with offload")
     if onebit not in (None, "OneBitAdam", "ZeroOneAdam"):
         raise ValueError(f"onebit must be None, 'OneBitAdam' or 'ZeroOneAdam', got {onebit!r}")
     if onebit is not None and stage == 0:
@@ -185,6 +197,13 @@ def estimate_memory(
     elif onebit == "ZeroOneAdam":
         grads = b * T
         state = 12 * T + errors + (4 * T if b < 4 else 0)
+    host = 0.0
+    if offload is not None:
+        if stage == 1:  # whole p.grad on the device plus the host's persistent fp32 shard
+            grads += 4 * T / G
+        host = master + k * T / G + 4 * T / G
+        if offload == "optimizer+param":
+            host += params
     out: Dict[str, Any] = {
         "params": int(params),
         "grads": int(grads),
@@ -192,6 +211,8 @@ def estimate_memory(
         "optimizer_state": int(state),
         "buffers": int(buffers),
         "total": int(params + grads + master + state + buffers),
+        "device": int(params + grads + master + state - host),
+        "host": int(host),
         "gpu": None,
         "cpu": None,
     }
