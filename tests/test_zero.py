@@ -207,7 +207,7 @@ def test_zero_config_rejections():
     assert validate_zero_config({"stage": 3})["overlap_comm"] is True
     for bad, key in [
         ({"stage": 2, "reduce_bucket_sz": 5}, "reduce_bucket_sz"),
-        ({"stage": 2, "offload_optimizer": {"device": "cpu"}}, "offload_optimizer"),
+        ({"stage": 2, "offload_optimizer": {"device": "nvme"}}, "offload_optimizer.device"),
         ({"stage": 2, "reduce_scatter": False}, "reduce_scatter"),
         ({"stage": 4}, "stage"),
         ({"stage": 1, "allgather_bucket_size": 3}, "allgather_bucket_size"),

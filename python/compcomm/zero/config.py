@@ -37,7 +37,7 @@ ZERO_DEFAULTS: Dict[str, Any] = {
 _ONLY = {
     "reduce_scatter": (True,),  # compcomm always reduce-scatters (the allreduce path is not provided)
     "allgather_partitions": (True,),  # all-gather is the only way partitions are re-assembled
-    "round_robin_gradients": (False,),  # only matters for CPU offload, which is not provided
+    "round_robin_gradients": (False,),  # DeepSpeed's offload copy-order tweak: not implemented
     "elastic_checkpoint": (False,),
     "stage3_gather_16bit_weights_on_model_save": (False,),
 }
@@ -54,12 +54,49 @@ _SIZE_KEYS = (
 )
 
 
-def _offload_unset(v: Any) -> bool:
+# DeepSpeed's offload keys (runtime/zero/offload_config.py) with their defaults. Keys that only
+# configure NVMe (swap buffers, AIO pipelining) are accepted and ignored, as DeepSpeed ignores them
+# for device "cpu"; ``ratio`` (partial offload) is accepted only as 1.0.
+_OFFLOAD_KEYS: Dict[str, Dict[str, Any]] = {
+    "offload_optimizer": {"device": "none", "nvme_path": None, "buffer_count": 4,
+                          "pin_memory": False, "pipeline": False, "pipeline_read": False,
+                          "pipeline_write": False, "fast_init": False, "ratio": 1.0},
+    "offload_param": {"device": "none", "nvme_path": None, "buffer_count": 5,
+                      "buffer_size": int(1e8), "max_in_cpu": int(1e9), "pin_memory": False},
+}
+
+
+def _offload(key: str, v: Any, stage: int, where: str) -> Any:
+    """One offload dict checked: None (off) or the dict with DeepSpeed's defaults filled in."""
+    name = f"{where}.{key}"
     if v is None:
-        return True
-    if isinstance(v, dict):
-        return v.get("device", "none") in ("none", None)
-    return False
+        return None
+    if not isinstance(v, dict):
+        raise ValueError(f"{name} must be an object such as {{\"device\": \"cpu\"}}, got {v!r}")
+    out = dict(_OFFLOAD_KEYS[key])
+    for k, x in v.items():
+        if k not in out:
+            raise ValueError(f"{name}.{k}: unknown offload key (known keys: {', '.join(sorted(out))})")
+        out[k] = x
+    device = out["device"]
+    if device in (None, "none"):
+        return None
+    if device == "nvme":
+        raise ValueError(f"{name}.device='nvme': NVMe offload is not supported by compcomm "
+                         "(use device 'cpu')")
+    if device != "cpu":
+        raise ValueError(f"{name}.device must be 'cpu' or 'none', got {device!r}")
+    for k in ("pin_memory", "pipeline", "pipeline_read", "pipeline_write", "fast_init"):
+        if k in out and not isinstance(out[k], bool):
+            raise ValueError(f"{name}.{k} must be true or false, got {out[k]!r}")
+    if out.get("ratio", 1.0) != 1.0:
+        raise ValueError(f"{name}.ratio={out['ratio']!r}: partial offload is not supported by "
+                         "compcomm (only 1.0: all of the optimizer state on the CPU)")
+    if stage in (1, 2, 3) and key == "offload_param" and stage != 3:
+        raise ValueError(f"{name}: parameter offload needs stage 3, got stage {stage}")
+    if stage == 0:
+        raise ValueError(f"{name}: offload needs ZeRO stage 1, 2 or 3 (stage is 0)")
+    return out
 
 
 def validate_zero_config(cfg: Dict[str, Any], where: str = "zero_optimization") -> Dict[str, Any]:
@@ -81,7 +118,8 @@ def validate_zero_config(cfg: Dict[str, Any], where: str = "zero_optimization") 
     ------
     ValueError
         For an unknown key, a value of the wrong type, or a setting compcomm does not implement
-        (CPU/NVMe offload, ``reduce_scatter=False``, ...); the message names the key.
+        (NVMe offload, ``reduce_scatter=False``, ...); the message names the key. The offload
+        dicts come back with DeepSpeed's defaults filled in, or None when off.
     """
     out = dict(ZERO_DEFAULTS)
     for key, value in cfg.items():
@@ -115,11 +153,7 @@ def validate_zero_config(cfg: Dict[str, Any], where: str = "zero_optimization") 
                 f"{where}.{key}={out[key]!r} is not supported by compcomm (only {allowed[0]!r})"
             )
     for key in ("offload_optimizer", "offload_param"):
-        if not _offload_unset(out[key]):
-            raise ValueError(
-                f"{where}.{key}: CPU/NVMe offload is not supported by compcomm's ZeRO "
-                "(estimate_memory(offload=...) still reports what it would need)"
-            )
+        out[key] = _offload(key, out[key], stage, where)
     if out["onebit_mode"] not in (None, "exact", "no_allgather", "sharded"):
         raise ValueError(f"{where}.onebit_mode must be 'exact', 'no_allgather' or 'sharded', "
                          f"got {out['onebit_mode']!r}")

@@ -18,7 +18,7 @@ all-reduce of a float64 through the worker thread, so it never overtakes queued 
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 
@@ -82,6 +82,8 @@ class GradReducer:
         # 1-bit steps stage every bucket at once: one exact-size buffer per bucket, kept
         self._own: Dict[Tuple[int, int], torch.Tensor] = {}
         self._own_ids: set = set()  # ids of those (alive: held in the dict above)
+        #: ZeRO-Offload (:class:`.offload.HostOffload`): reduced chunks go to the host through it
+        self.sink: Any = None
 
     # ---- staging -----------------------------------------------------------------------------
 
@@ -175,12 +177,17 @@ class GradReducer:
             work, gi, bi, base, recv = self._pending.pop(0)
             work.wait(self.timeout)
             grp = self.groups[gi]
-            grp.buckets[bi].shard_of(grp.master.grad).add_(recv)
+            if self.sink is not None:
+                self.sink.receive(gi, grp, bi, recv)
+            else:
+                grp.buckets[bi].shard_of(grp.master.grad).add_(recv)
             self.release(gi, base)
 
     def wait(self) -> None:
-        """Wait for every pending reduction."""
+        """Wait for every pending reduction (with offload: and its copy to the host)."""
         self.complete(len(self._pending))
+        if self.sink is not None:
+            self.sink.drain()
 
     def flush(self) -> None:
         """Reduce every partly filled bucket (parameters without gradients count as 0), wait all.
@@ -191,13 +198,20 @@ class GradReducer:
                     self.submit(gi, bi)
             self.wait()
             return
-        for grp in self.groups:
+        for gi, grp in enumerate(self.groups):
             flat = grp.flatten((p.grad for p in grp.params), grp.dtype, self.device)
             shard = torch.empty(grp.plan.shard_numel, dtype=grp.dtype, device=self.device)
             self.async_comm.bucketed_reduce_scatter(
                 grp.plan, buffer_of(flat), buffer_of(shard), timeout_s=self.timeout
             ).wait(self.timeout)
-            grp.master.grad = shard.to(torch.float32)
+            if self.sink is None:
+                grp.master.grad = shard.to(torch.float32)
+                continue
+            grp.master.grad = None  # the sink attaches its zeroed host shard
+            for bi, b in enumerate(grp.buckets):
+                self.sink.receive(gi, grp, bi, b.shard_of(shard))
+        if self.sink is not None:
+            self.sink.drain()
 
     def local_buckets(self) -> List[Tuple[int, int, torch.Tensor]]:
         """This rank's local gradient (summed over micro-steps, unscaled), bucket by bucket:
@@ -218,7 +232,7 @@ class GradReducer:
                 for bi, b in enumerate(grp.buckets):
                     items.append((gi, bi, b.span(flat)))
                 grp.master.grad = torch.zeros(grp.plan.shard_numel, dtype=torch.float32,
-                                              device=self.device)
+                                              device=grp.master.device)
         self.reset()
         return items
 

@@ -199,25 +199,31 @@ def build_groups(params: Iterable[Any], bucket_size: int, world: int,
 
 
 def partition(grp: GroupLayout, comm: Any, rank: int, stage: int, device: torch.device,
-              timeout: float) -> None:
+              timeout: float, offload: Any = None) -> None:
     """Lay ``grp``'s parameters out (collective: every rank starts from rank 0's values).
 
     Makes the fp32 master shard (with a zero gradient shard for stage 2/3). Stage 1/2: the
     parameters become views of the flat buffer. Stage 3: they are released (empty, their full
-    size remembered) and only this rank's parameter shard is kept.
+    size remembered) and only this rank's parameter shard is kept. With ``offload``
+    (:class:`.offload.HostOffload`) the master shard, and the parameter shard with
+    ``offload_param``, are made in host memory by it.
     """
     flat = grp.flatten((p.detach() for p in grp.params), grp.dtype, device)
     comm.broadcast(buffer_of(flat), 0, timeout)
     shard = torch.empty(grp.plan.shard_numel, dtype=grp.dtype, device=device)
     grp.own_chunks(flat, shard, rank)
-    grp.master = shard.to(torch.float32, copy=True)
-    grp.master.grad = torch.zeros_like(grp.master) if stage >= 2 else None
+    if offload is not None:
+        offload.place(grp, shard)
+    else:
+        grp.master = shard.to(torch.float32, copy=True)
+        grp.master.grad = torch.zeros_like(grp.master) if stage >= 2 else None
+        grp.param_shard = shard
     if stage < 3:
+        grp.param_shard = None
         grp.flat = flat
         for p, v in zip(grp.params, grp.views(flat)):
             p.data = v
         return
-    grp.param_shard = shard
     for p in grp.params:
         p._zero_shape = p.shape  # type: ignore[attr-defined]
         p._zero_numel = p.numel()  # type: ignore[attr-defined]

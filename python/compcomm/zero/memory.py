@@ -6,7 +6,7 @@ from typing import Any, Dict, Optional, Union
 
 import torch
 
-__all__ = ["estimate_memory", "model_numels"]
+__all__ = ["estimate_memory", "model_numels", "measure"]
 
 
 def model_numels(model: torch.nn.Module) -> tuple:
@@ -23,6 +23,48 @@ def model_numels(model: torch.nn.Module) -> tuple:
                 total += p.numel()
         largest = max(largest, own)
     return total, largest
+
+
+def _tensor_bytes(state: Any) -> int:
+    return sum(v.numel() * v.element_size() for st in state.values() for v in st.values()
+               if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
+def measure(zo: Any) -> Dict[str, int]:
+    """What :meth:`ZeroOptimizer.memory_bytes` returns, measured on the live tensors of ``zo``.
+
+    ``device`` + ``host`` = ``params + grads + master + optimizer_state``; ``host`` is what
+    ZeRO-Offload keeps in host memory (the master, gradient and optimizer-state shards with
+    ``offload_optimizer``, the parameter shards with ``offload_param``), 0 without offload
+    (also on a CPU-only run, where "device" memory is host memory too)."""
+    out = {"params": 0, "grads": 0, "master": 0}
+    for grp in zo.groups:
+        for k, n in grp.nbytes().items():
+            out[k] += n
+    buffers = zo._grads.nbytes()
+    if zo.compressor is not None:  # error buffers and exchange workspaces of the buckets
+        buffers += sum(zo.compressor.nbytes())
+    inner_state = _tensor_bytes(zo.optimizer.state)
+    state = inner_state
+    if zo._replicated is not None:  # the momentum (no_allgather: variance, master) in full
+        state += zo._replicated.nbytes()
+    if hasattr(zo.optimizer, "memory_bytes"):  # a 1-bit optimizer's own error feedback
+        inner = zo.optimizer.memory_bytes()
+        state += inner["error_feedback"]
+        buffers += inner["buffers"]
+    host = 0
+    off = zo.offload
+    if off is not None:
+        buffers += off.nbytes()
+        if off.optimizer:
+            idle = off.idle_grad_bytes(zo.groups)
+            out["grads"] += idle
+            host += out["master"] + inner_state + idle + sum(
+                grp.master.grad.numel() * 4 for grp in zo.groups if grp.master.grad is not None)
+        if off.param and zo.stage == 3:
+            host += sum(g.param_shard.numel() * g.param_shard.element_size() for g in zo.groups)
+    total = sum(out.values()) + state
+    return dict(out, optimizer_state=state, buffers=buffers, device=total - host, host=host)
 
 
 def estimate_memory(
@@ -53,7 +95,10 @@ def estimate_memory(
     world_size : int
         Data-parallel ranks (DeepSpeed's G, total GPUs).
     offload : {None, "optimizer", "optimizer+param"}
-        Offload choice for DeepSpeed's formulas (stage 2: "optimizer" = ``cpu_offload``).
+        ZeRO-Offload: ``offload_optimizer`` (stages 1-3), and ``offload_param`` too (stage 3).
+        Moves ``master``, ``optimizer_state`` (the wrapped optimizer's shards) and the fp32
+        gradient shard (stage 1: a persistent one, counted in ``grads``) to ``host``, and with
+        "optimizer+param" the parameter shards; also selects DeepSpeed's offload formulas.
     largest_layer : int, optional
         L when ``model_or_numel`` is a count (default: T).
     gpus_per_node, num_nodes, additional_buffer_factor, zero_init
@@ -83,7 +128,10 @@ def estimate_memory(
     dict
         ``params``, ``grads``, ``master``, ``optimizer_state``, ``buffers``: bytes one rank of
         compcomm's ZeroOptimizer holds for each (steady state after backward; padding, and
-        communication buffers other than the 1-bit ones, excluded), and their sum ``total``. ``gpu`` and ``cpu``: DeepSpeed's estimator
+        communication buffers other than the 1-bit ones, excluded), and their sum ``total``.
+        ``device`` and ``host``: where ``params + grads + master + optimizer_state`` are (``host``
+        0 without offload), as :meth:`ZeroOptimizer.memory_bytes` reports them. ``gpu`` and
+        ``cpu``: DeepSpeed's estimator
         formulas (ONEBIT_SPEC.md section f) for stage 2 and 3 (None for stages 0/1, where DeepSpeed
         has no estimator), in bytes.
     """
@@ -106,6 +154,12 @@ def estimate_memory(
         offload = None
     if offload == "optimizer+param" and stage != 3:
         raise ValueError("offload='optimizer+param' needs stage 3")
+    if offload is not None and stage == 0:
+        raise ValueError("offload needs stage 1, 2 or 3")
+    if offload is not None and onebit is not None and (onebit != "OneBitAdam"
+                                                       or onebit_mode not in (None, "exact")):
+        raise ValueError("offload: of the 1-bit optimizers only OneBitAdam with onebit_mode "
+                         "'exact' runs with offload")
     if onebit not in (None, "OneBitAdam", "ZeroOneAdam"):
         raise ValueError(f"onebit must be None, 'OneBitAdam' or 'ZeroOneAdam', got {onebit!r}")
     if onebit is not None and stage == 0:
@@ -143,6 +197,13 @@ def estimate_memory(
     elif onebit == "ZeroOneAdam":
         grads = b * T
         state = 12 * T + errors + (4 * T if b < 4 else 0)
+    host = 0.0
+    if offload is not None:
+        if stage == 1:  # whole p.grad on the device plus the host's persistent fp32 shard
+            grads += 4 * T / G
+        host = master + k * T / G + 4 * T / G
+        if offload == "optimizer+param":
+            host += params
     out: Dict[str, Any] = {
         "params": int(params),
         "grads": int(grads),
@@ -150,6 +211,8 @@ def estimate_memory(
         "optimizer_state": int(state),
         "buffers": int(buffers),
         "total": int(params + grads + master + state + buffers),
+        "device": int(params + grads + master + state - host),
+        "host": int(host),
         "gpu": None,
         "cpu": None,
     }

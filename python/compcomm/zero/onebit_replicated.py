@@ -137,7 +137,7 @@ class ReplicatedMomentum:
             for dst, shard in srcs:
                 full = torch.empty(grp.plan.flat_numel, dtype=torch.float32, device=self.device)
                 dst[gi] = full
-                shard = shard.contiguous()
+                shard = shard.to(self.device).contiguous()  # offload: from host memory
                 works.append((self.async_comm.bucketed_all_gather(
                     grp.plan, buffer_of(shard), buffer_of(full), timeout_s=self.timeout), shard))
         for w, _ in works:

@@ -38,6 +38,8 @@ from .checkpoint import errors_of, load_errors, load_shard_state_dict, shard_sta
 from .config import check_arguments
 from .grad_reducer import GradReducer, clip_coef
 from .layout import alignment, build_groups, partition
+from .memory import measure
+from .offload import HostOffload, check_offload
 from .onebit_reducer import OneBitReducer
 from .onebit_replicated import ReplicatedMomentum
 from .param_gather import ParamGatherer, publish
@@ -142,14 +144,21 @@ class ZeroOptimizer:
         self._keep_pool = self._rules is None or self._rules.full_steps_recur
         self.onebit_mode = onebit_mode(self.onebit, self.config["onebit_mode"], stage)
         replicated = self.onebit_mode in ("exact", "no_allgather")
+        check_offload(self.config, self.onebit, self.onebit_mode)
         self.exact_resume = bool((optimizer_kwargs or {}).get("exact_resume", False))
 
         align = alignment(self._rules is not None, replicated, self.world)
         bucket = self.config["reduce_bucket_size"] if stage < 3 else 0
         #: the parameter groups' layouts (:class:`compcomm.zero.layout.GroupLayout`)
         self.groups, self.device = build_groups(params, bucket, self.world, align)
+        #: ZeRO-Offload (:mod:`.offload`): host master/state/gradient shards; None without
+        self.offload: Optional[HostOffload] = None
+        if self.config["offload_optimizer"] or self.config["offload_param"]:
+            self.offload = HostOffload(self.config["offload_optimizer"],
+                                       self.config["offload_param"], stage, self.device)
         for grp in self.groups:
-            partition(grp, self.comm, self.rank, stage, self.device, self.timeout)
+            partition(grp, self.comm, self.rank, stage, self.device, self.timeout, self.offload)
+        self._shards: Optional[List[torch.Tensor]] = None  # offload: the step's uploaded shards
 
         kwargs = dict(optimizer_kwargs or {})
         if self._rules is not None:
@@ -165,6 +174,8 @@ class ZeroOptimizer:
             if self._rules is not None else None)
         self._grads = GradReducer(self.groups, stage, self._async, self.overlap, self.rank,
                                   self.world, self.device, self.timeout)
+        if self.offload is not None and self.offload.optimizer:
+            self._grads.sink = self.offload
         self._onebit: Optional[OneBitReducer] = None
         if self._rules is not None and not replicated:
             self._onebit = OneBitReducer(
@@ -341,6 +352,8 @@ class ZeroOptimizer:
             self._unsharded.step(clip_coef(norm_sq, self.clip, scale))
         elif phase is Phase.REPLICATED:
             self._replicated.update()
+        elif self._grads.sink is not None:
+            self._shards = self.offload.step(self.optimizer, self.groups)
         else:
             self.optimizer.step()
         self.global_steps += 1
@@ -364,7 +377,8 @@ class ZeroOptimizer:
     def _publish(self) -> None:
         """The new master shards become the model's parameters (:func:`.param_gather.publish`)."""
         publish(self.groups, self._async, self.config["allgather_bucket_size"], self.device,
-                self.timeout)
+                self.timeout, self._shards)
+        self._shards = None
         if self._stage3 is not None:
             self._stage3.after_step()
 
@@ -445,28 +459,12 @@ class ZeroOptimizer:
     def memory_bytes(self) -> Dict[str, int]:
         """Bytes this rank holds, by kind: ``params`` (model parameters as stored: full in stage
         1/2, the shards plus whatever is gathered in stage 3), ``grads`` (``p.grad`` plus the fp32
-        gradient shards), ``master`` (fp32 master shards) and
-        ``optimizer_state`` (tensors in the wrapped optimizer's state), ``buffers`` (stage 2/3
-        gradient staging buffers, at most a few buckets)."""
-        out = {"params": 0, "grads": 0, "master": 0}
-        for grp in self.groups:
-            for k, n in grp.nbytes().items():
-                out[k] += n
-        state = 0
-        buffers = self._grads.nbytes()
-        if self.compressor is not None:  # error buffers and exchange workspaces of the buckets
-            buffers += sum(self.compressor.nbytes())
-        if self._replicated is not None:  # the momentum (no_allgather: variance, master) in full
-            state += self._replicated.nbytes()
-        for st in self.optimizer.state.values():
-            for v in st.values():
-                if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    state += v.numel() * v.element_size()
-        if hasattr(self.optimizer, "memory_bytes"):  # a 1-bit optimizer's own error feedback
-            inner = self.optimizer.memory_bytes()
-            state += inner["error_feedback"]
-            buffers += inner["buffers"]
-        return dict(out, optimizer_state=state, buffers=buffers)
+        gradient shards), ``master`` (fp32 master shards), ``optimizer_state`` (tensors in the
+        wrapped optimizer's state), ``buffers`` (gradient staging, 1-bit error feedback and
+        workspaces, offload copies); and where the first four kinds are: ``device`` and ``host``
+        (with offload, the host memory holding master, state, gradient and, with
+        ``offload_param``, parameter shards; see :func:`compcomm.zero.memory.measure`)."""
+        return measure(self)
 
     def close(self) -> None:
         """Wait for pending work, remove hooks, and stop the communication thread."""

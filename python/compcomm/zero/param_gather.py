@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -121,6 +121,8 @@ class ParamGatherer:
         b = grp.buckets[slot.bucket]
         buf = torch.empty(b.padded, dtype=grp.dtype, device=self.device)
         send = b.shard_of(grp.param_shard)
+        if send.device != self.device:  # offload_param: the shard is in host memory
+            send = send.to(self.device, non_blocking=True)
         work = self.async_comm.all_gather(buffer_of(send), buffer_of(buf), timeout_s=self.timeout)
         self.inflight[id(p)] = (work, buf, send)
         if id(p) not in self.persistent:
@@ -223,18 +225,21 @@ class ParamGatherer:
 
 
 def publish(groups: List[GroupLayout], async_comm: Any, allgather_bucket_size: int,
-            device: torch.device, timeout: float) -> None:
+            device: torch.device, timeout: float,
+            shards: Optional[List[torch.Tensor]] = None) -> None:
     """fp32 master shards -> parameter dtype shards -> (stage 1/2: groups with a ``flat``) the
-    full parameters on every rank (collective)."""
+    full parameters on every rank (collective). ``shards``: the parameter-dtype shards already
+    made (ZeRO-Offload's uploads), one per group."""
     ag = allgather_bucket_size
     if device.type != "cpu":
         ag = 0  # the split all-gather scatters pieces on the host; GPU buckets go whole
     works = []
-    for grp in groups:
+    for gi, grp in enumerate(groups):
+        new = grp.master if shards is None else shards[gi]
         if grp.flat is None:  # stage 3: the hooks gather from the parameter shard
-            grp.param_shard.copy_(grp.master)
+            grp.param_shard.copy_(new)
             continue
-        shard = grp.master.to(grp.dtype)
+        shard = new.to(device=device, dtype=grp.dtype)  # offload: uploads a host master
         staging = torch.empty(ag if 0 < ag < grp.max_padded else 0, dtype=grp.dtype)
         works.append((async_comm.bucketed_all_gather(
             grp.plan, buffer_of(shard), buffer_of(grp.flat), max_elements=ag,
