@@ -182,6 +182,7 @@ CompressedAllreduceLayout compressed_allreduce_layout(int64_t padded, int world,
   const int64_t chunk = padded / world;
   CompressedAllreduceLayout l{};
   l.record_bytes = record_bytes(chunk);
+  l.record_scale_bytes = kRecordScaleBytes;
   int64_t off = 0;
   auto take = [&](int64_t bytes) {
     const int64_t at = off;
