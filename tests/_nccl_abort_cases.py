@@ -15,7 +15,7 @@ import time
 from typing import Any, Dict, List
 
 import torch
-from _nccl_fault_cases import SETUP, T, Side, _attempt, _device, _native
+from _nccl_fault_cases import SETUP, Side, T, _attempt, _device, _native
 
 N = 4099  # elements: not a multiple of 8*W, so the padding is exercised too
 

@@ -27,10 +27,9 @@ import numpy as np
 import pytest
 import torch
 from _backends import no_gpu, skip_unless
-from test_nccl_faults import _no_native_nccl
-
 from compcomm import _C
 from compcomm._buffers import buffer_of
+from test_nccl_faults import _no_native_nccl
 
 # ---------------------------------------------------------------------------------------------
 # The gate kernel.
