@@ -354,12 +354,13 @@ void run_compressed(const char* name, Communicator& comm, const Buffer& tensor, 
 
   // 5. Commit. Without a host check, the commit kernels themselves skip the writes when any rank's
   //    server scale is not finite (a non-finite worker scale on any rank makes every server scale so).
-  //    On a communicator that can cancel enqueued device work (NCCL's watchdog abort), the gate first
-  //    turns the received scales into NaN if it was cancelled: the collectives above may then have
-  //    ended without their data, and the guard makes the commit write nothing rather than garbage.
+  //    On a communicator that can cancel enqueued work (NCCL's watchdog abort), the gate first turns
+  //    the received scales into NaN if it was cancelled: the collectives above may then have ended
+  //    without their data, and the guard makes the commit write nothing rather than garbage.
   auto* taus = reinterpret_cast<float*>(records);
   const int64_t tau_stride = l.record_bytes / static_cast<int64_t>(sizeof(float));
-  const int* abort_flag = cuda && !test_fault("no_commit_gate") ? comm.device_abort_flag() : nullptr;
+  const int* abort_flag = comm.abort_flag();
+  if (abort_flag != nullptr && test_fault("no_commit_gate")) abort_flag = nullptr;
   if (abort_flag != nullptr)
     check_status(k.commit_gate(abort_flag, taus, tau_stride, world, stream), "commit_gate", rank);
   const float* guard = host_check && abort_flag == nullptr ? nullptr : taus;

@@ -59,6 +59,13 @@ class PyCommunicator : public Communicator {
   void do_barrier(const CallOptions& opts) override {
     PYBIND11_OVERRIDE_PURE(void, Communicator, do_barrier, opts);
   }
+  // Optional in Python: do_abort_flag(self) -> int, the flag's address (0: none).
+  const int* do_abort_flag() const override {
+    py::gil_scoped_acquire gil;
+    py::function f = py::get_override(static_cast<const Communicator*>(this), "do_abort_flag");
+    if (!f) return nullptr;
+    return reinterpret_cast<const int*>(f().cast<uintptr_t>());
+  }
 };
 
 const char* buffer_format(DType t) {
@@ -203,10 +210,11 @@ PYBIND11_MODULE(_C, m) {
                              "Bytes this rank has sent through this communicator (nccl-tests conventions).")
       .def("reset_bytes_sent", &Communicator::reset_bytes_sent)
       .def_property_readonly(
-          "device_abort_flag",
-          [](const Communicator& c) { return reinterpret_cast<uintptr_t>(c.device_abort_flag()); },
-          "Device address of the flag an abort sets before cancelling enqueued work (0: none; the "
-          "backend's calls complete or fail on the host).")
+          "abort_flag",
+          [](const Communicator& c) { return reinterpret_cast<uintptr_t>(c.abort_flag()); },
+          "Address of the int an abort sets before cancelling enqueued work, which the commit of "
+          "the 1-bit algorithms reads (0: none; the backend's calls complete or fail on the host). "
+          "A Python subclass may provide it as do_abort_flag(self) -> int.")
       .def(
           "all_to_all",
           [](Communicator& c, const Buffer& s, const Buffer& r, double t, uintptr_t st) {
