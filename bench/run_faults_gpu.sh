@@ -7,6 +7,9 @@
 #     bash bench/run_faults_gpu.sh            # output in $OUT/faults.log (default ./out/faults)
 # About 4-5 minutes (15 GPU tests); each launch has a 240 s limit inside, pytest-timeout 300 s
 # per test, 570 s in all (the log keeps what ran).
+# PART=abort runs only the GPU tests of tests/test_nccl_abort.py (a peer dying after its header,
+# W = 2, 3, and the same without the commit gate: 5 tests, about 1 minute; 150 s in all by
+# default), e.g.  BUILD=1 PART=abort bash bench/run_faults_gpu.sh
 set -u -o pipefail
 OUT=${OUT:-$PWD/out/faults}
 mkdir -p "$OUT"
@@ -24,7 +27,14 @@ fi
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
 } | tee "$OUT/faults.log"
 PT_TIMEOUT=; $PY -c 'import pytest_timeout' 2>/dev/null && PT_TIMEOUT="--timeout 300"
-timeout ${LIMIT:-570} $PY -m pytest tests/test_nccl_faults.py tests/test_nccl.py::test_silent_peer_gives_timeout_then_closed \
+if [ "${PART:-all}" = abort ]; then
+  TESTS=(tests/test_nccl_abort.py -m gpu)
+  DEFAULT_LIMIT=150
+else
+  TESTS=(tests/test_nccl_faults.py tests/test_nccl.py::test_silent_peer_gives_timeout_then_closed)
+  DEFAULT_LIMIT=570
+fi
+timeout ${LIMIT:-$DEFAULT_LIMIT} $PY -m pytest "${TESTS[@]}" \
   -v -rs -p no:cacheprovider $PT_TIMEOUT --durations 0 >>"$OUT/faults.log" 2>&1
 rc=$?
 echo "[$(date +%T)] pytest rc=$rc" | tee -a "$OUT/faults.log"

@@ -47,6 +47,12 @@ class Communicator {
   // no-op for backends whose calls complete or fail on the host. An algorithm that waited on the
   // host for earlier calls' device work calls it before reading what they received.
   void check_open(const char* call) { do_check_open(call); }
+  // Device address of an int that becomes nonzero before this communicator cancels enqueued device
+  // work (NCCL: before ncclCommAbort releases the kernels of collectives that never completed, whose
+  // receive buffers then hold garbage). The CUDA commit of compressed_allreduce reads it in stream
+  // order (kernels::commit_gate) and writes nothing when it is set. nullptr: this backend's calls
+  // complete or fail on the host, so nothing enqueued after them can see unreceived data.
+  const int* device_abort_flag() const { return do_device_abort_flag(); }
 
  protected:
   virtual void do_all_to_all(const Buffer& send, const Buffer& recv, const CallOptions& opts) = 0;
@@ -57,6 +63,7 @@ class Communicator {
   virtual void do_broadcast(const Buffer& buf, int root, const CallOptions& opts) = 0;
   virtual void do_barrier(const CallOptions& opts) = 0;
   virtual void do_check_open(const char* /*call*/) {}
+  virtual const int* do_device_abort_flag() const { return nullptr; }
 
  private:
   int64_t bytes_sent_ = 0;

@@ -19,10 +19,13 @@
 #include "compressed_allreduce.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <set>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -54,16 +57,17 @@ struct Kernels {
   decltype(&kernels::cpu::worker_update_decompress) worker_update_decompress;
   decltype(&kernels::cpu::scale_workspace_bytes) scale_workspace_bytes;
   decltype(&kernels::cpu::decompress) decompress;
+  decltype(&kernels::cpu::commit_gate) commit_gate;
 };
 
 const Kernels& kernels_for(bool cuda) {
   namespace k = kernels;
   static const Kernels cpu{k::cpu::worker_scale_pack, k::cpu::write_header,  k::cpu::server_scale_pack,
                            k::cpu::server_update,     k::cpu::worker_update_decompress,
-                           k::cpu::scale_workspace_bytes, k::cpu::decompress};
+                           k::cpu::scale_workspace_bytes, k::cpu::decompress, k::cpu::commit_gate};
   static const Kernels gpu{k::cuda::worker_scale_pack, k::cuda::write_header,  k::cuda::server_scale_pack,
                            k::cuda::server_update,     k::cuda::worker_update_decompress,
-                           k::cuda::scale_workspace_bytes, k::cuda::decompress};
+                           k::cuda::scale_workspace_bytes, k::cuda::decompress, k::cuda::commit_gate};
   return cuda ? gpu : cpu;
 }
 
@@ -153,6 +157,24 @@ void remember(const SeenKey& key) {
   seen.insert(key);
 }
 
+// Test hooks, $COMPCOMM_TEST_FAULT (tests/test_nccl_abort.py), read at every call (tests set it
+// late): "exit_after_header" makes this process exit (status 0) once its header went out, as a peer
+// dying mid-call would; "no_commit_gate" leaves out the commit gate, so a test can show that its
+// check fails without the gate.
+bool test_fault(const char* name) {
+  const char* fault = std::getenv("COMPCOMM_TEST_FAULT");
+  return fault != nullptr && std::strcmp(fault, name) == 0;
+}
+
+void fault_point(const char* point, bool cuda, void* stream) {
+  if (!test_fault(point)) return;
+  if (cuda) kernels::stream_sync(stream);
+  // What this rank sent may still sit in a transport's queue (NCCL's proxy thread): let it leave,
+  // so the peers really get past this point before they find this rank gone.
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  std::_Exit(0);
+}
+
 }  // namespace
 
 CompressedAllreduceLayout compressed_allreduce_layout(int64_t padded, int world, bool cuda) {
@@ -160,6 +182,7 @@ CompressedAllreduceLayout compressed_allreduce_layout(int64_t padded, int world,
   const int64_t chunk = padded / world;
   CompressedAllreduceLayout l{};
   l.record_bytes = record_bytes(chunk);
+  l.record_scale_bytes = kRecordScaleBytes;
   int64_t off = 0;
   auto take = [&](int64_t bytes) {
     const int64_t at = off;
@@ -299,6 +322,7 @@ void run_compressed(const char* name, Communicator& comm, const Buffer& tensor, 
       }
       if (cuda) remember(key);
     }
+    fault_point("exit_after_header", cuda, stream);
     if (padded == 0) return;
 
     // 3. Worker signs to their server ranks.
@@ -330,9 +354,15 @@ void run_compressed(const char* name, Communicator& comm, const Buffer& tensor, 
 
   // 5. Commit. Without a host check, the commit kernels themselves skip the writes when any rank's
   //    server scale is not finite (a non-finite worker scale on any rank makes every server scale so).
-  const auto* taus = reinterpret_cast<const float*>(records);
+  //    On a communicator that can cancel enqueued device work (NCCL's watchdog abort), the gate first
+  //    turns the received scales into NaN if it was cancelled: the collectives above may then have
+  //    ended without their data, and the guard makes the commit write nothing rather than garbage.
+  auto* taus = reinterpret_cast<float*>(records);
   const int64_t tau_stride = l.record_bytes / static_cast<int64_t>(sizeof(float));
-  const float* guard = host_check ? nullptr : taus;
+  const int* abort_flag = cuda && !test_fault("no_commit_gate") ? comm.device_abort_flag() : nullptr;
+  if (abort_flag != nullptr)
+    check_status(k.commit_gate(abort_flag, taus, tau_stride, world, stream), "commit_gate", rank);
+  const float* guard = host_check && abort_flag == nullptr ? nullptr : taus;
   check_status(k.server_update(signs_recv, sigmas, sigma_stride, world, s, chunk, tau, stream, guard, tau_stride),
                "server_update", rank);
   check_status(k.worker_update_decompress(m, itype, n, e, padded, &header->scale, taus, tau_stride,

@@ -16,6 +16,7 @@ struct CompressedAllreduceLayout {
                                        // (record_recv aliases signs_send)
   int64_t scratch;                     // kernel scratch (scale reductions on GPU); always at offset 0
   int64_t record_bytes;                // bytes of one Record
+  int64_t record_scale_bytes;          // where a Record's packed signs start (after the fp32 scale)
   int64_t total;                       // workspace bytes needed
 };
 

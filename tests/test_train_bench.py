@@ -182,3 +182,55 @@ def test_lr_schedule():
     assert lr_factor(cos, 20, 20) == pytest.approx(0.1)
     decay = [lr_factor(cos, t, 20) for t in range(4, 21)]
     assert all(a > b for a, b in zip(decay, decay[1:]))
+
+
+# the identity twins (issue 15): the 1-bit optimizers with compressor=IdentityCompressor
+IDENTITY_OPTS = "onebitadam,onebitadam_nofreeze,onebitadam_identity,zerooneadam," \
+                "zerooneadam_identity,onebitlamb,onebitlamb_identity"
+
+
+def test_train_identity_twins(tmp_path):
+    """A tiny run of the identity twins: the same schedule as their 1-bit optimizer, full-precision
+    bytes in the compressed phase, and an extra loss comparison next to the no-freeze one."""
+    doc = _run(tmp_path, "loopback", IDENTITY_OPTS)
+    rows = {r["optimizer"]: r for r in doc["rows"]}
+    assert sorted(rows) == sorted(IDENTITY_OPTS.split(","))
+    for name, r in rows.items():
+        assert not r.get("error"), (name, r["error"])
+        assert len(r["loss"]) == 4 and all(math.isfinite(x) for x in r["loss"]), (name, r["loss"])
+    for onebit, twin in train.IDENTITY_TWIN.items():
+        a, b = rows[onebit], rows[twin]
+        assert a["phase"] == b["phase"], (onebit, a["phase"], b["phase"])
+        main = "sync" if onebit == "zerooneadam" else "compressed"
+        comp = [x for x, ph in zip(a["bytes"], a["phase"]) if ph == main]
+        full = [x for x, ph in zip(b["bytes"], b["phase"]) if ph == main]
+        assert comp and full and 12 * max(comp) <= min(full), (onebit, comp, full)
+    # the warm-up is the same fp32 average: the same bytes
+    warm = [x for x, ph in zip(rows["onebitadam"]["bytes"], rows["onebitadam"]["phase"])
+            if ph == "warmup"]
+    assert warm == [x for x, ph in zip(rows["onebitadam_identity"]["bytes"],
+                                       rows["onebitadam_identity"]["phase"]) if ph == "warmup"]
+    checks = {(c["optimizer"], c["twin"], c["kind"]) for c in doc["loss_checks"]}
+    assert checks == {("onebitadam", "onebitadam_nofreeze", "nofreeze"),
+                      ("zerooneadam", "onebitadam_nofreeze", "nofreeze"),
+                      ("onebitadam", "onebitadam_identity", "identity"),
+                      ("zerooneadam", "zerooneadam_identity", "identity"),
+                      ("onebitlamb", "onebitlamb_identity", "identity")}
+    for c in doc["loss_checks"]:
+        assert (c["within_2pct"] is None) == (c["kind"] == "identity" or c["optimizer"]
+                                               == "zerooneadam"), c
+    with open(tmp_path / "t.md") as fh:
+        assert "| onebitadam | onebitadam_identity |" in fh.read()
+
+
+def test_identity_twins_set_no_target():
+    """The identity rows (a frozen variance may diverge) do not set the time-to-target loss."""
+    from compcomm.bench.train_report import time_to_target
+
+    def row(name, final):
+        return {"profile": "loopback", "world_size": 2, "optimizer": name,
+                "final_val_loss": final, "val_curve": [[2, final, 1.0, 10]]}
+
+    ttt = time_to_target([row("onebitadam_nofreeze", 3.0), row("onebitadam_identity", 9.0),
+                          row("onebitadam", 3.5)], None)
+    assert ttt["target_val_loss"] == 3.0

@@ -4,12 +4,14 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <optional>
 #include <string>
 
 #include "../comm.h"
 #include "../compressed_allreduce.h"
 #include "../kernels/kernels.h"
+#include "../kernels/packed_momentum.h"
 #include "../local/local_comm.h"
 #include "build_info.h"
 
@@ -200,6 +202,11 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("bytes_sent", &Communicator::bytes_sent,
                              "Bytes this rank has sent through this communicator (nccl-tests conventions).")
       .def("reset_bytes_sent", &Communicator::reset_bytes_sent)
+      .def_property_readonly(
+          "device_abort_flag",
+          [](const Communicator& c) { return reinterpret_cast<uintptr_t>(c.device_abort_flag()); },
+          "Device address of the flag an abort sets before cancelling enqueued work (0: none; the "
+          "backend's calls complete or fail on the host).")
       .def(
           "all_to_all",
           [](Communicator& c, const Buffer& s, const Buffer& r, double t, uintptr_t st) {
@@ -269,6 +276,7 @@ PYBIND11_MODULE(_C, m) {
         d["record_recv"] = l.record_recv;
         d["scratch"] = l.scratch;
         d["record_bytes"] = l.record_bytes;
+        d["record_scale_bytes"] = l.record_scale_bytes;
         d["total"] = l.total;
         return d;
       },
@@ -367,5 +375,65 @@ PYBIND11_MODULE(_C, m) {
               "decompress");
       },
       py::arg("scale"), py::arg("packed"), py::arg("out"), py::arg("stream") = 0,
+      py::call_guard<py::gil_scoped_release>());
+  k.def(
+      "commit_gate",
+      [](const Buffer& flag, const Buffer& scales, int64_t stride, int world, uintptr_t stream) {
+        COMPCOMM_CHECK(flag.dtype == DType::kInt32 && flag.count >= 1, "commit_gate: flag must be int32");
+        COMPCOMM_CHECK(scales.dtype == DType::kFloat32 && world >= 0 && stride >= 1 &&
+                           (world == 0 || (world - 1) * stride < scales.count),
+                       "commit_gate: scales must be float32 with (world-1)*stride < numel");
+        auto f = scales.on_host() ? kernels::cpu::commit_gate : kernels::cuda::commit_gate;
+        check(f(ptr<const int>(flag), ptr<float>(scales), stride, world, reinterpret_cast<void*>(stream)),
+              "commit_gate");
+      },
+      py::arg("flag"), py::arg("scales"), py::arg("stride"), py::arg("world"), py::arg("stream") = 0,
+      py::call_guard<py::gil_scoped_release>());
+
+  // The packed 1-bit momentum (cpp/kernels/packed_momentum.h): host buffers only (GPU tensors take
+  // compcomm.zero.packed_momentum's torch-op path). Sizes are checked here, naming the argument.
+  k.def(
+      "unpack_momentum",
+      [](const Buffer& signs, const Buffer& scales, int64_t chunk, int64_t numel, int64_t begin,
+         const Buffer& out) {
+        for (const Buffer* b : {&signs, &scales, &out})
+          COMPCOMM_CHECK(b->on_host(), "unpack_momentum: signs, scales and out must be host buffers");
+        COMPCOMM_CHECK(signs.dtype == DType::kUInt8, "unpack_momentum: signs must be uint8, got ",
+                       dtype_name(signs.dtype));
+        COMPCOMM_CHECK(scales.dtype == DType::kFloat32 && out.dtype == DType::kFloat32,
+                       "unpack_momentum: scales and out must be float32");
+        COMPCOMM_CHECK(begin >= 0 && numel >= 0, "unpack_momentum: begin and numel must be >= 0");
+        COMPCOMM_CHECK(out.count == 0 || chunk >= 1, "unpack_momentum: chunk must be >= 1, got ", chunk);
+        const int64_t end = begin + out.count;
+        const int64_t live = std::min(end, numel);
+        COMPCOMM_CHECK(live <= begin || signs.count * 8 >= live, "unpack_momentum: signs has ", signs.count,
+                       " bytes; elements up to ", live, " need ", (live + 7) / 8);
+        COMPCOMM_CHECK(live <= begin || scales.count * chunk >= live, "unpack_momentum: scales has ",
+                       scales.count, " chunks of ", chunk, "; elements up to ", live, " need more");
+        check(kernels::cpu::unpack_momentum(ptr<const uint8_t>(signs), ptr<const float>(scales), chunk, numel,
+                                            begin, out.count, ptr<float>(out)),
+              "unpack_momentum");
+      },
+      py::arg("signs"), py::arg("scales"), py::arg("chunk"), py::arg("numel"), py::arg("begin"), py::arg("out"),
+      py::call_guard<py::gil_scoped_release>());
+  k.def(
+      "pack_momentum",
+      [](const Buffer& x, int64_t chunk, const Buffer& signs, const Buffer& scales) {
+        for (const Buffer* b : {&x, &signs, &scales})
+          COMPCOMM_CHECK(b->on_host(), "pack_momentum: x, signs and scales must be host buffers");
+        COMPCOMM_CHECK(signs.dtype == DType::kUInt8 && scales.dtype == DType::kFloat32,
+                       "pack_momentum: signs must be uint8 and scales float32");
+        COMPCOMM_CHECK(x.count % 8 == 0, "pack_momentum: x has ", x.count, " elements, not a multiple of 8");
+        COMPCOMM_CHECK(x.count == 0 || (chunk >= 1 && x.count % chunk == 0), "pack_momentum: chunk ", chunk,
+                       " does not divide x's ", x.count, " elements");
+        COMPCOMM_CHECK(signs.count * 8 == x.count, "pack_momentum: signs has ", signs.count, " bytes, x needs ",
+                       x.count / 8);
+        COMPCOMM_CHECK(x.count == 0 || scales.count == x.count / chunk, "pack_momentum: scales has ",
+                       scales.count, " elements, x has ", x.count == 0 ? 0 : x.count / chunk, " chunks");
+        check(kernels::cpu::pack_momentum(x.data, itype(x), x.count, chunk, ptr<uint8_t>(signs),
+                                          ptr<float>(scales)),
+              "pack_momentum");
+      },
+      py::arg("x"), py::arg("chunk"), py::arg("signs"), py::arg("scales"),
       py::call_guard<py::gil_scoped_release>());
 }

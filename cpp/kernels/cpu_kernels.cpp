@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 #include "half.h"
@@ -432,6 +433,14 @@ Status decompress(const float* scale, const uint8_t* packed, int64_t count, floa
   if (guard_trips(guard, guard_stride, guard_count)) return Status::kSuccess;
   const float t = *scale;
   for (int64_t i = 0; i < count; ++i) out[i] = (packed[i >> 3] >> (7 - (i & 7))) & 1 ? t : -t;
+  return Status::kSuccess;
+}
+
+Status commit_gate(const int* abort_flag, float* scales, int64_t stride, int world, Stream) {
+  if (abort_flag == nullptr || scales == nullptr || world < 0) return Status::kInvalidArgument;
+  // Read once, like the device twin: a concurrent setter may be another thread.
+  if (*static_cast<const volatile int*>(abort_flag) == 0) return Status::kSuccess;
+  for (int i = 0; i < world; ++i) scales[i * stride] = std::numeric_limits<float>::quiet_NaN();
   return Status::kSuccess;
 }
 

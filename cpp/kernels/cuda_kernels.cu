@@ -394,6 +394,13 @@ __global__ void decompress_kernel(const float* scale, const uint8_t* packed, int
     out[i] = (packed[i >> 3] >> (7 - (i & 7))) & 1 ? t : -t;
 }
 
+// One thread: the abort flag is read once (volatile: it may be mapped host memory that the NCCL
+// watchdog sets), so every commit kernel after it sees the same verdict through its guard.
+__global__ void commit_gate_kernel(const int* abort_flag, float* scales, int64_t stride, int world) {
+  if (*static_cast<const volatile int*>(abort_flag) == 0) return;
+  for (int i = 0; i < world; ++i) scales[i * stride] = __int_as_float(0x7fc00000);  // quiet NaN
+}
+
 }  // namespace
 
 bool built() { return true; }
@@ -449,6 +456,12 @@ Status decompress(const float* scale, const uint8_t* packed, int64_t count, floa
   const int grid = static_cast<int>(std::min<int64_t>((count + kThreads - 1) / kThreads, 4096));
   decompress_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(scale, packed, count, out, guard,
                                                                                guard_stride, guard_count);
+  return launched();
+}
+
+Status commit_gate(const int* abort_flag, float* scales, int64_t stride, int world, Stream stream) {
+  if (abort_flag == nullptr || scales == nullptr || world < 0) return Status::kInvalidArgument;
+  commit_gate_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(abort_flag, scales, stride, world);
   return launched();
 }
 

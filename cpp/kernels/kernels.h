@@ -72,7 +72,11 @@ static_assert(sizeof(ExchangeHeader) == 32, "ExchangeHeader is exchanged as 32 r
      reduce-scatter's result, from the server's scale and packed signs. Guard (above). */             \
   Status decompress(const float* scale, const uint8_t* packed, int64_t count, float* out,            \
                     Stream stream, const float* guard = nullptr, int64_t guard_stride = 0,            \
-                    int guard_count = 0);
+                    int guard_count = 0);                                                             \
+  /* Commit gate: if *abort_flag != 0, scales[i*stride] = NaN for i < world (the commit kernels given  \
+     those scales as their guard then write nothing); else nothing. On GPU abort_flag may be mapped   \
+     host memory that another thread sets; it is read once, when the gate runs in stream order. */    \
+  Status commit_gate(const int* abort_flag, float* scales, int64_t stride, int world, Stream stream);
 
 namespace cpu {
 COMPCOMM_KERNEL_DECLS

@@ -46,6 +46,44 @@ ncclRedOp_t nccl_op(ReduceOp op) {
   throw InvalidArgument("nccl: unsupported reduce op");
 }
 
+// Device abort flags: one int per communicator in mapped pinned host memory, so the host sets it
+// with a plain store while kernels spin, and a kernel reads it without any copy. Slots come from
+// slabs that are never freed and never reused: a commit gate still queued on some stream may read
+// its communicator's flag after that communicator is gone, and then reads that flag, not another's.
+struct AbortFlag {
+  int* host = nullptr;
+  const int* device = nullptr;
+};
+
+AbortFlag new_abort_flag() {
+  constexpr int kSlots = 1024;
+  static std::mutex mu;
+  static int* slab = nullptr;
+  static int* slab_device = nullptr;
+  static int used = kSlots;
+  std::lock_guard<std::mutex> lock(mu);
+  if (used == kSlots) {
+    void* host = nullptr;
+    void* device = nullptr;
+    if (cudaHostAlloc(&host, kSlots * sizeof(int), cudaHostAllocMapped | cudaHostAllocPortable) !=
+        cudaSuccess) {
+      cudaGetLastError();
+      return {};  // no gate: the commit then behaves as before this flag existed
+    }
+    if (cudaHostGetDevicePointer(&device, host, 0) != cudaSuccess) {
+      cudaGetLastError();
+      cudaFreeHost(host);
+      return {};
+    }
+    std::memset(host, 0, kSlots * sizeof(int));
+    slab = static_cast<int*>(host);
+    slab_device = static_cast<int*>(device);
+    used = 0;
+  }
+  const int i = used++;
+  return {slab + i, slab_device + i};
+}
+
 }  // namespace
 
 // One collective: holds the lock (so the watchdog cannot abort mid-call), checks the communicator
@@ -145,7 +183,16 @@ NcclCommunicator::NcclCommunicator(const std::string& id_bytes, int rank, int si
     live_comm_.store(nullptr);
     check_cuda(e, {"nccl", "init", rank});
   }
+  const AbortFlag flag = new_abort_flag();
+  abort_flag_ = flag.host;
+  abort_flag_dev_ = flag.device;
   if (watchdog) watchdog_ = std::thread(&NcclCommunicator::watchdog_loop, this);
+}
+
+void NcclCommunicator::raise_abort_flag() {
+  if (abort_flag_ == nullptr) return;
+  *static_cast<volatile int*>(abort_flag_) = 1;
+  std::atomic_thread_fence(std::memory_order_seq_cst);  // visible before ncclCommAbort starts
 }
 
 NcclCommunicator::~NcclCommunicator() {
@@ -180,6 +227,7 @@ bool NcclCommunicator::abort_locked(const std::string& reason, bool timed_out) {
   closed_reason_ = reason;
   if (comm_ && !abort_claimed_.exchange(true)) {
     QuietDeviceGuard guard(device_);
+    raise_abort_flag();
     api().CommAbort(as_comm(comm_));  // also frees comm_; its result cannot be queried afterwards
   }
   comm_ = nullptr;
@@ -300,6 +348,7 @@ void NcclCommunicator::destroy(double timeout_s) {
     if (ok && r == ncclSuccess) {
       a.CommDestroy(as_comm(comm_));
     } else {
+      raise_abort_flag();  // pending work is cancelled: its commits must not run
       a.CommAbort(as_comm(comm_));
     }
   }

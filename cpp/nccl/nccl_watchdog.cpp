@@ -74,6 +74,7 @@ void NcclCommunicator::watchdog_poll() {
       // makes the stuck call return; the caller then finds the communicator closed.
       if (!abort_claimed_.exchange(true)) {
         QuietDeviceGuard guard(device_);
+        raise_abort_flag();
         api().CommAbort(as_comm(live_comm_.load()));
       }
       break;

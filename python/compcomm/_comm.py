@@ -6,7 +6,7 @@ import atexit
 import datetime
 import os
 import warnings
-from typing import Any, Optional, Union
+from typing import Any, Callable, NoReturn, Optional, Tuple, Union
 
 import torch.distributed as dist
 
@@ -46,6 +46,27 @@ class TorchCommunicator(_C.Communicator):
         self._rank = dist.get_rank(group)
         self._size = dist.get_world_size(group)
         self._name = f"torch:{dist.get_backend(group)}"
+        # The first failed collective's error type and text: the group is then unusable (a peer is
+        # gone, or an op is left half-run on some ranks), and every later call raises at once.
+        self._failed: Optional[Tuple[type, str]] = None
+
+    @property
+    def broken(self) -> Optional[str]:
+        """Why this communicator's process group is unusable (a collective over it failed or timed
+        out), or None while it works. Once set, every call raises at once."""
+        return None if self._failed is None else self._failed[1]
+
+    def _ensure_usable(self, call: str) -> None:
+        if self._failed is not None:
+            cls, text = self._failed
+            raise cls(
+                f"[rank {self._rank}] {call} over {self._name}: the process group failed in an "
+                f"earlier call ({text}); it cannot be used again: create a new process group",
+                call,
+                self._name,
+                0,
+                self._rank,
+            )
 
     def rank(self) -> int:
         return self._rank
@@ -56,7 +77,17 @@ class TorchCommunicator(_C.Communicator):
     def backend_name(self) -> str:
         return self._name
 
-    def _wait(self, work: Any, call: str, opts: _C.CallOptions, device: bool = False) -> None:
+    def _run(self, call: str, opts: _C.CallOptions, device: bool, start: Callable[[], Any]) -> None:
+        """Start one collective (``start()`` returns its work) and wait for it, mapping a failure
+        of either to a typed error and marking this communicator broken."""
+        if self._failed is not None:
+            self._ensure_usable(call)
+        try:
+            work = start()
+        except (TypeError, ValueError):  # a rejected argument: the group itself is still fine
+            raise
+        except Exception as e:  # e.g. gloo refusing to start on a pair a dead peer closed
+            self._failed_with(call, e)
         try:
             if device:
                 # CUDA buffers: make the caller's (current) stream wait for the collective, without
@@ -66,43 +97,48 @@ class TorchCommunicator(_C.Communicator):
             else:
                 work.wait(timeout=datetime.timedelta(seconds=opts.timeout_s))
         except Exception as e:  # torch raises RuntimeError (or DistBackendError) for both cases
-            text = str(e)
-            cls = CommTimeoutError if "imed out" in text or "imeout" in text else BackendError
-            raise cls(
-                f"[rank {self._rank}] {call} over {self._name} failed: {text}",
-                call,
-                self._name,
-                0,
-                self._rank,
-            ) from e
+            self._failed_with(call, e)
+
+    def _failed_with(self, call: str, e: Exception) -> NoReturn:
+        """Raise ``e`` as a typed error; the first such failure marks the group unusable."""
+        text = str(e)
+        cls = CommTimeoutError if "imed out" in text or "imeout" in text else BackendError
+        if self._failed is None:
+            self._failed = (cls, f"{call}: {text.splitlines()[0] if text else type(e).__name__}")
+        raise cls(
+            f"[rank {self._rank}] {call} over {self._name} failed: {text}",
+            call,
+            self._name,
+            0,
+            self._rank,
+        ) from e
 
     def do_all_to_all(self, send: _C.Buffer, recv: _C.Buffer, opts: _C.CallOptions) -> None:
-        w = dist.all_to_all_single(tensor_of(recv), tensor_of(send), group=self.group, async_op=True)
-        self._wait(w, "all_to_all", opts, send.device >= 0)
+        self._run("all_to_all", opts, send.device >= 0, lambda: dist.all_to_all_single(
+            tensor_of(recv), tensor_of(send), group=self.group, async_op=True))
 
     def do_all_gather(self, send: _C.Buffer, recv: _C.Buffer, opts: _C.CallOptions) -> None:
-        w = _all_gather(tensor_of(recv), tensor_of(send), group=self.group, async_op=True)
-        self._wait(w, "all_gather", opts, send.device >= 0)
+        self._run("all_gather", opts, send.device >= 0, lambda: _all_gather(
+            tensor_of(recv), tensor_of(send), group=self.group, async_op=True))
 
     def do_reduce_scatter(
         self, send: _C.Buffer, recv: _C.Buffer, op: _C.ReduceOp, opts: _C.CallOptions
     ) -> None:
-        w = _reduce_scatter(
-            tensor_of(recv), tensor_of(send), op=_OPS[op], group=self.group, async_op=True
-        )
-        self._wait(w, "reduce_scatter", opts, send.device >= 0)
+        self._run("reduce_scatter", opts, send.device >= 0, lambda: _reduce_scatter(
+            tensor_of(recv), tensor_of(send), op=_OPS[op], group=self.group, async_op=True))
 
     def do_all_reduce(self, buf: _C.Buffer, op: _C.ReduceOp, opts: _C.CallOptions) -> None:
-        w = dist.all_reduce(tensor_of(buf), op=_OPS[op], group=self.group, async_op=True)
-        self._wait(w, "all_reduce", opts, buf.device >= 0)
+        self._run("all_reduce", opts, buf.device >= 0, lambda: dist.all_reduce(
+            tensor_of(buf), op=_OPS[op], group=self.group, async_op=True))
 
     def do_broadcast(self, buf: _C.Buffer, root: int, opts: _C.CallOptions) -> None:
+        self._ensure_usable("broadcast")
         src = dist.get_global_rank(self.group, root) if self.group is not None else root
-        w = dist.broadcast(tensor_of(buf), src=src, group=self.group, async_op=True)
-        self._wait(w, "broadcast", opts, buf.device >= 0)
+        self._run("broadcast", opts, buf.device >= 0, lambda: dist.broadcast(
+            tensor_of(buf), src=src, group=self.group, async_op=True))
 
     def do_barrier(self, opts: _C.CallOptions) -> None:
-        self._wait(dist.barrier(group=self.group, async_op=True), "barrier", opts)
+        self._run("barrier", opts, False, lambda: dist.barrier(group=self.group, async_op=True))
 
 
 Group = Union[None, Any, _C.Communicator]

@@ -22,7 +22,8 @@ so either every rank commits every bucket or none commits anything.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Hashable, List, Mapping, Protocol, Sequence, Tuple
+from typing import (Any, Callable, Dict, Hashable, List, Mapping, Optional, Protocol, Sequence,
+                    Tuple)
 
 import torch
 
@@ -225,6 +226,38 @@ class OneBitCompressor:
             raise error
         for args in calls:
             _C.zero.compressed_allreduce_commit(self.comm, *args, stream)
+
+    def packed_average(self, keys: Sequence[Hashable], numels: Sequence[int],
+                       stage: Callable[[int], torch.Tensor],
+                       device: torch.device) -> Optional[List[Tuple[torch.Tensor, torch.Tensor]]]:
+        """:meth:`average_`, then each bucket's result in its 1-bit form, handed back from the
+        exchange's records rather than re-derived from the values.
+
+        Returns ``[(signs, scales)]``, one per bucket: uint8 ``P/8`` (``P = padded_numel(numels[i],
+        world)``; MSB first, bit 1 = +1) and fp32 ``W`` (the server scale of each chunk of ``P/W``
+        elements), new tensors on ``device``; bucket ``i`` then equals ``scales[k // (P/W)] *
+        (+-1)`` at every element ``k < numels[i]``, on every rank. None with one rank (nothing is
+        compressed, the buckets keep their values). Failures as :meth:`average_` (nothing written).
+        """
+        self.average_(keys, numels, stage, device)
+        world = self.comm.size()
+        if world == 1:
+            return None
+        out = []
+        cuda = device.type == "cuda"
+        for k, n in zip(keys, numels):
+            padded = padded_numel(n, world)
+            lay = _C.compressed_allreduce_layout(padded, world, cuda)
+            rb, sb, chunk = lay["record_bytes"], lay["record_scale_bytes"], padded // world
+            # the commit left the gathered records (server scale, then the chunk's signs) in place
+            recs = self._buffers[k][2][lay["record_recv"]: lay["record_recv"] + world * rb]
+            recs = recs.view(world, rb)
+            signs = torch.empty(padded // 8, dtype=torch.uint8, device=device)
+            signs.view(world, chunk // 8).copy_(recs[:, sb: sb + chunk // 8])
+            scales = torch.empty(world, dtype=torch.float32, device=device)
+            scales.view(torch.uint8).view(world, 4).copy_(recs[:, :4])
+            out.append((signs, scales))
+        return out
 
     # -- one bucket's buffers, for a caller that runs a 1-bit collective of its own on them (ZeRO's
     #    compressed reduce-scatter); they are kept, counted, saved and reset as the others

@@ -100,13 +100,11 @@ def load_config(config: Union[str, os.PathLike, Dict[str, Any]]) -> Dict[str, An
     return cfg
 
 
-def _dry_run(typ: str, cls: Callable[..., Any], kwargs: Dict[str, Any]) -> None:
-    """Build the optimizer on one throw-away parameter and a one-rank communicator, so that its
-    own argument checks run before any parameter is broadcast; errors name optimizer.params."""
-    from . import _C
-
-    if isinstance(cls, type) and hasattr(cls, "_init_common"):  # compcomm: talk to nobody
-        kwargs = dict(kwargs, process_group=_C.LocalCommunicator())
+def _dry_run(typ: str, cls: Callable[..., Any], kwargs: Dict[str, Any], comm: Any) -> None:
+    """Build the optimizer on one throw-away parameter, so that its own argument checks run
+    before any parameter is broadcast; errors name optimizer.params. Building sends nothing."""
+    if isinstance(cls, type) and hasattr(cls, "_init_common"):  # compcomm: the group resolved
+        kwargs = dict(kwargs, process_group=comm)
     try:
         cls([torch.nn.Parameter(torch.zeros(1))], **kwargs)
     except Exception as e:
@@ -233,11 +231,11 @@ def from_config(
 
         try:  # OneBitLamb cannot be sharded, ZeRO owns the group: say so before the broadcast
             onebit_kind(opt_cls)
-            onebit_inner_kwargs(opt_cls.__name__, opt_kw)
+            onebit_inner_kwargs(opt_cls.__name__, opt_kw, comm)
         except ValueError as e:
             raise ValueError(f"optimizer.type={cfg['optimizer']['type']!r} with "
                              f"zero_optimization.stage={stage}: {e}") from e
-    _dry_run(cfg["optimizer"]["type"], opt_cls, opt_kw)
+    _dry_run(cfg["optimizer"]["type"], opt_cls, opt_kw, comm)
     if cfg["optimizer"]["type"].lower() == "zerooneadam" and stage == 3:
         raise ValueError(
             "optimizer.type='ZeroOneAdam' with zero_optimization.stage=3 is not supported: its "

@@ -14,9 +14,10 @@ trained on the Python standard library's own source (last 10 % held out for vali
 autocast on GPUs with fp32 parameters (the master weights).
 
 Optimizers (``--optimizers``): DDP + AdamW (fp32 or bf16-hook gradients), OneBitAdam, ZeroOneAdam,
-OneBitLamb and their uncompressed twins, ZeRO-2 + AdamW / OneBitAdam (exact and no-all-gather
-modes), FSDP2 + AdamW (bf16) and FSDP2 + compcomm's 1-bit reduce-scatter: the table and how each
-is built are in :mod:`compcomm.bench.train_setups`.
+OneBitLamb and their uncompressed twins (no freeze; and identity twins: the same schedule with
+exact averages), ZeRO-2 + AdamW / OneBitAdam (exact and no-all-gather modes), FSDP2 + AdamW
+(bf16) and FSDP2 + compcomm's 1-bit reduce-scatter: the table and how each is built are in
+:mod:`compcomm.bench.train_setups`.
 
 Timing (per rank, CUDA-synchronized; all ranks enter every step together after a barrier; the
 figure of a step is the slowest rank's): ``fwdbwd`` = zero_grad + forward + backward, ``opt`` =
@@ -59,7 +60,7 @@ from .train_setups import OPTIMIZERS
 # importable from here as before the split (tests and bench/ scripts use some of them)
 from .train_rank import load_text, param_count  # noqa: F401
 from .train_report import loss_checks, markdown, plot, targets, time_to_target  # noqa: F401
-from .train_setups import COMPRESSED, TWIN, make, phase  # noqa: F401
+from .train_setups import COMPRESSED, IDENTITY_TWIN, TWIN, make, phase  # noqa: F401
 
 __all__ = ["main", "OPTIMIZERS", "MODELS", "build_model", "summarize", "write_outputs"]
 

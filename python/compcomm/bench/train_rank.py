@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Any, Dict, List
 
-from .train_setups import COMPRESSED, make, phase
+from .train_setups import COMPRESSED, IDENTITY, make, phase
 
 __all__ = ["MODELS", "build_model", "param_count", "load_text", "rank_main"]
 
@@ -99,7 +99,7 @@ def _train_one(name: str, cfg: Dict[str, Any], rank: int, world: int, dev: Any, 
     ddp_bytes = 2 * (world - 1) * grad_bytes // world if world > 1 else 0
     gen = torch.Generator().manual_seed(10_000 * (rank + 1))  # the same batches in every run
     seq, bsz = cfg["seq"], cfg["batch"]
-    steps = cfg["steps"] if (name in COMPRESSED or cfg["baseline_steps"] is None) \
+    steps = cfg["steps"] if (name in COMPRESSED + IDENTITY or cfg["baseline_steps"] is None) \
         else cfg["baseline_steps"]
     base_lr = [g["lr"] for g in opt.param_groups]
     wall = 0.0

@@ -11,7 +11,7 @@ import statistics
 from typing import Any, Dict, List, Optional, Sequence
 
 from .netns import PROFILES
-from .train_setups import COMPRESSED, TWIN
+from .train_setups import COMPRESSED, IDENTITY, IDENTITY_TWIN, TWIN
 
 __all__ = ["summarize", "fmt_bytes", "targets", "loss_checks", "time_to_target", "markdown", "plot",
            "write_outputs"]
@@ -50,10 +50,11 @@ def summarize(row: Dict[str, Any]) -> Dict[str, Any]:
             phases[ph]["reduce_bytes"] = statistics.mean(row["reduce_bytes"][i] for i in pick)
     if not phases:
         phases["full"] = {"steps": 0, "step_s": None, "fwdbwd_s": None, "opt_s": None, "bytes": 0}
-    main = {"zerooneadam": "local"}.get(row["optimizer"], "compressed")
+    zero_one = row["optimizer"] in ("zerooneadam", "zerooneadam_identity")
+    main = "local" if zero_one else "compressed"
     if main not in phases:
         main = "full" if "full" in phases else list(phases)[-1]
-    if row["optimizer"] == "zerooneadam" and "local" in phases:
+    if zero_one and "local" in phases:
         # the local-step phase as it runs: local steps and the syncs between them
         idx = [i for i, p in enumerate(row["phase"]) if p in ("local", "sync") and ok[i]]
         phases["local+sync"] = {
@@ -171,28 +172,37 @@ _LOSS_TARGET = ("onebitadam", "onebitlamb", "fsdp2_onebit")
 
 
 def loss_checks(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """Loss at equal steps of each compressed optimizer against its uncompressed twin."""
+    """Loss at equal steps of each compressed optimizer against its uncompressed twin (``TWIN``:
+    no freeze, the 2 % target) and, as an extra row without target, its identity twin
+    (``IDENTITY_TWIN``: same schedule and frozen variance, exact averages); ``kind`` says which."""
     by = {(r["profile"], r["world_size"], r["optimizer"]): r for r in rows if r.get("loss")}
     out = []
     for (p, w, o), r in by.items():
-        twin = by.get((p, w, TWIN.get(o, "")))
-        if twin is None:
-            continue
-        n = min(len(r["loss"]), len(twin["loss"]))
-        k = max(1, min(10, n // 5))  # mean of the last k common steps (training loss is noisy)
-        a = statistics.mean(r["loss"][n - k:n])
-        b = statistics.mean(twin["loss"][n - k:n])
-        vs = {e[0]: e[1] for e in r.get("val_curve", [])}
-        vt = {e[0]: e[1] for e in twin.get("val_curve", [])}
-        common = sorted(set(vs) & set(vt))
-        val = (vs[common[-1]], vt[common[-1]], common[-1]) if common else None
-        rel = (val[0] / val[1] - 1) if val else (a / b - 1)
-        out.append({"profile": p, "world_size": w, "optimizer": o, "twin": TWIN[o], "step": n,
-                    "train_loss": a, "twin_train_loss": b,
-                    "val_step": val[2] if val else None, "val_loss": val[0] if val else None,
-                    "twin_val_loss": val[1] if val else None, "rel": rel,
-                    "within_2pct": rel <= 0.02 if o in _LOSS_TARGET else None})
+        for kind, twins in (("nofreeze", TWIN), ("identity", IDENTITY_TWIN)):
+            twin = by.get((p, w, twins.get(o, "")))
+            if twin is not None:
+                out.append(_loss_check(r, twin, kind))
     return out
+
+
+def _loss_check(r: Dict[str, Any], twin: Dict[str, Any], kind: str) -> Dict[str, Any]:
+    n = min(len(r["loss"]), len(twin["loss"]))
+    k = max(1, min(10, n // 5))  # mean of the last k common steps (training loss is noisy)
+    a = statistics.mean(r["loss"][n - k:n])
+    b = statistics.mean(twin["loss"][n - k:n])
+    vs = {e[0]: e[1] for e in r.get("val_curve", [])}
+    vt = {e[0]: e[1] for e in twin.get("val_curve", [])}
+    common = sorted(set(vs) & set(vt))
+    val = (vs[common[-1]], vt[common[-1]], common[-1]) if common else None
+    rel = (val[0] / val[1] - 1) if val else (a / b - 1)
+    o = r["optimizer"]
+    target = kind == "nofreeze" and o in _LOSS_TARGET
+    return {"profile": r["profile"], "world_size": r["world_size"], "optimizer": o,
+            "twin": twin["optimizer"], "kind": kind, "step": n, "train_loss": a,
+            "twin_train_loss": b, "val_step": val[2] if val else None,
+            "val_loss": val[0] if val else None, "twin_val_loss": val[1] if val else None,
+            "rel": rel, "within_2pct": rel <= 0.02 if target else None,
+            "twin_stopped": twin.get("error") or None}
 
 
 def time_to_target(rows: List[Dict[str, Any]], target: Optional[float]) -> Dict[str, Any]:
@@ -200,7 +210,8 @@ def time_to_target(rows: List[Dict[str, Any]], target: Optional[float]) -> Dict[
     final validation loss of the uncompressed rows, which each of them reaches) and its wall time
     (sum of step times) and bytes."""
     finals = [r["final_val_loss"] for r in rows if r.get("val_curve")
-              and r["optimizer"] not in COMPRESSED and math.isfinite(r["final_val_loss"])]
+              and r["optimizer"] not in COMPRESSED + IDENTITY
+              and math.isfinite(r["final_val_loss"])]
     if target is None and finals:
         target = max(finals)
     res: Dict[str, Any] = {"target_val_loss": target, "rows": []}
@@ -291,13 +302,17 @@ def markdown(doc: Dict[str, Any]) -> str:
                        f"{tgt} | {'' if t['met'] is None else ('yes' if t['met'] else 'NO')} |")
     if doc.get("loss_checks"):
         out += ["", "## Loss against the uncompressed twin (equal steps)", "",
+                "Twins: `*_nofreeze` / `lamb` (no freeze: fp32 averaging for the whole run; the 2 % "
+                "target) and `*_identity` (the same schedule and frozen variance, exact averages: "
+                "the gap to it is what the compression costs; no target).", "",
                 "| profile | W | optimizer | twin | steps | train loss | twin | val loss | twin | "
                 "rel. diff | within 2 % |", "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
         for c in doc["loss_checks"]:
             vl = "" if c["val_loss"] is None else f"{c['val_loss']:.4f}"
             vt = "" if c["twin_val_loss"] is None else f"{c['twin_val_loss']:.4f}"
             w2 = "" if c["within_2pct"] is None else ("yes" if c["within_2pct"] else "NO")
-            out.append(f"| {c['profile']} | {c['world_size']} | {c['optimizer']} | {c['twin']} | "
+            tw = c["twin"] + (" (stopped)" if c.get("twin_stopped") else "")
+            out.append(f"| {c['profile']} | {c['world_size']} | {c['optimizer']} | {tw} | "
                        f"{c['step']} | {c['train_loss']:.4f} | {c['twin_train_loss']:.4f} | {vl} | "
                        f"{vt} | {c['rel'] * 100:+.2f} % | {w2} |")
     ttt = doc.get("time_to_target") or {}

@@ -8,7 +8,10 @@ ddp_adamw_bf16hook     the same with DDP's ``bf16_compress_hook`` (on gloo: the 
                        torch refuses its own without NCCL)
 onebitadam             compcomm.optim.OneBitAdam(freeze_step=--warmup) (no DDP: it communicates)
 onebitadam_nofreeze    OneBitAdam with freeze_step past the run (Adam with fp32 averaging)
+onebitadam_identity    OneBitAdam(freeze_step=--warmup, compressor=IdentityCompressor): the same
+                       schedule and frozen variance, exact averages (the identity twin)
 zerooneadam            compcomm.optim.ZeroOneAdam(var_freeze_step=--warmup)
+zerooneadam_identity   the same with ``compressor=IdentityCompressor``
 zero2_adamw            compcomm.zero.ZeroOptimizer(stage 2) around torch.optim.AdamW
 zero2_onebitadam       ZeroOptimizer(stage 2) around OneBitAdam(freeze_step=--warmup), the
                        default ``onebit_mode`` ("exact": parameters all-gathered every step)
@@ -18,6 +21,7 @@ zero2_onebitadam_noag  the same with ``onebit_mode="no_allgather"`` (momentum, f
 onebitlamb             compcomm.optim.OneBitLamb(freeze_step=--warmup)
 lamb                   OneBitLamb with freeze_step past the run (LAMB with fp32 averaging);
 onebitlamb_nofreeze    the same as ``lamb``
+onebitlamb_identity    OneBitLamb(freeze_step=--warmup, compressor=IdentityCompressor)
 fsdp2_adamw            torch FSDP2: ``fully_shard`` on every transformer block and the root,
                        MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16) with bf16
                        autocast on GPUs (fp32 otherwise), torch.optim.AdamW on the DTensor shards
@@ -26,6 +30,13 @@ fsdp2_onebit           the same model with ``compcomm.fsdp.onebit(model, warmup_
                        reduce-scatter with error feedback) and torch.optim.AdamW, the pairing
                        docs/fsdp.md recommends (an adaptive optimizer)
 =====================  ========================================================================
+
+Two twins per 1-bit optimizer. ``TWIN``, the loss comparison with the 2 % target: the same optimizer
+with no freeze (Adam / LAMB with fp32 averaging for the whole run: issue 13's warm-up rule for the
+whole run). ``IDENTITY_TWIN``, an extra comparison: the same optimizer, schedule and frozen variance
+with the compression replaced by exact averages (:class:`compcomm.compress.IdentityCompressor`, one
+class; the optimizers are untouched), so that the loss gap to the 1-bit row is what compression
+costs and the gap to the no-freeze row what the frozen variance costs.
 
 Bytes of the FSDP2 rows: FSDP2 talks to torch, so each FSDP module's all-gather (and, for
 ``fsdp2_adamw``, its reduce-scatter) is FSDP's own default collective wrapped in a counter
@@ -42,20 +53,24 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable, Dict, List, Tuple
 
-__all__ = ["OPTIMIZERS", "TWIN", "COMPRESSED", "make", "phase", "bf16_hook_cpu", "FSDPBytes"]
+__all__ = ["OPTIMIZERS", "TWIN", "IDENTITY_TWIN", "IDENTITY", "COMPRESSED", "make", "phase",
+           "bf16_hook_cpu", "FSDPBytes"]
 
 OPTIMIZERS = (
     "ddp_adamw",
     "ddp_adamw_bf16hook",
     "onebitadam",
     "onebitadam_nofreeze",
+    "onebitadam_identity",
     "zerooneadam",
+    "zerooneadam_identity",
     "zero2_adamw",
     "zero2_onebitadam",
     "zero2_onebitadam_noag",
     "lamb",
     "onebitlamb",
     "onebitlamb_nofreeze",
+    "onebitlamb_identity",
     "fsdp2_adamw",
     "fsdp2_onebit",
 )
@@ -68,16 +83,25 @@ TWIN = {
     "zero2_onebitadam_noag": "zero2_adamw",
     "fsdp2_onebit": "fsdp2_adamw",
 }
+#: the identity twin of each 1-bit optimizer (an extra loss comparison, no target)
+IDENTITY_TWIN = {
+    "onebitadam": "onebitadam_identity",
+    "zerooneadam": "zerooneadam_identity",
+    "onebitlamb": "onebitlamb_identity",
+}
+#: uncompressed, but on the 1-bit schedule: as many steps as the compressed rows, and not among
+#: the rows that set the time-to-target loss (a frozen variance may diverge)
+IDENTITY = tuple(IDENTITY_TWIN.values())
 COMPRESSED = ("onebitadam", "zerooneadam", "zero2_onebitadam", "zero2_onebitadam_noag",
               "onebitlamb", "fsdp2_onebit")
 #: steps 1..--warmup are "warmup", the later ones "compressed"
 _FREEZING = ("onebitadam", "onebitlamb", "zero2_onebitadam", "zero2_onebitadam_noag",
-             "fsdp2_onebit")
+             "fsdp2_onebit", "onebitadam_identity", "onebitlamb_identity")
 
 
 def phase(name: str, opt: Any, t: int, warm: int) -> str:
     """What step ``t`` (1-based, about to run) is for optimizer ``name``."""
-    if name == "zerooneadam":
+    if name in ("zerooneadam", "zerooneadam_identity"):
         return opt.step_kind()
     if name in _FREEZING:
         return "warmup" if t <= warm else "compressed"
@@ -92,6 +116,7 @@ def make(name: str, model: Any, cfg: Dict[str, Any], world: int, dev: Any) -> Di
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from compcomm.compress import IdentityCompressor
     from compcomm.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
 
     lr, never, warm = cfg["lr"], cfg["steps"] + 10, cfg["warmup"]
@@ -102,6 +127,9 @@ def make(name: str, model: Any, cfg: Dict[str, Any], world: int, dev: Any) -> Di
     if fused and "fused" not in inspect.signature(OneBitAdam).parameters:
         fused = {}  # this compcomm's optimizers no longer take it (bucketed by default)
     bc = {"bias_correction": True} if cfg.get("bias_correction") else {}
+    if name in IDENTITY:  # the same optimizer, exact averages
+        extra["compressor"] = IdentityCompressor
+        name = name[:-len("_identity")]
     if name.startswith("ddp_"):
         ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
         if name == "ddp_adamw_bf16hook":

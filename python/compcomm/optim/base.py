@@ -21,13 +21,13 @@ from __future__ import annotations
 import copy
 import warnings
 from collections import defaultdict
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..compress import DEFAULT_BUCKET_ELEMENTS, OneBitCompressor, plan_buckets
 from ..errors import NonFiniteError
-from ..schedule import FreezeSchedule
+from ..schedule import FreezeSchedule, StepKind
 from ._grads import all_finite, all_max, average_, fp32_grad, resolve_comm
 from ._state import ERROR_KEYS, validate_state_dict
 from ._validation import check_int, check_masks
@@ -86,19 +86,8 @@ class OneBitBase(torch.optim.Optimizer):
         check_masks(self._name, self.param_groups)
         #: what each step does (compcomm.schedule); subclasses replace it with their own
         self.schedule: Any = FreezeSchedule(0)
-
-    def set_group(self, comm: Any, grads_averaged: bool = False) -> None:
-        """Talk through the compcomm Communicator ``comm`` from now on (a new compressor, the bucket
-        plan rebuilt at the next step), and say whether the gradients of later steps arrive
-        averaged already. ZeroOptimizer runs 0/1 Adam's variance phase on shards with a one-rank
-        communicator and its local-step phase unsharded on the real group."""
-        self.compressor.close()
-        self.compressor = self.compressor_factory(comm)
-        self._plan_key = None
-        self.comm = comm
-        self.world_size = comm.size()
-        self.rank = comm.rank()
-        self.grads_averaged = bool(grads_averaged)
+        #: during step_on: the given parameters' fp32 gradients (None otherwise)
+        self._local: Optional[Dict[torch.Tensor, torch.Tensor]] = None
 
     # -- phase queries ---------------------------------------------------------------------
     @property
@@ -117,9 +106,11 @@ class OneBitBase(torch.optim.Optimizer):
         self._hook_averaged = bool(averaged)
 
     def _params(self) -> Iterable[Tuple[Dict[str, Any], torch.Tensor]]:
+        local = self._local
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is not None and p.numel() > 0:
+                has_grad = p.grad is not None if local is None else p in local
+                if has_grad and p.numel() > 0:
                     yield group, p
 
     def _bucket_plan(self, items: List[Tuple[Dict[str, Any], torch.Tensor]]) -> List[List[int]]:
@@ -180,9 +171,9 @@ class OneBitBase(torch.optim.Optimizer):
         """
         if not items:
             return {}
-        if self.world_size == 1:  # nothing is sent: no buckets, no staging kept between steps
-            # (ZeroOptimizer runs its inner optimizer on shards at world size 1: a kept buffer
-            # would cost a shard-sized fp32 copy)
+        if self.world_size == 1 or self._local is not None:
+            # nothing is sent (one rank, or step_on): no buckets, no staging kept between steps
+            # (ZeroOptimizer steps on shards: a kept buffer would cost a shard-sized fp32 copy)
             views = {}
             for group, p in items:
                 views[p] = torch.empty(p.shape, dtype=torch.float32, device=p.device)
@@ -228,6 +219,9 @@ class OneBitBase(torch.optim.Optimizer):
     def _grads(self, average: bool) -> Dict[torch.Tensor, torch.Tensor]:
         """fp32 gradients of every parameter that has one, averaged across ranks if ``average``
         (and not already averaged by DDP's hook or the user)."""
+        if self._local is not None:  # step_on: the caller reduced them; a world of one
+            self._check_finite(self._local.values(), agree=False)
+            return dict(self._local)
         # a copy only where the gradient is written (scaled, averaged) or not fp32 and contiguous
         scale = getattr(self, "_grad_scale", None)
         copy = scale is not None or (average and not (self.grads_averaged or self._hook_averaged))
@@ -277,6 +271,80 @@ class OneBitBase(torch.optim.Optimizer):
         self._finish_step()
         return loss
 
+    @torch.no_grad()
+    def step_on(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                kind: StepKind) -> None:
+        """Apply the update rule of one step of ``kind`` to ``params``, with no communication.
+
+        The step a world of one rank would take: every average the kind communicates (the
+        full-precision or compressed gradient average, 0/1 Adam's compressed sync) is taken to
+        be the rank's own value, because the caller has reduced ``grads`` already (ZeroOptimizer
+        steps its wrapped optimizer on the shards this way). Moments, error-feedback state
+        (0/1 Adam zeroes its buffers at the freeze) and the schedule advance as in :meth:`step`;
+        ``p.grad`` is not read, nor the GradScaler attributes.
+
+        Parameters
+        ----------
+        params : sequence of Tensor
+            Parameters of this optimizer (each at most once); the others are left as they are,
+            as :meth:`step` leaves parameters without gradient.
+        grads : sequence of Tensor
+            ``grads[i]`` is the gradient for ``params[i]``: same shape and device, floating point.
+        kind : compcomm.schedule.StepKind
+            Must be ``self.schedule.next_kind()``: the caller says which step it prepared the
+            gradients for, the schedule checks that it is the coming one.
+
+        Raises
+        ------
+        TypeError, ValueError
+            Naming the argument (``kind``, ``params[i]``, ``grads[i]``) and the rank.
+        NonFiniteError
+            With ``check_finite``, a gradient holds Inf/NaN (this rank only: nothing is sent).
+            After any of these errors nothing has changed.
+        """
+        local = self._step_on_inputs(params, grads, kind)
+        self._local = local
+        try:
+            self._step()
+        finally:
+            self._local = None
+
+    def _step_on_inputs(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                        kind: Any) -> Dict[torch.Tensor, torch.Tensor]:
+        """step_on's checks (before anything changes); ``{p: fp32 gradient}``."""
+        where = f"[rank {self.rank}] {self._name}.step_on"
+        if not isinstance(kind, StepKind):
+            raise TypeError(f"{where}: argument 'kind' must be a compcomm.schedule.StepKind, got "
+                            f"{type(kind).__name__} {kind!r}")
+        coming = self.schedule.next_kind()
+        if kind is not coming:
+            raise ValueError(f"{where}: argument 'kind' is {kind}, but step "
+                             f"{self.schedule.step + 1} of this optimizer's schedule is {coming}")
+        for name, seq in (("params", params), ("grads", grads)):
+            if isinstance(seq, torch.Tensor) or not isinstance(seq, (list, tuple)):
+                raise TypeError(f"{where}: argument '{name}' must be a list or tuple of tensors, "
+                                f"got {type(seq).__name__}")
+        if len(params) != len(grads):
+            raise ValueError(f"{where}: argument 'grads' has {len(grads)} tensors for "
+                             f"{len(params)} params")
+        own = {id(p) for g in self.param_groups for p in g["params"]}
+        local: Dict[torch.Tensor, torch.Tensor] = {}
+        for i, (p, g) in enumerate(zip(params, grads)):
+            if not isinstance(p, torch.Tensor) or id(p) not in own:
+                raise ValueError(f"{where}: argument 'params[{i}]' is not a parameter of this "
+                                 "optimizer")
+            if p in local:
+                raise ValueError(f"{where}: argument 'params[{i}]' appears twice")
+            if not isinstance(g, torch.Tensor) or g.is_sparse or not g.is_floating_point():
+                raise TypeError(f"{where}: argument 'grads[{i}]' must be a dense floating-point "
+                                f"tensor, got {getattr(g, 'dtype', type(g).__name__)}")
+            if g.shape != p.shape or g.device != p.device:
+                raise ValueError(f"{where}: argument 'grads[{i}]' has shape {tuple(g.shape)} on "
+                                 f"{g.device}, its parameter {tuple(p.shape)} on {p.device}")
+            # as step() reads p.grad: the tensor itself when it is fp32 and contiguous
+            local[p] = g.detach().to(torch.float32, memory_format=torch.contiguous_format)
+        return local
+
     def _device(self) -> torch.device:
         """The parameters' device (of the first parameter; the CPU if there is none)."""
         return next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
@@ -287,7 +355,7 @@ class OneBitBase(torch.optim.Optimizer):
         if not self.check_finite:
             return
         bad = 0.0 if all_finite(tensors) else 1.0
-        if agree:
+        if agree and self._local is None:  # step_on never communicates
             bad = all_max(bad, self.comm, self._device())
         if bad:
             raise NonFiniteError(f"[rank {self.rank}] {self._name}: non-finite gradient; step "

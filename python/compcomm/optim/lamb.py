@@ -189,8 +189,9 @@ class OneBitLamb(OneBitBase):
         # one compressed allreduce of the whole fused momentum; if it fails (on any rank), the
         # momentum and the coefficients frozen just now are put back: the step changed nothing
         try:
-            self.compressor.average_(["fused"], [self._flat.numel()], lambda i: self._flat,
-                                     self._flat.device)
+            if self._local is None:  # step_on: no communication, the flat momentum stays
+                self.compressor.average_(["fused"], [self._flat.numel()], lambda i: self._flat,
+                                         self._flat.device)
         except Exception:
             self._flat.copy_(m_last)
             if new_coeffs:
@@ -210,7 +211,7 @@ class OneBitLamb(OneBitBase):
                 m = st["exp_avg"]
                 m.div_(st["scaling_coeff"])
                 mask_(m, group)
-                if p.grad is None:
+                if p not in grads:  # no gradient this step
                     continue
                 st["step"] = t
                 w = master(p, st)

@@ -117,9 +117,11 @@ def estimate_memory(
         fewer than 4 bytes, fp32 masters (``4 T``).
     onebit_mode : {None, "exact", "no_allgather", "sharded"}
         With ``onebit="OneBitAdam"``: ZeroOptimizer's ``onebit_mode`` (None: "exact"). "exact" adds
-        the replicated fp32 momentum (``4 T``) to ``optimizer_state``; "no_allgather" also the
+        the replicated momentum in its 1-bit form (``T/8``: a sign bit per element; plus one fp32
+        scale per chunk, ``4 G`` bytes per bucket, not counted; with one rank nothing is
+        compressed and it stays fp32, ``4 T``) to ``optimizer_state``; "no_allgather" also the
         frozen variance (``4 T``) and, for parameters of fewer than 4 bytes, the fp32 master
-        weights (``4 T``): unsharded 1-bit Adam's state, on top of the shards. "sharded" adds
+        weights (``4 T``), on top of the shards. "sharded" adds
         nothing (the momentum stays a shard). The 1-bit exchange workspaces (about ``T/4`` bytes)
         are not counted.
 
@@ -190,8 +192,8 @@ def estimate_memory(
     if onebit == "OneBitAdam":
         buffers = errors + (b * T if stage >= 2 else 0)
         mode = onebit_mode or "exact"
-        if mode in ("exact", "no_allgather"):  # the momentum, replicated after the freeze
-            state += 4 * T
+        if mode in ("exact", "no_allgather"):  # the momentum, replicated (1-bit) after the freeze
+            state += T / 8 if G > 1 else 4 * T
         if mode == "no_allgather":  # and the frozen variance, fp16/bf16: the fp32 master
             state += 4 * T + (4 * T if b < 4 else 0)
     elif onebit == "ZeroOneAdam":

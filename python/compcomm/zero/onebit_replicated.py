@@ -11,12 +11,23 @@ Two modes (``zero_optimization.onebit_mode``):
 
 * ``"exact"`` (default): master weights and the frozen variance stay sharded; each rank updates its
   shard with its own chunks of the shared momentum and the shards are all-gathered in full
-  precision, as in the warm-up. Memory: the full momentum (fp32, ``4 P`` bytes) on top of ZeRO's
-  shards.
+  precision, as in the warm-up. Memory: the full momentum in its 1-bit form (about ``P/8`` bytes,
+  :mod:`.packed_momentum`) on top of ZeRO's shards.
 * ``"no_allgather"``: the frozen variance, and for fp16/bf16 parameters the fp32 master weights,
   are also all-gathered once; every rank then applies the shared momentum to the whole parameters,
   as unsharded 1-bit Adam does, so a compressed step sends only the compressed allreduce (plus the
-  8-byte norm all-reduce). Memory: unsharded 1-bit Adam's optimizer state.
+  8-byte norm all-reduce). Memory: the packed momentum, the full frozen variance (``4 P``; or, on
+  the torch-op path, the frozen denominator ``sqrt(v) + eps`` computed once in its place) and for
+  fp16/bf16 parameters the fp32 master (``4 P``).
+
+The momentum between steps. The compressor hands back each bucket's result as signs plus one
+scale per chunk (:meth:`~compcomm.compress.OneBitCompressor.packed_average`); that is all this
+object keeps of the momentum. A step unpacks it (exactly: ``tau * +-1``) into the bucket's staging
+tensor, forms the local momentum there, and the compressed allreduce's output in that tensor is
+the new momentum for this step's update. The full fp32 momentum exists only at the first
+compressed step (gathered from the warm-up's shards), after a checkpoint load (regathered from the
+shards, which hold exactly the unpacked values), and with a compressor that does not pack (one
+rank, :class:`~compcomm.compress.IdentityCompressor`).
 
 The shards stay authoritative for checkpoints: after every compressed step this rank's chunks of the
 momentum (and, in ``no_allgather``, of the master weights) are copied back into the wrapped
@@ -32,16 +43,19 @@ Equal to unsharded OneBitAdam when that optimizer compresses the same buckets: i
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, List, Tuple
+import os
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from .._buffers import buffer_of
 from ..compress import Compressor
 from ..errors import NonFiniteError
-from ..optim.functional import adam_update
+from ..optim import cpu_adam
+from ..optim.functional import adam_denom, adam_update
 from .grad_reducer import GradReducer, clip_coef
 from .layout import GroupLayout
+from .packed_momentum import PackedMomentum
 
 __all__ = ["ReplicatedMomentum"]
 
@@ -90,10 +104,14 @@ class ReplicatedMomentum:
         self.world = world
         self.device = device
         self.timeout = timeout
-        self.m: Dict[int, torch.Tensor] = {}  # group -> full fp32 momentum (flat layout)
+        # group -> full fp32 momentum (flat layout): only until every bucket of the group is packed
+        self.m: Dict[int, torch.Tensor] = {}
+        self.packed = PackedMomentum()  # (group, bucket) -> the 1-bit momentum
         self.v: Dict[int, torch.Tensor] = {}  # no_allgather: group -> full frozen variance
+        self.d: Dict[int, torch.Tensor] = {}  # no_allgather, torch path: frozen sqrt(v) + eps
         self.w: Dict[int, torch.Tensor] = {}  # no_allgather, fp16/bf16: group -> full fp32 master
         self._avg: List[Tuple[int, int, torch.Tensor]] = []  # reduced buckets awaiting update()
+        self._packs: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None  # and their 1-bit form
 
     # ---- state -------------------------------------------------------------------------------
 
@@ -105,13 +123,21 @@ class ReplicatedMomentum:
     def reset(self) -> None:
         """Forget the full tensors (a checkpoint was loaded): regathered from the shards."""
         self.m.clear()
+        self.packed.reset()
         self.v.clear()
+        self.d.clear()
         self.w.clear()
         self._avg.clear()
+        self._packs = None
 
     def nbytes(self) -> int:
-        """Optimizer-state bytes of the full tensors."""
-        return sum(t.numel() * 4 for d in (self.m, self.v, self.w) for t in d.values())
+        """Optimizer-state bytes of what is kept in full: the packed momentum (or, before it
+        exists or with a compressor that does not pack, the fp32 one), the no_allgather tensors."""
+        full = sum(t.numel() * 4 for d in (self.m, self.v, self.d, self.w) for t in d.values())
+        return full + self.packed.nbytes()
+
+    def _packed_group(self, gi: int) -> bool:
+        return all((gi, bi) in self.packed for bi in range(len(self.groups[gi].buckets)))
 
     def _shard_state(self, gi: int) -> Dict[str, Any]:
         grp = self.groups[gi]
@@ -126,11 +152,11 @@ class ReplicatedMomentum:
         frozen variance and fp16/bf16 master weights)."""
         works = []
         for gi, grp in enumerate(self.groups):
-            if gi in self.m:
-                continue
             st = self._shard_state(gi)
-            srcs = [(self.m, st["exp_avg"])]
-            if self.mode == "no_allgather":
+            srcs = []
+            if gi not in self.m and not self._packed_group(gi):
+                srcs.append((self.m, st["exp_avg"]))
+            if self.mode == "no_allgather" and gi not in self.v and gi not in self.d:
                 srcs.append((self.v, st["exp_avg_sq"]))
                 if grp.dtype != torch.float32:
                     srcs.append((self.w, grp.master.detach()))
@@ -169,16 +195,26 @@ class ReplicatedMomentum:
             b1 = float(self.inner.param_groups[gi]["betas"][0])
             if coef != 1.0:
                 x.mul_(coef)
-            m = self.groups[gi].buckets[bi].span(self.m[gi])
-            # the same operations as unsharded OneBitAdam's staging, so the same bits
-            y = torch.mul(m, b1).add_(x, alpha=1 - b1)
+            b = self.groups[gi].buckets[bi]
+            # the same operations as unsharded OneBitAdam's staging, so the same bits (unpacking
+            # is exact: the fp32 momentum had these values)
+            if (gi, bi) in self.packed:
+                y = self.packed.unpack_((gi, bi), torch.empty(b.padded, device=self.device))
+                y.mul_(b1).add_(x, alpha=1 - b1)
+            else:
+                y = torch.mul(b.span(self.m[gi]), b1).add_(x, alpha=1 - b1)
             staged.append((gi, bi, y))
             return y
 
+        keys = [(gi, bi) for gi, bi, _ in items]
+        numels = [self.groups[gi].buckets[bi].padded for gi, bi, _ in items]
+        packed_average = getattr(self.compressor, "packed_average", None)
         try:
-            self.compressor.average_([(gi, bi) for gi, bi, _ in items],
-                                     [self.groups[gi].buckets[bi].padded for gi, bi, _ in items],
-                                     stage, self.device)
+            if packed_average is not None:
+                self._packs = packed_average(keys, numels, stage, self.device)
+            else:
+                self.compressor.average_(keys, numels, stage, self.device)
+                self._packs = None
         except NonFiniteError:  # raised on every rank, nothing written: skip the step
             return math.inf
         self._avg = staged
@@ -186,28 +222,59 @@ class ReplicatedMomentum:
 
     def update(self) -> None:
         """Apply the averaged momentum (after the skip decision; nothing here fails)."""
-        inner = self.inner
-        for gi, bi, y in self._avg:
+        inner, r = self.inner, self.rank
+        ys: Dict[Tuple[int, int], torch.Tensor] = {}
+        for i, (gi, bi, y) in enumerate(self._avg):
             b = self.groups[gi].buckets[bi]
             y[b.numel:].zero_()  # padding: 1 bit cannot say 0, unsharded keeps no padding
-            b.span(self.m[gi]).copy_(y)
-        self._avg = []
+            ys[(gi, bi)] = y
+            if self._packs is not None:  # what persists: signs + scales
+                signs, scales = self._packs[i]
+                self.packed.put((gi, bi), signs, scales, b.numel, b.chunk)
+            else:
+                b.span(self.m[gi]).copy_(y)
+        self._avg, self._packs = [], None
         t = inner.schedule.step + 1
         for gi, grp in enumerate(self.groups):
+            if gi in self.m and self._packed_group(gi):
+                del self.m[gi]  # the packed form took over
             group = inner.param_groups[gi]
             st = self._shard_state(gi)
-            grp.own_chunks(self.m[gi], st["exp_avg"], self.rank)
-            if self.mode == "exact":
-                w, m, v = grp.master.data, st["exp_avg"], st["exp_avg_sq"]
-            else:
-                w = self.w[gi] if gi in self.w else grp.flat
-                m, v = self.m[gi], self.v[gi]
-            # variance frozen since the warm-up: its correction too, as unsharded OneBitAdam
-            update = adam_update(m, v, w, group, t, min(t, inner.freeze_step))
-            w.add_(update, alpha=-group["lr"])
+            for bi, b in enumerate(grp.buckets):  # shards stay current for checkpoints
+                b.shard_of(st["exp_avg"]).copy_(ys[(gi, bi)][r * b.chunk: (r + 1) * b.chunk])
             st["step"] = t
-            if self.mode == "no_allgather":
-                if gi in self.w:
-                    grp.flat.copy_(w)  # the model's parameters (param dtype)
-                grp.own_chunks(w, grp.master.data, self.rank)  # shards stay current for checkpoints
+            # variance frozen since the warm-up: its correction too, as unsharded OneBitAdam
+            bc2_t = min(t, inner.freeze_step)
+            if self.mode == "exact":
+                w = grp.master.data
+                w.add_(adam_update(st["exp_avg"], st["exp_avg_sq"], w, group, t, bc2_t),
+                       alpha=-group["lr"])
+                continue
+            self._whole_update(gi, grp, group, ys, t, bc2_t)
         inner.schedule.advance(inner.schedule.next_kind())  # the wrapped optimizer's step count
+
+    def _whole_update(self, gi: int, grp: GroupLayout, group: Dict[str, Any],
+                      ys: Dict[Tuple[int, int], torch.Tensor], t: int, bc2_t: int) -> None:
+        """no_allgather: every rank updates the whole parameters with the shared momentum, bucket
+        by bucket (elementwise, so the bits of one whole-tensor update). On the CPU one C++ pass
+        per bucket (:func:`compcomm.optim.cpu_adam.onebit_compressed_step_`, also writing the
+        fp16/bf16 parameters) where those kernels give the torch ops' bits here; otherwise the
+        torch ops with the frozen denominator computed once."""
+        half = gi in self.w
+        w = self.w[gi] if half else grp.flat
+        fused = (w.is_cpu and group.get("exp_avg_mask") is None and gi in self.v
+                 and os.environ.get("COMPCOMM_FUSED_OPTIM", "1") != "0"
+                 and cpu_adam.matches_torch_rules())
+        if not fused and gi not in self.d:  # sqrt(v) + eps is frozen too: once, in v's place
+            self.d[gi] = adam_denom(self.v.pop(gi), group, bc2_t)
+        for bi, b in enumerate(grp.buckets):
+            y, wb = ys[(gi, bi)], b.span(w)
+            if fused:
+                cpu_adam.onebit_compressed_step_(wb, y, b.span(self.v[gi]), y, group, t, bc2_t,
+                                                 param_out=b.span(grp.flat) if half else None)
+            else:
+                d = b.span(self.d[gi])  # (v is not read when the denominator is given)
+                wb.add_(adam_update(y, d, wb, group, t, bc2_t, denom=d), alpha=-group["lr"])
+                if half:
+                    b.span(grp.flat).copy_(wb)  # the model's parameters (param dtype)
+            b.shard_of(grp.master.data).copy_(b.chunk_of(w, self.rank))

@@ -162,7 +162,7 @@ class ZeroOptimizer:
 
         kwargs = dict(optimizer_kwargs or {})
         if self._rules is not None:
-            kwargs = onebit_inner_kwargs(self.onebit, kwargs)
+            kwargs = onebit_inner_kwargs(self.onebit, kwargs, self.comm)
         self.optimizer = optimizer_class(
             [dict(grp.options, params=[grp.master]) for grp in self.groups], **kwargs
         )
@@ -193,9 +193,8 @@ class ZeroOptimizer:
                 self.world, self.device, self.timeout)
         self._unsharded: Optional[UnshardedPhase] = None
         if self._rules is not None and self._rules.local_phase:
-            self._unsharded = UnshardedPhase(self.groups, self.optimizer, self.comm,
-                                             self.optimizer.comm, self._async, stage, self.rank,
-                                             self.device, self.timeout)
+            self._unsharded = UnshardedPhase(self.groups, self.optimizer, self._async, stage,
+                                             self.rank, self.device, self.timeout)
         self._hooks: List[Any] = []
         if stage >= 2:
             for gi, grp in enumerate(self.groups):
@@ -354,6 +353,10 @@ class ZeroOptimizer:
             self._replicated.update()
         elif self._grads.sink is not None:
             self._shards = self.offload.step(self.optimizer, self.groups)
+        elif self._rules is not None:  # the update rule alone, on the shards
+            masters = [grp.master for grp in self.groups if grp.master.grad is not None]
+            self.optimizer.step_on(masters, [m.grad for m in masters],
+                                   self.optimizer.schedule.next_kind())
         else:
             self.optimizer.step()
         self.global_steps += 1
@@ -408,9 +411,14 @@ class ZeroOptimizer:
         ``loss_scale``, ``global_steps``, ``skipped_steps``. Waits for queued reductions first."""
         self.wait()
         local = self.local_phase
+        inner = self.optimizer.state_dict()
+        if self._rules is not None and not local:
+            # the shard state belongs to no group's layout: recorded as a world of one (what
+            # the shard checkpoints have always said, checkpoint.py validates it so)
+            inner["compcomm"].update(world_size=1, rank=0)
         return {
             "masters": [grp.master for grp in self.groups],
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": inner,
             "local_phase": local,
             "local_params": [grp.flat for grp in self.groups] if local else None,
             "errors": errors_of(self.compressor) if self.exact_resume else None,

@@ -9,7 +9,6 @@ import functools
 import inspect
 from typing import Any, Dict, Mapping, Optional
 
-from .. import _C
 from ..compress import Compressor, OneBitCompressor
 from ..schedule import StepKind
 
@@ -109,10 +108,11 @@ def onebit_kind(optimizer_class: Any) -> Optional[str]:
     return None
 
 
-def onebit_inner_kwargs(name: str, kwargs: Dict[str, Any]) -> Dict[str, Any]:
-    """Arguments for the wrapped 1-bit optimizer: it runs on this rank's shards alone (a world of
-    one rank, gradients already reduced by ZeroOptimizer), so it never communicates itself (until
-    ZeroOneAdam's local-step phase, when ZeroOptimizer hands it its own group)."""
+def onebit_inner_kwargs(name: str, kwargs: Dict[str, Any], comm: Any = None) -> Dict[str, Any]:
+    """Arguments for the wrapped 1-bit optimizer, built on ZeroOptimizer's group ``comm``: on the
+    shards ZeroOptimizer reduces the gradients and calls its ``step_on`` (no communication), so
+    the user may not pick another group or backend; ZeroOneAdam's unsharded local phase calls
+    its ``step()`` on that group."""
     for key, ok in (("comm_backend_name", ("torch",)), ("grads_averaged", (False,)),
                     ("process_group", (None,))):
         if key in kwargs and kwargs[key] not in ok:
@@ -122,7 +122,7 @@ def onebit_inner_kwargs(name: str, kwargs: Dict[str, Any]) -> Dict[str, Any]:
             )
     # ZeroOptimizer skips non-finite steps itself (global norm / overflow flag, on every rank)
     return dict(kwargs, comm_backend_name="torch", grads_averaged=True, check_finite=False,
-                process_group=_C.LocalCommunicator())
+                process_group=comm)
 
 
 def onebit_mode(name: Optional[str], mode: Optional[str], stage: int) -> Optional[str]:

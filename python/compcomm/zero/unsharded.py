@@ -3,9 +3,9 @@
 0/1 Adam's local steps (after ``var_freeze_step``) update each rank's own copy of every parameter
 with the rank's own momentum, so they need the full momentum, the frozen variance and (for
 fp16/bf16 parameters) the full fp32 master on every rank. :meth:`UnshardedPhase.enter` all-gathers
-them once and hands the wrapped optimizer the model's own parameters and the real group: from then
-on its steps are exactly unsharded ZeroOneAdam's (a per-bucket compressed allreduce of the
-accumulated update at syncs). The master shards keep the last synchronised parameters, for
+them once and hands the wrapped optimizer the model's own parameters: from then on its ``step()``
+is exactly unsharded ZeroOneAdam's (a per-bucket compressed allreduce of the accumulated update at
+syncs, on the group it was built with, ZeroOptimizer's). The master shards keep the last synchronised parameters, for
 checkpoints and ``consolidate``.
 """
 
@@ -19,13 +19,7 @@ from .._buffers import buffer_of
 from ..schedule import StepKind
 from .layout import GroupLayout
 
-__all__ = ["UnshardedPhase", "use_group"]
-
-
-def use_group(inner: Any, comm: Any, grads_averaged: bool) -> None:
-    """Make the 1-bit optimizer ``inner`` talk through ``comm`` from now on, and say whether the
-    gradients it gets are averaged already (:meth:`compcomm.optim.base.OneBitBase.set_group`)."""
-    inner.set_group(comm, grads_averaged)
+__all__ = ["UnshardedPhase"]
 
 
 class UnshardedPhase:
@@ -35,11 +29,9 @@ class UnshardedPhase:
     ----------
     groups : list of GroupLayout
     inner : ZeroOneAdam
-        The wrapped optimizer (one parameter group per layout group).
-    comm : compcomm Communicator
-        The data-parallel group (the unsharded optimizer talks through it).
-    shard_comm : compcomm Communicator
-        The one-rank communicator the optimizer has while it runs on shards.
+        The wrapped optimizer (one parameter group per layout group), built on the data-parallel
+        group: on the shards ZeroOptimizer calls its ``step_on`` (no communication), unsharded
+        its ``step()``.
     async_comm : _C.zero.AsyncComm
         The owner's worker thread (the state is all-gathered through it).
     stage, rank : int
@@ -47,13 +39,10 @@ class UnshardedPhase:
     timeout : float
     """
 
-    def __init__(self, groups: List[GroupLayout], inner: Any, comm: Any, shard_comm: Any,
-                 async_comm: Any, stage: int, rank: int, device: torch.device,
-                 timeout: float) -> None:
+    def __init__(self, groups: List[GroupLayout], inner: Any, async_comm: Any, stage: int,
+                 rank: int, device: torch.device, timeout: float) -> None:
         self.groups = groups
         self.inner = inner
-        self.comm = comm
-        self.shard_comm = shard_comm
         self.async_comm = async_comm
         self.stage = stage
         self.rank = rank
@@ -64,7 +53,7 @@ class UnshardedPhase:
 
     def enter(self, gather: bool = True) -> None:
         """Give the wrapped optimizer the model's parameters, with the full state all-gathered
-        from the shards (``gather``; a checkpoint load fills it instead), and the real group."""
+        from the shards (``gather``; a checkpoint load fills it instead)."""
         opt = self.inner
         for gi, grp in enumerate(self.groups):
             shard_state = opt.state.pop(grp.master, {})
@@ -92,7 +81,6 @@ class UnshardedPhase:
                 opt.state[p] = st
             opt.param_groups[gi]["params"] = list(grp.params)
             grp.master.grad = None
-        use_group(opt, self.comm, grads_averaged=False)
         self.active = True
 
     def leave(self) -> None:
@@ -104,7 +92,6 @@ class UnshardedPhase:
                 opt.state.pop(p, None)
             opt.param_groups[gi]["params"] = [grp.master]
             grp.master.grad = torch.zeros_like(grp.master) if self.stage >= 2 else None
-        use_group(opt, self.shard_comm, grads_averaged=True)
         self.active = False
 
     def grads(self, scale: float) -> List[tuple]:

@@ -1,0 +1,147 @@
+"""Rank bodies for tests/test_nccl_abort.py: a peer that dies in the middle of a compressed
+allreduce's exchange, after the header (so the survivors are already past the host-side check and
+have their commit enqueued behind collectives that will never complete).
+
+The dying rank sets ``COMPCOMM_TEST_FAULT=exit_after_header`` just before its call: compcomm then
+exits that process (status 0) once its header went out (cpp/compressed_allreduce.cpp,
+``fault_point``). The bodies run under :func:`_nccl_fault_cases.launch` (one process per rank,
+each an emulated NCCL host on the one GPU; on the CPU a gloo process group).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Dict, List
+
+import torch
+from _nccl_fault_cases import SETUP, T, Side, _attempt, _device, _native
+
+N = 4099  # elements: not a multiple of 8*W, so the padding is exercised too
+
+
+def _inputs(rank: int, dev: torch.device, comm: Any, seed: int) -> List[torch.Tensor]:
+    """A tensor and nonzero error buffers (zeros would hide an update that writes zeros)."""
+    import compcomm
+
+    g = torch.Generator().manual_seed(seed + rank)
+    t = torch.randn(N, generator=g).to(dev)
+    we, se = compcomm.error_buffers(t, group=comm)
+    we.copy_((0.1 * torch.randn(we.numel(), generator=g)).to(dev))
+    se.copy_((0.1 * torch.randn(se.numel(), generator=g)).to(dev))
+    return [t, we, se]
+
+
+def _fault(side: Side, dying: int, call: Any, res: Dict[str, Any]) -> None:
+    """The dying rank makes its call with the exit hook set (and never returns); the others record
+    whether their call returned (CUDA: the commit was enqueued) and how long until the error."""
+    if side.rank == dying:
+        os.environ["COMPCOMM_TEST_FAULT"] = "exit_after_header"
+        call()
+        raise RuntimeError("COMPCOMM_TEST_FAULT=exit_after_header did not end this process")
+    t0 = time.monotonic()
+    try:
+        call(returned=res)
+        res["error"] = None
+    except Exception as e:  # noqa: BLE001  (the type is what the test checks)
+        res["error"] = type(e).__name__
+        res["error_msg"] = str(e)[:600]
+    res["error_s"] = time.monotonic() - t0
+
+
+def nccl_dies_after_header(side: Side, gate: bool) -> Dict[str, Any]:
+    """Native NCCL. Every rank warms up with one compressed allreduce of size N (connections made,
+    the size's host check done, the workspace holding that call's finite records), then takes fresh
+    inputs of the same size; the last rank dies after its header. The survivors' call returns (its
+    header check passed; the all_to_all, the records' all_gather and the commit are enqueued), the
+    watchdog aborts the communicator at T, and ``synchronize`` raises. ``gate=False`` sets
+    ``COMPCOMM_TEST_FAULT=no_commit_gate`` on the survivors: the commit then runs without the gate,
+    which is how a test shows the state check would catch a missing gate."""
+    import compcomm
+    from compcomm._nccl import shutdown_nccl
+
+    dying = side.world - 1
+    res: Dict[str, Any] = {"rank": side.rank}
+    dev = _device()
+    comm = _native(side)
+    res["flag"] = comm.device_abort_flag != 0
+    t, we, se = _inputs(side.rank, dev, comm, 100)
+    compcomm.compressed_allreduce(t, we, se, group=comm, timeout=SETUP)
+    comm.synchronize(SETUP)
+    torch.cuda.synchronize(dev)
+    t, we, se = _inputs(side.rank, dev, comm, 200)
+    if side.rank != dying and not gate:
+        os.environ["COMPCOMM_TEST_FAULT"] = "no_commit_gate"
+    before = [x.clone() for x in (t, we, se)]
+    side.barrier("abort/ready")
+
+    def call(returned: Any = None) -> None:
+        compcomm.compressed_allreduce(t, we, se, group=comm, timeout=T)
+        if returned is not None:
+            returned["returned"] = True  # the commit is enqueued behind the exchange
+            comm.synchronize(10 * T)  # the call only enqueues: the error surfaces here
+
+    _fault(side, dying, call, res)
+    res["closed"] = comm.closed
+    torch.cuda.synchronize(dev)  # the gated (or, gate=False, ungated) commit has run
+    res["unchanged"] = [torch.equal(a, b) for a, b in zip(before, (t, we, se))]
+    _attempt(res, "second", lambda: compcomm.compressed_allreduce(t, we, se, group=comm, timeout=T))
+    res["shutdown_s"] = _time(lambda: shutdown_nccl(timeout=10.0))
+    return res
+
+
+def gloo_dies_after_header(side: Side) -> Dict[str, Any]:
+    """gloo (torch process group on the CPU, compcomm's TorchCommunicator): the last rank dies after
+    its header; the survivors' call raises a typed error and leaves the tensors unchanged; the next
+    call raises at once (the group is marked broken) instead of waiting for a timeout."""
+    import compcomm
+    from compcomm._comm import resolve
+
+    dying = side.world - 1
+    res: Dict[str, Any] = {"rank": side.rank}
+    dev = torch.device("cpu")
+    t, we, se = _inputs(side.rank, dev, None, 100)
+    compcomm.compressed_allreduce(t, we, se, timeout=SETUP)
+    t, we, se = _inputs(side.rank, dev, None, 200)
+    before = [x.clone() for x in (t, we, se)]
+    side.barrier("abort/ready")
+
+    def call(returned: Any = None) -> None:
+        compcomm.compressed_allreduce(t, we, se, timeout=T)
+        if returned is not None:
+            returned["returned"] = True
+
+    _fault(side, dying, call, res)
+    res["unchanged"] = [torch.equal(a, b) for a, b in zip(before, (t, we, se))]
+    res["broken"] = resolve(None).broken
+    _attempt(res, "second", lambda: compcomm.compressed_allreduce(t, we, se, timeout=10 * T))
+    res["second_unchanged"] = [torch.equal(a, b) for a, b in zip(before, (t, we, se))]
+    return res
+
+
+def gloo_hung_peer(side: Side) -> Dict[str, Any]:
+    """gloo: the last rank stays alive but makes no call; the others' call times out at T
+    (CommTimeoutError) and the group is marked broken: the next call raises at once, with the same
+    type, rather than waiting another timeout (or pairing with the timed-out op)."""
+    import compcomm
+    from compcomm._comm import resolve
+
+    silent = side.world - 1
+    res: Dict[str, Any] = {"rank": side.rank}
+    t, we, se = _inputs(side.rank, torch.device("cpu"), None, 100)
+    compcomm.compressed_allreduce(t, we, se, timeout=SETUP)
+    before = [x.clone() for x in (t, we, se)]
+    side.barrier("hung/ready")
+    if side.rank != silent:
+        _attempt(res, "error", lambda: compcomm.compressed_allreduce(t, we, se, timeout=T))
+        res["broken"] = resolve(None).broken
+        _attempt(res, "second", lambda: compcomm.compressed_allreduce(t, we, se, timeout=10 * T))
+        res["unchanged"] = [torch.equal(a, b) for a, b in zip(before, (t, we, se))]
+    side.barrier("hung/done")  # the silent rank waits here, alive, while the others time out
+    return res
+
+
+def _time(call: Any) -> float:
+    t0 = time.monotonic()
+    call()
+    return time.monotonic() - t0
