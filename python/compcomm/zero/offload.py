@@ -101,6 +101,14 @@ class HostOffload:
         #: optimizer steps taken by the C++ kernels (the rest: the wrapped optimizer's step())
         self.kernel_steps = 0
 
+    @classmethod
+    def create(cls, config: Dict[str, Any], stage: int,
+               device: torch.device) -> Optional["HostOffload"]:
+        """The offload of a validated ``zero_optimization`` config; None if nothing is offloaded."""
+        if config["offload_optimizer"] is None and config["offload_param"] is None:
+            return None
+        return cls(config["offload_optimizer"], config["offload_param"], stage, device)
+
     # ---- host memory ---------------------------------------------------------------------------
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
