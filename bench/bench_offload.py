@@ -312,7 +312,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=None)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--bucket", type=int, default=int(2e7))
+    ap.add_argument("--bucket", type=int, default=int(1e7))
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--cap-steps", type=int, default=3)
     args = ap.parse_args()

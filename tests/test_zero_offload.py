@@ -184,3 +184,30 @@ def test_offload_from_deepspeed_config():
     z.step()
     assert z.offload.kernel_steps == 1 and z.memory_bytes()["host"] > 0
     z.close()
+
+
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@_CUDA
+@pytest.mark.parametrize("stage,dtype,param", [(1, torch.float32, False), (2, torch.float32, False),
+                                               (2, torch.bfloat16, False), (3, torch.float32, False),
+                                               (3, torch.bfloat16, True)])
+def test_offload_cuda_trajectory(stage, dtype, param):
+    """On a GPU (one rank, in-process communicator): pinned host shards, the side-stream gradient
+    copies and the piecewise uploads give the no-offload run's parameters to fp32 rounding."""
+    got = []
+    for off in (None, zc.OFF_PARAM if param else zc.OFF):
+        model = zb.make_model(dtype=dtype).cuda()
+        z = zc._build(model, stage, dict(zc.BUCKETS, overlap_comm=True, **(off or {})))
+        for s in range(4):
+            x, y = zb.batch(0, s, 0, dtype)
+            zb.loss_fn(model, x.cuda(), y.cuda()).backward()
+            z.step()
+        if off is not None:
+            assert z.offload.pin and z.groups[0].master.is_pinned()
+            assert z.offload.kernel_steps == 4
+        got.append(zc._params(z, model))
+        z.close()
+    err = zc._diff(*got)
+    assert err <= (1e-5 if dtype == torch.float32 else 1e-2), err
