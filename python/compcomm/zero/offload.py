@@ -101,6 +101,14 @@ class HostOffload:
         #: optimizer steps taken by the C++ kernels (the rest: the wrapped optimizer's step())
         self.kernel_steps = 0
 
+    @classmethod
+    def create(cls, config: Dict[str, Any], stage: int,
+               device: torch.device) -> Optional["HostOffload"]:
+        """The offload of a validated ``zero_optimization`` config; None if nothing is offloaded."""
+        if config["offload_optimizer"] is None and config["offload_param"] is None:
+            return None
+        return cls(config["offload_optimizer"], config["offload_param"], stage, device)
+
     # ---- host memory ---------------------------------------------------------------------------
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -174,8 +182,7 @@ class HostOffload:
         if self._uploaded is not None:  # the last uploads still read the host buffers
             self._uploaded.synchronize()
             self._uploaded = None
-        dev = [torch.empty(g.master.numel(), dtype=g.dtype, device=self.device) if self.cuda
-               else None for g in groups]
+        dev = [self._target(g) for g in groups]
         if self.up is not None:
             self.up.wait_stream(torch.cuda.current_stream(self.device))
         if _kernel_groups(opt):
@@ -189,12 +196,26 @@ class HostOffload:
                     src.copy_(grp.master)
                 for lo, hi in self._pieces[gi]:
                     self._upload(dev[gi], src, lo, hi)
-        if self.up is None:
-            return [self._host_param(gi, grp) for gi, grp in enumerate(groups)]
-        self._uploaded = torch.cuda.Event()
-        self._uploaded.record(self.up)
-        torch.cuda.current_stream(self.device).wait_stream(self.up)
-        return dev
+        out = [self._host_param(gi, grp) if d is None else d
+               for gi, (grp, d) in enumerate(zip(groups, dev))]
+        if self.up is not None:
+            self._uploaded = torch.cuda.Event()
+            self._uploaded.record(self.up)
+            torch.cuda.current_stream(self.device).wait_stream(self.up)
+        return out
+
+    def _target(self, grp: GroupLayout) -> Optional[torch.Tensor]:
+        """Where a group's new parameter shard is uploaded (None: no upload, the host copy is
+        the result): stage 3, the device parameter shard itself; stage 1/2 with one rank, the
+        flat parameters (the shard is the whole layout: no second copy on the device), else a
+        new device shard for the all-gather."""
+        if not self.cuda:
+            return None
+        if grp.flat is None:
+            return grp.param_shard if grp.param_shard.device.type == "cuda" else None
+        if grp.flat.numel() == grp.master.numel():
+            return grp.flat
+        return torch.empty(grp.master.numel(), dtype=grp.dtype, device=self.device)
 
     def _host_param(self, gi: int, grp: GroupLayout) -> torch.Tensor:
         out = self._out[gi]

@@ -152,10 +152,7 @@ class ZeroOptimizer:
         #: the parameter groups' layouts (:class:`compcomm.zero.layout.GroupLayout`)
         self.groups, self.device = build_groups(params, bucket, self.world, align)
         #: ZeRO-Offload (:mod:`.offload`): host master/state/gradient shards; None without
-        self.offload: Optional[HostOffload] = None
-        if self.config["offload_optimizer"] or self.config["offload_param"]:
-            self.offload = HostOffload(self.config["offload_optimizer"],
-                                       self.config["offload_param"], stage, self.device)
+        self.offload: Optional[HostOffload] = HostOffload.create(self.config, stage, self.device)
         for grp in self.groups:
             partition(grp, self.comm, self.rank, stage, self.device, self.timeout, self.offload)
         self._shards: Optional[List[torch.Tensor]] = None  # offload: the step's uploaded shards
@@ -174,8 +171,7 @@ class ZeroOptimizer:
             if self._rules is not None else None)
         self._grads = GradReducer(self.groups, stage, self._async, self.overlap, self.rank,
                                   self.world, self.device, self.timeout)
-        if self.offload is not None and self.offload.optimizer:
-            self._grads.sink = self.offload
+        self._grads.sink = self.offload if self.offload and self.offload.optimizer else None
         self._onebit: Optional[OneBitReducer] = None
         if self._rules is not None and not replicated:
             self._onebit = OneBitReducer(

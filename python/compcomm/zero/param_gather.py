@@ -237,7 +237,10 @@ def publish(groups: List[GroupLayout], async_comm: Any, allgather_bucket_size: i
     for gi, grp in enumerate(groups):
         new = grp.master if shards is None else shards[gi]
         if grp.flat is None:  # stage 3: the hooks gather from the parameter shard
-            grp.param_shard.copy_(new)
+            if new is not grp.param_shard:  # (offload uploads into it directly)
+                grp.param_shard.copy_(new)
+            continue
+        if new is grp.flat:  # offload with one rank: uploaded into the parameters directly
             continue
         shard = new.to(device=device, dtype=grp.dtype)  # offload: uploads a host master
         staging = torch.empty(ag if 0 < ag < grp.max_padded else 0, dtype=grp.dtype)

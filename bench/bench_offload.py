@@ -1,0 +1,363 @@
+"""ZeRO-Offload (issue 17): three measurements in one run, ratios within the run.
+
+(a) ``kernel``: the C++ CPU Adam (``cpu_adam.adam_step_``) against ``torch.optim.AdamW``
+    (foreach=True) on ``--numel`` fp32 parameters (default 2^26) at all cores; target >= 4x on 16.
+(b) ``model``: a GPT-like model (bf16 parameters) at W=1, ZeRO stage 2 AdamW, with and without
+    ``offload_optimizer``: median step time, device memory (``torch.cuda.memory_allocated`` after a
+    step -- the model states: parameters, staging -- and ``max_memory_allocated``, which adds
+    activations and the transient gradients) against ``estimate_memory(...)["device"]``
+    (target within 10%), host bytes from ``memory_bytes()``, and the largest parameter difference
+    between the two runs after the same steps (same data, same initial values).
+(c) ``cap`` (CUDA only): ``torch.cuda.set_per_process_memory_fraction`` set between the offload
+    run's peak and the no-offload run's: the no-offload optimizer must fail with out-of-memory,
+    the offload one must train ``--cap-steps`` steps.
+
+Every section checks the time left against ``--time-limit`` (seconds) and is skipped, with a
+note, when it cannot finish. ``--device cpu`` runs (a) and (b) on a small model (a smoke test).
+
+Run: python bench/bench_offload.py --device cuda --out offload_gpu.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import statistics
+import time
+import traceback
+from typing import Any, Callable, Dict, List
+
+import torch
+
+from compcomm.optim.cpu_adam import adam_step_, kernel_isa
+from compcomm.zero import ZeroOptimizer, estimate_memory
+
+T0 = time.monotonic()
+
+
+class GPT(torch.nn.Module):
+    """Pre-norm transformer decoder (causal self-attention blocks), tied to nothing."""
+
+    def __init__(self, vocab: int, hidden: int, layers: int, heads: int, seq: int) -> None:
+        super().__init__()
+        self.tok = torch.nn.Embedding(vocab, hidden)
+        self.pos = torch.nn.Embedding(seq, hidden)
+        self.blocks = torch.nn.ModuleList([
+            torch.nn.TransformerEncoderLayer(hidden, heads, 4 * hidden, dropout=0.0,
+                                             batch_first=True, norm_first=True)
+            for _ in range(layers)])
+        self.ln = torch.nn.LayerNorm(hidden)
+        self.head = torch.nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        n = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(n, device=idx.device))
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(n, device=idx.device,
+                                                                    dtype=x.dtype)
+        for b in self.blocks:
+            x = b(x, src_mask=mask, is_causal=True)
+        return self.head(self.ln(x))
+
+
+def left(limit: float) -> float:
+    return limit - (time.monotonic() - T0)
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def median_time(fn: Callable[[], None], repeats: int, dev: torch.device) -> float:
+    fn()  # warm-up: allocates the state
+    times = []
+    for _ in range(repeats):
+        sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        sync(dev)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# ---- (a) ---------------------------------------------------------------------------------------
+
+def bench_kernel(numel: int, repeats: int) -> Dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    hp = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    p = torch.nn.Parameter(torch.randn(numel, generator=g))
+    p.grad = torch.randn(numel, generator=g) * 1e-2
+    opt = torch.optim.AdamW([p], foreach=True, **hp)
+    w = p.detach().clone()
+    m, v = torch.zeros(numel), torch.zeros(numel)
+    state = {"step": 0}
+
+    def kernel() -> None:
+        state["step"] += 1
+        adam_step_(w, m, v, p.grad, hp, state["step"])
+
+    # rounds alternate the two, so that load from other processes weighs on both alike
+    times: Dict[str, List[float]] = {"torch": [], "kernel": []}
+    opt.step()
+    kernel()
+    for _ in range(repeats):
+        for key, fn in (("torch", opt.step), ("kernel", kernel)):
+            t0 = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - t0)
+    t_torch, t_kernel = (statistics.median(times[k]) for k in ("torch", "kernel"))
+    return {"numel": numel, "threads": torch.get_num_threads(), "torch_foreach_s": t_torch,
+            "kernel_s": t_kernel, "speedup": t_torch / t_kernel}
+
+
+# ---- (b), (c) ----------------------------------------------------------------------------------
+
+def build(args: argparse.Namespace, dev: torch.device, offload: bool):
+    torch.manual_seed(0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # made in bf16 on the device: no fp32 transient
+    try:
+        with torch.device(dev):
+            model = GPT(args.vocab, args.hidden, args.layers, args.heads, args.seq)
+    finally:
+        torch.set_default_dtype(old)
+    zero: Dict[str, Any] = {"reduce_bucket_size": args.bucket, "overlap_comm": True}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    z = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=2, module=model,
+                      optimizer_kwargs={"lr": 1e-4, "weight_decay": 0.01}, **zero)
+    return model, z
+
+
+def train_step(model: torch.nn.Module, z: ZeroOptimizer, args: argparse.Namespace,
+               dev: torch.device, step: int) -> None:
+    g = torch.Generator().manual_seed(step)
+    idx = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g).to(dev)
+    logits = model(idx[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, args.vocab),
+                                             idx[:, 1:].reshape(-1))
+    loss.backward()
+    z.step()
+
+
+def bench_model(args: argparse.Namespace, dev: torch.device) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    params = {}
+    for offload in (False, True):
+        key = "offload" if offload else "no_offload"
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(dev)
+        t_build = time.perf_counter()
+        model, z = build(args, dev, offload)
+        t_build = time.perf_counter() - t_build
+        build_peak = 0
+        if dev.type == "cuda":
+            build_peak = torch.cuda.max_memory_allocated(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+        counter = iter(range(10**6))
+        times = []
+        for _ in range(args.steps):
+            sync(dev)
+            t0 = time.perf_counter()
+            train_step(model, z, args, dev, next(counter))
+            sync(dev)
+            times.append(time.perf_counter() - t0)
+        mem = z.memory_bytes()
+        row = {"build_s": t_build, "build_peak": build_peak, "step_s": statistics.median(times[1:] or times),
+               "first_step_s": times[0], "device_bytes": mem["device"], "host_bytes": mem["host"],
+               "buffers_bytes": mem["buffers"]}
+        if dev.type == "cuda":
+            row["allocated_after_step"] = torch.cuda.memory_allocated(dev)
+            row["max_allocated"] = torch.cuda.max_memory_allocated(dev)
+        if offload:
+            row["kernel_steps"] = z.offload.kernel_steps
+        params[key] = [p.detach().float().cpu() for p in model.parameters()]
+        out[key] = row
+        z.close()
+        del model, z
+    T = sum(p.numel() for p in params["offload"])
+    out["numel"] = T
+    out["max_param_diff"] = max(float((a - b).abs().max())
+                                for a, b in zip(params["offload"], params["no_offload"]))
+    for key, off in (("no_offload", None), ("offload", "optimizer")):
+        est = estimate_memory(T, 2, 1, off, param_bytes=2)
+        out[key]["estimate_device"] = est["device"]
+        out[key]["estimate_host"] = est["host"]
+    return out
+
+
+def init_nccl(dev: torch.device) -> str:
+    """A torch.distributed NCCL group of one rank: ZeroOptimizer then uses compcomm's NCCL
+    communicator instead of the in-process one (the fallback if (b) fails with the latter)."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(port))
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=dev)
+    return "torch.distributed nccl (world 1)"
+
+
+def bench_cap(args: argparse.Namespace, dev: torch.device, model_res: Dict[str, Any]) -> Dict[str, Any]:
+    off, full = model_res["offload"], model_res["no_offload"]
+    need_off = max(off["max_allocated"], off["build_peak"])
+    need_full = max(full["max_allocated"], full["build_peak"])
+    cap = min(int(need_off * 1.25), int(need_full * 0.7))
+    if cap <= need_off * 1.05:
+        return {"note": f"cannot separate: offload peak {need_off}, no-offload peak {need_full}"}
+    total = torch.cuda.get_device_properties(dev).total_memory
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(cap / total, dev)
+    res: Dict[str, Any] = {"cap_bytes": cap}
+    try:
+        for offload in (False, True):
+            key = "offload" if offload else "no_offload"
+            try:
+                model, z = build(args, dev, offload)
+                for s in range(args.cap_steps):
+                    train_step(model, z, args, dev, s)
+                sync(dev)
+                res[key] = f"trained {args.cap_steps} steps"
+                z.close()
+                del model, z
+            except Exception as e:  # OOM may also surface as a RuntimeError from a library
+                msg = (str(e).splitlines() or [""])[0][:160]
+                oom = isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in msg.lower()
+                res[key] = ("out of memory: " if oom else f"error {type(e).__name__}: ") + msg
+            gc.collect()
+            torch.cuda.empty_cache()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, dev)
+    res["ok"] = res.get("no_offload", "").startswith("out of memory") and res.get(
+        "offload", "").startswith("trained")
+    return res
+
+
+# ---- report ------------------------------------------------------------------------------------
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.3f} GiB"
+
+
+def markdown(res: Dict[str, Any], args: argparse.Namespace, dev: torch.device) -> str:
+    lines = ["# ZeRO-Offload benchmark (bench/bench_offload.py)", ""]
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    lines.append(f"device {name}; CPU {platform.processor() or '?'} x {os.cpu_count()} cores, "
+                 f"kernel ISA {kernel_isa()}; torch {torch.__version__}; total "
+                 f"{time.monotonic() - T0:.1f} s")
+    lines.append(f"communicator: {res.get('comm', 'in-process (world of one rank)')}")
+    lines.append("")
+    a = res.get("kernel")
+    lines.append("## (a) CPU Adam step: C++ kernel vs torch.optim.AdamW(foreach=True)")
+    if isinstance(a, dict):
+        lines += ["", "| params | threads | torch foreach (s) | kernel (s) | speedup |", "|---|---|---|---|---|",
+                  f"| {a['numel']} | {a['threads']} | {a['torch_foreach_s']:.4f} | "
+                  f"{a['kernel_s']:.4f} | {a['speedup']:.2f}x |", "",
+                  f"target >= 4x on 16 cores ({a['threads']} threads here): "
+                  f"{'met' if a['speedup'] >= 4 else 'NOT met'}"]
+    else:
+        lines.append(f"\n{a}")
+    lines += ["", "## (b) GPT-like model, W=1, ZeRO stage 2 AdamW, bf16 parameters", ""]
+    b = res.get("model")
+    if isinstance(b, dict):
+        lines.append(f"{b['numel'] / 1e6:.1f}M parameters (hidden {args.hidden}, {args.layers} "
+                     f"layers, vocab {args.vocab}, batch {args.batch} x {args.seq}), "
+                     f"reduce_bucket_size {args.bucket}, {args.steps} steps (median of all but "
+                     "the first)")
+        lines += ["", "| run | step (s) | device (memory_bytes) | estimate device | "
+                  "allocated after step | / estimate | peak in training | peak in building | "
+                  "host (memory_bytes) | estimate host |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for key in ("no_offload", "offload"):
+            r = b[key]
+            alloc, peak = r.get("allocated_after_step"), r.get("max_allocated")
+            cells = [key, f"{r['step_s']:.4f}", gib(r["device_bytes"]), gib(r["estimate_device"]),
+                     gib(alloc) if alloc else "-",
+                     f"{alloc / r['estimate_device']:.3f}" if alloc else "-",
+                     gib(peak) if peak else "-", gib(r["build_peak"]) if peak else "-",
+                     gib(r["host_bytes"]), gib(r["estimate_host"])]
+            lines.append("| " + " | ".join(cells) + " |")
+        ratio = b["offload"]["step_s"] / b["no_offload"]["step_s"]
+        lines += ["", f"offload step / no-offload step: {ratio:.2f}x; C++ kernel steps "
+                  f"{b['offload'].get('kernel_steps')}; largest parameter difference after "
+                  f"{args.steps} steps: {b['max_param_diff']:.3g} (bf16 parameters)"]
+        alloc = b["offload"].get("allocated_after_step")
+        if alloc:
+            off = abs(alloc / b["offload"]["estimate_device"] - 1)
+            lines.append(f"offload device memory vs estimate: {off * 100:.1f}% "
+                         f"({'within' if off <= 0.10 else 'NOT within'} 10%)")
+    else:
+        lines.append(str(b))
+    lines += ["", "## (c) memory cap: no offload must fail, offload must train", ""]
+    lines.append(str(res.get("cap", "not run")))
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default="offload.md")
+    ap.add_argument("--time-limit", type=float, default=140.0)
+    ap.add_argument("--numel", type=int, default=None, help="(a): default 2^26 (cpu: 2^22)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--hidden", type=int, default=None)
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=None)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--bucket", type=int, default=int(1e7))
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--cap-steps", type=int, default=3)
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    args.numel = args.numel or (1 << 26 if cuda else 1 << 22)
+    args.hidden = args.hidden or (2048 if cuda else 64)
+    args.layers = args.layers or (8 if cuda else 2)
+    args.vocab = args.vocab or (32000 if cuda else 500)
+    if not cuda:
+        args.heads = min(args.heads, 4)
+    torch.set_num_threads(os.cpu_count() or 1)
+    res: Dict[str, Any] = {}
+    sections = [("kernel", 0.15, lambda: bench_kernel(args.numel, args.repeats)),
+                ("model", 0.45, lambda: bench_model(args, dev))]
+    if cuda:
+        sections.append(("cap", 0.25, lambda: bench_cap(args, dev, res["model"])))
+    for name, share, fn in sections:
+        if left(args.time_limit) < share * args.time_limit * 0.5:
+            res[name] = f"skipped: {left(args.time_limit):.0f} s left of --time-limit"
+            continue
+        if name == "cap" and not isinstance(res.get("model"), dict):
+            res[name] = "skipped: (b) did not complete"
+            continue
+        try:
+            res[name] = fn()
+        except Exception:  # recorded, and the remaining sections still run
+            res[name] = "FAILED:\n```\n" + traceback.format_exc()[-3000:] + "```"
+            if name == "model" and cuda and left(args.time_limit) > 0.4 * args.time_limit:
+                print(res[name], flush=True)
+                try:  # once more over NCCL (the in-process communicator failed)
+                    res["comm"] = init_nccl(dev) + "; the in-process communicator failed: " + \
+                        res[name].splitlines()[-2][:200]
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                    res[name] = fn()
+                except Exception:
+                    res[name] += "\nretry over NCCL FAILED:\n```\n" + \
+                        traceback.format_exc()[-2000:] + "```"
+        print(f"[{time.monotonic() - T0:.1f} s] {name}: {res[name]}", flush=True)
+    text = markdown(res, args, dev)
+    with open(args.out, "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
