@@ -11,6 +11,7 @@
 #include "../comm.h"
 #include "../compressed_allreduce.h"
 #include "../kernels/kernels.h"
+#include "../kernels/norms.h"
 #include "../kernels/packed_momentum.h"
 #include "../local/local_comm.h"
 #include "build_info.h"
@@ -418,4 +419,14 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("x"), py::arg("chunk"), py::arg("signs"), py::arg("scales"),
       py::call_guard<py::gil_scoped_release>());
+  k.def(
+      "sum_squares",
+      [](const Buffer& x) {
+        COMPCOMM_CHECK(x.on_host(), "sum_squares: x must be a host buffer");
+        double out = 0.0;
+        check(kernels::cpu::sum_squares(x.data, itype(x), x.count, &out), "sum_squares");
+        return out;
+      },
+      py::arg("x"), py::call_guard<py::gil_scoped_release>(),
+      "sum of x_k^2 in fp64, one pass over fp32/fp16/bf16 host data (8 interleaved partial sums).");
 }
