@@ -378,7 +378,7 @@ PYBIND11_MODULE(_C, m) {
   k.def(
       "unpack_momentum",
       [](const Buffer& signs, const Buffer& scales, int64_t chunk, int64_t numel, int64_t begin,
-         const Buffer& out) {
+         const Buffer& out, float mul) {
         for (const Buffer* b : {&signs, &scales, &out})
           COMPCOMM_CHECK(b->on_host(), "unpack_momentum: signs, scales and out must be host buffers");
         COMPCOMM_CHECK(signs.dtype == DType::kUInt8, "unpack_momentum: signs must be uint8, got ",
@@ -394,11 +394,11 @@ PYBIND11_MODULE(_C, m) {
         COMPCOMM_CHECK(live <= begin || scales.count * chunk >= live, "unpack_momentum: scales has ",
                        scales.count, " chunks of ", chunk, "; elements up to ", live, " need more");
         check(kernels::cpu::unpack_momentum(ptr<const uint8_t>(signs), ptr<const float>(scales), chunk, numel,
-                                            begin, out.count, ptr<float>(out)),
+                                            begin, out.count, mul, ptr<float>(out)),
               "unpack_momentum");
       },
       py::arg("signs"), py::arg("scales"), py::arg("chunk"), py::arg("numel"), py::arg("begin"), py::arg("out"),
-      py::call_guard<py::gil_scoped_release>());
+      py::arg("mul") = 1.0f, py::call_guard<py::gil_scoped_release>());
   k.def(
       "pack_momentum",
       [](const Buffer& x, int64_t chunk, const Buffer& signs, const Buffer& scales) {
