@@ -302,8 +302,8 @@ def markdown(doc: Dict[str, Any]) -> str:
                        f"{tgt} | {'' if t['met'] is None else ('yes' if t['met'] else 'NO')} |")
     if doc.get("loss_checks"):
         out += ["", "## Loss against the uncompressed twin (equal steps)", "",
-                "Twins: `*_nofreeze` / `lamb` (no freeze: fp32 averaging for the whole run; the 2 % "
-                "target) and `*_identity` (the same schedule and frozen variance, exact averages: "
+                "Twins: `*_nofreeze` / `lamb` (no freeze: fp32 averaging for the whole run; "
+                "the 2 % target) and `*_identity` (the same schedule and frozen variance, exact averages: "
                 "the gap to it is what the compression costs; no target).", "",
                 "| profile | W | optimizer | twin | steps | train loss | twin | val loss | twin | "
                 "rel. diff | within 2 % |", "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
