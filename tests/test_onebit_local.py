@@ -72,6 +72,31 @@ def test_onebit_local_bit_identical(n, isa, bc, wd, threads):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+def test_late_steps_skip_unit_corrections_bit_for_bit(isa):
+    """At late steps the corrections round to 1 and the kernels skip those divisions: same bits."""
+    if not EXACT:
+        pytest.skip("torch's CPU sqrt here is unknown: no bit-identical claim")
+    n = 4099
+    group = _group(wd=0.01)
+    b1, b2 = group["betas"]
+    for t, bc2_t in ((400, 30000), (400, 50), (60, 30000)):  # both 1, only bc1, only bc2
+        w, m, v, g = _state(n, t + bc2_t)
+        grad = torch.randn(n, generator=g)
+        rw, rm, rv = w.clone(), m.clone(), v.clone()
+        F.onebit_momentum(rm, grad, group, rm)
+        F.adam_step_(rw, rm, rv, group, t, bc2_t)
+        K.onebit_local_step(B(w), B(m), B(v), B(grad), group["lr"], b1, b2, group["eps"], 0.01,
+                            True, t, bc2_t, None, 1, isa, SQRT)
+        assert torch.equal(w, rw) and torch.equal(m, rm), (t, bc2_t)
+        rw, rm, rv = w.clone(), m.clone(), v.clone()
+        F.adam_moments_(rm, rv, grad, group)
+        F.adam_step_(rw, rm, rv, group, t, bc2_t)
+        K.onebit_warmup_step(B(w), B(m), B(v), B(grad), group["lr"], b1, b2, group["eps"], 0.01,
+                             True, t, bc2_t, None, 1, isa, SQRT)
+        assert torch.equal(w, rw) and torch.equal(m, rm) and torch.equal(v, rv), (t, bc2_t)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_onebit_local_numpy_reference(isa):
     n = 4099
     w, m, v, g = _state(n, 5)

@@ -116,7 +116,7 @@ template <class V, AdamRule R, class G, class O>
 struct AdamBody {
   using T = typename V::T;
   T b1, c1, lerp_w, b2, c2, eps, bc2_sqrt, decay, l2, neg_step, bc1, wd, neg_lr;
-  bool lerp_small, use_decay, use_l2, bias_correction, weight_decay, has_mask, ieee_sqrt;
+  bool lerp_small, use_decay, use_l2, div_bc1, div_bc2, weight_decay, has_mask, ieee_sqrt;
 
   explicit AdamBody(const AdamCoeffs& c, bool mask)
       : b1(V::set1(c.b1)),
@@ -136,7 +136,9 @@ struct AdamBody {
         lerp_small(c.c1 < 0.5f && c.c1 > -0.5f),
         use_decay(c.decay != 1.f),
         use_l2(c.l2 != 0.f),
-        bias_correction(c.bias_correction),
+        // x / 1 is x exactly: a correction that has reached 1 (late steps) costs no division
+        div_bc1(c.bias_correction && c.bc1 != 1.f),
+        div_bc2(c.bias_correction && c.bc2_sqrt != 1.f),
         weight_decay(c.weight_decay),
         has_mask(mask),
         ieee_sqrt(c.sqrt == SqrtMode::kIeee) {}
@@ -165,10 +167,10 @@ struct AdamBody {
         if (has_mask) mv = V::mul(mv, V::load(mask));
       }
       T den = sqrt_of<V>(vv, ieee_sqrt);
-      if (bias_correction) den = V::div(den, bc2_sqrt);
+      if (div_bc2) den = V::div(den, bc2_sqrt);
       den = V::add(den, eps);
       T u = V::div(mv, den);
-      if (bias_correction) u = V::div(u, bc1);
+      if (div_bc1) u = V::div(u, bc1);
       if (weight_decay) u = V::fma(wv, wd, u);
       wv = V::fma(u, neg_lr, wv);
     }

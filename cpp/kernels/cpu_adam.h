@@ -29,6 +29,7 @@
 //     d = sqrt(v); if bias_correction: d = d / bc2_sqrt;  d = d + eps
 //     u = m / d;   if bias_correction: u = u / bc1;        if weight_decay: u = fma(w, wd, u)
 //     w = fma(u, neg_lr, w)
+//     (a correction that has rounded to 1 is skipped: x / 1 is x exactly, so the bits are the same)
 //
 // sqrt. torch's CPU `Tensor.sqrt()` on x86 builds with MKL is MKL's vsSqrt (VML_HA), which on
 // AVX-512 CPUs is not correctly rounded: it returns the other neighbour for ~0.6% of inputs (errors
