@@ -224,3 +224,74 @@ def test_onebit_adam_w1_nonfinite_gradient_changes_nothing(on):
     assert opt.schedule.step == 3 and opt.skipped_steps == (0 if on else 1)
     for x, y in zip(before[-1], after[-1]):
         assert torch.equal(x, y)
+
+
+# ------------------------------------------------------------------------------------------------
+# W > 1: the momentum a rank compresses, one C++ pass instead of two torch ops
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n", [1, 7, 4099, 2**20 + 3])
+@pytest.mark.parametrize("isa", ISAS)
+def test_onebit_momentum_kernel_bit_identical(n, isa, threads):
+    w, m, v, g = _state(n, n + 9)
+    grad = torch.randn(n, generator=g)
+    group = _group(betas=(0.85, 0.999))
+    want = torch.empty(n)
+    F.onebit_momentum(m, grad, group, want)
+    out = torch.full((n,), float("nan"))
+    K.onebit_momentum(B(m), B(grad), B(out), 0.85, threads, isa)
+    if cpu_adam.matches_torch_rules():  # torch's mul/add_ here are the kernels' ops
+        assert torch.equal(out, want)
+    want64 = 0.85 * m.double() + (1 - 0.85) * grad.double()
+    torch.testing.assert_close(out.double(), want64, rtol=1e-6, atol=1e-7)
+    K.onebit_momentum(B(m), B(grad), B(m), 0.85, threads, isa)  # in place
+    assert torch.equal(m, out)
+
+
+def test_onebit_momentum_wrapper_arguments():
+    m, g = torch.randn(8), torch.randn(8)
+    with pytest.raises(ValueError, match="g has 7 elements"):
+        cpu_adam.onebit_momentum_(m, g[:7], _group(), torch.empty(8))
+    with pytest.raises(TypeError, match="out must be float32"):
+        cpu_adam.onebit_momentum_(m, g, _group(), torch.empty(8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="partly overlaps"):
+        K.onebit_momentum(B(m[:7]), B(g[:7]), B(m[1:]), 0.9)
+
+
+def _w2_trajectories(rank, world):
+    """OneBitAdam over gloo with the C++ momentum (and the kernels), then with the torch ops."""
+    import os
+
+    calls = []
+    real = cpu_adam.onebit_momentum_
+    cpu_adam.onebit_momentum_ = lambda *a, **k: (calls.append(1), real(*a, **k))
+    out = {}
+    for env in ("1", "0"):
+        os.environ["COMPCOMM_FUSED_OPTIM"] = env
+        gen = torch.Generator().manual_seed(7)
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
+        opt = OneBitAdam(params, lr=1e-2, freeze_step=2, weight_decay=0.01, reduce_bucket_size=5000)
+        traj = []
+        for _ in range(6):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen) * (1 + rank)
+            opt.step()
+            traj.append([p.detach().clone() for p in params])
+        out[env] = traj
+        out["calls" + env] = len(calls)
+    return out, cpu_adam.matches_torch_rules()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_onebit_adam_gloo_momentum_kernel_keeps_the_bits(world):
+    from compcomm.testing import run_ranks
+
+    for (trajs, exact) in run_ranks(world, _w2_trajectories, timeout=240):
+        # steps 3..6 of every tensor took the C++ momentum, and only with the kernels switched on
+        assert trajs["calls1"] == trajs["calls0"] == (4 * len(SHAPES) if exact else 0)
+        for step, (a, b) in enumerate(zip(trajs["1"], trajs["0"])):
+            for x, y in zip(a, b):
+                if exact:
+                    assert torch.equal(x, y), f"step {step + 1}"
+                else:  # no kernels here: both runs are the torch ops
+                    torch.testing.assert_close(x, y, rtol=0, atol=0)

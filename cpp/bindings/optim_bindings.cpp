@@ -246,6 +246,38 @@ void bind_optim(py::module_& parent) {
       "m = b1 m + (1-b1) g, then w -= lr * (m / (sqrt(v) + eps) (+ wd w)); v is only read.");
 
   m.def(
+      "onebit_momentum",
+      [](const Buffer& m_, const Buffer& g, const Buffer& out, double b1, int num_threads,
+         const std::string& isa) {
+        const char* fn = "onebit_momentum";
+        const K::AdamIsa which = isa_of(isa);
+        if (!K::adam_isa_supported(which))
+          value_error(concat(fn, ": isa '", isa, "' is not available on this machine or in this build"));
+        float_type(fn, "m", m_, false);
+        float_type(fn, "g", g, false);
+        float_type(fn, "out", out, false);
+        check_buffer(fn, "m", m_, m_.count, "m");
+        check_buffer(fn, "g", g, m_.count, "m");
+        check_buffer(fn, "out", out, m_.count, "m");
+        check_aliasing(fn, {{"out", &out}}, {{"m", &m_}, {"g", &g}});
+        if (num_threads < 0) value_error(concat(fn, ": num_threads must be >= 0, got ", num_threads));
+        const K::AdamCoeffs c =
+            K::onebit_coeffs(K::AdamRule::kOneBitLocal, 0.0, b1, 0.0, 0.0, 0.0, false, 0, 0);
+        kernels::Status s;
+        {
+          py::gil_scoped_release release;
+          s = K::onebit_momentum(c, static_cast<const float*>(m_.data),
+                                 static_cast<const float*>(g.data), static_cast<float*>(out.data),
+                                 m_.count, num_threads, which);
+        }
+        if (s != kernels::Status::kSuccess) value_error(concat(fn, ": the kernel rejected its arguments"));
+      },
+      py::arg("m"), py::arg("g"), py::arg("out"), py::arg("b1"), py::arg("num_threads") = 0,
+      py::arg("isa") = "auto",
+      "out = b1 m + (1-b1) g (fp32), bit for bit functional.onebit_momentum: 1-bit Adam's local "
+      "momentum, the tensor a rank compresses; out may be m itself.");
+
+  m.def(
       "all_finite",
       [](const std::vector<Buffer>& xs, const std::string& isa) {
         const K::AdamIsa which = isa_of(isa);

@@ -27,6 +27,7 @@
 #if !defined(COMPCOMM_ADAM_ISA)
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <thread>
 #include <vector>
@@ -53,6 +54,9 @@ void adam_sqrt_avx2(const float* x, float* out, int64_t n, SqrtMode mode);
 void adam_sqrt_avx512(const float* x, float* out, int64_t n, SqrtMode mode);
 bool adam_all_finite_avx2(const float* x, int64_t n);
 bool adam_all_finite_avx512(const float* x, int64_t n);
+using MomentumFn = void (*)(const AdamCoeffs&, const float*, const float*, float*, int64_t, int64_t);
+MomentumFn momentum_pick_avx2();
+MomentumFn momentum_pick_avx512();
 }  // namespace detail
 
 namespace {
@@ -296,6 +300,26 @@ AdamRangeFn pick(const AdamCoeffs& c, const AdamTensors& t) {
                                              : nullptr;
   }
   return nullptr;
+}
+
+// out[i] = fma(g, c1, m * b1) over [begin, end); the partial vector at the end through a buffer.
+template <class V>
+void momentum_range(const AdamCoeffs& c, const float* m, const float* g, float* out, int64_t begin,
+                    int64_t end) {
+  constexpr int64_t W = V::kWidth;
+  const typename V::T b1 = V::set1(c.b1), c1 = V::set1(c.c1);
+  int64_t i = begin;
+  for (; i + W <= end; i += W)
+    V::store(out + i, V::fma(V::load(g + i), c1, V::mul(V::load(m + i), b1)));
+  if constexpr (W > 1) {
+    if (i < end) {
+      float mb[W] = {}, gb[W] = {};
+      std::memcpy(mb, m + i, (end - i) * sizeof(float));
+      std::memcpy(gb, g + i, (end - i) * sizeof(float));
+      V::store(mb, V::fma(V::load(gb), c1, V::mul(V::load(mb), b1)));
+      std::memcpy(out + i, mb, (end - i) * sizeof(float));
+    }
+  }
 }
 
 // x * 0 is +-0 for a finite x and NaN for Inf or NaN, and a sum of zeros stays zero while NaN
@@ -625,6 +649,7 @@ void detail::adam_sqrt_avx2(const float* x, float* out, int64_t n, SqrtMode mode
   sqrt_range<Avx2>(x, out, n, mode);
 }
 bool detail::adam_all_finite_avx2(const float* x, int64_t n) { return all_finite_range<Avx2>(x, n); }
+detail::MomentumFn detail::momentum_pick_avx2() { return &momentum_range<Avx2>; }
 #elif defined(COMPCOMM_ADAM_ISA) && COMPCOMM_ADAM_ISA == 3
 AdamRangeFn detail::adam_pick_avx512(const AdamCoeffs& c, const AdamTensors& t) {
   static const bool hw = rsqrt14_hw_matches();
@@ -637,6 +662,7 @@ void detail::adam_sqrt_avx512(const float* x, float* out, int64_t n, SqrtMode mo
 bool detail::adam_all_finite_avx512(const float* x, int64_t n) {
   return all_finite_range<Avx512>(x, n);
 }
+detail::MomentumFn detail::momentum_pick_avx512() { return &momentum_range<Avx512>; }
 #else
 // ------------------------------------------------------------------------------------------------
 // Entry points (generic object only).
@@ -792,6 +818,43 @@ Status adam_update(const AdamCoeffs& c, const AdamTensors& t, int64_t n, int num
   pool.reserve(static_cast<size_t>(nt - 1));
   for (int64_t i = 1; i < nt; ++i) pool.emplace_back(run, i);
   run(0);
+  for (auto& th : pool) th.join();
+#endif
+  return Status::kSuccess;
+}
+
+Status onebit_momentum(const AdamCoeffs& c, const float* m, const float* g, float* out, int64_t n,
+                       int num_threads, AdamIsa isa) {
+  if (n < 0 || (n > 0 && (!m || !g || !out))) return Status::kInvalidArgument;
+  if (n == 0) return Status::kSuccess;
+  if (isa == AdamIsa::kAuto) isa = adam_best_isa();
+  if (!adam_isa_supported(isa)) return Status::kInvalidArgument;
+  detail::MomentumFn f = &momentum_range<Scalar>;
+#if defined(COMPCOMM_ADAM_X86)
+  if (isa == AdamIsa::kAvx512) f = detail::momentum_pick_avx512();
+  if (isa == AdamIsa::kAvx2) f = detail::momentum_pick_avx2();
+#endif
+  // the split of adam_update (a memory-bound pass: threads only for large n)
+  constexpr int64_t kGrain = 32768, kAlign = 64;
+  int64_t nt = num_threads > 0 ? num_threads : default_threads();
+  nt = std::max<int64_t>(1, std::min<int64_t>(nt, (n + kGrain - 1) / kGrain));
+  if (nt == 1) {
+    f(c, m, g, out, 0, n);
+    return Status::kSuccess;
+  }
+  const int64_t chunk = ((n + nt - 1) / nt + kAlign - 1) / kAlign * kAlign;
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(static_cast<int>(nt))
+  for (int64_t i = 0; i < nt; ++i) {
+    const int64_t b = i * chunk, e = std::min(n, b + chunk);
+    if (b < e) f(c, m, g, out, b, e);
+  }
+#else
+  std::vector<std::thread> pool;
+  for (int64_t i = 0; i < nt; ++i) {
+    const int64_t b = i * chunk, e = std::min(n, b + chunk);
+    if (b < e) pool.emplace_back(f, std::cref(c), m, g, out, b, e);
+  }
   for (auto& th : pool) th.join();
 #endif
   return Status::kSuccess;

@@ -127,6 +127,12 @@ struct AdamTensors {
 Status adam_update(const AdamCoeffs& c, const AdamTensors& t, int64_t n, int num_threads = 0,
                    AdamIsa isa = AdamIsa::kAuto);
 
+// out = fma(g, c1, m * b1) for n fp32 elements (c = onebit_coeffs(...): 1-bit Adam's local momentum,
+// bit for bit functional.onebit_momentum, the tensor a rank compresses); out may be m itself.
+// Threads and kInvalidArgument as adam_update.
+Status onebit_momentum(const AdamCoeffs& c, const float* m, const float* g, float* out, int64_t n,
+                       int num_threads = 0, AdamIsa isa = AdamIsa::kAuto);
+
 // Whether all n fp32 values at x are finite (no Inf, no NaN): one read-only pass, the check the
 // optimizers run on the gradients before a step writes anything. kInvalidArgument as adam_update.
 Status adam_all_finite(const float* x, int64_t n, bool* finite, AdamIsa isa = AdamIsa::kAuto);

@@ -145,6 +145,11 @@ class OneBitAdam(OneBitBase):
                     if _fused.usable(group, ms, gs, outs):
                         _fused.onebit_momentum(ms, gs, group, outs, check=False)
                         continue
+                    ps = [p for _, p, _ in run]
+                    if None not in ms and _cpu_kernels_usable(group, ps, ps):  # one C++ pass each
+                        for m, g, out in zip(ms, gs, outs):
+                            cpu_adam.onebit_momentum_(m, g, group, out)
+                        continue
                     ms = [out.zero_() if m is None else m for m, out in zip(ms, outs)]
                     F.onebit_momentum_multi(ms, gs, group, outs)
 

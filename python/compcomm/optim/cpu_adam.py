@@ -38,7 +38,7 @@ from .._buffers import buffer_of
 
 __all__ = ["CPUAdam", "adam_step_", "onebit_warmup_step_", "onebit_compressed_step_",
            "kernel_isa", "torch_sqrt_mode", "matches_torch_rules", "onebit_local_step_",
-           "all_finite"]
+           "onebit_momentum_", "all_finite"]
 
 Group = Mapping[str, Any]
 
@@ -300,6 +300,19 @@ def onebit_local_step_(w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: tor
                          float(group["lr"]), float(b1), float(b2), float(group["eps"]),
                          float(group["weight_decay"]), bool(group["bias_correction"]), int(bc1_t),
                          int(bc2_t), out, _threads(num_threads), sqrt=_sqrt_mode(sqrt))
+
+
+def onebit_momentum_(m: torch.Tensor, g: torch.Tensor, group: Group, out: torch.Tensor,
+                     num_threads: Optional[int] = None) -> None:
+    """``out = b1 m + (1-b1) g`` in one pass, bit for bit ``functional.onebit_momentum`` (two torch
+    passes): the momentum a rank compresses. fp32 contiguous CPU tensors of one size; ``out`` may
+    be ``m`` itself."""
+    fn = "onebit_momentum_"
+    n = _check(fn, "m", m, _F32, None).numel()
+    _check(fn, "g", g, _F32, n)
+    _check(fn, "out", out, _F32, n)
+    _K.onebit_momentum(buffer_of(m), buffer_of(g), buffer_of(out), float(group["betas"][0]),
+                       _threads(num_threads))
 
 
 def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
