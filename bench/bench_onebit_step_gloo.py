@@ -1,6 +1,7 @@
 """OneBitAdam's compressed-phase step over gloo on the CPU (W ranks on this machine, no shaping):
 the whole ``step()`` (momentum, compressed exchange, update), median of ``--repeats`` steps, the
-slowest rank's. For before/after comparisons run it with two installs of compcomm in turn.
+slowest rank's, as now and as before the C++ momentum and finiteness passes (``_before``: the
+torch ops they replaced, same bits), runs in turn.
 
 Run: python bench/bench_onebit_step_gloo.py --world 2 3 --repeats 7
 """
@@ -24,8 +25,32 @@ def _sizes(total: int, count: int) -> List[int]:  # bench_cpu_adam's list worklo
     return sizes
 
 
-def _rank(rank: int, world: int, numel: int, tensors: int, repeats: int) -> float:
+def _before() -> None:
+    """This process steps as before the C++ momentum and finiteness passes (same bits): the
+    momentum as two torch ops, the exchange's finiteness check as torch's aminmax per tensor."""
+    import compcomm.compress as cc
+    from compcomm.optim import cpu_adam
+    from compcomm.optim import functional as F
+
+    def momentum(m, g, group, out, num_threads=None):
+        F.onebit_momentum(m, g, group, out)
+
+    def all_finite(tensors):
+        ts = [t for t in tensors if t.numel()]
+        if not ts:
+            return True
+        ends = torch.stack([torch.stack(torch.aminmax(t.reshape(-1))) for t in ts])
+        return bool(torch.isfinite(ends.float()).all())
+
+    cpu_adam.onebit_momentum_ = momentum
+    cc.all_finite = all_finite
+
+
+def _rank(rank: int, world: int, numel: int, tensors: int, repeats: int, before: bool) -> float:
     from compcomm.optim import OneBitAdam
+
+    if before:
+        _before()
 
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(rank)
@@ -49,15 +74,23 @@ def main() -> None:
     ap.add_argument("--numel", type=int, default=8_400_000)
     ap.add_argument("--tensors", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=2, help="before/after pairs, in turn")
     args = ap.parse_args()
     import compcomm
     from compcomm.testing import run_ranks
 
     print(f"compcomm from {os.path.dirname(compcomm.__file__)}; load average {os.getloadavg()}")
     for w in args.world:
-        meds = run_ranks(w, _rank, args.numel, args.tensors, args.repeats, timeout=600)
-        print(f"W={w}: OneBitAdam.step (compressed phase, {args.numel} params in {args.tensors} "
-              f"tensors, 1 thread per rank): {max(meds) * 1e3:.1f} ms (slowest rank's median)")
+        for r in range(args.rounds):
+            got = {}
+            for before in (True, False):
+                meds = run_ranks(w, _rank, args.numel, args.tensors, args.repeats, before,
+                                 timeout=600)
+                got[before] = max(meds)
+            print(f"W={w} round {r + 1}: OneBitAdam.step (compressed phase, {args.numel} params in "
+                  f"{args.tensors} tensors, 1 thread per rank, slowest rank's median): "
+                  f"before {got[True] * 1e3:.1f} ms, now {got[False] * 1e3:.1f} ms, "
+                  f"{got[True] / got[False]:.2f}x; load {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":
