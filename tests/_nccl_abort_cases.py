@@ -145,3 +145,57 @@ def _time(call: Any) -> float:
     t0 = time.monotonic()
     call()
     return time.monotonic() - t0
+
+
+def compressor_cancelled(rank: int, world: int, with_sync: bool) -> Dict[str, Any]:
+    """OneBitCompressor.average_ (the 1-bit optimizers' step average) over gloo, through a
+    TorchCommunicator that behaves like a cancellable one (NCCL): it has an abort flag, and a
+    ``synchronize`` that raises once the flag is set. In the second step every all_to_all is
+    "cancelled" (flag set, finite garbage received). With ``synchronize`` the average must raise
+    before any commit; without it (a cancellable communicator that cannot be asked) the gate still
+    leaves everything unchanged, but silently. Either way: buckets and error buffers unchanged."""
+    from compcomm._buffers import tensor_of
+    from compcomm._comm import TorchCommunicator
+    from compcomm.compress import OneBitCompressor
+    from compcomm.errors import BackendError
+
+    class Cancelling(TorchCommunicator):
+        def __init__(self) -> None:
+            super().__init__(None)
+            self.flag = torch.zeros(1, dtype=torch.int32)
+            self.cancel = False
+
+        def do_abort_flag(self) -> int:
+            return self.flag.data_ptr()
+
+        def do_all_to_all(self, send: Any, recv: Any, opts: Any) -> None:
+            super().do_all_to_all(send, recv, opts)
+            if self.cancel:
+                self.flag.fill_(1)
+                tensor_of(recv).fill_(0x3F)
+
+    def synchronize(timeout_s: float) -> None:
+        if comm.flag.item():
+            raise BackendError(f"[rank {rank}] cancelled", "synchronize", "test", 0, rank)
+
+    comm = Cancelling()
+    if with_sync:
+        comm.synchronize = synchronize
+    comp = OneBitCompressor(comm, timeout=SETUP)
+    g = torch.Generator().manual_seed(rank)
+    keys, numels = ["a", "b"], [1000, 77]
+    cpu = torch.device("cpu")
+    buckets = [torch.randn(n, generator=g) for n in numels]
+    comp.average_(keys, numels, lambda i: buckets[i], cpu)  # error buffers now nonzero
+    buckets = [torch.randn(n, generator=g) for n in numels]
+    before = [b.clone() for b in buckets] + [x.clone() for k in keys for x in comp._buffers[k][:2]]
+    comm.cancel = True
+    res: Dict[str, Any] = {"rank": rank}
+    try:
+        comp.average_(keys, numels, lambda i: buckets[i], cpu)
+        res["error"] = None
+    except Exception as e:  # noqa: BLE001
+        res["error"] = type(e).__name__
+    after = list(buckets) + [x for k in keys for x in comp._buffers[k][:2]]
+    res["unchanged"] = [torch.equal(a, b) for a, b in zip(before, after)]
+    return res

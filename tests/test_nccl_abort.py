@@ -278,3 +278,15 @@ def test_gloo_hung_peer_breaks_the_group():
     assert "earlier call" in res["second_msg"], res
     assert res["unchanged"] == [True, True, True], res
     launch.assert_clean_exit()
+
+
+@pytest.mark.parametrize("with_sync", [True, False], ids=["synchronize", "no_synchronize"])
+def test_compressor_step_with_cancelled_exchange(with_sync):
+    """The optimizers' average (OneBitCompressor.average_) on a cancellable communicator: with
+    ``synchronize`` it raises before committing (so the optimizer step raises, nothing written);
+    without, the gate alone keeps buckets and error buffers unchanged."""
+    from compcomm.testing import run_ranks
+
+    for res in run_ranks(2, A.compressor_cancelled, with_sync, timeout=240):
+        assert res["error"] == ("BackendError" if with_sync else None), res
+        assert all(res["unchanged"]), res

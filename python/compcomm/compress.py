@@ -186,7 +186,10 @@ class OneBitCompressor:
         nothing: if any exchange fails (on any rank), no bucket and no error buffer is written and
         the exception (:class:`~compcomm.errors.NonFiniteError`, ``RankMismatchError``,
         ``CommTimeoutError``, ``BackendError``) is raised on every rank. With one rank nothing is
-        sent and the buckets keep their values (as DeepSpeed: no compression without peers).
+        sent and the buckets keep their values (as DeepSpeed: no compression without peers). On a
+        communicator that can cancel work it enqueued (NCCL: ``abort_flag`` nonzero) the device work
+        of the exchanges is waited for (``synchronize``) before the first commit, so that a peer
+        lost in the last exchange also raises here rather than leave the buckets unaveraged.
 
         If this rank fails on its own between two exchanges (``stage`` raised), the ranks are out
         of step: the exchanges already queued are waited for, and the compressor refuses every
@@ -219,6 +222,15 @@ class OneBitCompressor:
                 w.wait(_FOREVER)  # each collective inside has its own timeout
             except Exception as e:  # noqa: BLE001 -- re-raised below, after the others finished
                 error = error or e
+        sync = getattr(self.comm, "synchronize", None)
+        if error is None and sync is not None and self.comm.abort_flag:
+            # A communicator that can cancel enqueued work (NCCL) may still have the last exchange's
+            # collectives on the stream: wait for them, so that a peer lost there raises here, before
+            # any commit. (The commit gate alone would leave the buckets unaveraged, silently.)
+            try:
+                sync(self.timeout)
+            except Exception as e:  # noqa: BLE001 -- raised below like an exchange's failure
+                error = e
         if error is not None:
             for k in created:  # a failed call leaves no trace, not even new zero buffers
                 self._buffers.pop(k, None)
