@@ -290,3 +290,18 @@ def test_compressor_step_with_cancelled_exchange(with_sync):
     for res in run_ranks(2, A.compressor_cancelled, with_sync, timeout=240):
         assert res["error"] == ("BackendError" if with_sync else None), res
         assert all(res["unchanged"]), res
+
+
+@pytest.mark.parametrize("with_sync", [True, False], ids=["synchronize", "no_synchronize"])
+def test_zero_step_with_cancelled_reduce_scatter(with_sync):
+    """ZeroOptimizer.step on a cancellable communicator: with ``synchronize`` a cancelled gradient
+    reduce-scatter raises before the update (parameters, Adam state unchanged); without it the
+    step would go on from garbage, which is what the check guards against."""
+    from compcomm.testing import run_ranks
+
+    for res in run_ranks(2, A.zero_step_cancelled, with_sync, timeout=240):
+        if with_sync:
+            assert res["error"] == "BackendError", res
+            assert res["params_unchanged"] and res["state_unchanged"], res
+        else:
+            assert res["error"] is None and not res["params_unchanged"], res

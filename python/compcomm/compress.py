@@ -28,6 +28,7 @@ import torch
 
 from . import _C
 from ._buffers import buffer_of
+from ._comm import wait_cancellable
 from ._defaults import DEFAULT_TIMEOUT
 from .collectives import compressed_reduce_scatter, padded_numel, workspace_bytes
 from .errors import CommError, NonFiniteError
@@ -222,13 +223,12 @@ class OneBitCompressor:
                 w.wait(_FOREVER)  # each collective inside has its own timeout
             except Exception as e:  # noqa: BLE001 -- re-raised below, after the others finished
                 error = error or e
-        sync = getattr(self.comm, "synchronize", None)
-        if error is None and sync is not None and self.comm.abort_flag:
-            # A communicator that can cancel enqueued work (NCCL) may still have the last exchange's
-            # collectives on the stream: wait for them, so that a peer lost there raises here, before
-            # any commit. (The commit gate alone would leave the buckets unaveraged, silently.)
+        if error is None:
+            # NCCL may still have the last exchange's collectives on the stream: a peer lost there
+            # must raise here, before any commit (the commit gate alone would leave the buckets
+            # unaveraged, silently).
             try:
-                sync(self.timeout)
+                wait_cancellable(self.comm, self.timeout)
             except Exception as e:  # noqa: BLE001 -- raised below like an exchange's failure
                 error = e
         if error is not None:
