@@ -29,6 +29,7 @@ import torch
 
 from . import _C
 from ._buffers import buffer_of
+from ._comm import wait_cancellable
 from ._defaults import DEFAULT_TIMEOUT
 from .collectives import compressed_reduce_scatter, padded_numel, workspace_bytes
 from .errors import CommError, NonFiniteError
@@ -196,7 +197,10 @@ class OneBitCompressor:
         nothing: if any exchange fails (on any rank), no bucket and no error buffer is written and
         the exception (:class:`~compcomm.errors.NonFiniteError`, ``RankMismatchError``,
         ``CommTimeoutError``, ``BackendError``) is raised on every rank. With one rank nothing is
-        sent and the buckets keep their values (as DeepSpeed: no compression without peers).
+        sent and the buckets keep their values (as DeepSpeed: no compression without peers). On a
+        communicator that can cancel work it enqueued (NCCL: ``abort_flag`` nonzero) the device work
+        of the exchanges is waited for (``synchronize``) before the first commit, so that a peer
+        lost in the last exchange also raises here rather than leave the buckets unaveraged.
 
         If this rank fails on its own between two exchanges (``stage`` raised), the ranks are out
         of step: the exchanges already queued are waited for, and the compressor refuses every
@@ -235,6 +239,14 @@ class OneBitCompressor:
                 w.wait(_FOREVER)  # each collective inside has its own timeout
             except Exception as e:  # noqa: BLE001 -- re-raised below, after the others finished
                 error = error or e
+        if error is None:
+            # NCCL may still have the last exchange's collectives on the stream: a peer lost there
+            # must raise here, before any commit (the commit gate alone would leave the buckets
+            # unaveraged, silently).
+            try:
+                wait_cancellable(self.comm, self.timeout)
+            except Exception as e:  # noqa: BLE001 -- raised below like an exchange's failure
+                error = e
         if error is not None:
             for k in created:  # a failed call leaves no trace, not even new zero buffers
                 self._buffers.pop(k, None)
