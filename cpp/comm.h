@@ -47,12 +47,13 @@ class Communicator {
   // no-op for backends whose calls complete or fail on the host. An algorithm that waited on the
   // host for earlier calls' device work calls it before reading what they received.
   void check_open(const char* call) { do_check_open(call); }
-  // Device address of an int that becomes nonzero before this communicator cancels enqueued device
-  // work (NCCL: before ncclCommAbort releases the kernels of collectives that never completed, whose
-  // receive buffers then hold garbage). The CUDA commit of compressed_allreduce reads it in stream
-  // order (kernels::commit_gate) and writes nothing when it is set. nullptr: this backend's calls
-  // complete or fail on the host, so nothing enqueued after them can see unreceived data.
-  const int* device_abort_flag() const { return do_device_abort_flag(); }
+  // Address of an int that becomes nonzero before this communicator cancels work it already
+  // enqueued (NCCL: before ncclCommAbort releases the kernels of collectives that never completed,
+  // whose receive buffers then hold garbage); readable where the call's buffers live (NCCL: mapped
+  // host memory, read by a kernel). The commit of the 1-bit algorithms reads it in stream order
+  // (kernels::commit_gate) and writes nothing once it is set. nullptr (the default): this backend's
+  // calls complete or fail on the host, so nothing after them can see data that never arrived.
+  const int* abort_flag() const { return do_abort_flag(); }
 
  protected:
   virtual void do_all_to_all(const Buffer& send, const Buffer& recv, const CallOptions& opts) = 0;
@@ -63,7 +64,7 @@ class Communicator {
   virtual void do_broadcast(const Buffer& buf, int root, const CallOptions& opts) = 0;
   virtual void do_barrier(const CallOptions& opts) = 0;
   virtual void do_check_open(const char* /*call*/) {}
-  virtual const int* do_device_abort_flag() const { return nullptr; }
+  virtual const int* do_abort_flag() const { return nullptr; }
 
  private:
   int64_t bytes_sent_ = 0;

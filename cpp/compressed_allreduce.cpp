@@ -242,137 +242,224 @@ namespace {
 // workspace), kCommit step 5 (local writes, no communication) from a workspace an exchange filled.
 enum Phase : int { kExchange = 1, kCommit = 2, kWhole = kExchange | kCommit };
 
-void run_compressed(const char* name, Communicator& comm, const Buffer& tensor, const Buffer& worker_error,
-                    const Buffer& server_error, const Buffer* out, const Buffer& workspace,
-                    const CallOptions& opts, int phase = kWhole) {
-  const int world = comm.size(), rank = comm.rank();
-  const int64_t n = tensor.count, padded = worker_error.count;
-  const bool cuda = !tensor.on_host();
-  const kernels::InputType itype = input_type(tensor.dtype);
-  COMPCOMM_CHECK(worker_error.dtype == DType::kFloat32 && server_error.dtype == DType::kFloat32,
-                 "[rank ", rank, "] ", name, ": worker_error and server_error must be float32");
-  COMPCOMM_CHECK(worker_error.device == tensor.device && server_error.device == tensor.device &&
-                     workspace.device == tensor.device,
-                 "[rank ", rank, "] ", name, ": tensor, worker_error, server_error and the workspace must be "
-                 "on the same device");
-  COMPCOMM_CHECK(padded >= n && padded % (8 * world) == 0, "[rank ", rank, "] ", name, ": worker_error has ",
-                 padded, " elements; it needs a multiple of 8*world_size = ", 8 * world,
-                 " that is >= tensor.numel() = ", n);
-  COMPCOMM_CHECK(server_error.count * world == padded, "[rank ", rank, "] ", name, ": server_error has ",
-                 server_error.count, " elements; it needs worker_error.numel() / world_size = ", padded / world);
-  COMPCOMM_CHECK(out == nullptr || (out->device == tensor.device && out->dtype == DType::kFloat32 &&
-                                    out->count * world == padded),
-                 "[rank ", rank, "] ", name, ": out must be a float32 buffer of worker_error.numel() / "
-                 "world_size elements on tensor's device");
-  const CompressedAllreduceLayout l = compressed_allreduce_layout(padded, world, cuda);
-  COMPCOMM_CHECK(workspace.bytes() >= l.total, "[rank ", rank, "] ", name, ": workspace has ", workspace.bytes(),
-                 " bytes; it needs ", l.total);
-  COMPCOMM_CHECK(!cuda || kernels::cuda::built(), "[rank ", rank, "] ", name,
-                 ": tensor is on a CUDA device but this build has no CUDA kernels");
+// One call's validated arguments and workspace pointers, and its local steps. The collectives are
+// run by the drivers below: one call at a time (run_compressed) or batched over several calls
+// (compressed_allreduce_exchange_many), which runs the same local steps on the same workspaces.
+struct Call {
+  const char* name;
+  Communicator& comm;
+  int world, rank;
+  int64_t n, padded, chunk;
+  bool cuda;
+  kernels::InputType itype;
+  const Kernels* k;
+  CompressedAllreduceLayout l;
+  char* ws;
+  Header *header, *headers;
+  uint8_t *signs_send, *signs_recv;
+  char *record, *records;
+  void* scratch;
+  void* m;
+  float *e, *s;
+  const Buffer* out;
+  int32_t dtype;
+  void* stream;
+  Buffer ws_buf;
+  SeenKey key;
+  bool host_check;
+  const float* sigmas;
+  int64_t sigma_stride;
+  float* tau;
+  uint8_t* packed;
 
-  const Kernels& k = kernels_for(cuda);
-  const kernels::ScopedDevice on_device(tensor.device);  // callers may be on any thread and device
-  char* ws = static_cast<char*>(workspace.data);
-  auto* header = reinterpret_cast<Header*>(ws + l.header_send);
-  auto* headers = reinterpret_cast<Header*>(ws + l.header_recv);
-  auto* signs_send = reinterpret_cast<uint8_t*>(ws + l.signs_send);
-  auto* signs_recv = reinterpret_cast<uint8_t*>(ws + l.signs_recv);
-  char* record = ws + l.record_send;
-  char* records = ws + l.record_recv;
-  void* scratch = ws + l.scratch;
-  auto* m = tensor.data;
-  auto* e = static_cast<float*>(worker_error.data);
-  auto* s = static_cast<float*>(server_error.data);
-  const int64_t chunk = padded / world;
-  const int32_t dtype = static_cast<int32_t>(tensor.dtype);
-  void* stream = opts.stream;
+  Call(const char* name_, Communicator& comm_, const Buffer& tensor, const Buffer& worker_error,
+       const Buffer& server_error, const Buffer* out_, const Buffer& workspace, const CallOptions& opts,
+       int phase)
+      : name(name_), comm(comm_), world(comm_.size()), rank(comm_.rank()), n(tensor.count),
+        padded(worker_error.count), cuda(!tensor.on_host()), itype(input_type(tensor.dtype)), out(out_),
+        ws_buf(workspace) {
+    COMPCOMM_CHECK(worker_error.dtype == DType::kFloat32 && server_error.dtype == DType::kFloat32,
+                   "[rank ", rank, "] ", name, ": worker_error and server_error must be float32");
+    COMPCOMM_CHECK(worker_error.device == tensor.device && server_error.device == tensor.device &&
+                       workspace.device == tensor.device,
+                   "[rank ", rank, "] ", name, ": tensor, worker_error, server_error and the workspace must be "
+                   "on the same device");
+    COMPCOMM_CHECK(padded >= n && padded % (8 * world) == 0, "[rank ", rank, "] ", name, ": worker_error has ",
+                   padded, " elements; it needs a multiple of 8*world_size = ", 8 * world,
+                   " that is >= tensor.numel() = ", n);
+    COMPCOMM_CHECK(server_error.count * world == padded, "[rank ", rank, "] ", name, ": server_error has ",
+                   server_error.count, " elements; it needs worker_error.numel() / world_size = ",
+                   padded / world);
+    COMPCOMM_CHECK(out == nullptr || (out->device == tensor.device && out->dtype == DType::kFloat32 &&
+                                      out->count * world == padded),
+                   "[rank ", rank, "] ", name, ": out must be a float32 buffer of worker_error.numel() / "
+                   "world_size elements on tensor's device");
+    l = compressed_allreduce_layout(padded, world, cuda);
+    COMPCOMM_CHECK(workspace.bytes() >= l.total, "[rank ", rank, "] ", name, ": workspace has ",
+                   workspace.bytes(), " bytes; it needs ", l.total);
+    COMPCOMM_CHECK(!cuda || kernels::cuda::built(), "[rank ", rank, "] ", name,
+                   ": tensor is on a CUDA device but this build has no CUDA kernels");
+    k = &kernels_for(cuda);
+    ws = static_cast<char*>(workspace.data);
+    header = reinterpret_cast<Header*>(ws + l.header_send);
+    headers = reinterpret_cast<Header*>(ws + l.header_recv);
+    signs_send = reinterpret_cast<uint8_t*>(ws + l.signs_send);
+    signs_recv = reinterpret_cast<uint8_t*>(ws + l.signs_recv);
+    record = ws + l.record_send;
+    records = ws + l.record_recv;
+    scratch = ws + l.scratch;
+    m = tensor.data;
+    e = static_cast<float*>(worker_error.data);
+    s = static_cast<float*>(server_error.data);
+    chunk = padded / world;
+    dtype = static_cast<int32_t>(tensor.dtype);
+    stream = opts.stream;
+    key = SeenKey{comm.id(), n, padded, dtype};
+    // A split call is always checked on the host, so its commit needs no device-side guard.
+    host_check = !cuda || opts.check || phase != kWhole || !seen_before(key);
+    sigmas = &headers[0].scale;
+    sigma_stride = sizeof(Header) / sizeof(float);
+    tau = reinterpret_cast<float*>(record);
+    packed = reinterpret_cast<uint8_t*>(record + kRecordScaleBytes);
+  }
 
-  const Buffer ws_buf = workspace;
-  const SeenKey key{comm.id(), n, padded, dtype};
-  // A split call is always checked on the host, so its commit needs no device-side guard.
-  const bool host_check = !cuda || opts.check || phase != kWhole || !seen_before(key);
-  const float* sigmas = &headers[0].scale;
-  const int64_t sigma_stride = sizeof(Header) / sizeof(float);
-  auto* tau = reinterpret_cast<float*>(record);
-  auto* packed = reinterpret_cast<uint8_t*>(record + kRecordScaleBytes);
-  if (phase & kExchange) {
-    // 1. Worker scale and signs in one read of m and e (writes only the workspace), then the header --
-    //    filled where it lives, so on GPU the scale never leaves the device.
-    check_status(k.worker_scale_pack(m, itype, n, e, padded, &header->scale, signs_send, scratch, stream),
+  // 1. Worker scale and signs in one read of m and e (writes only the workspace), then the header --
+  //    filled where it lives, so on GPU the scale never leaves the device.
+  void worker() {
+    check_status(k->worker_scale_pack(m, itype, n, e, padded, &header->scale, signs_send, scratch, stream),
                  "worker_scale_pack", rank);
-    check_status(k.write_header(header, n, padded, dtype, kHeaderMagic, stream), "write_header", rank);
-    comm.all_gather(ws_buf.reinterpret(DType::kUInt8, l.header_send, sizeof(Header)),
-                    ws_buf.reinterpret(DType::kUInt8, l.header_recv, sizeof(Header) * world), opts);
+    check_status(k->write_header(header, n, padded, dtype, kHeaderMagic, stream), "write_header", rank);
+  }
 
-    // 2. Validate every rank's header before any variable-sized exchange and before anything is written.
-    //    Device headers are copied to the host for that, unless the caller opted out (see the header).
-    if (host_check) {
-      const Header mine{0.0f, 0u, n, padded, dtype, kHeaderMagic};
-      if (cuda) {
-        std::vector<Header> host(static_cast<size_t>(world));
-        check_status(kernels::device_copy(host.data(), headers, sizeof(Header) * world, stream), "device_copy",
-                     rank);
-        check_status(kernels::stream_sync(stream), "stream_sync", rank);
-        // A watchdog abort (a peer died or never called) also ends the wait, with `headers` never
-        // received: raise that timeout or failure, not a verdict on stale bytes.
-        comm.check_open(name);
-        check_headers(host.data(), world, rank, mine);
-      } else {
-        check_headers(headers, world, rank, mine);
-      }
-      if (cuda) remember(key);
+  // 2. Validate every rank's header (in `headers`) before any variable-sized exchange and before
+  //    anything is written. Device headers are copied to the host for that, unless the caller opted
+  //    out (see the header file).
+  void check() {
+    fault_point("exit_after_header", cuda, stream);  // tests: a rank that dies mid-exchange
+    if (!host_check) return;
+    const Header mine{0.0f, 0u, n, padded, dtype, kHeaderMagic};
+    if (cuda) {
+      std::vector<Header> host(static_cast<size_t>(world));
+      check_status(kernels::device_copy(host.data(), headers, sizeof(Header) * world, stream), "device_copy",
+                   rank);
+      check_status(kernels::stream_sync(stream), "stream_sync", rank);
+      // A watchdog abort (a peer died or never called) also ends the wait, with `headers` never
+      // received: raise that timeout or failure, not a verdict on stale bytes.
+      comm.check_open(name);
+      check_headers(host.data(), world, rank, mine);
+      remember(key);
+    } else {
+      check_headers(headers, world, rank, mine);
     }
-    fault_point("exit_after_header", cuda, stream);
-    if (padded == 0) return;
+  }
 
-    // 3. Worker signs to their server ranks.
-    comm.all_to_all(ws_buf.reinterpret(DType::kUInt8, l.signs_send, padded / 8),
-                    ws_buf.reinterpret(DType::kUInt8, l.signs_recv, padded / 8), opts);
-
-    // 4. Server reduction of chunk `rank` (scale and signs in one pass); they go out as one record. The
-    //    record's padding bytes are never read; on the host they are zeroed so what is sent is defined.
+  // 4. Server reduction of chunk `rank` (scale and signs in one pass) into this rank's record. The
+  //    record's padding bytes are never read; on the host they are zeroed so what is sent is defined.
+  void server() {
     if (!cuda) std::memset(record, 0, static_cast<size_t>(l.record_bytes));
-    check_status(k.server_scale_pack(signs_recv, sigmas, sigma_stride, world, s, chunk, tau, packed, scratch, stream),
+    check_status(k->server_scale_pack(signs_recv, sigmas, sigma_stride, world, s, chunk, tau, packed, scratch,
+                                      stream),
                  "server_scale_pack", rank);
-    if (out == nullptr) {
-      comm.all_gather(ws_buf.reinterpret(DType::kUInt8, l.record_send, l.record_bytes),
-                      ws_buf.reinterpret(DType::kUInt8, l.record_recv, l.record_bytes * world), opts);
-    } else {  // reduce-scatter: the other ranks' records read as scale +0, signs +1 (output +0 there)
-      const int64_t sign_bytes = l.record_bytes - kRecordScaleBytes;
-      for (int j = 0; j < world; ++j) {
-        char* rec = records + j * l.record_bytes;
-        if (j == rank) {
-          if (rec != record) copy(cuda, rec, record, l.record_bytes, stream, rank);
-        } else {
-          fill(cuda, rec, 0, kRecordScaleBytes, stream, rank);
-          fill(cuda, rec + kRecordScaleBytes, 0xFF, sign_bytes, stream, rank);
-        }
+  }
+
+  // Reduce-scatter: the other ranks' records read as scale +0, signs +1 (output +0 there).
+  void local_records() {
+    const int64_t sign_bytes = l.record_bytes - kRecordScaleBytes;
+    for (int j = 0; j < world; ++j) {
+      char* rec = records + j * l.record_bytes;
+      if (j == rank) {
+        if (rec != record) copy(cuda, rec, record, l.record_bytes, stream, rank);
+      } else {
+        fill(cuda, rec, 0, kRecordScaleBytes, stream, rank);
+        fill(cuda, rec + kRecordScaleBytes, 0xFF, sign_bytes, stream, rank);
       }
     }
   }
-  if (!(phase & kCommit) || padded == 0) return;
 
   // 5. Commit. Without a host check, the commit kernels themselves skip the writes when any rank's
   //    server scale is not finite (a non-finite worker scale on any rank makes every server scale so).
-  //    On a communicator that can cancel enqueued device work (NCCL's watchdog abort), the gate first
-  //    turns the received scales into NaN if it was cancelled: the collectives above may then have
-  //    ended without their data, and the guard makes the commit write nothing rather than garbage.
-  auto* taus = reinterpret_cast<float*>(records);
-  const int64_t tau_stride = l.record_bytes / static_cast<int64_t>(sizeof(float));
-  const int* abort_flag = cuda && !test_fault("no_commit_gate") ? comm.device_abort_flag() : nullptr;
-  if (abort_flag != nullptr)
-    check_status(k.commit_gate(abort_flag, taus, tau_stride, world, stream), "commit_gate", rank);
-  const float* guard = host_check && abort_flag == nullptr ? nullptr : taus;
-  check_status(k.server_update(signs_recv, sigmas, sigma_stride, world, s, chunk, tau, stream, guard, tau_stride),
-               "server_update", rank);
-  check_status(k.worker_update_decompress(m, itype, n, e, padded, &header->scale, taus, tau_stride,
-                                          reinterpret_cast<const uint8_t*>(records + kRecordScaleBytes),
-                                          l.record_bytes, world, stream, guard, tau_stride),
-               "worker_update_decompress", rank);
-  if (out != nullptr)
-    check_status(k.decompress(tau, packed, chunk, static_cast<float*>(out->data), stream, guard, tau_stride,
-                              world),
-                 "decompress", rank);
+  void commit() {
+    if (padded == 0) return;
+    //    On a communicator that can cancel enqueued work (NCCL's watchdog abort), the gate first turns
+    //    the received scales into NaN if it was cancelled: the collectives above may then have ended
+    //    without their data, and the guard makes the commit write nothing rather than garbage.
+    auto* taus = reinterpret_cast<float*>(records);
+    const int64_t tau_stride = l.record_bytes / static_cast<int64_t>(sizeof(float));
+    const int* abort_flag = comm.abort_flag();
+    if (abort_flag != nullptr && test_fault("no_commit_gate")) abort_flag = nullptr;
+    if (abort_flag != nullptr)
+      check_status(k->commit_gate(abort_flag, taus, tau_stride, world, stream), "commit_gate", rank);
+    const float* guard = host_check && abort_flag == nullptr ? nullptr : taus;
+    check_status(k->server_update(signs_recv, sigmas, sigma_stride, world, s, chunk, tau, stream, guard,
+                                  tau_stride),
+                 "server_update", rank);
+    check_status(k->worker_update_decompress(m, itype, n, e, padded, &header->scale, taus, tau_stride,
+                                             reinterpret_cast<const uint8_t*>(records + kRecordScaleBytes),
+                                             l.record_bytes, world, stream, guard, tau_stride),
+                 "worker_update_decompress", rank);
+    if (out != nullptr)
+      check_status(k->decompress(tau, packed, chunk, static_cast<float*>(out->data), stream, guard, tau_stride,
+                                 world),
+                   "decompress", rank);
+  }
+};
+
+void run_compressed(const char* name, Communicator& comm, const Buffer& tensor, const Buffer& worker_error,
+                    const Buffer& server_error, const Buffer* out, const Buffer& workspace,
+                    const CallOptions& opts, int phase = kWhole) {
+  Call c(name, comm, tensor, worker_error, server_error, out, workspace, opts, phase);
+  const kernels::ScopedDevice on_device(tensor.device);  // callers may be on any thread and device
+  const CompressedAllreduceLayout& l = c.l;
+  if (phase & kExchange) {
+    c.worker();
+    comm.all_gather(c.ws_buf.reinterpret(DType::kUInt8, l.header_send, sizeof(Header)),
+                    c.ws_buf.reinterpret(DType::kUInt8, l.header_recv, sizeof(Header) * c.world), opts);
+    c.check();
+    if (c.padded == 0) return;
+    // 3. Worker signs to their server ranks.
+    comm.all_to_all(c.ws_buf.reinterpret(DType::kUInt8, l.signs_send, c.padded / 8),
+                    c.ws_buf.reinterpret(DType::kUInt8, l.signs_recv, c.padded / 8), opts);
+    c.server();
+    if (out == nullptr)
+      comm.all_gather(c.ws_buf.reinterpret(DType::kUInt8, l.record_send, l.record_bytes),
+                      c.ws_buf.reinterpret(DType::kUInt8, l.record_recv, l.record_bytes * c.world), opts);
+    else
+      c.local_records();
+  }
+  if (phase & kCommit) c.commit();
+}
+
+// The staging of a batched exchange (byte offsets, each 256-byte aligned): headers, signs and records
+// of every call side by side, so each of the three exchanges is one collective.
+struct BatchLayout {
+  int64_t header_send, header_recv, signs_send, signs_recv, record_send, record_recv, total;
+  int64_t signs_per_rank;   // bytes each rank sends each peer: sum of chunk/8
+  int64_t records_per_rank;  // sum of record bytes
+};
+
+BatchLayout batch_layout(const std::vector<int64_t>& paddeds, int world) {
+  BatchLayout b{};
+  const int64_t calls = static_cast<int64_t>(paddeds.size());
+  for (int64_t p : paddeds) {
+    check_padded(p, world, "compressed_allreduce_exchange_many");
+    if (p == 0) continue;
+    b.signs_per_rank += p / world / 8;
+    b.records_per_rank += record_bytes(p / world);
+  }
+  int64_t off = 0;
+  auto take = [&](int64_t bytes) {
+    const int64_t at = off;
+    off = align(off + bytes, 256);
+    return at;
+  };
+  b.header_send = take(calls * static_cast<int64_t>(sizeof(Header)));
+  b.header_recv = take(calls * world * static_cast<int64_t>(sizeof(Header)));
+  b.signs_send = take(b.signs_per_rank * world);
+  b.signs_recv = take(b.signs_per_rank * world);
+  b.record_send = take(b.records_per_rank);
+  b.record_recv = take(b.records_per_rank * world);
+  b.total = off;
+  return b;
 }
 
 }  // namespace
@@ -412,6 +499,100 @@ void compressed_reduce_scatter_commit(Communicator& comm, const Buffer& tensor, 
                                       const CallOptions& opts) {
   run_compressed("compressed_reduce_scatter", comm, tensor, worker_error, server_error, &out, workspace, opts,
                  kCommit);
+}
+
+int64_t compressed_allreduce_batch_bytes(const std::vector<int64_t>& paddeds, int world) {
+  COMPCOMM_CHECK(world >= 1, "compressed_allreduce_batch_bytes: world must be >= 1");
+  return batch_layout(paddeds, world).total;
+}
+
+// How it works: every call's local steps run on its own workspace exactly as in a single
+// compressed_allreduce_exchange (so the results, the error updates and a later
+// compressed_allreduce_commit are bit for bit those of per-call exchanges); only the three exchanges
+// are batched: the headers of all calls in one all_gather, the signs in one all_to_all (per peer: each
+// call's chunk for it, in call order), the server records in one all_gather. The staging copies move
+// P/8 bytes per call each way, a small fraction of the kernels' passes over the fp32 data.
+void compressed_allreduce_exchange_many(Communicator& comm, const std::vector<Buffer>& tensors,
+                                        const std::vector<Buffer>& worker_errors,
+                                        const std::vector<Buffer>& server_errors,
+                                        const std::vector<Buffer>& workspaces, const Buffer& staging,
+                                        const CallOptions& opts) {
+  const char* name = "compressed_allreduce_exchange_many";
+  const int world = comm.size(), rank = comm.rank();
+  const size_t calls = tensors.size();
+  COMPCOMM_CHECK(worker_errors.size() == calls && server_errors.size() == calls && workspaces.size() == calls,
+                 "[rank ", rank, "] ", name, ": tensors, worker_errors, server_errors and workspaces must have "
+                 "the same length (", calls, ", ", worker_errors.size(), ", ", server_errors.size(), ", ",
+                 workspaces.size(), ")");
+  if (calls == 0) return;
+  std::vector<Call> cs;
+  cs.reserve(calls);
+  std::vector<int64_t> paddeds;
+  for (size_t i = 0; i < calls; ++i) {
+    COMPCOMM_CHECK(tensors[i].device == tensors[0].device, "[rank ", rank, "] ", name, ": tensors[", i,
+                   "] is on another device than tensors[0]");
+    cs.emplace_back(name, comm, tensors[i], worker_errors[i], server_errors[i], nullptr, workspaces[i], opts,
+                    kExchange);
+    paddeds.push_back(cs.back().padded);
+  }
+  const bool cuda = cs[0].cuda;
+  const BatchLayout b = batch_layout(paddeds, world);
+  COMPCOMM_CHECK(staging.device == tensors[0].device && staging.bytes() >= b.total, "[rank ", rank, "] ", name,
+                 ": staging must be on the tensors' device with at least ", b.total, " bytes (",
+                 "compressed_allreduce_batch_bytes); it has ", staging.bytes());
+  const kernels::ScopedDevice on_device(tensors[0].device);
+  char* st = static_cast<char*>(staging.data);
+  void* stream = opts.stream;
+  const int64_t hb = sizeof(Header), nc = static_cast<int64_t>(calls);
+  auto put = [&](void* dst, const void* src, int64_t bytes) { copy(cuda, dst, src, bytes, stream, rank); };
+
+  // 1-2. Worker passes, then every call's header in one all_gather; each call checks its own.
+  for (size_t i = 0; i < calls; ++i) {
+    cs[i].worker();
+    put(st + b.header_send + i * hb, cs[i].header, hb);
+  }
+  comm.all_gather(staging.reinterpret(DType::kUInt8, b.header_send, nc * hb),
+                  staging.reinterpret(DType::kUInt8, b.header_recv, nc * hb * world), opts);
+  for (size_t i = 0; i < calls; ++i)
+    for (int r = 0; r < world; ++r) put(cs[i].headers + r, st + b.header_recv + (r * nc + i) * hb, hb);
+  for (Call& c : cs) c.check();
+  if (b.signs_per_rank == 0) return;  // every call is empty: only the headers ran, as per call
+
+  // 3. Signs: to peer j, every call's chunk j in call order; back into each call's workspace.
+  int64_t off = 0;
+  for (Call& c : cs) {
+    const int64_t cb = c.chunk / 8;
+    for (int j = 0; j < world && cb > 0; ++j)
+      put(st + b.signs_send + j * b.signs_per_rank + off, c.signs_send + j * cb, cb);
+    off += cb;
+  }
+  comm.all_to_all(staging.reinterpret(DType::kUInt8, b.signs_send, b.signs_per_rank * world),
+                  staging.reinterpret(DType::kUInt8, b.signs_recv, b.signs_per_rank * world), opts);
+  off = 0;
+  for (Call& c : cs) {
+    const int64_t cb = c.chunk / 8;
+    for (int j = 0; j < world && cb > 0; ++j)
+      put(c.signs_recv + j * cb, st + b.signs_recv + j * b.signs_per_rank + off, cb);
+    off += cb;
+  }
+
+  // 4. Server passes, then every call's record in one all_gather.
+  off = 0;
+  for (Call& c : cs) {
+    if (c.padded == 0) continue;
+    c.server();
+    put(st + b.record_send + off, c.record, c.l.record_bytes);
+    off += c.l.record_bytes;
+  }
+  comm.all_gather(staging.reinterpret(DType::kUInt8, b.record_send, b.records_per_rank),
+                  staging.reinterpret(DType::kUInt8, b.record_recv, b.records_per_rank * world), opts);
+  off = 0;
+  for (Call& c : cs) {
+    if (c.padded == 0) continue;
+    for (int j = 0; j < world; ++j)
+      put(c.records + j * c.l.record_bytes, st + b.record_recv + j * b.records_per_rank + off, c.l.record_bytes);
+    off += c.l.record_bytes;
+  }
 }
 
 }  // namespace compcomm

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "comm.h"
 
@@ -73,5 +74,19 @@ void compressed_allreduce_commit(Communicator& comm, const Buffer& tensor, const
 
 // Bytes one rank sends in one compressed_reduce_scatter call.
 int64_t compressed_reduce_scatter_wire_bytes(int64_t padded, int world);
+
+// Several compressed allreduce exchanges in three collectives instead of three per call (the
+// buckets of one optimizer step): the same local steps on each call's own workspace, then each call
+// is committed with compressed_allreduce_commit, bit for bit as after per-call exchanges. Every rank
+// passes the same number of calls with the same sizes (a size or dtype that differs is reported as
+// by compressed_allreduce, on every rank, before anything but the workspaces is written). `staging`
+// (on the tensors' device) holds compressed_allreduce_batch_bytes(paddeds, world) bytes. Always
+// checked on the host (opts.check is ignored).
+int64_t compressed_allreduce_batch_bytes(const std::vector<int64_t>& paddeds, int world);
+void compressed_allreduce_exchange_many(Communicator& comm, const std::vector<Buffer>& tensors,
+                                        const std::vector<Buffer>& worker_errors,
+                                        const std::vector<Buffer>& server_errors,
+                                        const std::vector<Buffer>& workspaces, const Buffer& staging,
+                                        const CallOptions& opts);
 
 }  // namespace compcomm

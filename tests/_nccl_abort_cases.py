@@ -15,7 +15,7 @@ import time
 from typing import Any, Dict, List
 
 import torch
-from _nccl_fault_cases import SETUP, T, Side, _attempt, _device, _native
+from _nccl_fault_cases import SETUP, Side, T, _attempt, _device, _native
 
 N = 4099  # elements: not a multiple of 8*W, so the padding is exercised too
 
@@ -64,7 +64,7 @@ def nccl_dies_after_header(side: Side, gate: bool) -> Dict[str, Any]:
     res: Dict[str, Any] = {"rank": side.rank}
     dev = _device()
     comm = _native(side)
-    res["flag"] = comm.device_abort_flag != 0
+    res["flag"] = comm.abort_flag != 0
     t, we, se = _inputs(side.rank, dev, comm, 100)
     compcomm.compressed_allreduce(t, we, se, group=comm, timeout=SETUP)
     comm.synchronize(SETUP)

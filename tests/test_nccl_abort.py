@@ -3,7 +3,7 @@
 On native NCCL the survivors' commit kernels are enqueued on their stream right behind the
 all_to_all and all_gather that wait for the dead peer; the watchdog's abort releases those
 collectives without their data, and the stream then runs the commit. The commit gate
-(kernels::commit_gate, reading the communicator's device abort flag that every abort sets first)
+(kernels::commit_gate, reading the communicator's abort flag that every abort sets first)
 makes that commit write nothing. Here:
 
 - the gate kernel against a numpy reference (CPU twin; the CUDA kernel against it on a GPU), and
@@ -27,10 +27,10 @@ import numpy as np
 import pytest
 import torch
 from _backends import no_gpu, skip_unless
-from test_nccl_faults import _no_native_nccl
-
 from compcomm import _C
-from compcomm._buffers import buffer_of
+from compcomm._buffers import buffer_of, tensor_of
+from compcomm.collectives import compressed_reduce_scatter
+from test_nccl_faults import _no_native_nccl
 
 # ---------------------------------------------------------------------------------------------
 # The gate kernel.
@@ -110,7 +110,101 @@ def test_gate_then_commit_kernels_write_nothing_when_raised(flag):
 
 def test_host_communicators_have_no_abort_flag():
     """Host backends complete or fail each call on the host: no flag, no gate kernel."""
-    assert _C.LocalCommunicator().device_abort_flag == 0
+    assert _C.LocalCommunicator().abort_flag == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The gate inside compressed_allreduce / compressed_reduce_scatter, on the CPU.
+
+
+class _CancellingComm(_C.Communicator):
+    """A world of one rank whose ``cancel_at``-th collective is "cancelled" the way an aborted
+    NCCL collective is, seen from the stream that runs on behind it: the abort flag is set first,
+    then the collective returns (no error) with garbage in its receive buffer -- finite garbage,
+    so no other check catches it."""
+
+    def __init__(self, cancel_at: int) -> None:
+        _C.Communicator.__init__(self)
+        self.flag = torch.zeros(1, dtype=torch.int32)
+        self.cancel_at, self.calls = cancel_at, 0
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 1
+
+    def backend_name(self) -> str:
+        return "test:cancelling"
+
+    def do_abort_flag(self) -> int:
+        return self.flag.data_ptr()
+
+    def _collective(self, send, recv) -> None:
+        if send.data != recv.data:
+            tensor_of(recv).copy_(tensor_of(send))
+        self.calls += 1
+        if self.calls == self.cancel_at:
+            self.flag.fill_(1)
+            tensor_of(recv).view(torch.uint8).fill_(0x3F)  # 0x3F3F3F3F: 0.747 as a float
+
+    def do_all_to_all(self, send, recv, opts) -> None:
+        self._collective(send, recv)
+
+    def do_all_gather(self, send, recv, opts) -> None:
+        self._collective(send, recv)
+
+
+def _run(op: str, comm, seed: int = 3):
+    import compcomm
+
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(1003, generator=g)
+    we, se = compcomm.error_buffers(t, group=comm)
+    we.copy_(0.1 * torch.randn(we.numel(), generator=g))
+    se.copy_(0.1 * torch.randn(se.numel(), generator=g))
+    before = [x.clone() for x in (t, we, se)]
+    if op == "allreduce":
+        compcomm.compressed_allreduce(t, we, se, group=comm)
+        return before, [t, we, se]
+    out = torch.full((se.numel(),), 5.0)
+    before.append(out.clone())
+    compressed_reduce_scatter(t, we, se, out, group=comm)
+    return before, [t, we, se, out]
+
+
+# Collectives of one call: 1 the header all_gather, 2 the signs' all_to_all, 3 (allreduce only)
+# the records' all_gather. Cancelling the header is caught by its own check (a BackendError).
+CANCELLED = [("allreduce", 2), ("allreduce", 3), ("reduce_scatter", 2)]
+
+
+@pytest.mark.parametrize("op,cancel_at", CANCELLED)
+def test_cancelled_exchange_commits_nothing(op, cancel_at):
+    comm = _CancellingComm(cancel_at)
+    assert comm.abort_flag == comm.flag.data_ptr()
+    before, after = _run(op, comm)
+    assert comm.flag.item() == 1  # the cancellation happened, inside the call
+    for a, b in zip(before, after):
+        assert torch.equal(a, b)  # bit for bit: nothing was written
+
+
+@pytest.mark.parametrize("op,cancel_at", CANCELLED)
+def test_cancelled_exchange_without_gate_changes_state(op, cancel_at, monkeypatch):
+    """COMPCOMM_TEST_FAULT=no_commit_gate: the same cancellation then writes garbage-derived
+    values, which the test above would catch."""
+    monkeypatch.setenv("COMPCOMM_TEST_FAULT", "no_commit_gate")
+    before, after = _run(op, _CancellingComm(cancel_at))
+    assert not all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+@pytest.mark.parametrize("op", ["allreduce", "reduce_scatter"])
+def test_uncancelled_calls_match_the_local_communicator(op):
+    """With the flag never set, the gate changes nothing: the results are those of a plain world
+    of one rank, bit for bit."""
+    _, got = _run(op, _CancellingComm(cancel_at=0))
+    _, want = _run(op, _C.LocalCommunicator())
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,7 +216,7 @@ def _check_survivors(launch: C.Launch, world: int, gate: bool) -> None:
     for r, res in enumerate(launch.results):
         if r == dying:
             continue
-        assert res["flag"] is True, res  # the communicator has a device abort flag
+        assert res["flag"] is True, res  # the communicator has a abort flag
         # past the header check: the commit was enqueued behind the collectives that never end
         assert res.get("returned") is True, res
         assert res["error"] in C.TYPED and res["error_s"] < C.LIMIT, res

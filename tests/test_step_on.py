@@ -76,22 +76,23 @@ CASES: Dict[str, Any] = {
 STEPS = 12
 
 
-def _params(dtype: torch.dtype) -> List[torch.Tensor]:
+def _params(dtype: torch.dtype, device: str = "cpu") -> List[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     shapes = [(7, 5), (5,), (0,), (3, 4, 2), (11,)]
-    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(device=device, dtype=dtype))
+            for s in shapes]
 
 
 def _groups(params: List[torch.Tensor], masked: bool) -> List[Dict[str, Any]]:
     second = {"params": params[4:], "lr": 5e-3}
     if masked:  # the compressed momentum times a mask (0 where it is always zero)
-        second["exp_avg_mask"] = (torch.arange(11) % 3 != 0).float()
+        second["exp_avg_mask"] = (torch.arange(11, device=params[4].device) % 3 != 0).float()
     return [{"params": params[:4]}, second]
 
 
 def _grads(t: int, params: List[torch.Tensor]) -> List[torch.Tensor]:
     g = torch.Generator().manual_seed(100 + t)
-    return [torch.randn(p.shape, generator=g).to(p.dtype) for p in params]
+    return [torch.randn(p.shape, generator=g).to(device=p.device, dtype=p.dtype) for p in params]
 
 
 def _snapshot(opt: Any) -> Dict[str, Any]:
@@ -121,12 +122,19 @@ def _assert_same(a: Dict[str, Any], b: Dict[str, Any]) -> None:
     assert a["errors"].keys() == b["errors"].keys()
 
 
+_NO_CUDA = not torch.cuda.is_available()
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu,
+                                              pytest.mark.skipif(_NO_CUDA, reason="no CUDA")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_step_on_equals_step(name: str, dtype: torch.dtype) -> None:
+def test_step_on_equals_step(name: str, dtype: torch.dtype, device: str) -> None:
+    """On CUDA both go through the fused multi-tensor kernels where OneBitAdam uses them."""
     cls, kw, kinds = CASES[name]
     masked = name != "OneBitLamb"
-    pa, pb = _params(dtype), _params(dtype)
+    pa, pb = _params(dtype, device), _params(dtype, device)
     a = cls(_groups(pa, masked), process_group=compcomm.LocalCommunicator(), **kw)
     comm = NoCollectives()
     b = cls(_groups(pb, masked), process_group=comm, **kw)

@@ -49,7 +49,8 @@ def _one_bit(padded: int, world: int, numel: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("path", ["dispatch", "torch"])
 @pytest.mark.parametrize("padded,world,numel", [(8, 1, 8), (8, 1, 3), (96, 3, 85), (96, 4, 96),
-                                                (4096, 4, 4093), (720, 3, 1), (160, 4, 0)])
+                                                (4096, 4, 4093), (720, 3, 1), (160, 4, 0),
+                                                (98304, 3, 70001)])  # long runs: the table path
 def test_unpack_matches_numpy(device, path, padded, world, numel):
     chunk = padded // world
     x = _one_bit(padded, world, numel, padded + numel)
@@ -57,11 +58,17 @@ def test_unpack_matches_numpy(device, path, padded, world, numel):
     fn = unpack if path == "dispatch" else unpack_torch
     ts, tt = torch.from_numpy(signs).to(device), torch.from_numpy(scales).to(device)
     for begin, count in [(0, padded), (chunk * (world - 1), chunk), (5, min(13, padded - 5)),
-                         (padded, 0)]:
+                         (padded, 0), (3, padded - 3)]:
         out = torch.full((count,), 7.0, device=device)
         fn(ts, tt, chunk, numel, begin, out)
         np.testing.assert_array_equal(out.cpu().numpy(),
                                       _ref_unpack(signs, scales, chunk, numel, begin, count))
+    # mul folds in `out.mul_(mul)` (1-bit Adam's b1 * m), on both paths the same bits
+    for mul in (0.9, 0.999, -0.5):
+        ref = fn(ts, tt, chunk, numel, 0, torch.empty(padded, device=device)).mul_(mul)
+        ref[numel:] = 0
+        got = fn(ts, tt, chunk, numel, 0, torch.empty(padded, device=device), mul=mul)
+        assert torch.equal(got, ref), mul
     # exact: the 1-bit tensor comes back bit for bit
     np.testing.assert_array_equal(fn(ts, tt, chunk, numel, 0, torch.empty(padded, device=device))
                                   .cpu().numpy(), x.numpy())

@@ -11,6 +11,7 @@
 #include "../comm.h"
 #include "../compressed_allreduce.h"
 #include "../kernels/kernels.h"
+#include "../kernels/norms.h"
 #include "../kernels/packed_momentum.h"
 #include "../local/local_comm.h"
 #include "build_info.h"
@@ -58,6 +59,13 @@ class PyCommunicator : public Communicator {
   }
   void do_barrier(const CallOptions& opts) override {
     PYBIND11_OVERRIDE_PURE(void, Communicator, do_barrier, opts);
+  }
+  // Optional in Python: do_abort_flag(self) -> int, the flag's address (0: none).
+  const int* do_abort_flag() const override {
+    py::gil_scoped_acquire gil;
+    py::function f = py::get_override(static_cast<const Communicator*>(this), "do_abort_flag");
+    if (!f) return nullptr;
+    return reinterpret_cast<const int*>(f().cast<uintptr_t>());
   }
 };
 
@@ -203,10 +211,11 @@ PYBIND11_MODULE(_C, m) {
                              "Bytes this rank has sent through this communicator (nccl-tests conventions).")
       .def("reset_bytes_sent", &Communicator::reset_bytes_sent)
       .def_property_readonly(
-          "device_abort_flag",
-          [](const Communicator& c) { return reinterpret_cast<uintptr_t>(c.device_abort_flag()); },
-          "Device address of the flag an abort sets before cancelling enqueued work (0: none; the "
-          "backend's calls complete or fail on the host).")
+          "abort_flag",
+          [](const Communicator& c) { return reinterpret_cast<uintptr_t>(c.abort_flag()); },
+          "Address of the int an abort sets before cancelling enqueued work, which the commit of "
+          "the 1-bit algorithms reads (0: none; the backend's calls complete or fail on the host). "
+          "A Python subclass may provide it as do_abort_flag(self) -> int.")
       .def(
           "all_to_all",
           [](Communicator& c, const Buffer& s, const Buffer& r, double t, uintptr_t st) {
@@ -395,7 +404,7 @@ PYBIND11_MODULE(_C, m) {
   k.def(
       "unpack_momentum",
       [](const Buffer& signs, const Buffer& scales, int64_t chunk, int64_t numel, int64_t begin,
-         const Buffer& out) {
+         const Buffer& out, float mul) {
         for (const Buffer* b : {&signs, &scales, &out})
           COMPCOMM_CHECK(b->on_host(), "unpack_momentum: signs, scales and out must be host buffers");
         COMPCOMM_CHECK(signs.dtype == DType::kUInt8, "unpack_momentum: signs must be uint8, got ",
@@ -411,11 +420,11 @@ PYBIND11_MODULE(_C, m) {
         COMPCOMM_CHECK(live <= begin || scales.count * chunk >= live, "unpack_momentum: scales has ",
                        scales.count, " chunks of ", chunk, "; elements up to ", live, " need more");
         check(kernels::cpu::unpack_momentum(ptr<const uint8_t>(signs), ptr<const float>(scales), chunk, numel,
-                                            begin, out.count, ptr<float>(out)),
+                                            begin, out.count, mul, ptr<float>(out)),
               "unpack_momentum");
       },
       py::arg("signs"), py::arg("scales"), py::arg("chunk"), py::arg("numel"), py::arg("begin"), py::arg("out"),
-      py::call_guard<py::gil_scoped_release>());
+      py::arg("mul") = 1.0f, py::call_guard<py::gil_scoped_release>());
   k.def(
       "pack_momentum",
       [](const Buffer& x, int64_t chunk, const Buffer& signs, const Buffer& scales) {
@@ -436,4 +445,14 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("x"), py::arg("chunk"), py::arg("signs"), py::arg("scales"),
       py::call_guard<py::gil_scoped_release>());
+  k.def(
+      "sum_squares",
+      [](const Buffer& x) {
+        COMPCOMM_CHECK(x.on_host(), "sum_squares: x must be a host buffer");
+        double out = 0.0;
+        check(kernels::cpu::sum_squares(x.data, itype(x), x.count, &out), "sum_squares");
+        return out;
+      },
+      py::arg("x"), py::call_guard<py::gil_scoped_release>(),
+      "sum of x_k^2 in fp64, one pass over fp32/fp16/bf16 host data (8 interleaved partial sums).");
 }

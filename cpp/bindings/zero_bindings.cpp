@@ -165,7 +165,21 @@ void bind_zero(py::module_& parent) {
           py::arg("tensor"), py::arg("worker_error"), py::arg("server_error"), py::arg("workspace"),
           py::arg("timeout_s") = 600.0, py::arg("stream") = 0,
           "Queue the exchange half of a compressed allreduce (all collectives and checks; writes only the "
-          "workspace); compressed_allreduce_commit does the local writes.");
+          "workspace); compressed_allreduce_commit does the local writes.")
+      .def(
+          "compressed_allreduce_exchange_many",
+          [](AsyncComm& a, const std::vector<Buffer>& tensors, const std::vector<Buffer>& worker_errors,
+             const std::vector<Buffer>& server_errors, const std::vector<Buffer>& workspaces,
+             const Buffer& staging, double timeout_s, uintptr_t stream) {
+            const CallOptions o = opts_of(timeout_s, stream);
+            return a.submit([tensors, worker_errors, server_errors, workspaces, staging, o](Communicator& c) {
+              compressed_allreduce_exchange_many(c, tensors, worker_errors, server_errors, workspaces, staging, o);
+            });
+          },
+          py::arg("tensors"), py::arg("worker_errors"), py::arg("server_errors"), py::arg("workspaces"),
+          py::arg("staging"), py::arg("timeout_s") = 600.0, py::arg("stream") = 0,
+          "Queue the exchange halves of several compressed allreduces as three collectives in all "
+          "(compressed_allreduce_exchange_many); each is then committed with compressed_allreduce_commit.");
 
   m.def(
       "compressed_reduce_scatter",
@@ -198,6 +212,24 @@ void bind_zero(py::module_& parent) {
       py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
       "The local writes of a compressed allreduce whose exchange (AsyncComm.compressed_allreduce_exchange) "
       "ran on the same arguments and workspace.");
+  m.def(
+      "compressed_allreduce_exchange_many",
+      [](Communicator& comm, const std::vector<Buffer>& tensors, const std::vector<Buffer>& worker_errors,
+         const std::vector<Buffer>& server_errors, const std::vector<Buffer>& workspaces, const Buffer& staging,
+         double timeout_s, uintptr_t stream) {
+        compressed_allreduce_exchange_many(comm, tensors, worker_errors, server_errors, workspaces, staging,
+                                           opts_of(timeout_s, stream));
+      },
+      py::arg("comm"), py::arg("tensors"), py::arg("worker_errors"), py::arg("server_errors"),
+      py::arg("workspaces"), py::arg("staging"), py::arg("timeout_s") = 600.0, py::arg("stream") = 0,
+      py::call_guard<py::gil_scoped_release>(),
+      "The exchange halves of several compressed allreduces in three collectives (headers, signs, records "
+      "of every call batched); commit each with compressed_allreduce_commit.");
+  m.def(
+      "compressed_allreduce_batch_bytes",
+      [](const std::vector<int64_t>& paddeds, int world) { return compressed_allreduce_batch_bytes(paddeds, world); },
+      py::arg("paddeds"), py::arg("world"),
+      "Staging bytes compressed_allreduce_exchange_many needs for calls of these padded sizes.");
   m.def(
       "compressed_reduce_scatter_wire_bytes",
       [](int64_t padded, int world) {

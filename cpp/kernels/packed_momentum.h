@@ -12,11 +12,13 @@
 
 namespace compcomm::kernels::cpu {
 
-// out[i] = scales[k / chunk] * (bit k of signs ? +1 : -1) for k = begin + i < numel, and +0 for
-// numel <= k (bucket padding: 1 bit cannot say 0), i < count. The product is exact, so the values are
-// the bits compressed_allreduce decompressed. chunk >= 1 unless count == 0.
+// out[i] = fl(scales[k / chunk] * mul) * (bit k of signs ? +1 : -1) for k = begin + i < numel, and
+// +0 for numel <= k (bucket padding: 1 bit cannot say 0), i < count. With mul = 1 the values are the
+// bits compressed_allreduce decompressed (exact); with mul = b1 they are fl(m_k * b1), the first
+// operation of 1-bit Adam's local momentum, in the same pass (the sign is symmetric). chunk >= 1
+// unless count == 0.
 Status unpack_momentum(const uint8_t* signs, const float* scales, int64_t chunk, int64_t numel,
-                       int64_t begin, int64_t count, float* out);
+                       int64_t begin, int64_t count, float mul, float* out);
 
 // The packed form of a 1-bit tensor x (count elements of dtype, count % 8 == 0): signs[count/8] with
 // bit k = !(x_k < 0), and scales[j] = max_k |x_k| over chunk j (count / chunk chunks; count % chunk

@@ -15,8 +15,8 @@
 // NCCL's abort flag makes the call return. Every later call raises the stored error (TimeoutError
 // or BackendError): an aborted communicator is never used again. Released kernels end without
 // their data, but the caller's stream goes on to run what was enqueued behind them (the commit of a
-// compressed allreduce): every abort first sets this communicator's device abort flag
-// (Communicator::device_abort_flag, mapped host memory), which that commit reads before it writes.
+// compressed allreduce): every abort first sets this communicator's abort flag
+// (Communicator::abort_flag, mapped host memory), which that commit reads before it writes.
 //
 // Blocking mode (the default) launches in the caller's thread. Non-blocking mode
 // (ncclConfig_t::blocking = 0) is available: NCCL then launches every group from a new thread and
@@ -95,7 +95,7 @@ class NcclCommunicator final : public Communicator {
   // Throws (TimeoutError or BackendError, with the reason) if the communicator is closed.
   void do_check_open(const char* call) override;
   // The flag raise_abort_flag() sets (nullptr if mapped host memory was unavailable).
-  const int* do_device_abort_flag() const override { return abort_flag_dev_; }
+  const int* do_abort_flag() const override { return abort_flag_dev_; }
 
  private:
   struct Pending;  // an event recorded after a collective, with its deadline (nccl_watchdog.h)
@@ -108,7 +108,7 @@ class NcclCommunicator final : public Communicator {
   int rank_, size_, device_;
   bool blocking_;
   int* barrier_word_ = nullptr;  // 1 int of device memory for barrier()
-  // The device abort flag (Communicator::device_abort_flag): one int of mapped pinned host memory,
+  // The abort flag (Communicator::abort_flag): one int of mapped pinned host memory,
   // its host and device addresses; never freed (see new_abort_flag in nccl_comm.cpp).
   int* abort_flag_ = nullptr;
   const int* abort_flag_dev_ = nullptr;
@@ -127,7 +127,7 @@ class NcclCommunicator final : public Communicator {
 
   void watchdog_loop();
   void watchdog_poll();
-  // Sets the device abort flag; called before every ncclCommAbort, so that a commit gate queued
+  // Sets the abort flag; called before every ncclCommAbort, so that a commit gate queued
   // behind the kernels the abort releases already sees it.
   void raise_abort_flag();
   // With mu_ held: aborts comm_ and records why. Returns false if it was already closed.

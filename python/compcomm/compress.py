@@ -148,13 +148,22 @@ class OneBitCompressor:
         The group the average runs over.
     timeout : float
         Seconds each collective may wait for peers.
+    batched : bool
+        Average several buckets in one exchange of three collectives
+        (``compressed_allreduce_exchange_many``) instead of three collectives per bucket, each
+        bucket pipelined with the staging of the next. The results are the same bits; batching
+        wins where a collective's latency (or scheduling ranks that share cores) costs more than
+        the overlap of staging with the wire.
     """
 
-    def __init__(self, comm: _C.Communicator, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, comm: _C.Communicator, timeout: float = DEFAULT_TIMEOUT,
+                 batched: bool = True) -> None:
         self.comm = comm
         self.timeout = float(timeout)
+        self.batched = bool(batched)
         # key -> (worker_error, server_error, workspace); zero on creation
         self._buffers: Dict[Hashable, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._staging = torch.zeros(0, dtype=torch.uint8)  # the batched exchange's
         self._async = None
         self._broken = ""  # why this compressor refuses further calls ("" while usable)
 
@@ -207,13 +216,19 @@ class OneBitCompressor:
         bufs = [self._buffers_for(k, padded_numel(n, world), device) for k, n in zip(keys, numels)]
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
         works, calls, error = [], [], None
+        batched = self.batched and len(keys) > 1
         try:
             for i, (we, se, ws) in enumerate(bufs):
                 args = (buffer_of(stage(i)), buffer_of(we), buffer_of(se), buffer_of(ws))
-                works.append(self._async.compressed_allreduce_exchange(*args, self.timeout, stream))
+                if not batched:
+                    works.append(self._async.compressed_allreduce_exchange(*args, self.timeout, stream))
                 calls.append(args)
+            if batched:  # every bucket staged: one exchange of three collectives
+                staging = self._staging_for([we.numel() for we, _, _ in bufs], device)
+                works.append(self._async.compressed_allreduce_exchange_many(
+                    *(list(a) for a in zip(*calls)), buffer_of(staging), self.timeout, stream))
         except BaseException as e:
-            self._broken = f"this rank failed while staging bucket {len(works)}: {e!r}"
+            self._broken = f"this rank failed while staging bucket {len(calls)}: {e!r}"
             error = e
         for w in works:  # every exchange reads our buffers: wait for each, even after a failure
             try:
@@ -226,6 +241,12 @@ class OneBitCompressor:
             raise error
         for args in calls:
             _C.zero.compressed_allreduce_commit(self.comm, *args, stream)
+
+    def _staging_for(self, paddeds: List[int], device: torch.device) -> torch.Tensor:
+        nbytes = _C.zero.compressed_allreduce_batch_bytes(paddeds, self.comm.size())
+        if self._staging.numel() < nbytes or self._staging.device != device:
+            self._staging = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return self._staging
 
     def packed_average(self, keys: Sequence[Hashable], numels: Sequence[int],
                        stage: Callable[[int], torch.Tensor],
@@ -317,7 +338,7 @@ class OneBitCompressor:
     def nbytes(self) -> Tuple[int, int]:
         """(bytes of error buffers, bytes of exchange workspaces) held now."""
         errors = sum((we.numel() + se.numel()) * 4 for we, se, _ in self._buffers.values())
-        return errors, sum(ws.numel() for _, _, ws in self._buffers.values())
+        return errors, sum(ws.numel() for _, _, ws in self._buffers.values()) + self._staging.numel()
 
     def keys(self) -> List[Hashable]:
         """The bucket names that have error buffers."""

@@ -202,7 +202,9 @@ def _loss_check(r: Dict[str, Any], twin: Dict[str, Any], kind: str) -> Dict[str,
             "twin_train_loss": b, "val_step": val[2] if val else None,
             "val_loss": val[0] if val else None, "twin_val_loss": val[1] if val else None,
             "rel": rel, "within_2pct": rel <= 0.02 if target else None,
-            "twin_stopped": twin.get("error") or None}
+            # stopped before its planned steps (a divergence, an error or the time budget)
+            "stopped": bool(r.get("stopped_early") or r.get("error")),
+            "twin_stopped": bool(twin.get("stopped_early") or twin.get("error"))}
 
 
 def time_to_target(rows: List[Dict[str, Any]], target: Optional[float]) -> Dict[str, Any]:
@@ -302,8 +304,8 @@ def markdown(doc: Dict[str, Any]) -> str:
                        f"{tgt} | {'' if t['met'] is None else ('yes' if t['met'] else 'NO')} |")
     if doc.get("loss_checks"):
         out += ["", "## Loss against the uncompressed twin (equal steps)", "",
-                "Twins: `*_nofreeze` / `lamb` (no freeze: fp32 averaging for the whole run; the 2 % "
-                "target) and `*_identity` (the same schedule and frozen variance, exact averages: "
+                "Twins: `*_nofreeze` / `lamb` (no freeze: fp32 averaging for the whole run; "
+                "the 2 % target) and `*_identity` (the same schedule and frozen variance, exact averages: "
                 "the gap to it is what the compression costs; no target).", "",
                 "| profile | W | optimizer | twin | steps | train loss | twin | val loss | twin | "
                 "rel. diff | within 2 % |", "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
@@ -311,8 +313,9 @@ def markdown(doc: Dict[str, Any]) -> str:
             vl = "" if c["val_loss"] is None else f"{c['val_loss']:.4f}"
             vt = "" if c["twin_val_loss"] is None else f"{c['twin_val_loss']:.4f}"
             w2 = "" if c["within_2pct"] is None else ("yes" if c["within_2pct"] else "NO")
+            o = c["optimizer"] + (" (stopped)" if c.get("stopped") else "")
             tw = c["twin"] + (" (stopped)" if c.get("twin_stopped") else "")
-            out.append(f"| {c['profile']} | {c['world_size']} | {c['optimizer']} | {tw} | "
+            out.append(f"| {c['profile']} | {c['world_size']} | {o} | {tw} | "
                        f"{c['step']} | {c['train_loss']:.4f} | {c['twin_train_loss']:.4f} | {vl} | "
                        f"{vt} | {c['rel'] * 100:+.2f} % | {w2} |")
     ttt = doc.get("time_to_target") or {}

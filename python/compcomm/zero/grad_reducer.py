@@ -29,6 +29,8 @@ from .layout import GroupLayout
 __all__ = ["GradReducer", "clip_coef"]
 
 
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
 class _Accumulation:
     """One group's gradients of the current accumulation (stage 2/3)."""
 
@@ -243,7 +245,11 @@ class GradReducer:
         a float64)."""
         local = torch.zeros(1, dtype=torch.float64, device=self.device)
         for g, c in grads:
-            local += g.double().pow(2).sum() * (c * c)
+            if g.is_cpu and g.is_contiguous() and g.dtype in _KERNEL_DTYPES:
+                # one pass in fp64 (an fp64 copy first costs ~40x more on 4M elements)
+                local += _C.kernels.sum_squares(buffer_of(g)) * (c * c)
+            else:
+                local += g.double().pow(2).sum() * (c * c)
         # through the worker thread: it must not overtake collectives still queued there
         work = self.async_comm.all_reduce(buffer_of(local), _C.ReduceOp.sum, self.timeout)
         work.wait(self.timeout)

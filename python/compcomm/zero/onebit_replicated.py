@@ -198,9 +198,10 @@ class ReplicatedMomentum:
             b = self.groups[gi].buckets[bi]
             # the same operations as unsharded OneBitAdam's staging, so the same bits (unpacking
             # is exact: the fp32 momentum had these values)
-            if (gi, bi) in self.packed:
-                y = self.packed.unpack_((gi, bi), torch.empty(b.padded, device=self.device))
-                y.mul_(b1).add_(x, alpha=1 - b1)
+            if (gi, bi) in self.packed:  # b1 * m in the unpacking pass
+                y = self.packed.unpack_((gi, bi), torch.empty(b.padded, device=self.device),
+                                        mul=b1)
+                y.add_(x, alpha=1 - b1)
             else:
                 y = torch.mul(b.span(self.m[gi]), b1).add_(x, alpha=1 - b1)
             staged.append((gi, bi, y))

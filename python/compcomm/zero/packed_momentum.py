@@ -60,8 +60,9 @@ def _check_unpack(signs: torch.Tensor, scales: torch.Tensor, chunk: int, numel: 
 
 
 def unpack_torch(signs: torch.Tensor, scales: torch.Tensor, chunk: int, numel: int, begin: int,
-                 out: torch.Tensor) -> torch.Tensor:
-    """:func:`unpack` with torch ops (the path of GPU tensors; any device)."""
+                 out: torch.Tensor, mul: float = 1.0) -> torch.Tensor:
+    """:func:`unpack` with torch ops (the path of GPU tensors; any device): the values, then
+    ``out.mul_(mul)`` (the operation the kernel folds in)."""
     _check_unpack(signs, scales, chunk, numel, begin, out)
     live = max(0, min(begin + out.numel(), numel) - begin)
     if live:
@@ -71,12 +72,14 @@ def unpack_torch(signs: torch.Tensor, scales: torch.Tensor, chunk: int, numel: i
         k = torch.arange(begin, begin + live, device=out.device)
         tau = scales[torch.div(k, chunk, rounding_mode="floor")]
         torch.where(bits.bool(), tau, -tau, out=out[:live])
+        if mul != 1.0:
+            out[:live].mul_(mul)
     out[live:].zero_()
     return out
 
 
 def unpack(signs: torch.Tensor, scales: torch.Tensor, chunk: int, numel: int, begin: int,
-           out: torch.Tensor) -> torch.Tensor:
+           out: torch.Tensor, mul: float = 1.0) -> torch.Tensor:
     """Elements ``[begin, begin + out.numel())`` of a packed 1-bit tensor, into ``out``.
 
     Parameters
@@ -93,17 +96,21 @@ def unpack(signs: torch.Tensor, scales: torch.Tensor, chunk: int, numel: int, be
         The first element to unpack (``rank * chunk``: one rank's chunk).
     out : torch.Tensor
         fp32, contiguous, on the device of ``signs`` and ``scales``.
+    mul : float
+        Multiply each value by this (as ``out.mul_(mul)`` would, fp32): 1-bit Adam's ``b1 * m``
+        in the same pass.
 
     Returns
     -------
     torch.Tensor
-        ``out``: ``scales[k // chunk] * (+1 if bit k else -1)`` for ``k = begin + i < numel``.
+        ``out``: ``fl(scales[k // chunk] * mul) * (+1 if bit k else -1)`` for
+        ``k = begin + i < numel``, +0 beyond ``numel``; exact for ``mul = 1``.
     """
     if out.device.type != "cpu":
-        return unpack_torch(signs, scales, chunk, numel, begin, out)
+        return unpack_torch(signs, scales, chunk, numel, begin, out, mul)
     _check_unpack(signs, scales, chunk, numel, begin, out)
     _C.kernels.unpack_momentum(buffer_of(signs), buffer_of(scales), int(chunk), int(numel),
-                               int(begin), buffer_of(out))
+                               int(begin), buffer_of(out), float(mul))
     return out
 
 
@@ -184,11 +191,12 @@ class PackedMomentum:
         """Bucket ``key``'s ``(signs, scales, numel, chunk)``."""
         return self._b[key]
 
-    def unpack_(self, key: Hashable, out: torch.Tensor, begin: int = 0) -> torch.Tensor:
-        """Bucket ``key``'s fp32 momentum, elements ``[begin, begin + out.numel())``, into
-        ``out`` (padding +0)."""
+    def unpack_(self, key: Hashable, out: torch.Tensor, begin: int = 0,
+                mul: float = 1.0) -> torch.Tensor:
+        """Bucket ``key``'s fp32 momentum (times ``mul``, see :func:`unpack`), elements
+        ``[begin, begin + out.numel())``, into ``out`` (padding +0)."""
         signs, scales, numel, chunk = self._b[key]
-        return unpack(signs, scales, chunk, numel, begin, out)
+        return unpack(signs, scales, chunk, numel, begin, out, mul)
 
     def drop(self, key: Hashable) -> None:
         """Forget bucket ``key`` (if held)."""

@@ -5,8 +5,8 @@ with the rank's own momentum, so they need the full momentum, the frozen varianc
 fp16/bf16 parameters) the full fp32 master on every rank. :meth:`UnshardedPhase.enter` all-gathers
 them once and hands the wrapped optimizer the model's own parameters: from then on its ``step()``
 is exactly unsharded ZeroOneAdam's (a per-bucket compressed allreduce of the accumulated update at
-syncs, on the group it was built with, ZeroOptimizer's). The master shards keep the last synchronised parameters, for
-checkpoints and ``consolidate``.
+syncs, on the group it was built with, ZeroOptimizer's). The master shards keep the last
+synchronised parameters, for checkpoints and ``consolidate``.
 """
 
 from __future__ import annotations
