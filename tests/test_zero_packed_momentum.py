@@ -118,7 +118,8 @@ def test_bad_inputs_raise_typed_errors():
     with pytest.raises(ValueError, match="signs"):
         _C.kernels.unpack_momentum(buffer_of(s), buffer_of(t), 8, 24, 0, buffer_of(torch.empty(24)))
     with pytest.raises(ValueError, match="scales"):
-        _C.kernels.pack_momentum(buffer_of(torch.zeros(16)), 8, buffer_of(s), buffer_of(torch.ones(3)))
+        _C.kernels.pack_momentum(buffer_of(torch.zeros(16)), 8, buffer_of(s),
+                                 buffer_of(torch.ones(3)))
 
 
 def test_packed_momentum_store_and_state_dict():

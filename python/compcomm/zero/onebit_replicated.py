@@ -111,7 +111,8 @@ class ReplicatedMomentum:
         self.d: Dict[int, torch.Tensor] = {}  # no_allgather, torch path: frozen sqrt(v) + eps
         self.w: Dict[int, torch.Tensor] = {}  # no_allgather, fp16/bf16: group -> full fp32 master
         self._avg: List[Tuple[int, int, torch.Tensor]] = []  # reduced buckets awaiting update()
-        self._packs: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None  # and their 1-bit form
+        # ... and their 1-bit form (signs, scales), from the compressor
+        self._packs: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
 
     # ---- state -------------------------------------------------------------------------------
 
