@@ -225,7 +225,8 @@ class OneBitCompressor:
             for i, (we, se, ws) in enumerate(bufs):
                 args = (buffer_of(stage(i)), buffer_of(we), buffer_of(se), buffer_of(ws))
                 if not batched:
-                    works.append(self._async.compressed_allreduce_exchange(*args, self.timeout, stream))
+                    works.append(self._async.compressed_allreduce_exchange(*args, self.timeout,
+                                                                           stream))
                 calls.append(args)
             if batched:  # every bucket staged: one exchange of three collectives
                 staging = self._staging_for([we.numel() for we, _, _ in bufs], device)
