@@ -31,7 +31,8 @@ import torch
 
 from compcomm.optim import CPUAdam
 from compcomm.optim import functional as F
-from compcomm.optim.cpu_adam import kernel_isa, onebit_compressed_step_, torch_sqrt_mode
+from compcomm.optim.cpu_adam import (all_finite, kernel_isa, onebit_compressed_step_,
+                                     onebit_local_step_, torch_sqrt_mode)
 
 HP = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
@@ -142,8 +143,26 @@ def bench_workload(name: str, sizes: List[int], threads: int, repeats: int) -> L
         for w, m, v, avg in states:
             onebit_compressed_step_(w, m, v, avg, group, 200, 100, num_threads=threads)
 
+    grads = [avg for _, _, _, avg in states]
+
+    def local() -> None:  # W=1: momentum from the local gradient and the step in one pass
+        for w, m, v, g in states:
+            onebit_local_step_(w, m, v, g, group, 200, 100, num_threads=threads)
+
+    def staged_momentum() -> None:  # what the W=1 step staged before: fresh buffers, torch ops
+        for _, m, _, g in states:
+            F.onebit_momentum(m, g, group, torch.empty_like(m))
+
+    def aminmax_check() -> None:  # the gradients' finiteness check before: torch's aminmax
+        ends = torch.stack([torch.stack(torch.aminmax(g.reshape(-1))) for g in grads])
+        bool(torch.isfinite(ends).all())
+
     steps["1-bit compressed step, torch ops (functional.py)"] = torch_rules
     steps["1-bit compressed step, compcomm kernel"] = kernel
+    steps["1-bit W=1 step (momentum + step), compcomm kernel onebit_local_step"] = local
+    steps["piece: momentum staged in fresh buffers, torch ops"] = staged_momentum
+    steps["piece: finiteness check, torch aminmax"] = aminmax_check
+    steps["piece: finiteness check, compcomm all_finite"] = lambda: all_finite(grads)
     steps["OneBitAdam.step, compressed phase, W=1 (kernels)"] = onebitadam_step(sizes, True)
     steps["OneBitAdam.step, compressed phase, W=1 (COMPCOMM_FUSED_OPTIM=0)"] = \
         onebitadam_step(sizes, False)
@@ -201,6 +220,10 @@ def targets(rows: List[Dict]) -> str:
     if b is not None:
         out.append(f"- 1-bit compressed-phase step (kernel) vs torch AdamW (foreach), list workload, "
                    f"one thread: {b:.2f}x (issue 12: >= 4x)")
+    d = x("list", "1-bit W=1 step (momentum + step), compcomm kernel onebit_local_step")
+    if d is not None:
+        out.append(f"- 1-bit W=1 step kernel (momentum + step) vs torch AdamW (foreach), list "
+                   f"workload, one thread: {d:.2f}x")
     c = x("list", "OneBitAdam.step, compressed phase, W=1 (kernels)")
     if c is not None:
         out.append(f"- OneBitAdam.step (compressed phase, W=1) vs torch AdamW (foreach), list "

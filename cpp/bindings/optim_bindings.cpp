@@ -7,6 +7,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "../common.h"
 #include "../kernels/cpu_adam.h"
@@ -122,7 +123,8 @@ void run(const char* fn, K::AdamCoeffs c, const std::string& sqrt, const Buffer&
     t.out_type = float_type(fn, "param_out", out, true);
     check_buffer(fn, "param_out", out, n);
   }
-  if (c.rule == K::AdamRule::kOneBitCompressed)  // v is only read
+  if (c.rule == K::AdamRule::kOneBitCompressed || c.rule == K::AdamRule::kOneBitLocal)
+    // v is only read
     check_aliasing(fn, {{"w", &w}, {"m", &m}, {"param_out", &out}},
                    {{g_name, &g}, {"mask", &k}, {"v", &v}});
   else
@@ -223,6 +225,54 @@ void bind_optim(py::module_& parent) {
       "None), "
       "functional.adam_step_ with the frozen bc2_t, on the CPU; v is only read. v_is_denom: v holds "
       "functional.adam_denom(v, group, bc2_t), used as the denominator as is.");
+
+  m.def(
+      "onebit_local_step",
+      [](const Buffer& w, const Buffer& m_, const Buffer& v, const Buffer& g, double lr, double b1,
+         double b2, double eps, double wd, bool bias_correction, int64_t bc1_t, int64_t bc2_t,
+         const std::optional<Buffer>& param_out, int num_threads, const std::string& isa,
+         const std::string& sqrt) {
+        if (bc1_t < 0 || bc2_t < 0)
+          value_error(
+              concat("onebit_local_step: bc1_t and bc2_t must be >= 0, got ", bc1_t, ", ", bc2_t));
+        run("onebit_local_step",
+            K::onebit_coeffs(K::AdamRule::kOneBitLocal, lr, b1, b2, eps, wd, bias_correction,
+                             bc1_t, bc2_t),
+            sqrt, w, m_, v, g, "g", std::nullopt, param_out, num_threads, isa);
+      },
+      py::arg("w"), py::arg("m"), py::arg("v"), py::arg("g"), py::arg("lr"), py::arg("b1"),
+      py::arg("b2"), py::arg("eps"), py::arg("wd"), py::arg("bias_correction"), py::arg("bc1_t"),
+      py::arg("bc2_t"), py::arg("param_out") = py::none(), py::arg("num_threads") = 0,
+      py::arg("isa") = "auto", py::arg("sqrt") = "ieee",
+      "1-bit Adam's compressed-phase step in a world of one rank, bit for bit "
+      "functional.onebit_momentum(m, g) as the average, then onebit_compressed_step: "
+      "m = b1 m + (1-b1) g, then w -= lr * (m / (sqrt(v) + eps) (+ wd w)); v is only read.");
+
+  m.def(
+      "all_finite",
+      [](const std::vector<Buffer>& xs, const std::string& isa) {
+        const K::AdamIsa which = isa_of(isa);
+        if (!K::adam_isa_supported(which))
+          value_error(concat("all_finite: isa '", isa,
+                             "' is not available on this machine or in this build"));
+        for (size_t i = 0; i < xs.size(); ++i) {
+          const std::string name = concat("xs[", i, "]");
+          float_type("all_finite", name.c_str(), xs[i], false);
+          check_buffer("all_finite", name.c_str(), xs[i], xs[i].count);
+        }
+        bool finite = true;
+        {
+          py::gil_scoped_release release;
+          for (size_t i = 0; i < xs.size() && finite; ++i)
+            if (K::adam_all_finite(static_cast<const float*>(xs[i].data), xs[i].count, &finite,
+                                   which) != kernels::Status::kSuccess)
+              finite = false;
+        }
+        return finite;
+      },
+      py::arg("xs"), py::arg("isa") = "auto",
+      "Whether every value of the fp32 host buffers xs is finite (no Inf, no NaN): one read-only "
+      "pass, stopping at the first buffer that is not.");
 
   m.def(
       "sqrt",

@@ -51,6 +51,8 @@ AdamRangeFn adam_pick_avx2(const AdamCoeffs& c, const AdamTensors& t);
 AdamRangeFn adam_pick_avx512(const AdamCoeffs& c, const AdamTensors& t);
 void adam_sqrt_avx2(const float* x, float* out, int64_t n, SqrtMode mode);
 void adam_sqrt_avx512(const float* x, float* out, int64_t n, SqrtMode mode);
+bool adam_all_finite_avx2(const float* x, int64_t n);
+bool adam_all_finite_avx512(const float* x, int64_t n);
 }  // namespace detail
 
 namespace {
@@ -104,13 +106,17 @@ typename V::T sqrt_of(typename V::T x, bool ieee) {
   return V::fix_specials(x, r);  // +-0, +inf, negative and NaN inputs
 }
 
+// The 1-bit compressed rules freeze the variance: v is only read.
+template <AdamRule R>
+constexpr bool kWritesV = R == AdamRule::kTorchAdam || R == AdamRule::kOneBitWarmup;
+
 // One step over V::kWidth elements at the given pointers. The constants are splatted once per
 // range.
 template <class V, AdamRule R, class G, class O>
 struct AdamBody {
   using T = typename V::T;
   T b1, c1, lerp_w, b2, c2, eps, bc2_sqrt, decay, l2, neg_step, bc1, wd, neg_lr;
-  bool lerp_small, use_decay, use_l2, bias_correction, weight_decay, has_mask, ieee_sqrt, v_is_denom;
+  bool lerp_small, use_decay, use_l2, div_bc1, div_bc2, weight_decay, has_mask, ieee_sqrt, v_is_denom;
 
   explicit AdamBody(const AdamCoeffs& c, bool mask)
       : b1(V::set1(c.b1)),
@@ -130,7 +136,9 @@ struct AdamBody {
         lerp_small(c.c1 < 0.5f && c.c1 > -0.5f),
         use_decay(c.decay != 1.f),
         use_l2(c.l2 != 0.f),
-        bias_correction(c.bias_correction),
+        // x / 1 is x exactly: a correction that has reached 1 (late steps) costs no division
+        div_bc1(c.bias_correction && c.bc1 != 1.f),
+        div_bc2(c.bias_correction && c.bc2_sqrt != 1.f),
         weight_decay(c.weight_decay),
         has_mask(mask),
         ieee_sqrt(c.sqrt == SqrtMode::kIeee),
@@ -151,10 +159,10 @@ struct AdamBody {
       const T den = V::add(V::div(sqrt_of<V>(vv, ieee_sqrt), bc2_sqrt), eps);
       wv = V::add(wv, V::div(V::mul(neg_step, mv), den));
     } else {
-      if constexpr (R == AdamRule::kOneBitWarmup) {
+      if constexpr (R == AdamRule::kOneBitWarmup || R == AdamRule::kOneBitLocal) {
         const T gv = V::load(g);
         mv = V::fma(gv, c1, V::mul(V::load(m), b1));
-        vv = V::fma(V::mul(c2, gv), gv, V::mul(vv, b2));
+        if constexpr (R == AdamRule::kOneBitWarmup) vv = V::fma(V::mul(c2, gv), gv, V::mul(vv, b2));
       } else {  // kOneBitCompressed: g is the averaged momentum
         mv = V::load(g);
         if (has_mask) mv = V::mul(mv, V::load(mask));
@@ -162,11 +170,11 @@ struct AdamBody {
       T den = vv;
       if (!v_is_denom) {
         den = sqrt_of<V>(vv, ieee_sqrt);
-        if (bias_correction) den = V::div(den, bc2_sqrt);
+        if (div_bc2) den = V::div(den, bc2_sqrt);
         den = V::add(den, eps);
       }
       T u = V::div(mv, den);
-      if (bias_correction) u = V::div(u, bc1);
+      if (div_bc1) u = V::div(u, bc1);
       if (weight_decay) u = V::fma(wv, wd, u);
       wv = V::fma(u, neg_lr, wv);
     }
@@ -175,7 +183,7 @@ struct AdamBody {
       V::stream(m, mv);
     else
       V::store(m, mv);
-    if constexpr (R != AdamRule::kOneBitCompressed) V::store(v, vv);
+    if constexpr (kWritesV<R>) V::store(v, vv);
     if constexpr (!std::is_same_v<O, NoOut>) {
       if (stream_out)
         V::stream(out, wv);
@@ -216,7 +224,7 @@ void adam_range(const AdamCoeffs& c, const AdamTensors& t, int64_t begin, int64_
     body(wb, mb, vb, gb, mask ? kb : nullptr, ob, false, false);
     std::memcpy(t.w + i, wb, r * sizeof(float));
     std::memcpy(t.m + i, mb, r * sizeof(float));
-    if constexpr (R != AdamRule::kOneBitCompressed) std::memcpy(t.v + i, vb, r * sizeof(float));
+    if constexpr (kWritesV<R>) std::memcpy(t.v + i, vb, r * sizeof(float));
     if constexpr (kOut) std::memcpy(out + i, ob, r * sizeof(O));
   };
   // Arrays that are only written (the compressed rule's m, the parameter copy) are written with
@@ -285,11 +293,42 @@ AdamRangeFn pick(const AdamCoeffs& c, const AdamTensors& t) {
       return pick_grad<V, AdamRule::kTorchAdam>(t);
     case AdamRule::kOneBitWarmup:
       return pick_grad<V, AdamRule::kOneBitWarmup>(t);
+    case AdamRule::kOneBitLocal:
+      return pick_grad<V, AdamRule::kOneBitLocal>(t);
     case AdamRule::kOneBitCompressed:  // the averaged momentum is fp32
       return t.g_type == InputType::kFloat32 ? pick_out<V, AdamRule::kOneBitCompressed, float>(t)
                                              : nullptr;
   }
   return nullptr;
+}
+
+// x * 0 is +-0 for a finite x and NaN for Inf or NaN, and a sum of zeros stays zero while NaN
+// propagates: four independent sums of x * 0, NaN at the end iff some value was not finite.
+template <class V>
+bool all_finite_range(const float* x, int64_t n) {
+  constexpr int64_t W = V::kWidth;
+  const typename V::T zero = V::set1(0.f);
+  typename V::T a0 = zero, a1 = zero, a2 = zero, a3 = zero;
+  int64_t i = 0;
+  for (; i + 4 * W <= n; i += 4 * W) {
+    a0 = V::add(a0, V::mul(V::load(x + i), zero));
+    a1 = V::add(a1, V::mul(V::load(x + i + W), zero));
+    a2 = V::add(a2, V::mul(V::load(x + i + 2 * W), zero));
+    a3 = V::add(a3, V::mul(V::load(x + i + 3 * W), zero));
+  }
+  for (; i + W <= n; i += W) a0 = V::add(a0, V::mul(V::load(x + i), zero));
+  if constexpr (W > 1) {
+    if (i < n) {
+      float b[W] = {};
+      std::memcpy(b, x + i, (n - i) * sizeof(float));
+      a1 = V::add(a1, V::mul(V::load(b), zero));
+    }
+  }
+  float s[W];
+  V::store(s, V::add(V::add(a0, a1), V::add(a2, a3)));
+  bool ok = true;
+  for (int64_t k = 0; k < W; ++k) ok = ok && s[k] == 0.f;
+  return ok;
 }
 
 template <class V>
@@ -589,6 +628,7 @@ AdamRangeFn detail::adam_pick_avx2(const AdamCoeffs& c, const AdamTensors& t) {
 void detail::adam_sqrt_avx2(const float* x, float* out, int64_t n, SqrtMode mode) {
   sqrt_range<Avx2>(x, out, n, mode);
 }
+bool detail::adam_all_finite_avx2(const float* x, int64_t n) { return all_finite_range<Avx2>(x, n); }
 #elif defined(COMPCOMM_ADAM_ISA) && COMPCOMM_ADAM_ISA == 3
 AdamRangeFn detail::adam_pick_avx512(const AdamCoeffs& c, const AdamTensors& t) {
   static const bool hw = rsqrt14_hw_matches();
@@ -597,6 +637,9 @@ AdamRangeFn detail::adam_pick_avx512(const AdamCoeffs& c, const AdamTensors& t) 
 void detail::adam_sqrt_avx512(const float* x, float* out, int64_t n, SqrtMode mode) {
   static const bool hw = rsqrt14_hw_matches();
   hw ? sqrt_range<Avx512Hw>(x, out, n, mode) : sqrt_range<Avx512>(x, out, n, mode);
+}
+bool detail::adam_all_finite_avx512(const float* x, int64_t n) {
+  return all_finite_range<Avx512>(x, n);
 }
 #else
 // ------------------------------------------------------------------------------------------------
@@ -755,6 +798,25 @@ Status adam_update(const AdamCoeffs& c, const AdamTensors& t, int64_t n, int num
   run(0);
   for (auto& th : pool) th.join();
 #endif
+  return Status::kSuccess;
+}
+
+Status adam_all_finite(const float* x, int64_t n, bool* finite, AdamIsa isa) {
+  if (n < 0 || !finite || (n > 0 && !x)) return Status::kInvalidArgument;
+  if (isa == AdamIsa::kAuto) isa = adam_best_isa();
+  if (!adam_isa_supported(isa)) return Status::kInvalidArgument;
+  switch (isa) {
+#if defined(COMPCOMM_ADAM_X86)
+    case AdamIsa::kAvx512:
+      *finite = detail::adam_all_finite_avx512(x, n);
+      break;
+    case AdamIsa::kAvx2:
+      *finite = detail::adam_all_finite_avx2(x, n);
+      break;
+#endif
+    default:
+      *finite = all_finite_range<Scalar>(x, n);
+  }
   return Status::kSuccess;
 }
 

@@ -22,10 +22,14 @@
 //     m = fma(g, c1, m * b1);  v = fma(fl(c2 * g), g, v * b2);  then the 1-bit step below
 //   kOneBitCompressed (m.copy_(averaged); masked_(m, mask); adam_step_ with the frozen bc2 step):
 //     m = mask ? averaged * mask : averaged;  then the 1-bit step below
+//   kOneBitLocal (a world of one rank: onebit_momentum, then kOneBitCompressed with that momentum as
+//   the average; v read only):
+//     m = fma(g, c1, m * b1);  then the 1-bit step below
 //   1-bit step (adam_denom / adam_update / adam_step_):
 //     d = sqrt(v); if bias_correction: d = d / bc2_sqrt;  d = d + eps
 //     u = m / d;   if bias_correction: u = u / bc1;        if weight_decay: u = fma(w, wd, u)
 //     w = fma(u, neg_lr, w)
+//     (a correction that has rounded to 1 is skipped: x / 1 is x exactly, so the bits are the same)
 //
 // sqrt. torch's CPU `Tensor.sqrt()` on x86 builds with MKL is MKL's vsSqrt (VML_HA), which on
 // AVX-512 CPUs is not correctly rounded: it returns the other neighbour for ~0.6% of inputs (errors
@@ -54,7 +58,12 @@
 namespace compcomm::kernels::cpu {
 
 // Which per-element sequence (above) adam_update applies.
-enum class AdamRule : int { kTorchAdam = 0, kOneBitWarmup = 1, kOneBitCompressed = 2 };
+enum class AdamRule : int {
+  kTorchAdam = 0,
+  kOneBitWarmup = 1,
+  kOneBitCompressed = 2,
+  kOneBitLocal = 3
+};
 
 // The instruction set of the vector loop. kAuto: the widest the CPU supports (chosen at run time).
 enum class AdamIsa : int { kAuto = 0, kGeneric = 1, kAvx2 = 2, kAvx512 = 3 };
@@ -94,7 +103,8 @@ struct AdamCoeffs {
 AdamCoeffs adam_coeffs(double lr, double beta1, double beta2, double eps, double weight_decay,
                        int64_t step, bool adamw_mode, bool bias_correction);
 
-// The 1-bit Adam rules of compcomm.optim.functional (rule: kOneBitWarmup or kOneBitCompressed);
+// The 1-bit Adam rules of compcomm.optim.functional (rule: kOneBitWarmup, kOneBitCompressed or
+// kOneBitLocal);
 // bc1_t / bc2_t: the steps the corrections are taken at (0: no correction, as sqrt_bc).
 AdamCoeffs onebit_coeffs(AdamRule rule, double lr, double beta1, double beta2, double eps,
                          double weight_decay, bool bias_correction, int64_t bc1_t, int64_t bc2_t);
@@ -103,9 +113,9 @@ AdamCoeffs onebit_coeffs(AdamRule rule, double lr, double beta1, double beta2, d
 struct AdamTensors {
   float* w = nullptr;  // parameter (or fp32 master), updated in place
   float* m = nullptr;  // first moment, updated in place
-  float* v = nullptr;  // second moment, updated in place (read only in kOneBitCompressed)
-  // kTorchAdam / kOneBitWarmup: the gradient, of g_type. kOneBitCompressed: the averaged momentum,
-  // fp32 (g_type must be kFloat32).
+  float* v = nullptr;  // second moment, updated in place (read only in the 1-bit compressed rules)
+  // kTorchAdam / kOneBitWarmup / kOneBitLocal: the gradient, of g_type. kOneBitCompressed: the
+  // averaged momentum, fp32 (g_type must be kFloat32).
   const void* g = nullptr;
   InputType g_type = InputType::kFloat32;
   const float* mask = nullptr;  // kOneBitCompressed: exp_avg_mask, or nullptr for none
@@ -119,6 +129,10 @@ struct AdamTensors {
 // an fp32 requirement not met.
 Status adam_update(const AdamCoeffs& c, const AdamTensors& t, int64_t n, int num_threads = 0,
                    AdamIsa isa = AdamIsa::kAuto);
+
+// Whether all n fp32 values at x are finite (no Inf, no NaN): one read-only pass, the check the
+// optimizers run on the gradients before a step writes anything. kInvalidArgument as adam_update.
+Status adam_all_finite(const float* x, int64_t n, bool* finite, AdamIsa isa = AdamIsa::kAuto);
 
 // The path kAuto picks on this machine, and whether a given path can run here.
 AdamIsa adam_best_isa();

@@ -131,7 +131,12 @@ class OneBitAdam(OneBitBase):
         grads = self._grads(average=warm)
         items = list(self._params())
         averaged: Dict[torch.Tensor, torch.Tensor] = {}
-        if not warm:
+        # nothing is sent (one rank, or step_on): the average is the rank's own momentum, so on the
+        # CPU momentum and step run as one pass per tensor, with no staged copy (same bits)
+        local = not warm and (self.world_size == 1 or self._local is not None) and all(
+            "exp_avg" in self.state[p] and _cpu_kernels_usable(g, [p], [master(p, self.state[p])])
+            for g, p in items)
+        if not warm and not local:
             def momentum(entries):  # b1 m + (1-b1) g_local, staged: m itself waits
                 for group, run in group_chunks(entries):
                     # no warm-up step yet: zero momentum (None), made when the step commits
@@ -149,7 +154,7 @@ class OneBitAdam(OneBitBase):
             states = [self.state[p] for p in ps]
             ms, vs = map(list, zip(*(moments(p, st) for p, st in zip(ps, states))))
             ws = [master(p, st) for p, st in zip(ps, states)]
-            xs = [(grads if warm else averaged)[p] for p in ps]
+            xs = [(grads if warm or local else averaged)[p] for p in ps]
             for st in states:
                 st["step"] = t
             # the variance (and its correction) frozen after the warm-up
@@ -158,6 +163,11 @@ class OneBitAdam(OneBitBase):
             if _fused.usable(group, ws, ms, vs, xs, lowp=lowps):  # one CUDA pass per chunk
                 step = _fused.adam_warmup_step_ if warm else _fused.onebit_compressed_step_
                 step(ws, ms, vs, xs, group, t, bc2_t, lowps, check=False)
+                continue
+            if local:  # checked above: CPU kernels usable, momenta exist
+                for p, w, m, v, lowp in zip(ps, ws, ms, vs, lowps):
+                    cpu_adam.onebit_local_step_(w, m, v, grads[p], group, t, bc2_t,
+                                                param_out=lowp)
                 continue
             if _cpu_kernels_usable(group, ps, ws):  # one C++ pass per tensor
                 step = cpu_adam.onebit_warmup_step_ if warm else cpu_adam.onebit_compressed_step_

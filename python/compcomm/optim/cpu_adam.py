@@ -37,7 +37,8 @@ from .. import _C
 from .._buffers import buffer_of
 
 __all__ = ["CPUAdam", "adam_step_", "onebit_warmup_step_", "onebit_compressed_step_",
-           "kernel_isa", "torch_sqrt_mode", "matches_torch_rules"]
+           "kernel_isa", "torch_sqrt_mode", "matches_torch_rules", "onebit_local_step_",
+           "all_finite"]
 
 Group = Mapping[str, Any]
 
@@ -109,6 +110,12 @@ def matches_torch_rules() -> bool:
             F.adam_step_(ref[0], ref[1], ref[2], group, 5, 2)
             got = [t.clone() for t in (w, m, v)]
             onebit_compressed_step_(got[0], got[1], got[2], a, group, 5, 2, num_threads=1)
+            ok = ok and all(torch.equal(x, y) for x, y in zip(ref, got))
+            ref = [t.clone() for t in (w, m, v)]
+            F.onebit_momentum(ref[1], g, group, ref[1])
+            F.adam_step_(ref[0], ref[1], ref[2], group, 5, 2)
+            got = [t.clone() for t in (w, m, v)]
+            onebit_local_step_(got[0], got[1], got[2], g, group, 5, 2, num_threads=1)
             ok = ok and all(torch.equal(x, y) for x, y in zip(ref, got))
         _matches = ok
     return _matches
@@ -277,6 +284,32 @@ def onebit_compressed_step_(w: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
                               float(group["weight_decay"]), bool(group["bias_correction"]),
                               int(bc1_t), int(bc2_t), out, _threads(num_threads),
                               sqrt=_sqrt_mode(sqrt), v_is_denom=bool(denom))
+
+
+def onebit_local_step_(w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                       group: Group, bc1_t: int, bc2_t: int,
+                       param_out: Optional[torch.Tensor] = None,
+                       num_threads: Optional[int] = None, sqrt: Optional[str] = None) -> None:
+    """1-bit Adam's compressed-phase step where the average is the rank's own momentum (a world of
+    one rank, or ``step_on``), in one pass: bit for bit ``functional.onebit_momentum(m, g, group,
+    a)`` then :func:`onebit_compressed_step_` with ``averaged=a`` (``v`` only read), without the
+    intermediate ``a``. Arguments as :func:`onebit_warmup_step_` (``g``: the local gradient).
+    """
+    fn = "onebit_local_step_"
+    n, out = _state_args(fn, w, m, v, param_out)
+    _check(fn, "g", g, _FLOATS, n)
+    b1, b2 = group["betas"]
+    _K.onebit_local_step(buffer_of(w), buffer_of(m), buffer_of(v), buffer_of(g),
+                         float(group["lr"]), float(b1), float(b2), float(group["eps"]),
+                         float(group["weight_decay"]), bool(group["bias_correction"]), int(bc1_t),
+                         int(bc2_t), out, _threads(num_threads), sqrt=_sqrt_mode(sqrt))
+
+
+def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether every value of contiguous fp32 CPU ``tensors`` is finite: one read-only C++ pass
+    (torch's ``aminmax`` reads as much but costs a call, a stack and a sync per tensor)."""
+    ts = [_check("all_finite", f"tensors[{i}]", t, _F32, None) for i, t in enumerate(tensors)]
+    return bool(_K.all_finite([buffer_of(t) for t in ts if t.numel()]))
 
 
 class CPUAdam(torch.optim.Optimizer):
