@@ -109,7 +109,9 @@ class Compressor(Protocol):
     ``state_dict``/``load_state_dict`` carry that state for exact resume (``{key: {name:
     tensor}}``; empty for a stateless compressor); ``reset`` forgets it, ``zero_`` zeroes it;
     ``keys`` lists the buckets that have state; ``nbytes`` is (state bytes, workspace bytes);
-    ``close`` releases threads.
+    ``close`` releases threads. Optional: ``packed_average`` (as ``average_``, returning each
+    bucket's result in its 1-bit form, see :meth:`OneBitCompressor.packed_average`), which lets
+    ZeRO keep its replicated momentum at ~P/8 bytes; without it ZeRO keeps it in fp32.
 
     ZeRO's sharded form (``onebit_mode="sharded"``, ZeroOneAdam's gradient steps) also needs a
     reduce-scatter of one bucket: ``tensor`` (fp32, ``P = world * out.numel()`` elements, the same
