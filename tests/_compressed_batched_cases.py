@@ -36,7 +36,8 @@ def _many(comm, xs, bufs, device, timeout=60.0):
         [we.numel() for we, _, _ in bufs], comm.size()), dtype=torch.uint8, device=device)
     _C.zero.compressed_allreduce_exchange_many(
         comm, [buffer_of(x) for x in xs], [buffer_of(b[0]) for b in bufs],
-        [buffer_of(b[1]) for b in bufs], [buffer_of(b[2]) for b in bufs], buffer_of(staging), timeout)
+        [buffer_of(b[1]) for b in bufs], [buffer_of(b[2]) for b in bufs], buffer_of(staging),
+        timeout)
     for x, (we, se, ws) in zip(xs, bufs):
         _C.zero.compressed_allreduce_commit(comm, buffer_of(x), buffer_of(we), buffer_of(se),
                                             buffer_of(ws))

@@ -145,3 +145,121 @@ def _time(call: Any) -> float:
     t0 = time.monotonic()
     call()
     return time.monotonic() - t0
+
+
+def compressor_cancelled(rank: int, world: int, with_sync: bool) -> Dict[str, Any]:
+    """OneBitCompressor.average_ (the 1-bit optimizers' step average) over gloo, through a
+    TorchCommunicator that behaves like a cancellable one (NCCL): it has an abort flag, and a
+    ``synchronize`` that raises once the flag is set. In the second step every all_to_all is
+    "cancelled" (flag set, finite garbage received). With ``synchronize`` the average must raise
+    before any commit; without it (a cancellable communicator that cannot be asked) the gate still
+    leaves everything unchanged, but silently. Either way: buckets and error buffers unchanged."""
+    from compcomm._buffers import tensor_of
+    from compcomm._comm import TorchCommunicator
+    from compcomm.compress import OneBitCompressor
+    from compcomm.errors import BackendError
+
+    class Cancelling(TorchCommunicator):
+        def __init__(self) -> None:
+            super().__init__(None)
+            self.flag = torch.zeros(1, dtype=torch.int32)
+            self.cancel = False
+
+        def do_abort_flag(self) -> int:
+            return self.flag.data_ptr()
+
+        def do_all_to_all(self, send: Any, recv: Any, opts: Any) -> None:
+            super().do_all_to_all(send, recv, opts)
+            if self.cancel:
+                self.flag.fill_(1)
+                tensor_of(recv).fill_(0x3F)
+
+    def synchronize(timeout_s: float) -> None:
+        if comm.flag.item():
+            raise BackendError(f"[rank {rank}] cancelled", "synchronize", "test", 0, rank)
+
+    comm = Cancelling()
+    if with_sync:
+        comm.synchronize = synchronize
+    comp = OneBitCompressor(comm, timeout=SETUP)
+    g = torch.Generator().manual_seed(rank)
+    keys, numels = ["a", "b"], [1000, 77]
+    cpu = torch.device("cpu")
+    buckets = [torch.randn(n, generator=g) for n in numels]
+    comp.average_(keys, numels, lambda i: buckets[i], cpu)  # error buffers now nonzero
+    buckets = [torch.randn(n, generator=g) for n in numels]
+    before = [b.clone() for b in buckets] + [x.clone() for k in keys for x in comp._buffers[k][:2]]
+    comm.cancel = True
+    res: Dict[str, Any] = {"rank": rank}
+    try:
+        comp.average_(keys, numels, lambda i: buckets[i], cpu)
+        res["error"] = None
+    except Exception as e:  # noqa: BLE001
+        res["error"] = type(e).__name__
+    after = list(buckets) + [x for k in keys for x in comp._buffers[k][:2]]
+    res["unchanged"] = [torch.equal(a, b) for a, b in zip(before, after)]
+    return res
+
+
+def zero_step_cancelled(rank: int, world: int, with_sync: bool) -> Dict[str, Any]:
+    """ZeroOptimizer (stage 1, Adam) over gloo through a cancellable TorchCommunicator (as in
+    :func:`compressor_cancelled`) whose gradient reduce-scatters are "cancelled" in the second
+    step: finite garbage arrives, the flag is set, nothing raises on the host. With
+    ``synchronize`` the step must raise before the update, parameters and Adam state unchanged;
+    without it (the mutation) the step goes on and writes garbage-derived parameters."""
+    from compcomm._comm import TorchCommunicator
+    from compcomm.errors import BackendError
+    from compcomm.zero import ZeroOptimizer
+
+    class Cancelling(TorchCommunicator):
+        def __init__(self) -> None:
+            super().__init__(None)
+            self.flag = torch.zeros(1, dtype=torch.int32)
+            self.cancel = False
+
+        def do_abort_flag(self) -> int:
+            return self.flag.data_ptr()
+
+        def do_reduce_scatter(self, send: Any, recv: Any, op: Any, opts: Any) -> None:
+            super().do_reduce_scatter(send, recv, op, opts)
+            if self.cancel:
+                self.flag.fill_(1)
+                tensor_of(recv).fill_(7.0)
+
+    def synchronize(timeout_s: float) -> None:
+        if comm.flag.item():
+            raise BackendError(f"[rank {rank}] cancelled", "synchronize", "test", 0, rank)
+
+    from compcomm._buffers import tensor_of
+
+    comm = Cancelling()
+    if with_sync:
+        comm.synchronize = synchronize
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    z = ZeroOptimizer(model.parameters(), torch.optim.Adam, stage=1, process_group=comm,
+                      module=model, optimizer_kwargs={"lr": 1e-2})
+    g = torch.Generator().manual_seed(10 + rank)
+
+    def backward() -> None:
+        x, y = torch.randn(5, 8, generator=g), torch.randn(5, 4, generator=g)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+
+    backward()
+    z.step()
+    params = [p.detach().clone() for p in model.parameters()]
+    state = [v.clone() for s in z.optimizer.state.values() for v in s.values()
+             if isinstance(v, torch.Tensor)]
+    backward()
+    comm.cancel = True
+    res: Dict[str, Any] = {"rank": rank}
+    try:
+        z.step()
+        res["error"] = None
+    except Exception as e:  # noqa: BLE001
+        res["error"] = type(e).__name__
+    res["params_unchanged"] = all(torch.equal(a, p) for a, p in zip(params, model.parameters()))
+    now = [v for s in z.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    res["state_unchanged"] = len(now) == len(state) and all(
+        torch.equal(a, b) for a, b in zip(state, now))
+    return res

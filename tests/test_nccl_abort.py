@@ -278,3 +278,30 @@ def test_gloo_hung_peer_breaks_the_group():
     assert "earlier call" in res["second_msg"], res
     assert res["unchanged"] == [True, True, True], res
     launch.assert_clean_exit()
+
+
+@pytest.mark.parametrize("with_sync", [True, False], ids=["synchronize", "no_synchronize"])
+def test_compressor_step_with_cancelled_exchange(with_sync):
+    """The optimizers' average (OneBitCompressor.average_) on a cancellable communicator: with
+    ``synchronize`` it raises before committing (so the optimizer step raises, nothing written);
+    without, the gate alone keeps buckets and error buffers unchanged."""
+    from compcomm.testing import run_ranks
+
+    for res in run_ranks(2, A.compressor_cancelled, with_sync, timeout=240):
+        assert res["error"] == ("BackendError" if with_sync else None), res
+        assert all(res["unchanged"]), res
+
+
+@pytest.mark.parametrize("with_sync", [True, False], ids=["synchronize", "no_synchronize"])
+def test_zero_step_with_cancelled_reduce_scatter(with_sync):
+    """ZeroOptimizer.step on a cancellable communicator: with ``synchronize`` a cancelled gradient
+    reduce-scatter raises before the update (parameters, Adam state unchanged); without it the
+    step would go on from garbage, which is what the check guards against."""
+    from compcomm.testing import run_ranks
+
+    for res in run_ranks(2, A.zero_step_cancelled, with_sync, timeout=240):
+        if with_sync:
+            assert res["error"] == "BackendError", res
+            assert res["params_unchanged"] and res["state_unchanged"], res
+        else:
+            assert res["error"] is None and not res["params_unchanged"], res

@@ -118,7 +118,8 @@ def test_bad_inputs_raise_typed_errors():
     with pytest.raises(ValueError, match="signs"):
         _C.kernels.unpack_momentum(buffer_of(s), buffer_of(t), 8, 24, 0, buffer_of(torch.empty(24)))
     with pytest.raises(ValueError, match="scales"):
-        _C.kernels.pack_momentum(buffer_of(torch.zeros(16)), 8, buffer_of(s), buffer_of(torch.ones(3)))
+        _C.kernels.pack_momentum(buffer_of(torch.zeros(16)), 8, buffer_of(s),
+                                 buffer_of(torch.ones(3)))
 
 
 def test_packed_momentum_store_and_state_dict():
@@ -199,3 +200,35 @@ def test_resume_from_packed_momentum_is_exact(results, world):
         for s, traj in res["resumed"].items():
             for t, a in traj.items():
                 np.testing.assert_array_equal(a, res["full"][t], err_msg=f"W={world} r{r} from {s}")
+
+
+@pytest.mark.parametrize("bc,wd,dtype", [(False, 0.0, None), (True, 0.01, None),
+                                         (False, 0.01, torch.bfloat16)])
+def test_cpu_update_with_frozen_denominator(bc, wd, dtype):
+    """no_allgather's CPU update: onebit_compressed_step_ reading the frozen denominator (computed
+    once by functional.adam_denom) gives the bits of recomputing it from v every step, and of the
+    torch ops."""
+    from compcomm.optim import cpu_adam
+    from compcomm.optim import functional as F
+
+    g = torch.Generator().manual_seed(5)
+    n = 4099
+    group = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": wd,
+             "bias_correction": bc}
+    w, y = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    v = torch.rand(n, generator=g)
+    d = F.adam_denom(v, group, 4)
+    ref_w, ref_m = w.clone(), y.clone()
+    out_ref = torch.empty(n, dtype=dtype) if dtype else None
+    cpu_adam.onebit_compressed_step_(ref_w, ref_m, v, ref_m, group, 9, 4, param_out=out_ref)
+    got_w, got_m = w.clone(), y.clone()
+    out = torch.empty(n, dtype=dtype) if dtype else None
+    cpu_adam.onebit_compressed_step_(got_w, got_m, d, got_m, group, 9, 4, param_out=out,
+                                     denom=True)
+    assert torch.equal(got_w, ref_w) and torch.equal(got_m, ref_m)
+    if dtype:
+        assert torch.equal(out, out_ref)
+    if cpu_adam.matches_torch_rules():  # and the torch ops' bits on this machine
+        tw = w.clone()
+        tw.add_(F.adam_update(y, d, tw, group, 9, 4, denom=d), alpha=-group["lr"])
+        assert torch.equal(tw, got_w)

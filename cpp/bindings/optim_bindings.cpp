@@ -206,22 +206,25 @@ void bind_optim(py::module_& parent) {
       [](const Buffer& w, const Buffer& m_, const Buffer& v, const Buffer& averaged,
          const std::optional<Buffer>& mask, double lr, double b1, double b2, double eps, double wd,
          bool bias_correction, int64_t bc1_t, int64_t bc2_t, const std::optional<Buffer>& param_out,
-         int num_threads, const std::string& isa, const std::string& sqrt) {
+         int num_threads, const std::string& isa, const std::string& sqrt, bool v_is_denom) {
         if (bc1_t < 0 || bc2_t < 0)
           value_error(concat("onebit_compressed_step: bc1_t and bc2_t must be >= 0, got ", bc1_t,
                              ", ", bc2_t));
-        run("onebit_compressed_step",
-            K::onebit_coeffs(K::AdamRule::kOneBitCompressed, lr, b1, b2, eps, wd, bias_correction,
-                             bc1_t, bc2_t),
-            sqrt, w, m_, v, averaged, "averaged", mask, param_out, num_threads, isa);
+        K::AdamCoeffs c = K::onebit_coeffs(K::AdamRule::kOneBitCompressed, lr, b1, b2, eps, wd,
+                                           bias_correction, bc1_t, bc2_t);
+        c.v_is_denom = v_is_denom;
+        run("onebit_compressed_step", c, sqrt, w, m_, v, averaged, "averaged", mask, param_out,
+            num_threads, isa);
       },
       py::arg("w"), py::arg("m"), py::arg("v"), py::arg("averaged"), py::arg("mask"), py::arg("lr"),
       py::arg("b1"), py::arg("b2"), py::arg("eps"), py::arg("wd"), py::arg("bias_correction"),
       py::arg("bc1_t"), py::arg("bc2_t"), py::arg("param_out") = py::none(),
       py::arg("num_threads") = 0, py::arg("isa") = "auto", py::arg("sqrt") = "ieee",
+      py::arg("v_is_denom") = false,
       "1-bit Adam's compressed-phase step, bit for bit m.copy_(averaged), m *= mask (mask may be "
       "None), "
-      "functional.adam_step_ with the frozen bc2_t, on the CPU; v is only read.");
+      "functional.adam_step_ with the frozen bc2_t, on the CPU; v is only read. v_is_denom: v holds "
+      "functional.adam_denom(v, group, bc2_t), used as the denominator as is.");
 
   m.def(
       "onebit_local_step",

@@ -120,7 +120,7 @@ template <class V, AdamRule R, class G, class O>
 struct AdamBody {
   using T = typename V::T;
   T b1, c1, lerp_w, b2, c2, eps, bc2_sqrt, decay, l2, neg_step, bc1, wd, neg_lr;
-  bool lerp_small, use_decay, use_l2, div_bc1, div_bc2, weight_decay, has_mask, ieee_sqrt;
+  bool lerp_small, use_decay, use_l2, div_bc1, div_bc2, weight_decay, has_mask, ieee_sqrt, v_is_denom;
 
   explicit AdamBody(const AdamCoeffs& c, bool mask)
       : b1(V::set1(c.b1)),
@@ -145,7 +145,8 @@ struct AdamBody {
         div_bc2(c.bias_correction && c.bc2_sqrt != 1.f),
         weight_decay(c.weight_decay),
         has_mask(mask),
-        ieee_sqrt(c.sqrt == SqrtMode::kIeee) {}
+        ieee_sqrt(c.sqrt == SqrtMode::kIeee),
+        v_is_denom(c.v_is_denom) {}
 
   void operator()(float* w, float* m, float* v, const G* g, const float* mask, O* out,
                   bool stream_m, bool stream_out) const {
@@ -170,9 +171,12 @@ struct AdamBody {
         mv = V::load(g);
         if (has_mask) mv = V::mul(mv, V::load(mask));
       }
-      T den = sqrt_of<V>(vv, ieee_sqrt);
-      if (div_bc2) den = V::div(den, bc2_sqrt);
-      den = V::add(den, eps);
+      T den = vv;
+      if (!v_is_denom) {
+        den = sqrt_of<V>(vv, ieee_sqrt);
+        if (div_bc2) den = V::div(den, bc2_sqrt);
+        den = V::add(den, eps);
+      }
       T u = V::div(mv, den);
       if (div_bc1) u = V::div(u, bc1);
       if (weight_decay) u = V::fma(wv, wd, u);

@@ -194,6 +194,18 @@ def resolve(group: Group) -> _C.Communicator:
     return entry[1]
 
 
+def wait_cancellable(comm: _C.Communicator, timeout: float) -> None:
+    """On a communicator that can cancel work it already enqueued (``abort_flag`` nonzero: native
+    NCCL), wait at most ``timeout`` s for the device work of its collectives and raise the typed
+    error of an abort (``CommTimeoutError``, ``BackendError``). A caller about to write state from
+    what collectives received calls it first, so that a peer lost after the last host-side check
+    raises before anything is written. No-op on other communicators (their calls complete or fail
+    on the host)."""
+    sync = getattr(comm, "synchronize", None)
+    if sync is not None and comm.abort_flag:
+        sync(timeout)
+
+
 def forget_process_groups() -> None:
     """Drop the communicators made for torch process groups (call after
     ``torch.distributed.destroy_process_group``); native NCCL ones are destroyed."""

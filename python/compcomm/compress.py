@@ -29,6 +29,7 @@ import torch
 
 from . import _C
 from ._buffers import buffer_of
+from ._comm import wait_cancellable
 from ._defaults import DEFAULT_TIMEOUT
 from .collectives import compressed_reduce_scatter, padded_numel, workspace_bytes
 from .errors import CommError, NonFiniteError
@@ -108,7 +109,9 @@ class Compressor(Protocol):
     ``state_dict``/``load_state_dict`` carry that state for exact resume (``{key: {name:
     tensor}}``; empty for a stateless compressor); ``reset`` forgets it, ``zero_`` zeroes it;
     ``keys`` lists the buckets that have state; ``nbytes`` is (state bytes, workspace bytes);
-    ``close`` releases threads.
+    ``close`` releases threads. Optional: ``packed_average`` (as ``average_``, returning each
+    bucket's result in its 1-bit form, see :meth:`OneBitCompressor.packed_average`), which lets
+    ZeRO keep its replicated momentum at ~P/8 bytes; without it ZeRO keeps it in fp32.
 
     ZeRO's sharded form (``onebit_mode="sharded"``, ZeroOneAdam's gradient steps) also needs a
     reduce-scatter of one bucket: ``tensor`` (fp32, ``P = world * out.numel()`` elements, the same
@@ -201,7 +204,10 @@ class OneBitCompressor:
         nothing: if any exchange fails (on any rank), no bucket and no error buffer is written and
         the exception (:class:`~compcomm.errors.NonFiniteError`, ``RankMismatchError``,
         ``CommTimeoutError``, ``BackendError``) is raised on every rank. With one rank nothing is
-        sent and the buckets keep their values (as DeepSpeed: no compression without peers).
+        sent and the buckets keep their values (as DeepSpeed: no compression without peers). On a
+        communicator that can cancel work it enqueued (NCCL: ``abort_flag`` nonzero) the device work
+        of the exchanges is waited for (``synchronize``) before the first commit, so that a peer
+        lost in the last exchange also raises here rather than leave the buckets unaveraged.
 
         If this rank fails on its own between two exchanges (``stage`` raised), the ranks are out
         of step: the exchanges already queued are waited for, and the compressor refuses every
@@ -226,7 +232,8 @@ class OneBitCompressor:
             for i, (we, se, ws) in enumerate(bufs):
                 args = (buffer_of(stage(i)), buffer_of(we), buffer_of(se), buffer_of(ws))
                 if not batched:
-                    works.append(self._async.compressed_allreduce_exchange(*args, self.timeout, stream))
+                    works.append(self._async.compressed_allreduce_exchange(*args, self.timeout,
+                                                                           stream))
                 calls.append(args)
             if batched:  # every bucket staged: one exchange of three collectives
                 staging = self._staging_for([we.numel() for we, _, _ in bufs], device)
@@ -240,6 +247,14 @@ class OneBitCompressor:
                 w.wait(_FOREVER)  # each collective inside has its own timeout
             except Exception as e:  # noqa: BLE001 -- re-raised below, after the others finished
                 error = error or e
+        if error is None:
+            # NCCL may still have the last exchange's collectives on the stream: a peer lost there
+            # must raise here, before any commit (the commit gate alone would leave the buckets
+            # unaveraged, silently).
+            try:
+                wait_cancellable(self.comm, self.timeout)
+            except Exception as e:  # noqa: BLE001 -- raised below like an exchange's failure
+                error = e
         if error is not None:
             for k in created:  # a failed call leaves no trace, not even new zero buffers
                 self._buffers.pop(k, None)

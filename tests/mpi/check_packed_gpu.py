@@ -7,9 +7,9 @@
    changed (the CPU test's body, tests/_compressed_batched_cases.py, on device="cuda").
 2. OneBitCompressor.packed_average on CUDA: the handed-back signs and scales unpack (torch-op path)
    to the averaged buckets bit for bit.
-3. ZeroOptimizer stage 2 + OneBitAdam, "exact" and "no_allgather", on CUDA parameters equals the same
-   run on CPU parameters (tolerance as check_zero_gpu.py's 1-bit cases), and the replicated momentum
-   is held packed on the GPU.
+3. ZeroOptimizer stage 2 + OneBitAdam, "exact" and "no_allgather", on CUDA parameters equals the
+   same run on CPU parameters (tolerance as check_zero_gpu.py's 1-bit cases), and the replicated
+   momentum is held packed on the GPU.
 Prints "RANK r OK". COMPCOMM_CHECK_CPU=1 runs the same on CPU tensors (a dry run of the script)."""
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ STEPS = 8
 
 def zero_run(dev, mode, rank, comm):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(13, 32), torch.nn.Tanh(), torch.nn.Linear(32, 5)).to(dev)
+    model = torch.nn.Sequential(torch.nn.Linear(13, 32), torch.nn.Tanh(), torch.nn.Linear(32, 5))
+    model = model.to(dev)
     z = ZeroOptimizer(model.parameters(), OneBitAdam, stage=2, process_group=comm, module=model,
                       optimizer_kwargs={"lr": 1e-2, "freeze_step": 2}, reduce_bucket_size=200,
                       onebit_mode=mode, gradient_clipping=5.0)
@@ -66,22 +67,26 @@ def main() -> None:
     if world > 1:
         assert f["nonfinite"][0] == "NonFiniteError" and f["mismatch"][0] == "RankMismatchError", f
     assert all(v for k, v in f.items() if k.endswith("_unchanged")), f
-    print(f"RANK {rank} batched exchange on {dev.type}: equal to per-bucket calls, errors typed", flush=True)
+    print(f"RANK {rank} batched exchange on {dev.type}: equal to per-bucket calls, errors typed",
+          flush=True)
 
     got = pc.packed_average(rank, world, dev.type)
     if world > 1:
         assert got["exact"] and all(got["exact"]) and all(got["repack"]), got
-    print(f"RANK {rank} packed_average on {dev.type}: exact ({len(got['exact'])} buckets)", flush=True)
+    print(f"RANK {rank} packed_average on {dev.type}: exact ({len(got['exact'])} buckets)",
+          flush=True)
 
     for mode in ("exact", "no_allgather"):
         cpu, _ = zero_run(torch.device("cpu"), mode, rank, comm)
         gpu, packed = zero_run(dev, mode, rank, comm)
         worst = max((a - b).abs().max().item() for a, b in zip(cpu, gpu))
         moved = (cpu[-1] - cpu[0]).abs().max().item()
-        assert worst <= 1e-3 < moved / 2, f"[rank {rank}] {mode}: |cuda - cpu| = {worst}, moved {moved}"
+        assert worst <= 1e-3 < moved / 2, (
+            f"[rank {rank}] {mode}: |{dev.type} - cpu| = {worst}, moved {moved}")
         assert world == 1 or (packed and all(d == dev.type for d in packed)), packed
-        print(f"RANK {rank} ZeRO-2 OneBitAdam {mode} on {dev.type}: max |{dev.type} - cpu| = {worst:.3g} over "
-              f"{STEPS} steps, {len(packed)} packed buckets on {dev.type}", flush=True)
+        print(f"RANK {rank} ZeRO-2 OneBitAdam {mode} on {dev.type}: max |{dev.type} - cpu| = "
+              f"{worst:.3g} over {STEPS} steps, {len(packed)} packed buckets on {dev.type}",
+              flush=True)
     compcomm.shutdown()
     print(f"RANK {rank} OK", flush=True)
 

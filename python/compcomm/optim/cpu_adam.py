@@ -235,10 +235,13 @@ def onebit_compressed_step_(w: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
                             mask: Optional[torch.Tensor] = None,
                             param_out: Optional[torch.Tensor] = None,
                             num_threads: Optional[int] = None,
-                            sqrt: Optional[str] = None) -> None:
+                            sqrt: Optional[str] = None, denom: bool = False) -> None:
     """1-bit Adam's compressed-phase step in one pass: bit for bit ``m.copy_(averaged)``,
     ``functional.masked_(m, mask)`` and ``functional.adam_step_(w, m, v, group, bc1_t, bc2_t)``
-    (``bc2_t`` the frozen step) on the CPU. ``v`` is only read.
+    (``bc2_t`` the frozen step) on the CPU. ``v`` is only read. With ``denom=True``, ``v`` holds
+    the frozen denominator ``functional.adam_denom(v, group, bc2_t)`` (computed once, as ZeRO's
+    no_allgather mode does) and is used as is: bit for bit
+    ``functional.adam_update(m, None, w, group, bc1_t, bc2_t, denom=v)``.
 
     Parameters
     ----------
@@ -280,7 +283,7 @@ def onebit_compressed_step_(w: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
                               float(group["lr"]), float(b1), float(b2), float(group["eps"]),
                               float(group["weight_decay"]), bool(group["bias_correction"]),
                               int(bc1_t), int(bc2_t), out, _threads(num_threads),
-                              sqrt=_sqrt_mode(sqrt))
+                              sqrt=_sqrt_mode(sqrt), v_is_denom=bool(denom))
 
 
 def onebit_local_step_(w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

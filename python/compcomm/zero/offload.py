@@ -8,7 +8,8 @@ With ``offload_optimizer: {"device": "cpu"}`` (:class:`HostOffload`):
 * each reduced gradient chunk is copied to the host as soon as its reduction completes
   (:meth:`HostOffload.receive`, called by the gradient reducer bucket by bucket; on a GPU on a side
   stream, with an event, so the copies overlap backward) and added into the host gradient shard
-  when the step needs it (:meth:`HostOffload.drain`);
+  once its copy has finished (checked at each new chunk; :meth:`HostOffload.drain` waits for the
+  rest when the step needs them);
 * the step runs on the CPU: ``torch.optim.Adam`` / ``AdamW`` through the C++ kernels of
   :mod:`compcomm.optim.cpu_adam` on the wrapped optimizer's own state (so its state dict is
   torch's and checkpoints load with or without offload), in pieces of about
@@ -163,15 +164,25 @@ class HostOffload:
         else:
             tmp.copy_(chunk)
         self._pending.append((event, tmp, dst))
+        self._retire(block=False)  # the host adds of finished copies overlap backward too
 
     def drain(self) -> None:
         """Wait for the gradient copies and add them into the host gradient shards."""
+        self._retire(block=True)
+
+    def _retire(self, block: bool) -> None:
+        """Add the finished copies (in order: each slice sums its micro-steps in turn); with
+        ``block``, all of them."""
+        done = 0
         for event, tmp, dst in self._pending:
             if event is not None:
+                if not block and not event.query():
+                    break
                 event.synchronize()
             dst.add_(tmp)
             self._pool[(tmp.numel(), tmp.dtype)].append(tmp)
-        self._pending.clear()
+            done += 1
+        del self._pending[:done]
 
     # ---- the step ------------------------------------------------------------------------------
 

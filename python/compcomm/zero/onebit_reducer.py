@@ -28,6 +28,7 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
+from .._comm import wait_cancellable
 from ..compress import Compressor
 from ..errors import NonFiniteError
 from .grad_reducer import GradReducer, clip_coef
@@ -186,6 +187,11 @@ class OneBitReducer:
                 norm_sq = math.inf
             except Exception as e:  # noqa: BLE001 -- re-raised once every work is done
                 failure = failure or e
+        if failure is None and math.isfinite(norm_sq):
+            try:  # NCCL: a peer lost in the last exchange raises here, before any commit
+                wait_cancellable(self.comm, self.timeout)
+            except Exception as e:  # noqa: BLE001 -- re-raised below, after drop()
+                failure = e
         if failure is None and math.isfinite(norm_sq):
             for _, gi, bi, x in self.exchanges:
                 grp = self.groups[gi]

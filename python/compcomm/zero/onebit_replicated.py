@@ -111,7 +111,8 @@ class ReplicatedMomentum:
         self.d: Dict[int, torch.Tensor] = {}  # no_allgather, torch path: frozen sqrt(v) + eps
         self.w: Dict[int, torch.Tensor] = {}  # no_allgather, fp16/bf16: group -> full fp32 master
         self._avg: List[Tuple[int, int, torch.Tensor]] = []  # reduced buckets awaiting update()
-        self._packs: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None  # and their 1-bit form
+        # ... and their 1-bit form (signs, scales), from the compressor
+        self._packs: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
 
     # ---- state -------------------------------------------------------------------------------
 
@@ -257,22 +258,24 @@ class ReplicatedMomentum:
     def _whole_update(self, gi: int, grp: GroupLayout, group: Dict[str, Any],
                       ys: Dict[Tuple[int, int], torch.Tensor], t: int, bc2_t: int) -> None:
         """no_allgather: every rank updates the whole parameters with the shared momentum, bucket
-        by bucket (elementwise, so the bits of one whole-tensor update). On the CPU one C++ pass
-        per bucket (:func:`compcomm.optim.cpu_adam.onebit_compressed_step_`, also writing the
-        fp16/bf16 parameters) where those kernels give the torch ops' bits here; otherwise the
-        torch ops with the frozen denominator computed once."""
+        by bucket (elementwise, so the bits of one whole-tensor update), with the frozen
+        denominator ``sqrt(v) + eps`` computed once (in the full variance's place). On the CPU one
+        C++ pass per bucket (:func:`compcomm.optim.cpu_adam.onebit_compressed_step_` with
+        ``denom=True``, also writing the fp16/bf16 parameters) where those kernels give the torch
+        ops' bits here; otherwise the torch ops."""
         half = gi in self.w
         w = self.w[gi] if half else grp.flat
-        fused = (w.is_cpu and group.get("exp_avg_mask") is None and gi in self.v
+        fused = (w.is_cpu and group.get("exp_avg_mask") is None
                  and os.environ.get("COMPCOMM_FUSED_OPTIM", "1") != "0"
                  and cpu_adam.matches_torch_rules())
-        if not fused and gi not in self.d:  # sqrt(v) + eps is frozen too: once, in v's place
+        if gi not in self.d:  # sqrt(v) + eps is frozen too: once, in v's place
             self.d[gi] = adam_denom(self.v.pop(gi), group, bc2_t)
         for bi, b in enumerate(grp.buckets):
             y, wb = ys[(gi, bi)], b.span(w)
             if fused:
-                cpu_adam.onebit_compressed_step_(wb, y, b.span(self.v[gi]), y, group, t, bc2_t,
-                                                 param_out=b.span(grp.flat) if half else None)
+                cpu_adam.onebit_compressed_step_(wb, y, b.span(self.d[gi]), y, group, t, bc2_t,
+                                                 param_out=b.span(grp.flat) if half else None,
+                                                 denom=True)
             else:
                 d = b.span(self.d[gi])  # (v is not read when the denominator is given)
                 wb.add_(adam_update(y, d, wb, group, t, bc2_t, denom=d), alpha=-group["lr"])

@@ -30,7 +30,7 @@ import torch
 
 from .. import _C
 from .._buffers import buffer_of
-from .._comm import resolve
+from .._comm import resolve, wait_cancellable
 from .._defaults import DEFAULT_TIMEOUT
 from ..amp import LossScaler
 from ..compress import Compressor
@@ -333,6 +333,9 @@ class ZeroOptimizer:
             for grp in self.groups:
                 grp.master.grad.div_(div)
             norm_sq = self._grads.shard_norm_sq()
+        # NCCL: a collective of this step released by an abort left garbage (a finite norm, too);
+        # raise that abort now, before the update writes anything.
+        wait_cancellable(self.comm, self.timeout)
         self.last_grad_norm = math.sqrt(norm_sq) if math.isfinite(norm_sq) else float("inf")
         if not math.isfinite(norm_sq):
             self.skipped_steps += 1
