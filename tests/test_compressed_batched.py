@@ -8,13 +8,10 @@ that differs raises on every rank, and nothing but the workspaces is written."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from compcomm.testing import run_ranks
 
 import _compressed_batched_cases as bc
-
-DEVICES = ["cpu"]
 
 
 @pytest.fixture(scope="module")
