@@ -28,7 +28,7 @@ or pinning), so the tests exercise the offload path.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -186,9 +186,12 @@ class HostOffload:
 
     # ---- the step ------------------------------------------------------------------------------
 
-    def step(self, opt: torch.optim.Optimizer, groups: List[GroupLayout]) -> List[torch.Tensor]:
+    def step(self, opt: torch.optim.Optimizer, groups: List[GroupLayout],
+             update: Optional[Callable[[], Any]] = None) -> List[torch.Tensor]:
         """Step ``opt`` on the host shards; returns each group's new shard in the parameter
-        dtype on the device (being uploaded on the current stream's behalf)."""
+        dtype on the device (being uploaded on the current stream's behalf). ``update`` replaces
+        ``opt.step()`` (a 1-bit optimizer's ``step_on`` on the host masters: its own ``step()``
+        would talk on the world communicator)."""
         self.drain()
         if self._uploaded is not None:  # the last uploads still read the host buffers
             self._uploaded.synchronize()
@@ -196,11 +199,11 @@ class HostOffload:
         dev = [self._target(g) for g in groups]
         if self.up is not None:
             self.up.wait_stream(torch.cuda.current_stream(self.device))
-        if _kernel_groups(opt):
+        if update is None and _kernel_groups(opt):
             self._kernel_step(opt, groups, dev)
             self.kernel_steps += 1
         else:
-            opt.step()
+            (update or opt.step)()
             for gi, grp in enumerate(groups):
                 src = self._host_param(gi, grp)
                 if src is not grp.master:

@@ -350,14 +350,8 @@ class ZeroOptimizer:
             self._unsharded.step(clip_coef(norm_sq, self.clip, scale))
         elif phase is Phase.REPLICATED:
             self._replicated.update()
-        elif self._grads.sink is not None:
-            self._shards = self.offload.step(self.optimizer, self.groups)
-        elif self._rules is not None:  # the update rule alone, on the shards
-            masters = [grp.master for grp in self.groups if grp.master.grad is not None]
-            self.optimizer.step_on(masters, [m.grad for m in masters],
-                                   self.optimizer.schedule.next_kind())
         else:
-            self.optimizer.step()
+            self._update()
         self.global_steps += 1
         self.scaler.update(finite=True)
         if phase is not Phase.LOCAL and (phase is not Phase.REPLICATED
@@ -375,6 +369,22 @@ class ZeroOptimizer:
                 for p in grp.params:
                     p.grad = None
         return loss
+
+    def _update(self) -> None:
+        """The wrapped optimizer's update on the (host, with offload) master shards: a 1-bit
+        optimizer's rule alone through ``step_on`` (it never talks on the shards), else its
+        ``step()``."""
+        opt = self.optimizer
+
+        def rule() -> None:
+            masters = [grp.master for grp in self.groups if grp.master.grad is not None]
+            opt.step_on(masters, [m.grad for m in masters], opt.schedule.next_kind())
+
+        onebit = rule if self._rules is not None else None
+        if self._grads.sink is not None:
+            self._shards = self.offload.step(opt, self.groups, onebit)
+        else:
+            (onebit or opt.step)()
 
     def _publish(self) -> None:
         """The new master shards become the model's parameters (:func:`.param_gather.publish`)."""
