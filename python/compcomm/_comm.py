@@ -67,7 +67,9 @@ class TorchCommunicator(_C.Communicator):
     @property
     def broken(self) -> Optional[str]:
         """Why this communicator's process group is unusable (a collective over it failed or timed
-        out), or None while it works. Once set, every call raises at once."""
+        out, or its transport failed while one started), or None while it works. The backend
+        refusing a call's arguments (dtype, size) raises but leaves it usable. Once set, every
+        call raises at once."""
         return None if self._failed is None else self._failed[1]
 
     def _ensure_usable(self, call: str) -> None:
