@@ -35,7 +35,7 @@ import torch
 from ..optim import cpu_adam
 from .layout import GroupLayout
 
-__all__ = ["HostOffload", "PIECE", "check_offload"]
+__all__ = ["HostOffload", "PIECE", "check_offload", "step_inner"]
 
 #: elements per CPU-step piece (the unit of upload overlap; whole buckets are never split)
 PIECE = 1 << 22
@@ -52,6 +52,23 @@ def check_offload(config: Dict[str, Any], onebit: Optional[str], mode: Optional[
     what = f"{onebit} with onebit_mode={mode!r}" if onebit == "OneBitAdam" else onebit
     raise ValueError(f"ZeroOptimizer: offload_optimizer is not supported with {what} "
                      "(OneBitAdam with onebit_mode 'exact' is; or drop the offload)")
+
+
+def step_inner(opt: torch.optim.Optimizer, groups: List[GroupLayout], onebit: Any,
+               offload: Optional["HostOffload"]) -> Optional[List[torch.Tensor]]:
+    """ZeroOptimizer's update of the master shards by its wrapped optimizer ``opt``: with
+    ``onebit`` (the 1-bit optimizer's ``rules.RULES`` entry; None for a torch optimizer) the rule
+    alone through ``step_on`` (it never talks on the shards), else ``opt.step()``; with
+    ``offload`` on the host shards (:meth:`HostOffload.step`, whose new shards it returns)."""
+
+    def rule() -> None:
+        masters = [grp.master for grp in groups if grp.master.grad is not None]
+        opt.step_on(masters, [m.grad for m in masters], opt.schedule.next_kind())
+
+    if offload is not None:
+        return offload.step(opt, groups, rule if onebit is not None else None)
+    (rule if onebit is not None else opt.step)()
+    return None
 
 
 def _kernel_groups(opt: torch.optim.Optimizer) -> bool:
