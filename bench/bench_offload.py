@@ -189,6 +189,11 @@ def bench_model(args: argparse.Namespace, dev: torch.device) -> Dict[str, Any]:
     return out
 
 
+def cuda_index(dev: torch.device) -> int:
+    """The CUDA ordinal of ``dev`` (``--device cuda`` has none: the current device)."""
+    return dev.index if dev.index is not None else torch.cuda.current_device()
+
+
 def init_nccl(dev: torch.device) -> str:
     """A torch.distributed NCCL group of one rank: ZeroOptimizer then uses compcomm's NCCL
     communicator instead of the in-process one (the fallback if (b) fails with the latter)."""
@@ -201,7 +206,8 @@ def init_nccl(dev: torch.device) -> str:
         port = s.getsockname()[1]
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(port))
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=dev)
+    dist.init_process_group("nccl", rank=0, world_size=1,
+                            device_id=torch.device("cuda", cuda_index(dev)))
     return "torch.distributed nccl (world 1)"
 
 
@@ -212,9 +218,10 @@ def bench_cap(args: argparse.Namespace, dev: torch.device, model_res: Dict[str, 
     cap = min(int(need_off * 1.25), int(need_full * 0.7))
     if cap <= need_off * 1.05:
         return {"note": f"cannot separate: offload peak {need_off}, no-offload peak {need_full}"}
-    total = torch.cuda.get_device_properties(dev).total_memory
+    idx = cuda_index(dev)  # set_per_process_memory_fraction refuses a device without an index
+    total = torch.cuda.get_device_properties(idx).total_memory
     torch.cuda.empty_cache()
-    torch.cuda.set_per_process_memory_fraction(cap / total, dev)
+    torch.cuda.set_per_process_memory_fraction(cap / total, idx)
     res: Dict[str, Any] = {"cap_bytes": cap}
     try:
         for offload in (False, True):
@@ -234,7 +241,7 @@ def bench_cap(args: argparse.Namespace, dev: torch.device, model_res: Dict[str, 
             gc.collect()
             torch.cuda.empty_cache()
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, dev)
+        torch.cuda.set_per_process_memory_fraction(1.0, idx)
     res["ok"] = res.get("no_offload", "").startswith("out of memory") and res.get(
         "offload", "").startswith("trained")
     return res
