@@ -130,6 +130,42 @@ def test_onebit_local_wrapper_arguments():
         K.onebit_local_step(B(w), B(m), B(v), B(grad), 1e-3, 0.9, 0.999, 1e-8, 0.0, True, -1, 2)
 
 
+@pytest.mark.parametrize("lowp", [None, torch.bfloat16, torch.float16])
+def test_onebit_local_steps_list_equals_one_by_one(lowp):
+    group = _group(wd=0.01)
+    sizes = [1, 7, 4099, 0, 70001]
+    states = [_state(n, 20 + i) for i, n in enumerate(sizes)]
+    gs = [torch.randn(n, generator=st[3]) for n, st in zip(sizes, states)]
+    one = [[t.clone() for t in st[:3]] for st in states]
+    many = [[t.clone() for t in st[:3]] for st in states]
+    outs1 = [None if lowp is None else torch.empty(n, dtype=lowp) for n in sizes]
+    outs2 = [None if lowp is None else torch.empty(n, dtype=lowp) for n in sizes]
+    for (w, m, v), g, o in zip(one, gs, outs1):
+        onebit_local_step_(w, m, v, g, group, 9, 4, param_out=o)
+    cpu_adam.onebit_local_steps_([x[0] for x in many], [x[1] for x in many],
+                                 [x[2] for x in many], gs, group, 9, 4,
+                                 None if lowp is None else outs2)
+    for a, b in zip(one, many):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    if lowp is not None:
+        assert all(torch.equal(x, y) for x, y in zip(outs1, outs2))
+
+
+def test_onebit_local_steps_arguments():
+    w, m, v, g = _state(16, 2)
+    grad = torch.randn(16, generator=g)
+    with pytest.raises(ValueError, match="one length"):
+        cpu_adam.onebit_local_steps_([w], [m], [v], [], _group(), 3, 2)
+    with pytest.raises(ValueError, match=r"onebit_local_steps_\[0\]: g has 15 elements"):
+        cpu_adam.onebit_local_steps_([w], [m], [v], [grad[:15]], _group(), 3, 2)
+    with pytest.raises(ValueError, match="null pointer"):
+        K.onebit_local_steps([4], [0], [0], [0], [0], [], [], 1e-3, 0.9, 0.999, 1e-8, 0.0,
+                             False, 1, 1)
+    with pytest.raises(ValueError, match="must hold 2 pointers"):
+        K.onebit_local_steps([4, 4], [w.data_ptr()], [m.data_ptr()], [v.data_ptr()],
+                             [grad.data_ptr()], [], [], 1e-3, 0.9, 0.999, 1e-8, 0.0, False, 1, 1)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("n", [0, 1, 7, 15, 16, 17, 63, 64, 65, 4099])
 def test_all_finite_matches_numpy(isa, n):
@@ -204,14 +240,14 @@ def test_onebit_adam_w1_fast_path_keeps_the_bits(monkeypatch, lowp, on):
     if not cpu_adam.matches_torch_rules():
         pytest.skip("the CPU kernels do not reproduce torch's ops here: no kernel path at all")
     calls = []
-    real = cpu_adam.onebit_local_step_
-    monkeypatch.setattr(cpu_adam, "onebit_local_step_", lambda *a, **k: (calls.append(1),
-                                                                          real(*a, **k)))
+    real = cpu_adam.onebit_local_steps_
+    monkeypatch.setattr(cpu_adam, "onebit_local_steps_", lambda ws, *a, **k: (
+        calls.append(len(ws)), real(ws, *a, **k)))
     fast, _ = _trajectory(6, lowp, on=on)
-    assert len(calls) == 4 * len(SHAPES)  # steps 3..6, every tensor
+    assert sum(calls) == 4 * len(SHAPES) and len(calls) == 4 * 2  # steps 3..6: a call per group
     monkeypatch.setenv("COMPCOMM_FUSED_OPTIM", "0")  # the torch ops, staged momentum
     ref, _ = _trajectory(6, lowp, on=on)
-    assert len(calls) == 4 * len(SHAPES)
+    assert sum(calls) == 4 * len(SHAPES)
     for step, (a, b) in enumerate(zip(fast, ref)):
         for i, (x, y) in enumerate(zip(a, b)):
             assert torch.equal(x, y), f"step {step + 1}, tensor {i}"

@@ -191,12 +191,24 @@ COMPCOMM_AVX2 inline __m256 minus_signed(__m256 v, __m256 s) {
   return _mm256_sub_ps(v, _mm256_or_ps(s, _mm256_and_ps(lt, _mm256_set1_ps(-0.0f))));
 }
 
+// Software prefetch kPrefetch elements ahead in m and e (one 64-byte line of e per call): one core
+// of a VM pulls the two streams faster with it than with the hardware prefetcher alone. A hint, no
+// effect on results.
+constexpr int64_t kPrefetch = 2048;
+template <class L>
+inline void prefetch_ahead(const void* m, const float* e, int64_t k) {
+  _mm_prefetch(reinterpret_cast<const char*>(e + k + kPrefetch), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(static_cast<const typename L::T*>(m) + k + kPrefetch),
+               _MM_HINT_T0);
+}
+
 template <class L>
 COMPCOMM_AVX2 void worker_scale_pack_avx2(const void* m, int64_t n, const float* e, int64_t padded,
                                           float* scale, uint8_t* signs, const Tables& t) {
   __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
   const int64_t full = n / 8;  // blocks entirely inside m
   for (int64_t b = 0; b < full; ++b) {
+    if ((b & 1) == 0) prefetch_ahead<L>(m, e, 8 * b);
     const __m256 x = _mm256_add_ps(L::load8(m, 8 * b), _mm256_loadu_ps(e + 8 * b));
     const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
     const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
@@ -230,6 +242,7 @@ COMPCOMM_AVX2 void update_decompress_avx2(void* m, int64_t n, float* e, int64_t 
         update_decompress_block<L>(m, n, e, k0, sigma, tau, row[b], t);
         continue;
       }
+      if ((b & 1) == 0) prefetch_ahead<L>(m, e, k0);
       const __m256 x = _mm256_add_ps(L::load8(m, k0), _mm256_loadu_ps(e + k0));
       _mm256_storeu_ps(e + k0, minus_signed(x, sig));
       const __m256 on = bit_lanes(row[b]);

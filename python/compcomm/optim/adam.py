@@ -133,9 +133,8 @@ class OneBitAdam(OneBitBase):
         averaged: Dict[torch.Tensor, torch.Tensor] = {}
         # nothing is sent (one rank, or step_on): the average is the rank's own momentum, so on the
         # CPU momentum and step run as one pass per tensor, with no staged copy (same bits)
-        local = not warm and (self.world_size == 1 or self._local is not None) and all(
-            "exp_avg" in self.state[p] and _cpu_kernels_usable(g, [p], [master(p, self.state[p])])
-            for g, p in items)
+        local = (not warm and (self.world_size == 1 or self._local is not None)
+                 and self._local_kernels_usable(items, grads))
         if not warm and not local:
             def momentum(entries):  # b1 m + (1-b1) g_local, staged: m itself waits
                 for group, run in group_chunks(entries):
@@ -169,10 +168,8 @@ class OneBitAdam(OneBitBase):
                 step = _fused.adam_warmup_step_ if warm else _fused.onebit_compressed_step_
                 step(ws, ms, vs, xs, group, t, bc2_t, lowps, check=False)
                 continue
-            if local:  # checked above: CPU kernels usable, momenta exist
-                for p, w, m, v, lowp in zip(ps, ws, ms, vs, lowps):
-                    cpu_adam.onebit_local_step_(w, m, v, grads[p], group, t, bc2_t,
-                                                param_out=lowp)
+            if local:  # checked by _local_kernels_usable: one C++ call for the chunk
+                cpu_adam.onebit_local_steps_(ws, ms, vs, xs, group, t, bc2_t, lowps, check=False)
                 continue
             if _cpu_kernels_usable(group, ps, ws):  # one C++ pass per tensor
                 step = cpu_adam.onebit_warmup_step_ if warm else cpu_adam.onebit_compressed_step_
@@ -188,6 +185,26 @@ class OneBitAdam(OneBitBase):
             F.adam_step_multi_(ws, ms, vs, group, t, bc2_t)
             write_back_multi(ps, states)
         self.schedule.advance(kind)
+
+    def _local_kernels_usable(self, items, grads) -> bool:
+        """Whether every parameter's compressed step can run as ``onebit_local_steps_`` without
+        checks: the CPU kernels are usable for its group and its momenta exist, fp32 and
+        contiguous with its gradient's size (what the C++ call takes on trust)."""
+        groups: Dict[int, Any] = {}
+        for group, p in items:
+            st = self.state[p]
+            m, v, g = st.get("exp_avg"), st.get("exp_avg_sq"), grads[p]
+            if m is None or v is None:
+                return False
+            for t in (m, v, g):
+                if (t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous()
+                        or t.numel() != p.numel()):
+                    return False
+            w = master(p, st)
+            if not (p.data.is_contiguous() and w.is_contiguous() and p.is_cpu):
+                return False
+            groups[id(group)] = group
+        return all(_cpu_kernels_usable(g, [], []) for g in groups.values())
 
 
 def _cpu_kernels_usable(group: Dict[str, Any], ps, ws) -> bool:
