@@ -462,7 +462,9 @@ class ZeroOptimizer:
         wrapped optimizer's state), ``buffers`` (gradient staging, 1-bit error feedback and
         workspaces, offload copies); and where the first four kinds are: ``device`` and ``host``
         (with offload, the host memory holding master, state, gradient and, with
-        ``offload_param``, parameter shards; see :func:`compcomm.zero.memory.measure`)."""
+        ``offload_param``, parameter shards), and ``buffers_host``: the part of ``buffers`` in
+        host memory (offload's copies; the rest is on the device). See
+        :func:`compcomm.zero.memory.measure`."""
         return measure(self)
 
     def close(self) -> None:
