@@ -461,10 +461,8 @@ class ZeroOptimizer:
         gradient shards), ``master`` (fp32 master shards), ``optimizer_state`` (tensors in the
         wrapped optimizer's state), ``buffers`` (gradient staging, 1-bit error feedback and
         workspaces, offload copies); and where the first four kinds are: ``device`` and ``host``
-        (with offload, the host memory holding master, state, gradient and, with
-        ``offload_param``, parameter shards), and ``buffers_host``: the part of ``buffers`` in
-        host memory (offload's copies; the rest is on the device). See
-        :func:`compcomm.zero.memory.measure`."""
+        (with offload: master, state, gradient and, with ``offload_param``, parameter shards in
+        host memory), and ``buffers_host`` (offload's host copies; :func:`.memory.measure`)."""
         return measure(self)
 
     def close(self) -> None:
