@@ -47,6 +47,10 @@ struct CallOptions {
   // compressed_allreduce on device buffers: copy the exchanged headers to the host and validate them
   // (one small stream sync). false: no host sync (CUDA-graph capturable); see compressed_allreduce.h.
   bool check = true;
+  // The commit of a split compressed call: read the communicator's abort flag first and write
+  // nothing once it is set (Communicator::abort_flag). false: the caller waited for the exchange's
+  // device work and found no abort, so the data is complete and a later abort must not skip it.
+  bool gate = true;
 };
 
 // The error family. Each error carries the failing call, the backend and its code, and the rank.

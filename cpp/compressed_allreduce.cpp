@@ -267,6 +267,7 @@ struct Call {
   Buffer ws_buf;
   SeenKey key;
   bool host_check;
+  bool gate;  // CallOptions::gate
   const float* sigmas;
   int64_t sigma_stride;
   float* tau;
@@ -314,6 +315,7 @@ struct Call {
     chunk = padded / world;
     dtype = static_cast<int32_t>(tensor.dtype);
     stream = opts.stream;
+    gate = opts.gate;
     key = SeenKey{comm.id(), n, padded, dtype};
     // A split call is always checked on the host, so its commit needs no device-side guard.
     host_check = !cuda || opts.check || phase != kWhole || !seen_before(key);
@@ -390,7 +392,7 @@ struct Call {
     //    without their data, and the guard makes the commit write nothing rather than garbage.
     auto* taus = reinterpret_cast<float*>(records);
     const int64_t tau_stride = l.record_bytes / static_cast<int64_t>(sizeof(float));
-    const int* abort_flag = comm.abort_flag();
+    const int* abort_flag = gate ? comm.abort_flag() : nullptr;
     if (abort_flag != nullptr && test_fault("no_commit_gate")) abort_flag = nullptr;
     if (abort_flag != nullptr)
       check_status(k->commit_gate(abort_flag, taus, tau_stride, world, stream), "commit_gate", rank);

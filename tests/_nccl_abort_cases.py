@@ -263,3 +263,38 @@ def zero_step_cancelled(rank: int, world: int, with_sync: bool) -> Dict[str, Any
     res["state_unchanged"] = len(now) == len(state) and all(
         torch.equal(a, b) for a, b in zip(state, now))
     return res
+
+
+def compressor_abort_after_wait(rank: int, world: int) -> Dict[str, Any]:
+    """OneBitCompressor.average_ on a cancellable communicator whose abort flag is set just after
+    the wait for the exchanges' device work found none (an abort after everything arrived): the
+    received data is complete, so every bucket must commit -- the result equals the same average
+    on a plain communicator. (With the gate still on, the commits would be skipped silently.)"""
+    from compcomm._comm import TorchCommunicator
+    from compcomm.compress import OneBitCompressor
+
+    class AbortsLate(TorchCommunicator):
+        def __init__(self) -> None:
+            super().__init__(None)
+            self.flag = torch.zeros(1, dtype=torch.int32)
+
+        def do_abort_flag(self) -> int:
+            return self.flag.data_ptr()
+
+    comm = AbortsLate()
+    comm.synchronize = lambda timeout_s: comm.flag.fill_(1)  # waited: no abort; one comes now
+    plain = OneBitCompressor(TorchCommunicator(None), timeout=SETUP)
+    late = OneBitCompressor(comm, timeout=SETUP)
+    cpu = torch.device("cpu")
+    numels = [1000, 77]
+    g = torch.Generator().manual_seed(rank)
+    same = []
+    for step in range(2):
+        comm.flag.zero_()
+        buckets = [torch.randn(n, generator=g) for n in numels]
+        a, b = [x.clone() for x in buckets], [x.clone() for x in buckets]
+        plain.average_(["a", "b"], numels, lambda i: a[i], cpu)
+        late.average_(["a", "b"], numels, lambda i: b[i], cpu)
+        same.append(all(torch.equal(x, y) for x, y in zip(a, b)) and
+                    not all(torch.equal(x, y) for x, y in zip(a, buckets)))
+    return {"rank": rank, "same": same}

@@ -313,3 +313,12 @@ def test_zero_step_with_cancelled_reduce_scatter(with_sync):
             assert res["params_unchanged"] and res["state_unchanged"], res
         else:
             assert res["error"] is None and not res["params_unchanged"], res
+
+
+def test_compressor_abort_after_the_wait_still_commits():
+    """An abort that comes after the wait for the exchanges' device work found none: the data is
+    complete, so every bucket commits (the commits pass gate=False); equal to a plain average."""
+    from compcomm.testing import run_ranks
+
+    for res in run_ranks(2, A.compressor_abort_after_wait, timeout=240):
+        assert res["same"] == [True, True], res

@@ -195,21 +195,25 @@ void bind_zero(py::module_& parent) {
   m.def(
       "compressed_reduce_scatter_commit",
       [](Communicator& comm, const Buffer& tensor, const Buffer& worker_error, const Buffer& server_error,
-         const Buffer& out, const Buffer& workspace) {
-        compressed_reduce_scatter_commit(comm, tensor, worker_error, server_error, out, workspace, CallOptions{});
+         const Buffer& out, const Buffer& workspace, bool gate) {
+        CallOptions opts;
+        opts.gate = gate;
+        compressed_reduce_scatter_commit(comm, tensor, worker_error, server_error, out, workspace, opts);
       },
       py::arg("comm"), py::arg("tensor"), py::arg("worker_error"), py::arg("server_error"), py::arg("out"),
-      py::arg("workspace"), py::call_guard<py::gil_scoped_release>(),
+      py::arg("workspace"), py::arg("gate") = true, py::call_guard<py::gil_scoped_release>(),
       "The local writes of a compressed reduce-scatter whose exchange (AsyncComm."
       "compressed_reduce_scatter_exchange) ran on the same arguments and workspace.");
   m.def(
       "compressed_allreduce_commit",
       [](Communicator& comm, const Buffer& tensor, const Buffer& worker_error, const Buffer& server_error,
-         const Buffer& workspace, uintptr_t stream) {
-        compressed_allreduce_commit(comm, tensor, worker_error, server_error, workspace, opts_of(600.0, stream));
+         const Buffer& workspace, uintptr_t stream, bool gate) {
+        CallOptions opts = opts_of(600.0, stream);
+        opts.gate = gate;
+        compressed_allreduce_commit(comm, tensor, worker_error, server_error, workspace, opts);
       },
       py::arg("comm"), py::arg("tensor"), py::arg("worker_error"), py::arg("server_error"), py::arg("workspace"),
-      py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+      py::arg("stream") = 0, py::arg("gate") = true, py::call_guard<py::gil_scoped_release>(),
       "The local writes of a compressed allreduce whose exchange (AsyncComm.compressed_allreduce_exchange) "
       "ran on the same arguments and workspace.");
   m.def(

@@ -214,16 +214,19 @@ def resolve(group: Group) -> _C.Communicator:
     return entry[1]
 
 
-def wait_cancellable(comm: _C.Communicator, timeout: float) -> None:
+def wait_cancellable(comm: _C.Communicator, timeout: float) -> bool:
     """On a communicator that can cancel work it already enqueued (``abort_flag`` nonzero: native
     NCCL), wait at most ``timeout`` s for the device work of its collectives and raise the typed
     error of an abort (``CommTimeoutError``, ``BackendError``). A caller about to write state from
     what collectives received calls it first, so that a peer lost after the last host-side check
     raises before anything is written. No-op on other communicators (their calls complete or fail
-    on the host)."""
+    on the host). Returns True if it waited (the received data is then complete: the commits that
+    follow pass ``gate=False``, so an abort during them cannot skip some buckets and not others)."""
     sync = getattr(comm, "synchronize", None)
     if sync is not None and comm.abort_flag:
         sync(timeout)
+        return True
+    return False
 
 
 def forget_process_groups() -> None:

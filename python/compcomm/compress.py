@@ -143,8 +143,8 @@ class Compressor(Protocol):
     def reduce_scatter_exchange(self, key: Hashable, tensor: torch.Tensor, out: torch.Tensor,
                                 async_comm: Any) -> Any: ...
 
-    def reduce_scatter_commit(self, key: Hashable, tensor: torch.Tensor,
-                              out: torch.Tensor) -> None: ...
+    def reduce_scatter_commit(self, key: Hashable, tensor: torch.Tensor, out: torch.Tensor,
+                              gate: bool = True) -> None: ...
 
 
 class OneBitCompressor:
@@ -247,20 +247,21 @@ class OneBitCompressor:
                 w.wait(_FOREVER)  # each collective inside has its own timeout
             except Exception as e:  # noqa: BLE001 -- re-raised below, after the others finished
                 error = error or e
+        synced = False
         if error is None:
             # NCCL may still have the last exchange's collectives on the stream: a peer lost there
             # must raise here, before any commit (the commit gate alone would leave the buckets
             # unaveraged, silently).
             try:
-                wait_cancellable(self.comm, self.timeout)
+                synced = wait_cancellable(self.comm, self.timeout)
             except Exception as e:  # noqa: BLE001 -- raised below like an exchange's failure
                 error = e
         if error is not None:
             for k in created:  # a failed call leaves no trace, not even new zero buffers
                 self._buffers.pop(k, None)
             raise error
-        for args in calls:
-            _C.zero.compressed_allreduce_commit(self.comm, *args, stream)
+        for args in calls:  # after a wait that found no abort, every commit writes
+            _C.zero.compressed_allreduce_commit(self.comm, *args, stream, gate=not synced)
 
     def _staging_for(self, paddeds: List[int], device: torch.device) -> torch.Tensor:
         nbytes = _C.zero.compressed_allreduce_batch_bytes(paddeds, self.comm.size())
@@ -347,13 +348,15 @@ class OneBitCompressor:
             buffer_of(tensor), buffer_of(we), buffer_of(se), buffer_of(out), buffer_of(ws),
             timeout_s=self.timeout)
 
-    def reduce_scatter_commit(self, key: Hashable, tensor: torch.Tensor,
-                              out: torch.Tensor) -> None:
+    def reduce_scatter_commit(self, key: Hashable, tensor: torch.Tensor, out: torch.Tensor,
+                              gate: bool = True) -> None:
         """The local writes of an exchanged reduce-scatter: bucket ``key``'s error buffers and
-        ``out``."""
+        ``out``. ``gate=False`` once the caller waited for the exchange's device work and found no
+        abort (:func:`compcomm._comm.wait_cancellable`): the commit then never skips."""
         we, se, ws = self._buffers[key]
         _C.zero.compressed_reduce_scatter_commit(self.comm, buffer_of(tensor), buffer_of(we),
-                                                 buffer_of(se), buffer_of(out), buffer_of(ws))
+                                                 buffer_of(se), buffer_of(out), buffer_of(ws),
+                                                 gate=gate)
 
     def nbytes(self) -> Tuple[int, int]:
         """(bytes of error buffers, bytes of exchange workspaces) held now."""
@@ -459,9 +462,9 @@ class IdentityCompressor:
         return async_comm.reduce_scatter(buffer_of(tensor), buffer_of(recv),
                                          timeout_s=self.timeout)
 
-    def reduce_scatter_commit(self, key: Hashable, tensor: torch.Tensor,
-                              out: torch.Tensor) -> None:
-        """``out`` = the exchanged chunk times ``1/W``."""
+    def reduce_scatter_commit(self, key: Hashable, tensor: torch.Tensor, out: torch.Tensor,
+                              gate: bool = True) -> None:
+        """``out`` = the exchanged chunk times ``1/W`` (``gate``: unused, nothing is cancellable)."""
         torch.mul(self._recv[key], 1.0 / self.comm.size(), out=out)
 
     def keys(self) -> List[Hashable]:

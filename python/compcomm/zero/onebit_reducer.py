@@ -195,16 +195,17 @@ class OneBitReducer:
                 norm_sq = math.inf
             except Exception as e:  # noqa: BLE001 -- re-raised once every work is done
                 failure = failure or e
+        synced = False
         if failure is None and math.isfinite(norm_sq):
             try:  # NCCL: a peer lost in the last exchange raises here, before any commit
-                wait_cancellable(self.comm, self.timeout)
+                synced = wait_cancellable(self.comm, self.timeout)
             except Exception as e:  # noqa: BLE001 -- re-raised below, after drop()
                 failure = e
         if failure is None and math.isfinite(norm_sq):
-            for _, gi, bi, x in self.exchanges:
+            for _, gi, bi, x in self.exchanges:  # after a wait that found no abort, all write
                 grp = self.groups[gi]
                 out = grp.buckets[bi].shard_of(grp.master.grad)
-                self.compressor.reduce_scatter_commit((gi, bi), x, out)
+                self.compressor.reduce_scatter_commit((gi, bi), x, out, gate=not synced)
                 self._finish_shard(gi, bi, out)
         self.drop()
         if failure is not None:
