@@ -337,7 +337,6 @@ struct Call {
   void check() {
     fault_point("exit_after_header", cuda, stream);  // tests: a rank that dies mid-exchange
     if (!host_check) return;
-    const Header mine{0.0f, 0u, n, padded, dtype, kHeaderMagic};
     if (cuda) {
       std::vector<Header> host(static_cast<size_t>(world));
       check_status(kernels::device_copy(host.data(), headers, sizeof(Header) * world, stream), "device_copy",
@@ -346,11 +345,16 @@ struct Call {
       // A watchdog abort (a peer died or never called) also ends the wait, with `headers` never
       // received: raise that timeout or failure, not a verdict on stale bytes.
       comm.check_open(name);
-      check_headers(host.data(), world, rank, mine);
-      remember(key);
+      check_host(host.data());
     } else {
-      check_headers(headers, world, rank, mine);
+      check_host(headers);
     }
+  }
+
+  // The verdict on every rank's header, `h` (world headers in host memory).
+  void check_host(const Header* h) {
+    check_headers(h, world, rank, Header{0.0f, 0u, n, padded, dtype, kHeaderMagic});
+    if (cuda) remember(key);
   }
 
   // 4. Server reduction of chunk `rank` (scale and signs in one pass) into this rank's record. The
@@ -376,8 +380,9 @@ struct Call {
     }
   }
 
-  // 5. Commit. Without a host check, the commit kernels themselves skip the writes when any rank's
-  //    server scale is not finite (a non-finite worker scale on any rank makes every server scale so).
+  // 5. Commit. The commit kernels themselves skip the writes when any rank's server scale is not
+  //    finite (without a host check, a non-finite worker scale on any rank makes every server scale
+  //    so; with one, only an overflow of the server's sum can).
   void commit() {
     if (padded == 0) return;
     //    On a communicator that can cancel enqueued work (NCCL's watchdog abort), the gate first turns
@@ -389,7 +394,9 @@ struct Call {
     if (abort_flag != nullptr && test_fault("no_commit_gate")) abort_flag = nullptr;
     if (abort_flag != nullptr)
       check_status(k->commit_gate(abort_flag, taus, tau_stride, world, stream), "commit_gate", rank);
-    const float* guard = host_check && abort_flag == nullptr ? nullptr : taus;
+    // Guarded on every backend, checked on the host or not: a server scale that is not finite (an
+    // overflow of c; the inputs were finite) then writes nothing everywhere, as the gate's NaN does.
+    const float* guard = taus;
     check_status(k->server_update(signs_recv, sigmas, sigma_stride, world, s, chunk, tau, stream, guard,
                                   tau_stride),
                  "server_update", rank);
@@ -432,6 +439,7 @@ void run_compressed(const char* name, Communicator& comm, const Buffer& tensor, 
 // The staging of a batched exchange (byte offsets, each 256-byte aligned): headers, signs and records
 // of every call side by side, so each of the three exchanges is one collective.
 struct BatchLayout {
+  int64_t count_send, count_recv;  // each rank's number of calls (int64), exchanged first
   int64_t header_send, header_recv, signs_send, signs_recv, record_send, record_recv, total;
   int64_t signs_per_rank;   // bytes each rank sends each peer: sum of chunk/8
   int64_t records_per_rank;  // sum of record bytes
@@ -452,6 +460,8 @@ BatchLayout batch_layout(const std::vector<int64_t>& paddeds, int world) {
     off = align(off + bytes, 256);
     return at;
   };
+  b.count_send = take(sizeof(int64_t));
+  b.count_recv = take(sizeof(int64_t) * world);
   b.header_send = take(calls * static_cast<int64_t>(sizeof(Header)));
   b.header_recv = take(calls * world * static_cast<int64_t>(sizeof(Header)));
   b.signs_send = take(b.signs_per_rank * world);
@@ -524,7 +534,6 @@ void compressed_allreduce_exchange_many(Communicator& comm, const std::vector<Bu
                  "[rank ", rank, "] ", name, ": tensors, worker_errors, server_errors and workspaces must have "
                  "the same length (", calls, ", ", worker_errors.size(), ", ", server_errors.size(), ", ",
                  workspaces.size(), ")");
-  if (calls == 0) return;
   std::vector<Call> cs;
   cs.reserve(calls);
   std::vector<int64_t> paddeds;
@@ -535,27 +544,69 @@ void compressed_allreduce_exchange_many(Communicator& comm, const std::vector<Bu
                     kExchange);
     paddeds.push_back(cs.back().padded);
   }
-  const bool cuda = cs[0].cuda;
+  const bool cuda = calls > 0 ? cs[0].cuda : !staging.on_host();
   const BatchLayout b = batch_layout(paddeds, world);
-  COMPCOMM_CHECK(staging.device == tensors[0].device && staging.bytes() >= b.total, "[rank ", rank, "] ", name,
-                 ": staging must be on the tensors' device with at least ", b.total, " bytes (",
-                 "compressed_allreduce_batch_bytes); it has ", staging.bytes());
-  const kernels::ScopedDevice on_device(tensors[0].device);
+  COMPCOMM_CHECK(calls == 0 || staging.device == tensors[0].device, "[rank ", rank, "] ", name,
+                 ": staging must be on the tensors' device");
+  COMPCOMM_CHECK(staging.bytes() >= b.total, "[rank ", rank, "] ", name, ": staging must have at least ",
+                 b.total, " bytes (compressed_allreduce_batch_bytes); it has ", staging.bytes());
+  const kernels::ScopedDevice on_device(staging.device);
   char* st = static_cast<char*>(staging.data);
   void* stream = opts.stream;
   const int64_t hb = sizeof(Header), nc = static_cast<int64_t>(calls);
   auto put = [&](void* dst, const void* src, int64_t bytes) { copy(cuda, dst, src, bytes, stream, rank); };
+  auto sync = [&] {  // device results to the host; an abort that ended the wait raises here
+    if (!cuda) return;
+    check_status(kernels::stream_sync(stream), "stream_sync", rank);
+    comm.check_open(name);
+  };
 
-  // 1-2. Worker passes, then every call's header in one all_gather; each call checks its own.
+  // 0. Every rank's number of calls, in a collective of fixed size: the header exchange's size
+  //    depends on it, and mismatched sizes hang (or worse) on NCCL.
+  std::vector<int64_t> counts(static_cast<size_t>(world), nc);
+  if (world > 1) {
+    put(st + b.count_send, &nc, sizeof(int64_t));
+    comm.all_gather(staging.reinterpret(DType::kUInt8, b.count_send, sizeof(int64_t)),
+                    staging.reinterpret(DType::kUInt8, b.count_recv, sizeof(int64_t) * world), opts);
+  }
+  // 1. Worker passes (only the workspaces are written), queued behind that exchange on a GPU.
   for (size_t i = 0; i < calls; ++i) {
     cs[i].worker();
     put(st + b.header_send + i * hb, cs[i].header, hb);
   }
+  if (world > 1) {
+    put(counts.data(), st + b.count_recv, sizeof(int64_t) * world);
+    sync();
+    if (std::any_of(counts.begin(), counts.end(), [&](int64_t c) { return c != nc; })) {
+      std::string who;  // only built for the error
+      for (int r = 0; r < world; ++r) who += detail::concat(r ? ", " : "", "rank ", r, ": ", counts[r]);
+      throw RankMismatchError(detail::concat("[rank ", rank, "] ", name, ": ranks passed different numbers "
+                                             "of calls (", who, ")"),
+                              name, "", 0, rank);
+    }
+  }
+  if (calls == 0) return;
+
+  // 2. Every call's header in one all_gather, each call's headers into its workspace (its commit
+  //    reads them there); validated per call from one host copy of the whole block (one sync).
   comm.all_gather(staging.reinterpret(DType::kUInt8, b.header_send, nc * hb),
                   staging.reinterpret(DType::kUInt8, b.header_recv, nc * hb * world), opts);
   for (size_t i = 0; i < calls; ++i)
     for (int r = 0; r < world; ++r) put(cs[i].headers + r, st + b.header_recv + (r * nc + i) * hb, hb);
-  for (Call& c : cs) c.check();
+  fault_point("exit_after_header", cuda, stream);  // tests: a rank that dies mid-exchange
+  std::vector<Header> gathered;  // the received block, rank-major: call i of rank r at r * nc + i
+  const Header* block = reinterpret_cast<const Header*>(st + b.header_recv);
+  if (cuda) {
+    gathered.resize(static_cast<size_t>(nc * world));
+    put(gathered.data(), block, nc * hb * world);
+    sync();
+    block = gathered.data();
+  }
+  std::vector<Header> own(static_cast<size_t>(world));
+  for (size_t i = 0; i < calls; ++i) {  // every call here is checked on the host (a split call)
+    for (int r = 0; r < world; ++r) own[r] = block[r * nc + static_cast<int64_t>(i)];
+    cs[i].check_host(own.data());
+  }
   if (b.signs_per_rank == 0) return;  // every call is empty: only the headers ran, as per call
 
   // 3. Signs: to peer j, every call's chunk j in call order; back into each call's workspace.

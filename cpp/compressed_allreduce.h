@@ -36,7 +36,9 @@ int64_t compressed_allreduce_wire_bytes(int64_t padded, int world);
 // (one small stream sync per call). opts.check = false never syncs (the call can be captured in a CUDA
 // graph): sizes are still validated on the host the first time a (communicator, numel, padded, dtype)
 // is seen, and afterwards a call in which any rank's scale is not finite leaves every rank's state
-// unchanged without raising. Host buffers are always checked (it costs nothing there).
+// unchanged without raising. Host buffers are always checked (it costs nothing there). On every
+// backend, checked or not, a server scale that is not finite although the inputs were (an overflow
+// of the server's sum) makes the commit write nothing, without raising.
 void compressed_allreduce(Communicator& comm, const Buffer& tensor, const Buffer& worker_error,
                           const Buffer& server_error, const Buffer& workspace, const CallOptions& opts);
 
@@ -79,9 +81,11 @@ int64_t compressed_reduce_scatter_wire_bytes(int64_t padded, int world);
 // buckets of one optimizer step): the same local steps on each call's own workspace, then each call
 // is committed with compressed_allreduce_commit, bit for bit as after per-call exchanges. Every rank
 // passes the same number of calls with the same sizes (a size or dtype that differs is reported as
-// by compressed_allreduce, on every rank, before anything but the workspaces is written). `staging`
-// (on the tensors' device) holds compressed_allreduce_batch_bytes(paddeds, world) bytes. Always
-// checked on the host (opts.check is ignored).
+// by compressed_allreduce, on every rank, before anything but the workspaces is written; a number of
+// calls that differs, zero included, raises RankMismatchError naming each rank's count: the counts
+// go first, in an all_gather of 8 bytes per rank). `staging` (on the tensors' device) holds
+// compressed_allreduce_batch_bytes(paddeds, world) bytes. Always checked on the host (opts.check is
+// ignored); on device buffers that costs two stream syncs per batch (the counts, then all headers).
 int64_t compressed_allreduce_batch_bytes(const std::vector<int64_t>& paddeds, int world);
 void compressed_allreduce_exchange_many(Communicator& comm, const std::vector<Buffer>& tensors,
                                         const std::vector<Buffer>& worker_errors,

@@ -141,8 +141,18 @@ def rank_body(rank: int, world: int, device: str = "cpu") -> Dict[str, Any]:
                 ys[2] = ys[2][:-1].clone()
             _many(comm, ys, bufs, dev)
 
+        def count_mismatch():  # rank 0 leaves out the last bucket
+            n = len(bufs) - 1 if rank == 0 else len(bufs)
+            _many(comm, xs[:n], bufs[:n], dev)
+
+        def no_calls():  # rank 0 passes no bucket at all
+            n = 0 if rank == 0 else len(bufs)
+            _many(comm, xs[:n], bufs[:n], dev)
+
         attempt("nonfinite", nonfinite)
         attempt("mismatch", mismatch)
+        attempt("count_mismatch", count_mismatch)
+        attempt("no_calls", no_calls)
     out["fails"] = fails
     # still usable after the failures, and equal to per-bucket calls from the same state
     ref = [(we.clone(), se.clone(), ws.clone()) for we, se, ws in bufs]

@@ -500,3 +500,56 @@ def _rank_from_config(rank: int, world: int, tmp: str) -> int:
     assert world == 1 or comm.bytes_sent > 0
     setup.optimizer.close()
     return len(cases)
+
+
+def _rank_zero_onebit_failed_exchange(rank: int, world: int, stage: int) -> dict:
+    """ZeroOptimizer stage 1 or 2 without overlap (every bucket exchanged in step()) + OneBitAdam
+    in the "sharded" mode (1-bit reduce-scatter), compressed phase, several buckets; in one step the third
+    all_to_all of the step fails on every rank (the exchange of a later bucket). The step must
+    raise with parameters, optimizer state and every bucket's error buffers unchanged: no bucket
+    may commit before all exchanges succeeded."""
+    from compcomm._comm import TorchCommunicator
+    from compcomm.zero import ZeroOptimizer
+
+    class Failing(TorchCommunicator):
+        def __init__(self) -> None:
+            super().__init__(None)
+            self.fail_at = -1  # all_to_all calls left before the failure (-1: never)
+
+        def do_all_to_all(self, send, recv, opts) -> None:
+            if self.fail_at == 0:
+                raise errors.BackendError(f"[rank {rank}] injected", "all_to_all", "test", 0, rank)
+            self.fail_at -= 1 if self.fail_at > 0 else 0
+            super().do_all_to_all(send, recv, opts)
+
+    comm = Failing()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    z = ZeroOptimizer(model.parameters(), compcomm.optim.OneBitAdam, stage=stage, process_group=comm,
+                      module=model, optimizer_kwargs={"lr": 1e-2, "freeze_step": 1},
+                      reduce_bucket_size=64, overlap_comm=False, onebit_mode="sharded")
+    g = torch.Generator().manual_seed(10 + rank)
+
+    def backward() -> None:
+        x, y = torch.randn(5, 8, generator=g), torch.randn(5, 4, generator=g)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+
+    for _ in range(3):  # warm-up, then 1-bit steps: error buffers nonzero
+        backward()
+        z.step()
+    buffers = z.compressor._buffers
+    assert len(buffers) >= 3, f"expected several buckets, got {len(buffers)}"
+    before = _snapshot({"params": [p.detach() for p in model.parameters()],
+                        "state": z.optimizer.state_dict()["state"],
+                        "errors": {str(k): v[:2] for k, v in buffers.items()}})
+    backward()
+    comm.fail_at = 2
+    try:
+        z.step()
+        raised = None
+    except errors.CommError as e:
+        raised = type(e).__name__
+    after = _snapshot({"params": [p.detach() for p in model.parameters()],
+                       "state": z.optimizer.state_dict()["state"],
+                       "errors": {str(k): v[:2] for k, v in buffers.items()}})
+    return {"raised": raised, "unchanged": before == after}

@@ -115,3 +115,38 @@ def checkpoints(rank: int, world: int, d: str) -> Dict[str, Any]:
 def rank_body(rank: int, world: int, d: str, cases: List[Dict[str, Any]]) -> Dict[str, Any]:
     return {"trajectories": [trajectory(rank, c) for c in cases],
             "memory": memory(rank, world), "checkpoints": checkpoints(rank, world, d)}
+
+
+class _NoTalk:
+    """The inner optimizer's communicator during the offloaded 1-bit steps: any use but the
+    rank/size queries raises (ZeRO reduces the gradients; the update rule must send nothing)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("rank", "size", "backend_name"):
+            return getattr(self._inner, name)
+        raise RuntimeError(f"the wrapped optimizer used its communicator ({name})")
+
+
+def onebit_offload_silent(rank: int, world: int) -> Dict[str, Any]:
+    """OneBitAdam "exact" warm-up steps with offload: equal to the same steps without offload,
+    while the wrapped optimizer's communicator and its own step() raise if used."""
+    kw = {"lr": 1e-2, "freeze_step": 3}
+    got = []
+    for off in (None, OFF):
+        model = zb.make_model()
+        z = _build(model, 2, dict(BUCKETS, **(off or {})), "OneBitAdam", kw)
+        if off is not None:
+            z.optimizer.comm = _NoTalk(z.optimizer.comm)
+
+            def refuse(*a: Any, **k: Any) -> None:
+                raise RuntimeError("the wrapped optimizer's step() ran")
+
+            z.optimizer.step = refuse
+        _train(z, model, rank, [0, 1])
+        got.append(_params(z, model))
+        z.close()
+    start = [p.detach().float() for p in zb.make_model().parameters()]
+    return {"err": _diff(*got), "moved": _diff(got[0], start)}

@@ -7,15 +7,17 @@ real thing (bench/run_device.sh)."""
 from __future__ import annotations
 
 import os
+import types
 import tempfile
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import compcomm
 from compcomm import _C, _comm
 from compcomm.optim import OneBitAdam
-from compcomm.errors import UnsupportedError
+from compcomm.errors import BackendError, UnsupportedError
 
 
 @pytest.fixture
@@ -93,3 +95,26 @@ def torch_param():
     import torch
 
     return torch.nn.Parameter(torch.zeros(3))
+
+
+def test_local_start_error_leaves_group_usable(gloo_world):
+    """gloo refusing a call's arguments at the start (mismatched dtypes) raises a typed error
+    but the group stays usable; a transport failure at the start, or a failed wait, breaks it."""
+    comm = _comm.TorchCommunicator()
+    opts = types.SimpleNamespace(timeout_s=60.0)  # all _run reads
+    with pytest.raises(BackendError, match="rank 0"):  # gloo: "invalid tensor type" (RuntimeError)
+        comm._run("all_gather", opts, False, lambda: dist.all_gather_into_tensor(
+            torch.zeros(2, dtype=torch.float64), torch.zeros(2), async_op=True))
+    assert comm.broken is None
+    x = torch.ones(3)
+    comm._run("all_reduce", opts, False, lambda: dist.all_reduce(x, async_op=True))
+    assert comm.broken is None and x.tolist() == [1.0, 1.0, 1.0]
+
+    def peer_gone():
+        raise RuntimeError("[pair.cc:534] Connection closed by peer [127.0.0.1]:4242")
+
+    with pytest.raises(BackendError):
+        comm._run("all_reduce", opts, False, peer_gone)
+    assert "Connection closed by peer" in comm.broken
+    with pytest.raises(BackendError, match="cannot be used again"):
+        comm._run("all_reduce", opts, False, lambda: dist.all_reduce(x, async_op=True))

@@ -76,6 +76,14 @@ def test_commit_gate_rejects_bad_arguments():
         _C.kernels.commit_gate(buffer_of(f.float()), buffer_of(torch.zeros(4)), 1, 2)
     with pytest.raises(ValueError, match="scales must be float32"):
         _C.kernels.commit_gate(buffer_of(f), buffer_of(torch.zeros(4)), 2, 3)
+    # where flag lives is checked before any kernel runs (these "cuda:0" buffers are never read)
+    s = torch.zeros(4)
+    cuda_flag = _C.Buffer(f.data_ptr(), 1, _C.DType.int32, 0)
+    cuda_scales = _C.Buffer(s.data_ptr(), 4, _C.DType.float32, 0)
+    with pytest.raises(ValueError, match=r"flag must be on the same device as scales \(cuda:0 vs host"):
+        _C.kernels.commit_gate(cuda_flag, buffer_of(s), 1, 2)
+    with pytest.raises(ValueError, match=r"flag must be on the same device as scales \(host vs cuda:0"):
+        _C.kernels.commit_gate(buffer_of(f), cuda_scales, 1, 2)
 
 
 @pytest.mark.parametrize("flag", [0, 1])

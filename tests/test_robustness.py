@@ -25,6 +25,7 @@ from _robust_cases import (
     _rank_optimizer_bad_loads,
     _rank_two_threads_two_groups,
     _rank_zero_bad_loads,
+    _rank_zero_onebit_failed_exchange,
 )
 from compcomm.testing import run_ranks
 
@@ -154,3 +155,13 @@ def test_kill_during_save_leaves_previous_checkpoint(kind, tmp_path):
         assert opt.global_steps == 1 and opt.state_dict()["optimizer"]["state"][0]["step"] == 1
         assert set(consolidate(d)) == {"weight", "bias"}  # the dead writer's temporary is ignored
         opt.close()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_onebit_failed_exchange_changes_nothing(world, stage):
+    """ZeRO stage 1/2 with a 1-bit reduce-scatter (no overlap): an exchange of a later bucket fails
+    on every rank; the step raises and no bucket's error buffers, no parameter and no optimizer
+    state changed (every bucket is exchanged before any commits)."""
+    for res in run_ranks(world, _rank_zero_onebit_failed_exchange, stage, timeout=240):
+        assert res == {"raised": "BackendError", "unchanged": True}, res

@@ -91,6 +91,13 @@ def test_offload_checkpoint_round_trip(per_world, world):
             assert err <= 1e-6, (r, stage, saved_with_offload, err)
 
 
+def test_offload_onebit_warmup_sends_nothing_itself():
+    """The offloaded OneBitAdam warm-up runs the update rule (step_on) on the host shards, never
+    the wrapped optimizer's step() or communicator (ZeRO did the reduce-scatter)."""
+    for r, res in enumerate(run_ranks(2, zc.onebit_offload_silent, timeout=300)):
+        assert res["moved"] > 1e-3 and res["err"] <= 1e-6, (r, res)
+
+
 # ---------------------------------------------------------------------------- single process
 
 

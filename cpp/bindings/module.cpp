@@ -392,6 +392,11 @@ PYBIND11_MODULE(_C, m) {
         COMPCOMM_CHECK(scales.dtype == DType::kFloat32 && world >= 0 && stride >= 1 &&
                            (world == 0 || (world - 1) * stride < scales.count),
                        "commit_gate: scales must be float32 with (world-1)*stride < numel");
+        // The kernel dereferences flag where it runs scales' kernel: a host flag in a CUDA kernel
+        // is an illegal address, a device flag on the host a segfault.
+        COMPCOMM_CHECK(flag.device == scales.device, "commit_gate: flag must be on the same device as scales (",
+                       flag.on_host() ? std::string("host") : "cuda:" + std::to_string(flag.device), " vs ",
+                       scales.on_host() ? std::string("host") : "cuda:" + std::to_string(scales.device), ")");
         auto f = scales.on_host() ? kernels::cpu::commit_gate : kernels::cuda::commit_gate;
         check(f(ptr<const int>(flag), ptr<float>(scales), stride, world, reinterpret_cast<void*>(stream)),
               "commit_gate");

@@ -126,7 +126,12 @@ void Work::wait(double timeout_s) {
   if (!cv_.wait_until(lk, deadline, [&] { return done_; }))
     throw TimeoutError(detail::concat("zero: asynchronous collective did not finish within ", timeout_s, " s"),
                        "Work.wait", "", 0, -1);
-  if (error_) std::rethrow_exception(error_);
+  if (!error_) return;
+  if (reported_)
+    throw BackendError("zero: this asynchronous collective failed; its error was raised by an earlier wait()",
+                       "Work.wait", "", 0, -1);
+  reported_ = true;
+  std::rethrow_exception(error_);
 }
 
 AsyncComm::AsyncComm(std::shared_ptr<Communicator> comm) : comm_(std::move(comm)) {

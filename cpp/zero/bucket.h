@@ -80,6 +80,9 @@ void bucketed_all_gather(Communicator& comm, const BucketPlan& plan, const Buffe
 class Work {
  public:
   // Blocks until the work finished; rethrows its exception. Throws TimeoutError after timeout_s.
+  // The exception is rethrown by the first wait() only; later ones throw a BackendError that says
+  // so: an exception raised by a Python communicator (pybind11's error_already_set) can be
+  // restored into Python once, and a second rethrow of it would terminate the process.
   void wait(double timeout_s);
   bool done();
 
@@ -89,6 +92,7 @@ class Work {
   std::mutex mu_;
   std::condition_variable cv_;
   bool done_ = false;
+  bool reported_ = false;  // error_ was rethrown once
   std::exception_ptr error_;
 };
 

@@ -25,6 +25,20 @@ _OPS = {
 }
 
 
+# Words of the transport's failures (gloo/NCCL/the store): a peer or connection is gone.
+_TRANSPORT_WORDS = ("imed out", "imeout", "onnection", "peer", "closed", "reset", "roken pipe",
+                    "abort", "eof", "unreachable")
+
+
+def _transport_failure(e: Exception) -> bool:
+    """Whether ``e``, raised while starting a collective, says the group's transport failed (as
+    opposed to the backend refusing this call's arguments)."""
+    if isinstance(e, getattr(dist, "DistError", ())):  # DistBackendError, DistNetworkError, ...
+        return True
+    text = str(e).lower()
+    return any(w.lower() in text for w in _TRANSPORT_WORDS)
+
+
 class TorchCommunicator(_C.Communicator):
     """Any ``torch.distributed`` process group (gloo on CPU, nccl on GPU) as a compcomm Communicator.
 
@@ -53,7 +67,9 @@ class TorchCommunicator(_C.Communicator):
     @property
     def broken(self) -> Optional[str]:
         """Why this communicator's process group is unusable (a collective over it failed or timed
-        out), or None while it works. Once set, every call raises at once."""
+        out, or its transport failed while one started), or None while it works. The backend
+        refusing a call's arguments (dtype, size) raises but leaves it usable. Once set, every
+        call raises at once."""
         return None if self._failed is None else self._failed[1]
 
     def _ensure_usable(self, call: str) -> None:
@@ -79,15 +95,18 @@ class TorchCommunicator(_C.Communicator):
 
     def _run(self, call: str, opts: _C.CallOptions, device: bool, start: Callable[[], Any]) -> None:
         """Start one collective (``start()`` returns its work) and wait for it, mapping a failure
-        of either to a typed error and marking this communicator broken."""
+        of either to a typed error. A failed wait, or a transport failure at the start, marks
+        this communicator broken; the backend refusing the arguments does not."""
         if self._failed is not None:
             self._ensure_usable(call)
         try:
             work = start()
         except (TypeError, ValueError):  # a rejected argument: the group itself is still fine
             raise
-        except Exception as e:  # e.g. gloo refusing to start on a pair a dead peer closed
-            self._failed_with(call, e)
+        except Exception as e:
+            # e.g. gloo refusing to start on a pair a dead peer closed: the group is gone; a
+            # local refusal (a dtype or op the backend lacks) leaves it usable
+            self._failed_with(call, e, broken=_transport_failure(e))
         try:
             if device:
                 # CUDA buffers: make the caller's (current) stream wait for the collective, without
@@ -99,11 +118,12 @@ class TorchCommunicator(_C.Communicator):
         except Exception as e:  # torch raises RuntimeError (or DistBackendError) for both cases
             self._failed_with(call, e)
 
-    def _failed_with(self, call: str, e: Exception) -> NoReturn:
-        """Raise ``e`` as a typed error; the first such failure marks the group unusable."""
+    def _failed_with(self, call: str, e: Exception, broken: bool = True) -> NoReturn:
+        """Raise ``e`` as a typed error; the first such failure with ``broken`` marks the group
+        unusable."""
         text = str(e)
         cls = CommTimeoutError if "imed out" in text or "imeout" in text else BackendError
-        if self._failed is None:
+        if broken and self._failed is None:
             self._failed = (cls, f"{call}: {text.splitlines()[0] if text else type(e).__name__}")
         raise cls(
             f"[rank {self._rank}] {call} over {self._name} failed: {text}",

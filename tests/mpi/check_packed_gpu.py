@@ -60,12 +60,14 @@ def main() -> None:
         torch.cuda.set_device(dev)
 
     got = bc.rank_body(rank, world, dev.type)
-    assert got["same"] == [True] * 3 and all(a == b for a, b in got["bytes"]), got
+    # the per-bucket bytes, and 8 to each peer: the call count exchanged first
+    assert got["same"] == [True] * 3 and all(a + 8 * (world - 1) == b for a, b in got["bytes"]), got
     assert got["compressor_same"] and got["after_failures_same"], got
     f = got["fails"]
     assert f["short_lists"][0] == f["small_staging"][0] == f["bad_error_size"][0] == "ValueError", f
     if world > 1:
         assert f["nonfinite"][0] == "NonFiniteError" and f["mismatch"][0] == "RankMismatchError", f
+        assert f["count_mismatch"][0] == f["no_calls"][0] == "RankMismatchError", f
     assert all(v for k, v in f.items() if k.endswith("_unchanged")), f
     print(f"RANK {rank} batched exchange on {dev.type}: equal to per-bucket calls, errors typed",
           flush=True)

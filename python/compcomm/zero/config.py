@@ -92,7 +92,7 @@ def _offload(key: str, v: Any, stage: int, where: str) -> Any:
     if out.get("ratio", 1.0) != 1.0:
         raise ValueError(f"{name}.ratio={out['ratio']!r}: partial offload is not supported by "
                          "compcomm (only 1.0: all of the optimizer state on the CPU)")
-    if stage in (1, 2, 3) and key == "offload_param" and stage != 3:
+    if key == "offload_param" and stage in (1, 2):
         raise ValueError(f"{name}: parameter offload needs stage 3, got stage {stage}")
     if stage == 0:
         raise ValueError(f"{name}: offload needs ZeRO stage 1, 2 or 3 (stage is 0)")

@@ -31,6 +31,7 @@ __all__ = ["GradReducer", "clip_coef"]
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
+
 class _Accumulation:
     """One group's gradients of the current accumulation (stage 2/3)."""
 

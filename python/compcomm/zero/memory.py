@@ -53,9 +53,11 @@ def measure(zo: Any) -> Dict[str, int]:
         state += inner["error_feedback"]
         buffers += inner["buffers"]
     host = 0
+    buffers_host = 0
     off = zo.offload
     if off is not None:
-        buffers += off.nbytes()
+        buffers_host = off.nbytes()
+        buffers += buffers_host
         if off.optimizer:
             idle = off.idle_grad_bytes(zo.groups)
             out["grads"] += idle
@@ -64,7 +66,8 @@ def measure(zo: Any) -> Dict[str, int]:
         if off.param and zo.stage == 3:
             host += sum(g.param_shard.numel() * g.param_shard.element_size() for g in zo.groups)
     total = sum(out.values()) + state
-    return dict(out, optimizer_state=state, buffers=buffers, device=total - host, host=host)
+    return dict(out, optimizer_state=state, buffers=buffers, device=total - host, host=host,
+                buffers_host=buffers_host)
 
 
 def estimate_memory(

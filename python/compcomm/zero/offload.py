@@ -28,14 +28,14 @@ or pinning), so the tests exercise the offload path.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from ..optim import cpu_adam
 from .layout import GroupLayout
 
-__all__ = ["HostOffload", "PIECE", "check_offload"]
+__all__ = ["HostOffload", "PIECE", "check_offload", "step_inner"]
 
 #: elements per CPU-step piece (the unit of upload overlap; whole buckets are never split)
 PIECE = 1 << 22
@@ -52,6 +52,23 @@ def check_offload(config: Dict[str, Any], onebit: Optional[str], mode: Optional[
     what = f"{onebit} with onebit_mode={mode!r}" if onebit == "OneBitAdam" else onebit
     raise ValueError(f"ZeroOptimizer: offload_optimizer is not supported with {what} "
                      "(OneBitAdam with onebit_mode 'exact' is; or drop the offload)")
+
+
+def step_inner(opt: torch.optim.Optimizer, groups: List[GroupLayout], onebit: Any,
+               offload: Optional["HostOffload"]) -> Optional[List[torch.Tensor]]:
+    """ZeroOptimizer's update of the master shards by its wrapped optimizer ``opt``: with
+    ``onebit`` (the 1-bit optimizer's ``rules.RULES`` entry; None for a torch optimizer) the rule
+    alone through ``step_on`` (it never talks on the shards), else ``opt.step()``; with
+    ``offload`` on the host shards (:meth:`HostOffload.step`, whose new shards it returns)."""
+
+    def rule() -> None:
+        masters = [grp.master for grp in groups if grp.master.grad is not None]
+        opt.step_on(masters, [m.grad for m in masters], opt.schedule.next_kind())
+
+    if offload is not None:
+        return offload.step(opt, groups, rule if onebit is not None else None)
+    (rule if onebit is not None else opt.step)()
+    return None
 
 
 def _kernel_groups(opt: torch.optim.Optimizer) -> bool:
@@ -186,9 +203,12 @@ class HostOffload:
 
     # ---- the step ------------------------------------------------------------------------------
 
-    def step(self, opt: torch.optim.Optimizer, groups: List[GroupLayout]) -> List[torch.Tensor]:
+    def step(self, opt: torch.optim.Optimizer, groups: List[GroupLayout],
+             update: Optional[Callable[[], Any]] = None) -> List[torch.Tensor]:
         """Step ``opt`` on the host shards; returns each group's new shard in the parameter
-        dtype on the device (being uploaded on the current stream's behalf)."""
+        dtype on the device (being uploaded on the current stream's behalf). ``update`` replaces
+        ``opt.step()`` (a 1-bit optimizer's ``step_on`` on the host masters: its own ``step()``
+        would talk on the world communicator)."""
         self.drain()
         if self._uploaded is not None:  # the last uploads still read the host buffers
             self._uploaded.synchronize()
@@ -196,11 +216,11 @@ class HostOffload:
         dev = [self._target(g) for g in groups]
         if self.up is not None:
             self.up.wait_stream(torch.cuda.current_stream(self.device))
-        if _kernel_groups(opt):
+        if update is None and _kernel_groups(opt):
             self._kernel_step(opt, groups, dev)
             self.kernel_steps += 1
         else:
-            opt.step()
+            (update or opt.step)()
             for gi, grp in enumerate(groups):
                 src = self._host_param(gi, grp)
                 if src is not grp.master:

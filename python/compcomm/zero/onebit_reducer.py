@@ -17,8 +17,9 @@ With stage 2/3, ``overlap_comm``, more than one rank and no ``gradient_clipping`
 the norm of the whole local gradient before the first bucket is compressed), each bucket is
 exchanged as soon as its gradient is complete (every collective and check of the compressed
 reduce-scatter; only the bucket's workspace is written), on the owner's worker thread while
-backward continues. ``step()`` then commits every bucket together -- or none, if any exchange
-failed or any rank's gradient is not finite -- so a skipped step changes nothing.
+backward continues; otherwise ``step()`` exchanges them all. ``step()`` then commits every bucket
+together -- or none, if any exchange failed or any rank's gradient is not finite -- so a failed
+or skipped step changes nothing.
 """
 
 from __future__ import annotations
@@ -151,10 +152,11 @@ class OneBitReducer:
             out = self.groups[gi].buckets[bi].shard_of(self.groups[gi].master.grad)
             if self.world == 1:  # as the unsharded optimizers: no compression without peers
                 out.copy_(x)
-            else:
-                self.compressor.reduce_scatter_((gi, bi), x, out)
-            self._finish_shard(gi, bi, out)
-        return norm_sq
+                self._finish_shard(gi, bi, out)
+            else:  # every bucket exchanged first, then all committed (or none, on a failure)
+                work = self.compressor.reduce_scatter_exchange((gi, bi), x, out, self.async_comm)
+                self.exchanges.append((work, gi, bi, x))
+        return self._commit_exchanges(norm_sq) if self.exchanges else norm_sq
 
     def _finish_shard(self, gi: int, bi: int, out: torch.Tensor) -> None:
         """Rank r's chunk of a bucket's 1-bit average -> its gradient shard: divided by the input
@@ -179,6 +181,12 @@ class OneBitReducer:
         # x = k * g / (gas * loss_scale): the norm is that of x / k
         norm_sq = self.grads.mean_sq_norm([(x, 1.0 / self.input_scale(gi))
                                            for _, gi, _, x in self.exchanges])
+        return self._commit_exchanges(norm_sq)
+
+    def _commit_exchanges(self, norm_sq: float) -> float:
+        """Wait for every queued exchange; if all succeeded and ``norm_sq`` is finite, commit every
+        bucket into the gradient shards, else none (a failed step leaves every error buffer and
+        shard as it was). Returns ``norm_sq`` (inf: skip the step); raises an exchange's error."""
         failure: Optional[Exception] = None
         for work, *_ in self.exchanges:
             try:

@@ -39,7 +39,7 @@ from .config import check_arguments
 from .grad_reducer import GradReducer, clip_coef
 from .layout import alignment, build_groups, partition
 from .memory import measure
-from .offload import HostOffload, check_offload
+from .offload import HostOffload, check_offload, step_inner
 from .onebit_reducer import OneBitReducer
 from .onebit_replicated import ReplicatedMomentum
 from .param_gather import ParamGatherer, publish
@@ -219,8 +219,7 @@ class ZeroOptimizer:
         """Whether ZeroOneAdam runs unsharded now (its local-step phase, :mod:`.unsharded`)."""
         return self._unsharded is not None and self._unsharded.active
 
-    # kept for the tests written before the split (they read these private names)
-    _local_phase = local_phase
+    _local_phase = local_phase  # kept for the tests written before the split (private names)
 
     def _compressed_phase(self) -> bool:
         return self.phase.compressed
@@ -343,21 +342,14 @@ class ZeroOptimizer:
             self.zero_grad()
             return loss
         if self.clip > 0 and self.last_grad_norm > self.clip and phase is Phase.FULL:
-            coef = self.clip / (self.last_grad_norm + 1e-6)
             for grp in self.groups:
-                grp.master.grad.mul_(coef)
+                grp.master.grad.mul_(self.clip / (self.last_grad_norm + 1e-6))
         if phase is Phase.LOCAL:
             self._unsharded.step(clip_coef(norm_sq, self.clip, scale))
         elif phase is Phase.REPLICATED:
             self._replicated.update()
-        elif self._grads.sink is not None:
-            self._shards = self.offload.step(self.optimizer, self.groups)
-        elif self._rules is not None:  # the update rule alone, on the shards
-            masters = [grp.master for grp in self.groups if grp.master.grad is not None]
-            self.optimizer.step_on(masters, [m.grad for m in masters],
-                                   self.optimizer.schedule.next_kind())
-        else:
-            self.optimizer.step()
+        else:  # the wrapped optimizer's update on the (host, with offload) master shards
+            self._shards = step_inner(self.optimizer, self.groups, self._rules, self._grads.sink)
         self.global_steps += 1
         self.scaler.update(finite=True)
         if phase is not Phase.LOCAL and (phase is not Phase.REPLICATED
@@ -469,8 +461,8 @@ class ZeroOptimizer:
         gradient shards), ``master`` (fp32 master shards), ``optimizer_state`` (tensors in the
         wrapped optimizer's state), ``buffers`` (gradient staging, 1-bit error feedback and
         workspaces, offload copies); and where the first four kinds are: ``device`` and ``host``
-        (with offload, the host memory holding master, state, gradient and, with
-        ``offload_param``, parameter shards; see :func:`compcomm.zero.memory.measure`)."""
+        (with offload: master, state, gradient and, with ``offload_param``, parameter shards in
+        host memory), and ``buffers_host`` (offload's host copies; :func:`.memory.measure`)."""
         return measure(self)
 
     def close(self) -> None:
