@@ -354,13 +354,14 @@ void bind_optim(py::module_& parent) {
           check_buffer("all_finite", name.c_str(), xs[i], xs[i].count);
         }
         bool finite = true;
+        kernels::Status s = kernels::Status::kSuccess;
         {
           py::gil_scoped_release release;
-          for (size_t i = 0; i < xs.size() && finite; ++i)
-            if (K::adam_all_finite(static_cast<const float*>(xs[i].data), xs[i].count, &finite,
-                                   which) != kernels::Status::kSuccess)
-              finite = false;
+          for (size_t i = 0; i < xs.size() && finite && s == kernels::Status::kSuccess; ++i)
+            s = K::adam_all_finite(static_cast<const float*>(xs[i].data), xs[i].count, &finite, which);
         }
+        // a failed kernel raises: it must not read as "not finite, skip the step"
+        if (s != kernels::Status::kSuccess) value_error("all_finite: the kernel rejected its arguments");
         return finite;
       },
       py::arg("xs"), py::arg("isa") = "auto",

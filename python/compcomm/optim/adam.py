@@ -164,12 +164,12 @@ class OneBitAdam(OneBitBase):
             # the variance (and its correction) frozen after the warm-up
             bc2_t = min(t, self.freeze_step)
             lowps = [None if p.dtype == torch.float32 else p.data for p in ps]
+            if local:  # checked by _local_kernels_usable: one C++ call for the chunk (xs: raw grads)
+                cpu_adam.onebit_local_steps_(ws, ms, vs, xs, group, t, bc2_t, lowps, check=False)
+                continue
             if _fused.usable(group, ws, ms, vs, xs, lowp=lowps):  # one CUDA pass per chunk
                 step = _fused.adam_warmup_step_ if warm else _fused.onebit_compressed_step_
                 step(ws, ms, vs, xs, group, t, bc2_t, lowps, check=False)
-                continue
-            if local:  # checked by _local_kernels_usable: one C++ call for the chunk
-                cpu_adam.onebit_local_steps_(ws, ms, vs, xs, group, t, bc2_t, lowps, check=False)
                 continue
             if _cpu_kernels_usable(group, ps, ws):  # one C++ pass per tensor
                 step = cpu_adam.onebit_warmup_step_ if warm else cpu_adam.onebit_compressed_step_
