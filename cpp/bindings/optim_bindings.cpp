@@ -178,28 +178,33 @@ void bind_optim(py::module_& parent) {
       "sqrt with "
       "MKL on AVX-512; see compcomm.optim.cpu_adam.torch_sqrt_mode).");
 
-  m.def(
-      "onebit_warmup_step",
-      [](const Buffer& w, const Buffer& m_, const Buffer& v, const Buffer& g, double lr, double b1,
-         double b2, double eps, double wd, bool bias_correction, int64_t bc1_t, int64_t bc2_t,
-         const std::optional<Buffer>& param_out, int num_threads, const std::string& isa,
-         const std::string& sqrt) {
-        if (bc1_t < 0 || bc2_t < 0)
-          value_error(
-              concat("onebit_warmup_step: bc1_t and bc2_t must be >= 0, got ", bc1_t, ", ", bc2_t));
-        run("onebit_warmup_step",
-            K::onebit_coeffs(K::AdamRule::kOneBitWarmup, lr, b1, b2, eps, wd, bias_correction,
-                             bc1_t, bc2_t),
-            sqrt, w, m_, v, g, "g", std::nullopt, param_out, num_threads, isa);
-      },
-      py::arg("w"), py::arg("m"), py::arg("v"), py::arg("g"), py::arg("lr"), py::arg("b1"),
-      py::arg("b2"), py::arg("eps"), py::arg("wd"), py::arg("bias_correction"), py::arg("bc1_t"),
-      py::arg("bc2_t"), py::arg("param_out") = py::none(), py::arg("num_threads") = 0,
-      py::arg("isa") = "auto", py::arg("sqrt") = "ieee",
-      "1-bit Adam's warm-up step, bit for bit functional.adam_moments_ then functional.adam_step_ "
-      "on the "
-      "CPU: both moments from g, then w -= lr * (m / (sqrt(v) + eps) (+ wd w)), corrected at steps "
-      "bc1_t / bc2_t when bias_correction.");
+  // The two 1-bit rules that read a gradient g (warm-up: both moments from g; local: the momentum
+  // from g with the variance frozen): one binding each, same arguments.
+  auto def_g_step = [&m](const char* name, K::AdamRule rule, const char* doc) {
+    m.def(
+        name,
+        [name, rule](const Buffer& w, const Buffer& m_, const Buffer& v, const Buffer& g, double lr,
+                     double b1, double b2, double eps, double wd, bool bias_correction, int64_t bc1_t,
+                     int64_t bc2_t, const std::optional<Buffer>& param_out, int num_threads,
+                     const std::string& isa, const std::string& sqrt) {
+          if (bc1_t < 0 || bc2_t < 0)
+            value_error(concat(name, ": bc1_t and bc2_t must be >= 0, got ", bc1_t, ", ", bc2_t));
+          run(name, K::onebit_coeffs(rule, lr, b1, b2, eps, wd, bias_correction, bc1_t, bc2_t), sqrt,
+              w, m_, v, g, "g", std::nullopt, param_out, num_threads, isa);
+        },
+        py::arg("w"), py::arg("m"), py::arg("v"), py::arg("g"), py::arg("lr"), py::arg("b1"),
+        py::arg("b2"), py::arg("eps"), py::arg("wd"), py::arg("bias_correction"), py::arg("bc1_t"),
+        py::arg("bc2_t"), py::arg("param_out") = py::none(), py::arg("num_threads") = 0,
+        py::arg("isa") = "auto", py::arg("sqrt") = "ieee", doc);
+  };
+  def_g_step("onebit_warmup_step", K::AdamRule::kOneBitWarmup,
+             "1-bit Adam's warm-up step, bit for bit functional.adam_moments_ then "
+             "functional.adam_step_ on the CPU: both moments from g, then w -= lr * (m / (sqrt(v) + "
+             "eps) (+ wd w)), corrected at steps bc1_t / bc2_t when bias_correction.");
+  def_g_step("onebit_local_step", K::AdamRule::kOneBitLocal,
+             "1-bit Adam's compressed-phase step in a world of one rank, bit for bit "
+             "functional.onebit_momentum(m, g) as the average, then onebit_compressed_step: "
+             "m = b1 m + (1-b1) g, then w -= lr * (m / (sqrt(v) + eps) (+ wd w)); v is only read.");
 
   m.def(
       "onebit_compressed_step",
@@ -226,27 +231,6 @@ void bind_optim(py::module_& parent) {
       "functional.adam_step_ with the frozen bc2_t, on the CPU; v is only read. v_is_denom: v holds "
       "functional.adam_denom(v, group, bc2_t), used as the denominator as is.");
 
-  m.def(
-      "onebit_local_step",
-      [](const Buffer& w, const Buffer& m_, const Buffer& v, const Buffer& g, double lr, double b1,
-         double b2, double eps, double wd, bool bias_correction, int64_t bc1_t, int64_t bc2_t,
-         const std::optional<Buffer>& param_out, int num_threads, const std::string& isa,
-         const std::string& sqrt) {
-        if (bc1_t < 0 || bc2_t < 0)
-          value_error(
-              concat("onebit_local_step: bc1_t and bc2_t must be >= 0, got ", bc1_t, ", ", bc2_t));
-        run("onebit_local_step",
-            K::onebit_coeffs(K::AdamRule::kOneBitLocal, lr, b1, b2, eps, wd, bias_correction,
-                             bc1_t, bc2_t),
-            sqrt, w, m_, v, g, "g", std::nullopt, param_out, num_threads, isa);
-      },
-      py::arg("w"), py::arg("m"), py::arg("v"), py::arg("g"), py::arg("lr"), py::arg("b1"),
-      py::arg("b2"), py::arg("eps"), py::arg("wd"), py::arg("bias_correction"), py::arg("bc1_t"),
-      py::arg("bc2_t"), py::arg("param_out") = py::none(), py::arg("num_threads") = 0,
-      py::arg("isa") = "auto", py::arg("sqrt") = "ieee",
-      "1-bit Adam's compressed-phase step in a world of one rank, bit for bit "
-      "functional.onebit_momentum(m, g) as the average, then onebit_compressed_step: "
-      "m = b1 m + (1-b1) g, then w -= lr * (m / (sqrt(v) + eps) (+ wd w)); v is only read.");
 
   m.def(
       "onebit_local_steps",
