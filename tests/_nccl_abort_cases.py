@@ -147,19 +147,17 @@ def _time(call: Any) -> float:
     return time.monotonic() - t0
 
 
-def compressor_cancelled(rank: int, world: int, with_sync: bool) -> Dict[str, Any]:
-    """OneBitCompressor.average_ (the 1-bit optimizers' step average) over gloo, through a
-    TorchCommunicator that behaves like a cancellable one (NCCL): it has an abort flag, and a
-    ``synchronize`` that raises once the flag is set. In the second step every all_to_all is
-    "cancelled" (flag set, finite garbage received). With ``synchronize`` the average must raise
-    before any commit; without it (a cancellable communicator that cannot be asked) the gate still
-    leaves everything unchanged, but silently. Either way: buckets and error buffers unchanged."""
+def _cancellable(rank: int, collective: Any, garbage: float, with_sync: bool) -> Any:
+    """A TorchCommunicator over the default group that behaves like a cancellable one (NCCL): it
+    has an abort flag (``do_abort_flag``); once ``comm.cancel`` is set, each ``collective``
+    ("all_to_all" or "reduce_scatter") sets the flag and leaves finite ``garbage`` in its output,
+    raising nothing on the host. With ``with_sync`` it has a ``synchronize`` that raises once the
+    flag is set."""
     from compcomm._buffers import tensor_of
     from compcomm._comm import TorchCommunicator
-    from compcomm.compress import OneBitCompressor
     from compcomm.errors import BackendError
 
-    class Cancelling(TorchCommunicator):
+    class Cancellable(TorchCommunicator):
         def __init__(self) -> None:
             super().__init__(None)
             self.flag = torch.zeros(1, dtype=torch.int32)
@@ -168,19 +166,39 @@ def compressor_cancelled(rank: int, world: int, with_sync: bool) -> Dict[str, An
         def do_abort_flag(self) -> int:
             return self.flag.data_ptr()
 
+        def _cancelled(self, name: str, recv: Any) -> None:
+            if self.cancel and name == collective:
+                self.flag.fill_(1)
+                tensor_of(recv).fill_(garbage)
+
         def do_all_to_all(self, send: Any, recv: Any, opts: Any) -> None:
             super().do_all_to_all(send, recv, opts)
-            if self.cancel:
-                self.flag.fill_(1)
-                tensor_of(recv).fill_(0x3F)
+            self._cancelled("all_to_all", recv)
 
-    def synchronize(timeout_s: float) -> None:
-        if comm.flag.item():
-            raise BackendError(f"[rank {rank}] cancelled", "synchronize", "test", 0, rank)
+        def do_reduce_scatter(self, send: Any, recv: Any, op: Any, opts: Any) -> None:
+            super().do_reduce_scatter(send, recv, op, opts)
+            self._cancelled("reduce_scatter", recv)
 
-    comm = Cancelling()
+    comm = Cancellable()
     if with_sync:
+        def synchronize(timeout_s: float) -> None:
+            if comm.flag.item():
+                raise BackendError(f"[rank {rank}] cancelled", "synchronize", "test", 0, rank)
+
         comm.synchronize = synchronize
+    return comm
+
+
+def compressor_cancelled(rank: int, world: int, with_sync: bool) -> Dict[str, Any]:
+    """OneBitCompressor.average_ (the 1-bit optimizers' step average) over gloo, through a
+    TorchCommunicator that behaves like a cancellable one (NCCL): it has an abort flag, and a
+    ``synchronize`` that raises once the flag is set. In the second step every all_to_all is
+    "cancelled" (flag set, finite garbage received). With ``synchronize`` the average must raise
+    before any commit; without it (a cancellable communicator that cannot be asked) the gate still
+    leaves everything unchanged, but silently. Either way: buckets and error buffers unchanged."""
+    from compcomm.compress import OneBitCompressor
+
+    comm = _cancellable(rank, "all_to_all", 0x3F, with_sync)
     comp = OneBitCompressor(comm, timeout=SETUP)
     g = torch.Generator().manual_seed(rank)
     keys, numels = ["a", "b"], [1000, 77]
@@ -207,34 +225,9 @@ def zero_step_cancelled(rank: int, world: int, with_sync: bool) -> Dict[str, Any
     step: finite garbage arrives, the flag is set, nothing raises on the host. With
     ``synchronize`` the step must raise before the update, parameters and Adam state unchanged;
     without it (the mutation) the step goes on and writes garbage-derived parameters."""
-    from compcomm._comm import TorchCommunicator
-    from compcomm.errors import BackendError
     from compcomm.zero import ZeroOptimizer
 
-    class Cancelling(TorchCommunicator):
-        def __init__(self) -> None:
-            super().__init__(None)
-            self.flag = torch.zeros(1, dtype=torch.int32)
-            self.cancel = False
-
-        def do_abort_flag(self) -> int:
-            return self.flag.data_ptr()
-
-        def do_reduce_scatter(self, send: Any, recv: Any, op: Any, opts: Any) -> None:
-            super().do_reduce_scatter(send, recv, op, opts)
-            if self.cancel:
-                self.flag.fill_(1)
-                tensor_of(recv).fill_(7.0)
-
-    def synchronize(timeout_s: float) -> None:
-        if comm.flag.item():
-            raise BackendError(f"[rank {rank}] cancelled", "synchronize", "test", 0, rank)
-
-    from compcomm._buffers import tensor_of
-
-    comm = Cancelling()
-    if with_sync:
-        comm.synchronize = synchronize
+    comm = _cancellable(rank, "reduce_scatter", 7.0, with_sync)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     z = ZeroOptimizer(model.parameters(), torch.optim.Adam, stage=1, process_group=comm,
@@ -273,15 +266,7 @@ def compressor_abort_after_wait(rank: int, world: int) -> Dict[str, Any]:
     from compcomm._comm import TorchCommunicator
     from compcomm.compress import OneBitCompressor
 
-    class AbortsLate(TorchCommunicator):
-        def __init__(self) -> None:
-            super().__init__(None)
-            self.flag = torch.zeros(1, dtype=torch.int32)
-
-        def do_abort_flag(self) -> int:
-            return self.flag.data_ptr()
-
-    comm = AbortsLate()
+    comm = _cancellable(rank, None, 0, False)
     comm.synchronize = lambda timeout_s: comm.flag.fill_(1)  # waited: no abort; one comes now
     plain = OneBitCompressor(TorchCommunicator(None), timeout=SETUP)
     late = OneBitCompressor(comm, timeout=SETUP)

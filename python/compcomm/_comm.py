@@ -97,8 +97,7 @@ class TorchCommunicator(_C.Communicator):
         """Start one collective (``start()`` returns its work) and wait for it, mapping a failure
         of either to a typed error. A failed wait, or a transport failure at the start, marks
         this communicator broken; the backend refusing the arguments does not."""
-        if self._failed is not None:
-            self._ensure_usable(call)
+        self._ensure_usable(call)
         try:
             work = start()
         except (TypeError, ValueError):  # a rejected argument: the group itself is still fine
@@ -152,7 +151,6 @@ class TorchCommunicator(_C.Communicator):
             tensor_of(buf), op=_OPS[op], group=self.group, async_op=True))
 
     def do_broadcast(self, buf: _C.Buffer, root: int, opts: _C.CallOptions) -> None:
-        self._ensure_usable("broadcast")
         src = dist.get_global_rank(self.group, root) if self.group is not None else root
         self._run("broadcast", opts, buf.device >= 0, lambda: dist.broadcast(
             tensor_of(buf), src=src, group=self.group, async_op=True))

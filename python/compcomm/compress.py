@@ -48,8 +48,9 @@ def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether every element of ``tensors`` is finite (one host synchronisation per device).
 
     On a GPU one multi-tensor max-norm per (device, dtype) (a few launches instead of two per
-    tensor); on the CPU each tensor's min and max (torch's CPU max-norm is ~10x slower). NaN and
-    Inf propagate into both, and finite values never overflow them."""
+    tensor); on the CPU one C++ pass over contiguous fp32 tensors, else each tensor's min and max
+    (torch's CPU max-norm is ~10x slower). NaN and Inf propagate into both, and finite values
+    never overflow them."""
     lists: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
     for t in tensors:
         if t.numel():

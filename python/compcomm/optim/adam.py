@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Optional, Tuple
+from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 
 import os
 
@@ -145,7 +145,7 @@ class OneBitAdam(OneBitBase):
                         _fused.onebit_momentum(ms, gs, group, outs, check=False)
                         continue
                     ps = [p for _, p, _ in run]
-                    if None not in ms and _cpu_kernels_usable(group, ps, ps):  # one C++ pass each
+                    if None not in ms and cpu_kernels_usable(group, [p.data for p in ps]):
                         for m, g, out in zip(ms, gs, outs):
                             cpu_adam.onebit_momentum_(m, g, group, out)
                         continue
@@ -171,7 +171,7 @@ class OneBitAdam(OneBitBase):
                 step = _fused.adam_warmup_step_ if warm else _fused.onebit_compressed_step_
                 step(ws, ms, vs, xs, group, t, bc2_t, lowps, check=False)
                 continue
-            if _cpu_kernels_usable(group, ps, ws):  # one C++ pass per tensor
+            if cpu_kernels_usable(group, [p.data for p in ps] + ws):  # one C++ pass per tensor
                 step = cpu_adam.onebit_warmup_step_ if warm else cpu_adam.onebit_compressed_step_
                 for w, m, v, x, lowp in zip(ws, ms, vs, xs, lowps):
                     step(w, m, v, x, group, t, bc2_t, param_out=lowp)
@@ -204,14 +204,15 @@ class OneBitAdam(OneBitBase):
             if not (p.data.is_contiguous() and w.is_contiguous() and p.is_cpu):
                 return False
             groups[id(group)] = group
-        return all(_cpu_kernels_usable(g, [], []) for g in groups.values())
+        return all(cpu_kernels_usable(g) for g in groups.values())
 
 
-def _cpu_kernels_usable(group: Dict[str, Any], ps, ws) -> bool:
-    """Whether the C++ CPU kernels may update this chunk: CPU parameters, no ``exp_avg_mask``,
-    contiguous tensors, not switched off (``COMPCOMM_FUSED_OPTIM=0``) and bit-identical to the
-    torch-op rules on this machine."""
-    return (group.get("exp_avg_mask") is None and all(p.is_cpu for p in ps)
-            and all(p.data.is_contiguous() and w.is_contiguous() for p, w in zip(ps, ws))
+def cpu_kernels_usable(group: Dict[str, Any], tensors: Sequence[torch.Tensor] = ()) -> bool:
+    """Whether the C++ CPU kernels may update ``tensors`` (parameters, master weights) of param
+    group ``group``: all on the CPU and contiguous, no ``exp_avg_mask``, not switched off
+    (``COMPCOMM_FUSED_OPTIM=0``) and bit-identical to the torch-op rules on this machine. (ZeRO's
+    replicated momentum asks the same.)"""
+    return (group.get("exp_avg_mask") is None
+            and all(t.is_cpu and t.is_contiguous() for t in tensors)
             and os.environ.get("COMPCOMM_FUSED_OPTIM", "1") != "0"
             and cpu_adam.matches_torch_rules())

@@ -43,7 +43,6 @@ Equal to unsharded OneBitAdam when that optimizer compresses the same buckets: i
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -52,6 +51,7 @@ from .._buffers import buffer_of
 from ..compress import Compressor
 from ..errors import NonFiniteError
 from ..optim import cpu_adam
+from ..optim.adam import cpu_kernels_usable
 from ..optim.functional import adam_denom, adam_update
 from .grad_reducer import GradReducer, clip_coef
 from .layout import GroupLayout
@@ -265,9 +265,7 @@ class ReplicatedMomentum:
         ops' bits here; otherwise the torch ops."""
         half = gi in self.w
         w = self.w[gi] if half else grp.flat
-        fused = (w.is_cpu and group.get("exp_avg_mask") is None
-                 and os.environ.get("COMPCOMM_FUSED_OPTIM", "1") != "0"
-                 and cpu_adam.matches_torch_rules())
+        fused = cpu_kernels_usable(group, [w])
         if gi not in self.d:  # sqrt(v) + eps is frozen too: once, in v's place
             self.d[gi] = adam_denom(self.v.pop(gi), group, bc2_t)
         for bi, b in enumerate(grp.buckets):
