@@ -64,7 +64,8 @@ done
 # 1. build
 NCCL_INCLUDE_DIR=$($PY -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "include"))' 2>/dev/null)
 export NCCL_INCLUDE_DIR
-if ! run build 240 $PY -m pip install --no-build-isolation --no-deps .; then
+if [ "${SKIP_BUILD:-0}" = 1 ]; then log "build skipped (SKIP_BUILD=1: installed by an earlier call)"
+elif ! run build 240 $PY -m pip install --no-build-isolation --no-deps .; then
   tail -40 "$WORK/logs/build.log" | tee -a "$OUT/run.log"; exit 1
 fi
 (cd /tmp && $PY -c 'import compcomm, json; print(json.dumps(compcomm.build_info()))') | tee -a "$OUT/run.log"
@@ -105,14 +106,17 @@ log "phases: $PHASES; optimizer flags: '${FUSED_FLAG}', timing '${TIMING_FLAGS}'
 
 # 3. training timing runs: ~121M-parameter byte-level GPT, bf16 autocast, batch 8 x 256 per rank
 #    (in order of importance: eth1g holds most targets; unshaped is the efficiency reference)
+# WORLD: ranks (emulated hosts); TIMING_EXTRA: more train flags (e.g. --reduce-bucket-size 16777216),
+# TAG: a suffix for the result names so several calls of this script do not overwrite each other
+WORLD=${WORLD:-4}; TAG=${TAG:-}; [ "$WORLD" = 4 ] || TAG="_w$WORLD$TAG"
 TIMING_OPTS=${TIMING_OPTS:-ddp_adamw,ddp_adamw_bf16hook,onebitadam,zerooneadam,zero2_adamw,zero2_onebitadam}
 if has timing; then
   for P in ${TIMING_PROFILES:-$P1 $P10 $PU}; do
-    case $P in eth1g) B=${B1G:-165}; MS=${MS1G:-22} ;; *) B=${B10G:-65}; MS=10 ;; esac
+    case $P in eth1g) B=${B1G:-165}; MS=${MS1G:-22} ;; *) B=${B10G:-65}; MS=${MS10G:-10} ;; esac
     OPTS=$TIMING_OPTS; [ $P = eth1g ] || OPTS=${TIMING_OPTS_FAST:-$TIMING_OPTS}
-    run timing_$P $B $PY -m compcomm.bench train --device cuda --profile $P --world-size 4 --model gpt2s \
-      --optimizers "$OPTS" $FUSED_FLAG $TIMING_FLAGS --steps ${TIMING_STEPS:-6} --baseline-steps 3 --warmup 2 --lr 1e-4 --local-step-scaler 1 \
-      --timing-only --compute-steps 2 --max-seconds $MS --timeout $(( B - 5 )) --out "$WORK" --name train_timing_$P$SFX
+    run timing_$P$TAG $B $PY -m compcomm.bench train --device cuda --profile $P --world-size $WORLD --model gpt2s \
+      --optimizers "$OPTS" $FUSED_FLAG $TIMING_FLAGS ${TIMING_EXTRA:-} --steps ${TIMING_STEPS:-6} --baseline-steps 3 --warmup 2 --lr 1e-4 --local-step-scaler 1 \
+      --timing-only --compute-steps 2 --max-seconds $MS --timeout $(( B - 5 )) --out "$WORK" --name train_timing_$P$TAG$SFX
   done
   # one table over the profiles (the efficiency check needs unshaped next to the shaped ones)
   $PY - "$WORK" "$SFX" <<'PYEOF' >>"$OUT/run.log" 2>&1
@@ -120,12 +124,14 @@ import glob, json, os, sys
 from compcomm.bench import train
 w = sys.argv[1]
 docs = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(w, "train_timing_*%s.json" % sys.argv[2])))]
+docs = [d for d in docs if d["rows"]]
 if docs:
     doc = {"meta": docs[0]["meta"], "rows": [r for d in docs for r in d["rows"]]}
     doc["meta"]["command"] = " ; ".join(d["meta"]["command"] for d in docs)
     print(train.write_outputs(doc, w, "train_gpu_timing" + sys.argv[2]))
 PYEOF
   cp "$WORK"/train_gpu_timing$SFX.md "$WORK"/train_gpu_timing$SFX.png "$OUT/" 2>/dev/null
+  cp "$WORK"/train_gpu_timing$SFX.md "$WORK"/train_gpu_timing$SFX.json "$OUT/" 2>/dev/null
 fi
 
 # 4. loss runs (equal steps vs the uncompressed twin, freeze_step past the run; LOSS_FLAGS come last
@@ -134,7 +140,7 @@ fi
 #    fp32 gradients every step (~1.1 s at W=4 on eth10g, the fastest emulated link measured)
 if has loss; then
   LP=${LOSS_PROFILE:-${P10:-loopback}}
-  run loss_$LP ${LOSS_BUDGET:-150} $PY -m compcomm.bench train --device cuda --profile $LP --world-size 4 --model gpt2s \
+  run loss_$LP ${LOSS_BUDGET:-150} $PY -m compcomm.bench train --device cuda --profile $LP --world-size $WORLD --model gpt2s \
     --optimizers ${LOSS_OPTS:-onebitadam,onebitadam_nofreeze,onebitlamb,onebitlamb_nofreeze} $FUSED_FLAG \
     --steps ${LOSS_STEPS:-40} --warmup ${LOSS_WARMUP:-10} --eval-every 10 --val-batches 8 $LOSS_FLAGS \
     --compute-steps 2 --max-seconds ${LOSS_MAXS:-50} --timeout $(( ${LOSS_BUDGET:-150} - 5 )) --out "$WORK" --name train_gpu_loss$SFX

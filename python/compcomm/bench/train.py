@@ -113,6 +113,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                          "NCCL communicator (comm_backend_name='nccl'; cuda only)")
     ap.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
                     help="OneBitAdam/ZeroOneAdam fused= (default: the optimizer's default)")
+    ap.add_argument("--reduce-bucket-size", type=float, default=None,
+                    help="the 1-bit optimizers' reduce_bucket_size in elements, e.g. 16777216 or 1.6e7 "
+                         "(default: the optimizer's default)")
     ap.add_argument("--bias-correction", action="store_true",
                     help="bias_correction=True for the 1-bit optimizers (default: their default)")
     ap.add_argument("--local-step-scaler", type=int, default=None,
@@ -176,6 +179,8 @@ def _meta(a: argparse.Namespace, argv: Sequence[str]) -> Dict[str, Any]:
     nd = []
     if a.fused is not None:
         nd.append(f"fused={a.fused}")
+    if a.reduce_bucket_size is not None:
+        nd.append(f"reduce_bucket_size={int(a.reduce_bucket_size)}")
     if a.bias_correction:
         nd.append("bias_correction=True")
     if a.local_step_scaler:
@@ -232,6 +237,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        val_batches=a.val_batches, compute_steps=a.compute_steps, lr=a.lr,
                        lamb_lr=a.lamb_lr, lr_schedule=a.lr_schedule, lr_warmup=a.lr_warmup,
                        amp=a.amp, backend=a.backend, fused=a.fused,
+                       reduce_bucket_size=a.reduce_bucket_size,
                        bias_correction=a.bias_correction,
                        local_step_scaler=a.local_step_scaler,
                        local_step_clipper=a.local_step_clipper, data_bytes=a.data_bytes,

@@ -123,6 +123,8 @@ def make(name: str, model: Any, cfg: Dict[str, Any], world: int, dev: Any) -> Di
     extra: Dict[str, Any] = {}
     if cfg.get("backend") == "nccl":
         extra["comm_backend_name"] = "nccl"
+    if cfg.get("reduce_bucket_size") is not None:
+        extra["reduce_bucket_size"] = int(cfg["reduce_bucket_size"])
     fused = {} if cfg.get("fused") is None else {"fused": bool(cfg["fused"])}
     if fused and "fused" not in inspect.signature(OneBitAdam).parameters:
         fused = {}  # this compcomm's optimizers no longer take it (bucketed by default)
