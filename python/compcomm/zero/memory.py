@@ -36,7 +36,10 @@ def measure(zo: Any) -> Dict[str, int]:
     ``device`` + ``host`` = ``params + grads + master + optimizer_state``; ``host`` is what
     ZeRO-Offload keeps in host memory (the master, gradient and optimizer-state shards with
     ``offload_optimizer``, the parameter shards with ``offload_param``), 0 without offload
-    (also on a CPU-only run, where "device" memory is host memory too)."""
+    (also on a CPU-only run, where "device" memory is host memory too). ``buffers`` is not in
+    either: ``buffers_host`` of it are offload's host copies, ``buffers_device`` the rest (gradient
+    staging -- a few ``reduce_bucket_size`` buffers --, 1-bit error feedback and workspaces), the
+    term DeepSpeed's estimator formulas leave out."""
     out = {"params": 0, "grads": 0, "master": 0}
     for grp in zo.groups:
         for k, n in grp.nbytes().items():
@@ -67,7 +70,7 @@ def measure(zo: Any) -> Dict[str, int]:
             host += sum(g.param_shard.numel() * g.param_shard.element_size() for g in zo.groups)
     total = sum(out.values()) + state
     return dict(out, optimizer_state=state, buffers=buffers, device=total - host, host=host,
-                buffers_host=buffers_host)
+                buffers_host=buffers_host, buffers_device=buffers - buffers_host)
 
 
 def estimate_memory(

@@ -162,12 +162,14 @@ class HostOffload:
 
     # ---- gradients: device chunks -> host shard --------------------------------------------------
 
-    def receive(self, gi: int, grp: GroupLayout, bi: int, chunk: torch.Tensor) -> None:
-        """Bucket ``bi``'s reduced chunk (on the device) is to be added into the host gradient
-        shard: copied to a host buffer now (asynchronously on a GPU), added by :meth:`drain`."""
+    def receive(self, gi: int, grp: GroupLayout, bi: int, chunk: torch.Tensor,
+                lo: int = 0) -> None:
+        """Bucket ``bi``'s reduced chunk (on the device; from element ``lo`` of the rank's chunk
+        when the bucket is reduced in pieces) is to be added into the host gradient shard:
+        copied to a host buffer now (asynchronously on a GPU), added by :meth:`drain`."""
         if grp.master.grad is None:  # stage 1: the persistent host shard, zeroed per step
             grp.master.grad = self._grad[gi].zero_()
-        dst = grp.buckets[bi].shard_of(grp.master.grad)
+        dst = grp.buckets[bi].shard_of(grp.master.grad)[lo : lo + chunk.numel()]
         pool = self._pool.setdefault((chunk.numel(), chunk.dtype), [])
         tmp = pool.pop() if pool else self.empty(chunk.numel(), chunk.dtype)
         event = None

@@ -170,7 +170,8 @@ class ZeroOptimizer:
             build_compressor(self.optimizer, self.comm, self.timeout, not replicated)
             if self._rules is not None else None)
         self._grads = GradReducer(self.groups, stage, self._async, self.overlap, self.rank,
-                                  self.world, self.device, self.timeout)
+                                  self.world, self.device, self.timeout,
+                                  piece=self.config["reduce_bucket_size"])
         self._grads.sink = self.offload if self.offload and self.offload.optimizer else None
         self._onebit: Optional[OneBitReducer] = None
         if self._rules is not None and not replicated:
@@ -462,7 +463,8 @@ class ZeroOptimizer:
         wrapped optimizer's state), ``buffers`` (gradient staging, 1-bit error feedback and
         workspaces, offload copies); and where the first four kinds are: ``device`` and ``host``
         (with offload: master, state, gradient and, with ``offload_param``, parameter shards in
-        host memory), and ``buffers_host`` (offload's host copies; :func:`.memory.measure`)."""
+        host memory), and of ``buffers`` ``buffers_host`` (offload's host copies) and
+        ``buffers_device`` (the rest: staging, 1-bit buffers; :func:`.memory.measure`)."""
         return measure(self)
 
     def close(self) -> None:
