@@ -32,6 +32,9 @@ ZERO_DEFAULTS: Dict[str, Any] = {
     # compcomm's own key: ZeRO + OneBitAdam's compressed phase, "exact" (None), "no_allgather" or
     # "sharded" (see docs/zero.md); validated by ZeroOptimizer, which knows the optimizer
     "onebit_mode": None,
+    # compcomm's own key: with offload_optimizer, where OneBitAdam's 1-bit work on a bucket runs,
+    # "device" (None) or "host" (see docs/zero.md, Offload)
+    "onebit_placement": None,
 }
 
 #: ``reduce_bucket_size`` with ``offload_optimizer`` when none is given: DeepSpeed's 5e8 would
@@ -168,6 +171,12 @@ def validate_zero_config(cfg: Dict[str, Any], where: str = "zero_optimization") 
     if out["onebit_mode"] not in (None, "exact", "no_allgather", "sharded"):
         raise ValueError(f"{where}.onebit_mode must be 'exact', 'no_allgather' or 'sharded', "
                          f"got {out['onebit_mode']!r}")
+    if out["onebit_placement"] not in (None, "device", "host"):
+        raise ValueError(f"{where}.onebit_placement must be 'device' or 'host', "
+                         f"got {out['onebit_placement']!r}")
+    if out["onebit_placement"] == "host" and out["offload_optimizer"] is None:
+        raise ValueError(f"{where}.onebit_placement='host' needs offload_optimizer (without "
+                         "offload the 1-bit work stays where the gradients are)")
     if out["overlap_comm"] is None:
         out["overlap_comm"] = stage == 3
     return out

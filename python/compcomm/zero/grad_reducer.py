@@ -282,22 +282,26 @@ class GradReducer:
         if self.sink is not None:
             self.sink.drain()
 
-    def local_buckets(self) -> List[Tuple[int, int, torch.Tensor]]:
+    def local_buckets(self, device: Optional[torch.device] = None
+                      ) -> List[Tuple[int, int, torch.Tensor]]:
         """This rank's local gradient (summed over micro-steps, unscaled), bucket by bucket:
-        ``[(group, bucket, fp32 tensor of the bucket's padded length, zero padding)]``. The staging
-        bookkeeping is reset (the fp32 tensors stay valid: nothing reuses them before the next
-        backward). Stage 1 also replaces the gradient shards by zeros."""
+        ``[(group, bucket, fp32 tensor of the bucket's padded length, zero padding)]``, on
+        ``device`` (default: the parameters'; another one gets the staged dtype copied, then
+        converted there). The staging bookkeeping is reset (the fp32 tensors stay valid: nothing
+        reuses them before the next backward). Stage 1 also replaces the gradient shards by
+        zeros."""
         self.wait()
+        dev = device if device is not None else self.device
         items = []
         for gi, grp in enumerate(self.groups):
             if self.stage >= 2:
                 for bi, b in enumerate(grp.buckets):
                     st = self.acc[gi].views.get(bi)
-                    x = (st.to(torch.float32) if st is not None
-                         else torch.zeros(b.padded, device=self.device))
+                    x = (st.to(dev).to(torch.float32) if st is not None
+                         else torch.zeros(b.padded, device=dev))
                     items.append((gi, bi, x))
             else:
-                flat = grp.flatten((p.grad for p in grp.params), torch.float32, self.device)
+                flat = grp.flatten((p.grad for p in grp.params), torch.float32, dev)
                 for bi, b in enumerate(grp.buckets):
                     items.append((gi, bi, b.span(flat)))
                 grp.master.grad = torch.zeros(grp.plan.shard_numel, dtype=torch.float32,

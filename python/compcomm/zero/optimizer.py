@@ -39,7 +39,7 @@ from .config import check_arguments
 from .grad_reducer import GradReducer, clip_coef
 from .layout import alignment, build_groups, partition
 from .memory import measure
-from .offload import HostOffload, check_offload, step_inner
+from .offload import HostOffload, check_offload, check_placement, step_inner
 from .onebit_reducer import OneBitReducer
 from .onebit_replicated import ReplicatedMomentum
 from .param_gather import ParamGatherer, publish
@@ -151,6 +151,7 @@ class ZeroOptimizer:
         bucket = self.config["reduce_bucket_size"] if stage < 3 else 0
         #: the parameter groups' layouts (:class:`compcomm.zero.layout.GroupLayout`)
         self.groups, self.device = build_groups(params, bucket, self.world, align)
+        check_placement(self.config, self.comm, self.device)
         #: ZeRO-Offload (:mod:`.offload`): host master/state/gradient shards; None without
         self.offload: Optional[HostOffload] = HostOffload.create(self.config, stage, self.device)
         for grp in self.groups:
@@ -187,7 +188,9 @@ class ZeroOptimizer:
             self._replicated = ReplicatedMomentum(
                 self.onebit_mode, self.groups, self._grads, self.optimizer, self.compressor,
                 self._async, lambda: self.scaler.scale, self.gas, self.clip, self.rank,
-                self.world, self.device, self.timeout)
+                self.world, self.device, self.timeout,
+                offload=self._grads.sink is not None,
+                placement=self.config["onebit_placement"] or "device")
         self._unsharded: Optional[UnshardedPhase] = None
         if self._rules is not None and self._rules.local_phase:
             self._unsharded = UnshardedPhase(self.groups, self.optimizer, self._async, stage,
