@@ -63,3 +63,27 @@ def test_onebit_placement_host_needs_host_buffers():
                       (_Comm("torch:gloo", 3), torch.device("cpu"))):
         check_placement(cfg, comm, dev)
     check_placement({"onebit_placement": "device"}, _Comm("nccl", 2), cuda)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onebit_placements_cuda(dtype):
+    """One rank on a GPU: OneBitAdam without offload, with offload ("device") and with
+    ``onebit_placement="host"`` (the local gradient goes to the host, the 1-bit buffers live
+    there) give the same parameters to fp32 rounding."""
+    import _zero_bodies as zb
+
+    got = []
+    for zero in ({}, zc.OFF, dict(zc.OFF, onebit_placement="host")):
+        model = zb.make_model(dtype=dtype).cuda()
+        z = zc._build(model, 2, dict(zc.BUCKETS, **zero), "OneBitAdam",
+                      {"lr": 1e-2, "freeze_step": 2})
+        for s in range(5):
+            x, y = zb.batch(0, s, 0, dtype)
+            zb.loss_fn(model, x.cuda(), y.cuda()).backward()
+            z.step()
+        assert z.phase.value == "replicated"
+        got.append(zc._params(z, model))
+        z.close()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert zc._diff(got[0], got[1]) <= tol and zc._diff(got[1], got[2]) <= tol
