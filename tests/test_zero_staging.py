@@ -69,6 +69,9 @@ def test_staging_bounded_cuda(offload):
     the whole-bucket result, and what stays allocated after a step is the parameters (with
     offload; plus master, state and gradient shards without) and at most three pool buffers,
     not buffers of the largest tensor's size (30 MB here)."""
+    lin = torch.nn.Linear(64, 8).cuda()  # cuBLAS workspaces (forward and backward thread) first
+    lin(torch.ones(4, 64, device="cuda")).sum().backward()
+    del lin
     got = []
     for split in (True, False):
         torch.cuda.synchronize()
