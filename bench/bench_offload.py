@@ -433,9 +433,9 @@ def markdown(res: Dict[str, Any], args: argparse.Namespace, dev: torch.device) -
     lines += ["", "## (c) memory cap: no offload must fail, offload must train", ""]
     c = res.get("cap", "not run")
     if isinstance(c, dict) and "cap_bytes" in c:
+        fits = "does not fit" if c["adam_state_bytes"] > c["cap_bytes"] else "FITS"
         lines += [f"cap {gib(c['cap_bytes'])}; the model's fp32 Adam state "
-                  f"{gib(c['adam_state_bytes'])} (8 bytes per parameter) "
-                  f"{'does not fit' if c['adam_state_bytes'] > c['cap_bytes'] else 'FITS'} under it",
+                  f"{gib(c['adam_state_bytes'])} (8 bytes per parameter) {fits} under it",
                   f"- no offload: {c.get('no_offload')}", f"- offload: {c.get('offload')}",
                   f"- {'met' if c.get('ok') else 'NOT met'}"]
     else:
@@ -445,8 +445,8 @@ def markdown(res: Dict[str, Any], args: argparse.Namespace, dev: torch.device) -
     if isinstance(d, dict):
         lines += [f"per bucket of {d['numel']} elements (bf16 gradient, fp32 momentum), one rank "
                   f"(the compressed allreduce's kernels all run, the network is left out: the same "
-                  f"for both), {d['threads']} CPU threads; per step: x {d['total'] / d['numel']:.1f} "
-                  f"buckets ({d['total'] / 1e6:.1f}M elements, the model of (b))", "",
+                  f"for both), {d['threads']} CPU threads; per step: x "
+                  f"{d['total'] / d['numel']:.1f} buckets ({d['total'] / 1e6:.1f}M elements, the model of (b))", "",
                   "| placement | per bucket (s) | per step (s) | PCIe bytes / element | "
                   "device bytes / element (error feedback, packed momentum) |",
                   "|---|---|---|---|---|"]
@@ -455,6 +455,9 @@ def markdown(res: Dict[str, Any], args: argparse.Namespace, dev: torch.device) -
                          f"{d[key + '_s'] * d['total'] / d['numel']:.3f} | "
                          f"{d['pcie_bytes_per_elem'][key]:g} | "
                          f"{d['device_bytes_per_elem'][key]:g} |")
+        if dev.type == "cpu":
+            lines += ["", "(On the CPU both placements use the same memory and no PCIe: the "
+                      "figures only show that the code runs; the choice needs the GPU run.)"]
         lines += ["", f"faster: **{d['faster']}** (host / device time: {d['ratio']:.2f}x); "
                   "onebit_placement's default is \"device\"" + (
                       "" if d["faster"] == "device" else
