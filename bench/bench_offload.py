@@ -275,8 +275,7 @@ def bench_cap(args: argparse.Namespace, dev: torch.device, model_res: Dict[str, 
 # ---- (d) ---------------------------------------------------------------------------------------
 
 def bench_placement(numel: int, repeats: int, dev: torch.device, total: int) -> Dict[str, Any]:
-    from compcomm import _C
-    from compcomm._buffers import buffer_of
+    from compcomm import _C, compressed_allreduce
     from compcomm.collectives import padded_numel
     from compcomm.zero.packed_momentum import pack, unpack
 
@@ -289,12 +288,9 @@ def bench_placement(numel: int, repeats: int, dev: torch.device, total: int) -> 
     grad_dev = (torch.randn(n, generator=g) * 1e-2).to(torch.bfloat16).to(dev)
     m0 = torch.randn(n, generator=g) * 1e-2
     signs0, scales0 = pack(m0, n)  # the momentum's 1-bit form (one chunk at one rank)
-    ws_bytes = _C.compressed_allreduce_layout(n, 1, False)["total"]
 
     def buffers(where: torch.device) -> Dict[str, torch.Tensor]:
-        ws = _C.compressed_allreduce_layout(n, 1, where.type == "cuda")["total"]
         return {"we": torch.zeros(n, device=where), "se": torch.zeros(n, device=where),
-                "ws": torch.zeros(max(ws, 1), dtype=torch.uint8, device=where),
                 "signs": signs0.to(where), "scales": scales0.to(where),
                 "y": torch.empty(n, device=where)}
 
@@ -305,9 +301,7 @@ def bench_placement(numel: int, repeats: int, dev: torch.device, total: int) -> 
     t_host = torch.empty(1, pin_memory=pin)
 
     def allreduce(bf: Dict[str, torch.Tensor], where: torch.device) -> None:
-        stream = torch.cuda.current_stream(where).cuda_stream if where.type == "cuda" else 0
-        _C.compressed_allreduce(comm, buffer_of(bf["y"]), buffer_of(bf["we"]),
-                                buffer_of(bf["se"]), buffer_of(bf["ws"]), stream=stream)
+        compressed_allreduce(bf["y"], bf["we"], bf["se"], group=comm)
 
     def local_momentum(bf: Dict[str, torch.Tensor], grad: torch.Tensor) -> None:
         unpack(bf["signs"], bf["scales"], n, numel, 0, bf["y"], mul=b1)
@@ -348,8 +342,7 @@ def bench_placement(numel: int, repeats: int, dev: torch.device, total: int) -> 
             fn()
             sync(dev)
             times[key].append(time.perf_counter() - t0)
-    out: Dict[str, Any] = {"numel": numel, "total": total, "threads": torch.get_num_threads(),
-                           "workspace_bytes": ws_bytes}
+    out: Dict[str, Any] = {"numel": numel, "total": total, "threads": torch.get_num_threads()}
     for key, ts in times.items():
         out[key + "_s"] = statistics.median(ts)
     # bytes over PCIe per element and what each keeps on the device, per element (one rank)
