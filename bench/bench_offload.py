@@ -9,8 +9,19 @@
     (target within 10%), host bytes from ``memory_bytes()``, and the largest parameter difference
     between the two runs after the same steps (same data, same initial values).
 (c) ``cap`` (CUDA only): ``torch.cuda.set_per_process_memory_fraction`` set between the offload
-    run's peak and the no-offload run's: the no-offload optimizer must fail with out-of-memory,
-    the offload one must train ``--cap-steps`` steps.
+    run's peak and the no-offload run's, and below the fp32 Adam state of the model (8 bytes per
+    parameter, which therefore cannot be on the GPU): the no-offload optimizer must fail with
+    out-of-memory (caught and reported), the offload one must train ``--cap-steps`` steps.
+(d) ``placement``: where OneBitAdam's 1-bit work on a bucket should run with offload
+    (``onebit_placement``): per bucket of ``--bucket`` elements (bf16 gradient, fp32 momentum),
+    the rank's own work of a compressed step -- the momentum from its 1-bit form and the local
+    gradient, the compressed allreduce's kernels (worker pass, server pass, decompress), and the
+    result's way into the host momentum shard -- on the device ("device": only the signs and the
+    scale of the rank's chunk cross PCIe; "device_fp32": the chunk's fp32 values, as before
+    ``onebit_placement``) and on the host ("host": the bf16 gradient crosses PCIe, everything
+    else on the CPU). The compressed allreduce runs at one rank (its collectives are copies, its
+    kernels all run, the server's over the whole bucket); the network is left out (the same bytes
+    on the wire for both placements). Also: device bytes per element each placement keeps.
 
 Every section checks the time left against ``--time-limit`` (seconds) and is skipped, with a
 note, when it cannot finish. ``--device cpu`` runs (a) and (b) on a small model (a smoke test).
@@ -145,11 +156,19 @@ def train_step(model: torch.nn.Module, z: ZeroOptimizer, args: argparse.Namespac
 def bench_model(args: argparse.Namespace, dev: torch.device) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     params = {}
+    if dev.type == "cuda":  # the library workspaces (cuBLAS) exist before either run is built
+        for dt in (torch.bfloat16, torch.float32):
+            x = torch.ones(64, 64, device=dev, dtype=dt)
+            (x @ x).sum().item()
+        del x
     for offload in (False, True):
         key = "offload" if offload else "no_offload"
+        baseline = 0
         if dev.type == "cuda":
+            gc.collect()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(dev)
+            baseline = torch.cuda.memory_allocated(dev)
         t_build = time.perf_counter()
         model, z = build(args, dev, offload)
         t_build = time.perf_counter() - t_build
@@ -169,8 +188,11 @@ def bench_model(args: argparse.Namespace, dev: torch.device) -> Dict[str, Any]:
         row = {"build_s": t_build, "build_peak": build_peak, "step_s": statistics.median(times[1:] or times),
                "first_step_s": times[0], "device_bytes": mem["device"], "host_bytes": mem["host"],
                "buffers_bytes": mem["buffers"],
-               "device_buffers_bytes": mem["buffers"] - mem["buffers_host"]}
+               "device_buffers_bytes": mem["buffers_device"], "baseline": baseline}
         if dev.type == "cuda":
+            # blocks freed while a side-stream copy still read them are released once the
+            # allocator sees the copy's event done: let it look (it keeps what is cached)
+            torch.cuda.empty_cache()
             row["allocated_after_step"] = torch.cuda.memory_allocated(dev)
             row["max_allocated"] = torch.cuda.max_memory_allocated(dev)
         if offload:
@@ -216,14 +238,16 @@ def bench_cap(args: argparse.Namespace, dev: torch.device, model_res: Dict[str, 
     off, full = model_res["offload"], model_res["no_offload"]
     need_off = max(off["max_allocated"], off["build_peak"])
     need_full = max(full["max_allocated"], full["build_peak"])
-    cap = min(int(need_off * 1.25), int(need_full * 0.7))
+    adam_state = 8 * model_res["numel"]  # fp32 exp_avg + exp_avg_sq: must not fit under the cap
+    cap = min(int(need_off * 1.25), int(need_full * 0.7), adam_state)
     if cap <= need_off * 1.05:
-        return {"note": f"cannot separate: offload peak {need_off}, no-offload peak {need_full}"}
+        return {"note": f"cannot separate: offload peak {need_off}, no-offload peak {need_full}, "
+                        f"fp32 Adam state {adam_state}"}
     idx = cuda_index(dev)  # set_per_process_memory_fraction refuses a device without an index
     total = torch.cuda.get_device_properties(idx).total_memory
     torch.cuda.empty_cache()
     torch.cuda.set_per_process_memory_fraction(cap / total, idx)
-    res: Dict[str, Any] = {"cap_bytes": cap}
+    res: Dict[str, Any] = {"cap_bytes": cap, "adam_state_bytes": adam_state}
     try:
         for offload in (False, True):
             key = "offload" if offload else "no_offload"
@@ -246,6 +270,89 @@ def bench_cap(args: argparse.Namespace, dev: torch.device, model_res: Dict[str, 
     res["ok"] = res.get("no_offload", "").startswith("out of memory") and res.get(
         "offload", "").startswith("trained")
     return res
+
+
+# ---- (d) ---------------------------------------------------------------------------------------
+
+def bench_placement(numel: int, repeats: int, dev: torch.device, total: int) -> Dict[str, Any]:
+    from compcomm import _C, compressed_allreduce
+    from compcomm.collectives import padded_numel
+    from compcomm.zero.packed_momentum import pack, unpack
+
+    comm = _C.LocalCommunicator()
+    n = padded_numel(numel, 1)
+    cuda = dev.type == "cuda"
+    host = torch.device("cpu")
+    b1 = 0.9
+    g = torch.Generator().manual_seed(0)
+    grad_dev = (torch.randn(n, generator=g) * 1e-2).to(torch.bfloat16).to(dev)
+    m0 = torch.randn(n, generator=g) * 1e-2
+    signs0, scales0 = pack(m0, n)  # the momentum's 1-bit form (one chunk at one rank)
+
+    def buffers(where: torch.device) -> Dict[str, torch.Tensor]:
+        return {"we": torch.zeros(n, device=where), "se": torch.zeros(n, device=where),
+                "signs": signs0.to(where), "scales": scales0.to(where),
+                "y": torch.empty(n, device=where)}
+
+    pin = cuda
+    shard = torch.empty(n, pin_memory=pin)  # the host momentum shard (one rank: the bucket)
+    g_host = torch.empty(n, dtype=torch.bfloat16, pin_memory=pin)
+    s_host = torch.empty(n // 8, dtype=torch.uint8, pin_memory=pin)
+    t_host = torch.empty(1, pin_memory=pin)
+
+    def allreduce(bf: Dict[str, torch.Tensor], where: torch.device) -> None:
+        compressed_allreduce(bf["y"], bf["we"], bf["se"], group=comm)
+
+    def local_momentum(bf: Dict[str, torch.Tensor], grad: torch.Tensor) -> None:
+        unpack(bf["signs"], bf["scales"], n, numel, 0, bf["y"], mul=b1)
+        bf["y"].add_(grad, alpha=1 - b1)
+
+    on_dev = buffers(dev)
+
+    def device_step(fp32: bool) -> None:
+        local_momentum(on_dev, grad_dev)
+        allreduce(on_dev, dev)
+        if fp32:  # the chunk's values to the host shard
+            shard.copy_(on_dev["y"], non_blocking=pin)
+            sync(dev)
+        else:  # its 1-bit form (the exchange's records hold it: a buffer of that size here)
+            s_host.copy_(on_dev["signs"], non_blocking=pin)
+            t_host.copy_(on_dev["scales"], non_blocking=pin)
+            sync(dev)
+            unpack(s_host, t_host, n, numel, 0, shard)
+
+    on_host = buffers(host)
+
+    def host_step() -> None:
+        g_host.copy_(grad_dev, non_blocking=pin)
+        sync(dev)
+        local_momentum(on_host, g_host)
+        allreduce(on_host, host)
+        shard.copy_(on_host["y"])
+
+    runs = {"device": lambda: device_step(False), "device_fp32": lambda: device_step(True),
+            "host": host_step}
+    times: Dict[str, List[float]] = {k: [] for k in runs}
+    for fn in runs.values():
+        fn()  # warm-up
+    for _ in range(repeats):  # alternating, so that other load weighs on all alike
+        for key, fn in runs.items():
+            sync(dev)
+            t0 = time.perf_counter()
+            fn()
+            sync(dev)
+            times[key].append(time.perf_counter() - t0)
+    out: Dict[str, Any] = {"numel": numel, "total": total, "threads": torch.get_num_threads()}
+    for key, ts in times.items():
+        out[key + "_s"] = statistics.median(ts)
+    # bytes over PCIe per element and what each keeps on the device, per element (one rank)
+    out["pcie_bytes_per_elem"] = {"device": 1 / 8, "device_fp32": 4.0, "host": 2.0}
+    out["device_bytes_per_elem"] = {"device": 4 + 4 + 1 / 8, "device_fp32": 4 + 4 + 1 / 8,
+                                    "host": 0.0}
+    best = min(("device", "host"), key=lambda k: out[k + "_s"])
+    out["faster"] = best
+    out["ratio"] = out["host_s"] / out["device_s"]
+    return out
 
 
 # ---- report ------------------------------------------------------------------------------------
@@ -295,22 +402,61 @@ def markdown(res: Dict[str, Any], args: argparse.Namespace, dev: torch.device) -
         lines += ["", f"offload step / no-offload step: {ratio:.2f}x; C++ kernel steps "
                   f"{b['offload'].get('kernel_steps')}; largest parameter difference after "
                   f"{args.steps} steps: {b['max_param_diff']:.3g} (bf16 parameters)"]
+        lines += ["", "Device memory of each run: allocated after a step minus allocated before "
+                  "it was built (the process's library workspaces, cuBLAS, ~64 MiB, are there "
+                  "before either run), against estimate_memory's device figure (DeepSpeed's "
+                  "model-state formula, no buffers); split into memory_bytes' model states "
+                  "(device) and device buffers (gradient staging: at most three pool buffers of "
+                  "reduce_bucket_size elements), and the rest.", ""]
         for key in ("no_offload", "offload"):
             r = b[key]
             alloc = r.get("allocated_after_step")
             if not alloc:
                 continue
-            off = abs(alloc / r["estimate_device"] - 1)
-            own = r["device_bytes"] + r["device_buffers_bytes"]
-            lines.append(f"{key}: allocated after a step vs estimate_memory's device figure: "
-                         f"{off * 100:.1f}% ({'within' if off <= 0.10 else 'NOT within'} 10%); "
-                         f"vs memory_bytes' device + device buffers ({gib(own)}, the buffers being "
-                         f"{gib(r['device_buffers_bytes'])} of gradient staging, which DeepSpeed's "
-                         f"estimator leaves out): {abs(alloc / own - 1) * 100:.1f}%")
+            net = alloc - r["baseline"]
+            off = net / r["estimate_device"] - 1
+            rest = net - r["device_bytes"] - r["device_buffers_bytes"]
+            lines.append(f"- {key}: {gib(net)} (allocated {gib(alloc)} - {gib(r['baseline'])}) = "
+                         f"{net / r['estimate_device']:.3f} x estimate {gib(r['estimate_device'])}"
+                         f" ({'within' if abs(off) <= 0.10 else 'NOT within'} 10%) = model "
+                         f"states {gib(r['device_bytes'])} + staging "
+                         f"{gib(r['device_buffers_bytes'])} + rest {gib(rest)}")
     else:
         lines.append(str(b))
     lines += ["", "## (c) memory cap: no offload must fail, offload must train", ""]
-    lines.append(str(res.get("cap", "not run")))
+    c = res.get("cap", "not run")
+    if isinstance(c, dict) and "cap_bytes" in c:
+        fits = "does not fit" if c["adam_state_bytes"] > c["cap_bytes"] else "FITS"
+        lines += [f"cap {gib(c['cap_bytes'])}; the model's fp32 Adam state "
+                  f"{gib(c['adam_state_bytes'])} (8 bytes per parameter) {fits} under it",
+                  f"- no offload: {c.get('no_offload')}", f"- offload: {c.get('offload')}",
+                  f"- {'met' if c.get('ok') else 'NOT met'}"]
+    else:
+        lines.append(str(c))
+    lines += ["", "## (d) OneBitAdam with offload: the 1-bit work on the device or on the host", ""]
+    d = res.get("placement")
+    if isinstance(d, dict):
+        lines += [f"per bucket of {d['numel']} elements (bf16 gradient, fp32 momentum), one rank "
+                  f"(the compressed allreduce's kernels all run, the network is left out: the same "
+                  f"for both), {d['threads']} CPU threads; per step: x "
+                  f"{d['total'] / d['numel']:.1f} buckets ({d['total'] / 1e6:.1f}M elements, the model of (b))", "",
+                  "| placement | per bucket (s) | per step (s) | PCIe bytes / element | "
+                  "device bytes / element (error feedback, packed momentum) |",
+                  "|---|---|---|---|---|"]
+        for key in ("device", "device_fp32", "host"):
+            lines.append(f"| {key} | {d[key + '_s']:.5f} | "
+                         f"{d[key + '_s'] * d['total'] / d['numel']:.3f} | "
+                         f"{d['pcie_bytes_per_elem'][key]:g} | "
+                         f"{d['device_bytes_per_elem'][key]:g} |")
+        if dev.type == "cpu":
+            lines += ["", "(On the CPU both placements use the same memory and no PCIe: the "
+                      "figures only show that the code runs; the choice needs the GPU run.)"]
+        lines += ["", f"faster: **{d['faster']}** (host / device time: {d['ratio']:.2f}x); "
+                  "onebit_placement's default is \"device\"" + (
+                      "" if d["faster"] == "device" else
+                      " -- the measurement says \"host\": change the default")]
+    else:
+        lines.append(str(d))
     return "\n".join(lines) + "\n"
 
 
@@ -345,6 +491,9 @@ def main() -> None:
                 ("model", 0.45, lambda: bench_model(args, dev))]
     if cuda:
         sections.append(("cap", 0.25, lambda: bench_cap(args, dev, res["model"])))
+    sections.append(("placement", 0.1, lambda: bench_placement(
+        args.bucket if cuda else 1 << 16, args.repeats, dev,
+        (res["model"]["numel"] if isinstance(res.get("model"), dict) else args.bucket))))
     for name, share, fn in sections:
         if left(args.time_limit) < share * args.time_limit * 0.5:
             res[name] = f"skipped: {left(args.time_limit):.0f} s left of --time-limit"

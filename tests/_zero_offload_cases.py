@@ -150,3 +150,22 @@ def onebit_offload_silent(rank: int, world: int) -> Dict[str, Any]:
         z.close()
     start = [p.detach().float() for p in zb.make_model().parameters()]
     return {"err": _diff(*got), "moved": _diff(got[0], start)}
+
+
+def onebit_placements(rank: int, world: int, stage: int) -> Dict[str, Any]:
+    """OneBitAdam ("exact") through warm-up and the compressed phase without offload, with
+    offload and the 1-bit work on the device (the momentum chunk crosses as signs + scale), and
+    with ``onebit_placement="host"``: the largest parameter differences to the first."""
+    kw = {"lr": 1e-2, "freeze_step": 2}
+    got, info = [], {}
+    for name, zero in (("none", {}), ("device", OFF), ("host", dict(OFF, onebit_placement="host"))):
+        model = zb.make_model()
+        z = _build(model, stage, dict(BUCKETS, **zero), "OneBitAdam", kw)
+        _train(z, model, rank, list(range(5)))
+        got.append(_params(z, model))
+        if z._replicated is not None:
+            info[name] = {"phase": z.phase.value, "where": str(z._replicated.where),
+                          "packed": len(z._replicated.packed.keys())}
+        z.close()
+    return dict(info, device_err=_diff(got[0], got[1]), host_err=_diff(got[1], got[2]),
+                moved=_diff(got[0], [p.detach().float() for p in zb.make_model().parameters()]))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 from typing import Any, Dict
 
-__all__ = ["ZERO_DEFAULTS", "validate_zero_config", "check_arguments"]
+__all__ = ["ZERO_DEFAULTS", "OFFLOAD_REDUCE_BUCKET_SIZE", "validate_zero_config",
+           "check_arguments"]
 
 # DeepSpeed's defaults (runtime/zero/config.py). Sizes are element counts.
 ZERO_DEFAULTS: Dict[str, Any] = {
@@ -31,7 +32,16 @@ ZERO_DEFAULTS: Dict[str, Any] = {
     # compcomm's own key: ZeRO + OneBitAdam's compressed phase, "exact" (None), "no_allgather" or
     # "sharded" (see docs/zero.md); validated by ZeroOptimizer, which knows the optimizer
     "onebit_mode": None,
+    # compcomm's own key: with offload_optimizer, where OneBitAdam's 1-bit work on a bucket runs,
+    # "device" (None) or "host" (see docs/zero.md, Offload)
+    "onebit_placement": None,
 }
+
+#: ``reduce_bucket_size`` with ``offload_optimizer`` when none is given: DeepSpeed's 5e8 would
+#: stage up to three 5e8-element buckets on the device, more than the parameters of most models
+#: that need offload; 1e7 elements bound the staging at about 60 MB (bf16) and keep each
+#: device-to-host copy long enough to run near PCIe bandwidth.
+OFFLOAD_REDUCE_BUCKET_SIZE = int(1e7)
 
 # Keys accepted only with a value that compcomm implements; anything else is rejected by name.
 _ONLY = {
@@ -112,7 +122,9 @@ def validate_zero_config(cfg: Dict[str, Any], where: str = "zero_optimization") 
     Returns
     -------
     dict
-        A new dict with every key of :data:`ZERO_DEFAULTS` set; ``overlap_comm`` resolved.
+        A new dict with every key of :data:`ZERO_DEFAULTS` set; ``overlap_comm`` resolved;
+        ``reduce_bucket_size`` :data:`OFFLOAD_REDUCE_BUCKET_SIZE` if ``offload_optimizer`` is on
+        and it is not given.
 
     Raises
     ------
@@ -154,9 +166,17 @@ def validate_zero_config(cfg: Dict[str, Any], where: str = "zero_optimization") 
             )
     for key in ("offload_optimizer", "offload_param"):
         out[key] = _offload(key, out[key], stage, where)
+    if out["offload_optimizer"] is not None and "reduce_bucket_size" not in cfg:
+        out["reduce_bucket_size"] = OFFLOAD_REDUCE_BUCKET_SIZE
     if out["onebit_mode"] not in (None, "exact", "no_allgather", "sharded"):
         raise ValueError(f"{where}.onebit_mode must be 'exact', 'no_allgather' or 'sharded', "
                          f"got {out['onebit_mode']!r}")
+    if out["onebit_placement"] not in (None, "device", "host"):
+        raise ValueError(f"{where}.onebit_placement must be 'device' or 'host', "
+                         f"got {out['onebit_placement']!r}")
+    if out["onebit_placement"] == "host" and out["offload_optimizer"] is None:
+        raise ValueError(f"{where}.onebit_placement='host' needs offload_optimizer (without "
+                         "offload the 1-bit work stays where the gradients are)")
     if out["overlap_comm"] is None:
         out["overlap_comm"] = stage == 3
     return out

@@ -7,9 +7,19 @@ Stage 2/3: a post-accumulate hook (installed by ZeroOptimizer) hands every gradi
 :meth:`GradReducer.accumulate` as soon as autograd has accumulated it: it is added into its
 bucket's staging buffer and ``p.grad`` is freed. A complete bucket is reduce-scattered right away
 (:meth:`submit`), on the owner's ``AsyncComm`` worker thread, in the background when
-``overlap_comm`` is set (at most two staging buffers in flight, taken from a pool of largest-bucket
-buffers). In a 1-bit step every bucket stays staged until it is compressed, each in an exact-size
-buffer of its own kept across steps (see :mod:`.onebit_reducer`).
+``overlap_comm`` is set (at most two staging buffers in flight, taken from a pool). In a 1-bit step
+every bucket stays staged until it is compressed, each in an exact-size buffer of its own kept
+across steps (see :mod:`.onebit_reducer`).
+
+Bounded staging. The pool's buffers hold ``piece`` elements (``reduce_bucket_size``, rounded up to
+whole chunks; never more than the largest bucket), as DeepSpeed's bucket bounds its staging. A
+bucket larger than that holds one tensor only (the plan gives such a tensor a bucket of its own):
+its gradient is not staged but reduce-scattered in *pieces*: piece j is, of every rank's chunk,
+the elements ``[j * s, (j + 1) * s)`` (``s = piece / world``), copied side by side into a pool
+buffer, and its reduce-scatter gives this rank elements ``[j * s, (j + 1) * s)`` of its chunk.
+Every element is reduced over the same ranks as in the whole-bucket reduce-scatter, only grouped
+into smaller calls, so device memory stays bounded by a few ``piece``-sized buffers whatever the
+largest tensor (an embedding, say), and with offload each piece is copied to the host on its own.
 
 Also here: the squared gradient norms behind ``gradient_clipping`` and the non-finite check (one
 all-reduce of a float64 through the worker thread, so it never overtakes queued collectives).
@@ -18,7 +28,7 @@ all-reduce of a float64 through the worker thread, so it never overtakes queued 
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -66,11 +76,14 @@ class GradReducer:
     rank, world : int
     device : torch.device
     timeout : float
+    piece : int
+        Elements of a staging buffer (``reduce_bucket_size``; <= 0: the largest bucket's): larger
+        buckets are reduced in pieces (see the module docstring).
     """
 
     def __init__(self, groups: List[GroupLayout], stage: int, async_comm: _C.zero.AsyncComm,
                  overlap: bool, rank: int, world: int, device: torch.device,
-                 timeout: float) -> None:
+                 timeout: float, piece: int = 0) -> None:
         self.groups = groups
         self.stage = stage
         self.async_comm = async_comm
@@ -80,7 +93,9 @@ class GradReducer:
         self.device = device
         self.timeout = timeout
         self.acc = [_Accumulation(len(g.buckets)) for g in groups]
-        self._pending: List[tuple] = []  # (work, group, bucket, staging base, recv)
+        #: per group: elements of a pool buffer; a larger bucket is reduced in pieces
+        self.cap = [_cap(g, piece, world) for g in groups]
+        self._pending: List[tuple] = []  # (work, group, bucket, staging base, recv, chunk offset)
         self._pool: Dict[tuple, List[torch.Tensor]] = {}  # (numel, dtype) -> free buffers
         # 1-bit steps stage every bucket at once: one exact-size buffer per bucket, kept
         self._own: Dict[Tuple[int, int], torch.Tensor] = {}
@@ -107,22 +122,34 @@ class GradReducer:
                     self._own[(gi, bi)] = base
                     self._own_ids.add(id(base))
             else:
-                pool = self._pool.setdefault((grp.max_padded, grp.dtype), [])
-                if not pool and len(self._pending) >= 2:
-                    self.complete(1)  # reuse a buffer in flight rather than grow the pool
-                base = (pool.pop() if pool
-                        else torch.empty(grp.max_padded, dtype=grp.dtype, device=self.device))
+                base = self._buffer(gi)
             st = base[:padded]
             st.zero_()
             acc.views[bi] = st
             acc.bases[bi] = base
         return st
 
-    def release(self, gi: int, base: torch.Tensor) -> None:
-        """A staging buffer is free again: back to the pool unless it is a bucket's own."""
-        if id(base) not in self._own_ids:
+    def _buffer(self, gi: int) -> torch.Tensor:
+        """A pool buffer of group ``gi`` (``cap`` elements, contents undefined)."""
+        grp = self.groups[gi]
+        pool = self._pool.setdefault((self.cap[gi], grp.dtype), [])
+        if not pool and len(self._pending) >= 2:
+            self.complete(1)  # reuse a buffer in flight rather than grow the pool
+        return (pool.pop() if pool
+                else torch.empty(self.cap[gi], dtype=grp.dtype, device=self.device))
+
+    def split(self, gi: int, bi: int) -> bool:
+        """Whether bucket ``bi`` of group ``gi`` is reduced in pieces (larger than a pool buffer;
+        then it holds one tensor)."""
+        b = self.groups[gi].buckets[bi]
+        return b.padded > self.cap[gi] and b.num_tensors == 1
+
+    def release(self, gi: int, base: Optional[torch.Tensor]) -> None:
+        """A staging buffer is free again: back to the pool unless it is a bucket's own (None:
+        a split bucket's gradient, which is no buffer of ours)."""
+        if base is not None and id(base) not in self._own_ids:
             grp = self.groups[gi]
-            self._pool.setdefault((grp.max_padded, grp.dtype), []).append(base)
+            self._pool.setdefault((self.cap[gi], grp.dtype), []).append(base)
 
     def take(self, gi: int, bi: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Remove bucket ``bi``'s staging view from the accumulation: (view, base buffer)."""
@@ -136,10 +163,19 @@ class GradReducer:
         grp = self.groups[gi]
         slot = grp.tensors[ti]
         b = grp.buckets[slot.bucket]
+        acc = self.acc[gi]
+        if not onebit and self.split(gi, slot.bucket):
+            # the bucket's only tensor: its gradient is the staging (pieces are copied from it in
+            # submit(); unpadded, flat)
+            prev = acc.views.get(slot.bucket)  # (the hook submits at once: normally None)
+            g = grad.reshape(-1)
+            acc.views[slot.bucket] = g if prev is None else prev.add(g)
+            acc.bases[slot.bucket] = None
+            return True
         st = self.view(gi, slot.bucket, onebit, keep_pool)
         lo = slot.offset - b.offset
         st[lo : lo + slot.numel].add_(grad.reshape(-1))
-        arrived = self.acc[gi].arrived[slot.bucket]
+        arrived = acc.arrived[slot.bucket]
         arrived.add(ti)
         if len(arrived) == b.num_tensors:
             arrived.clear()
@@ -163,27 +199,57 @@ class GradReducer:
 
     def submit(self, gi: int, bi: int) -> None:
         """Reduce-scatter bucket ``bi``'s staged gradient (added to the shard by
-        :meth:`complete`)."""
+        :meth:`complete`); a split bucket's in pieces."""
         grp = self.groups[gi]
         st, base = self.take(gi, bi)
         self.acc[gi].arrived[bi].clear()
+        if base is None:
+            self._submit_pieces(gi, bi, st)
+            return
         recv = torch.empty(grp.buckets[bi].chunk, dtype=grp.dtype, device=self.device)
+        self._reduce(gi, bi, st, base, recv, 0)
+
+    def _reduce(self, gi: int, bi: int, st: torch.Tensor, base: Optional[torch.Tensor],
+                recv: torch.Tensor, lo: int) -> None:
         work = self.async_comm.reduce_scatter(buffer_of(st), buffer_of(recv),
                                               timeout_s=self.timeout)
-        self._pending.append((work, gi, bi, base, recv))
+        self._pending.append((work, gi, bi, base, recv, lo))
         if not self.overlap:
             self.complete(len(self._pending))
+
+    def _submit_pieces(self, gi: int, bi: int, grad: torch.Tensor) -> None:
+        """Reduce-scatter a split bucket's gradient ``grad`` (unpadded) piece by piece (see the
+        module docstring): each piece gathers ``s`` elements of every rank's chunk into a pool
+        buffer, zero past the gradient's end (the bucket's padding)."""
+        grp = self.groups[gi]
+        b = grp.buckets[bi]
+        s = self.cap[gi] // self.world
+        n = grad.numel()
+        for lo in range(0, b.chunk, s):
+            m = min(s, b.chunk - lo)
+            base = self._buffer(gi)
+            st = base[: m * self.world]
+            for r in range(self.world):
+                row, start = st[r * m : (r + 1) * m], r * b.chunk + lo
+                have = max(0, min(m, n - start))
+                if have:
+                    row[:have].copy_(grad[start : start + have])
+                if have < m:
+                    row[have:].zero_()
+            recv = torch.empty(m, dtype=grp.dtype, device=self.device)
+            self._reduce(gi, bi, st, base, recv, lo)
 
     def complete(self, count: int) -> None:
         """Wait for the oldest ``count`` pending reductions and add them to the gradient shards."""
         for _ in range(count):
-            work, gi, bi, base, recv = self._pending.pop(0)
+            work, gi, bi, base, recv, lo = self._pending.pop(0)
             work.wait(self.timeout)
             grp = self.groups[gi]
             if self.sink is not None:
-                self.sink.receive(gi, grp, bi, recv)
+                self.sink.receive(gi, grp, bi, recv, lo)
             else:
-                grp.buckets[bi].shard_of(grp.master.grad).add_(recv)
+                shard = grp.buckets[bi].shard_of(grp.master.grad)
+                shard[lo : lo + recv.numel()].add_(recv)
             self.release(gi, base)
 
     def wait(self) -> None:
@@ -216,22 +282,26 @@ class GradReducer:
         if self.sink is not None:
             self.sink.drain()
 
-    def local_buckets(self) -> List[Tuple[int, int, torch.Tensor]]:
+    def local_buckets(self, device: Optional[torch.device] = None
+                      ) -> List[Tuple[int, int, torch.Tensor]]:
         """This rank's local gradient (summed over micro-steps, unscaled), bucket by bucket:
-        ``[(group, bucket, fp32 tensor of the bucket's padded length, zero padding)]``. The staging
-        bookkeeping is reset (the fp32 tensors stay valid: nothing reuses them before the next
-        backward). Stage 1 also replaces the gradient shards by zeros."""
+        ``[(group, bucket, fp32 tensor of the bucket's padded length, zero padding)]``, on
+        ``device`` (default: the parameters'; another one gets the staged dtype copied, then
+        converted there). The staging bookkeeping is reset (the fp32 tensors stay valid: nothing
+        reuses them before the next backward). Stage 1 also replaces the gradient shards by
+        zeros."""
         self.wait()
+        dev = device if device is not None else self.device
         items = []
         for gi, grp in enumerate(self.groups):
             if self.stage >= 2:
                 for bi, b in enumerate(grp.buckets):
                     st = self.acc[gi].views.get(bi)
-                    x = (st.to(torch.float32) if st is not None
-                         else torch.zeros(b.padded, device=self.device))
+                    x = (st.to(dev).to(torch.float32) if st is not None
+                         else torch.zeros(b.padded, device=dev))
                     items.append((gi, bi, x))
             else:
-                flat = grp.flatten((p.grad for p in grp.params), torch.float32, self.device)
+                flat = grp.flatten((p.grad for p in grp.params), torch.float32, dev)
                 for bi, b in enumerate(grp.buckets):
                     items.append((gi, bi, b.span(flat)))
                 grp.master.grad = torch.zeros(grp.plan.shard_numel, dtype=torch.float32,
@@ -275,10 +345,22 @@ class GradReducer:
         total += sum(t.numel() * t.element_size() for t in self._own.values())
         for acc in self.acc:
             total += sum(t.numel() * t.element_size() for t in acc.bases.values()
-                         if id(t) not in self._own_ids)
-        total += sum(e[3].numel() * e[3].element_size() + e[4].numel() * e[4].element_size()
-                     for e in self._pending)
+                         if t is not None and id(t) not in self._own_ids)
+        total += sum(e[4].numel() * e[4].element_size() for e in self._pending)
+        total += sum(e[3].numel() * e[3].element_size() for e in self._pending
+                     if e[3] is not None and id(e[3]) not in self._own_ids)
         return total
+
+
+def _cap(grp: GroupLayout, piece: int, world: int) -> int:
+    """Elements of group ``grp``'s pool buffers: ``piece`` rounded up to whole chunks (a
+    multiple of ``world * alignment``), at most the largest bucket, at least every bucket of
+    several tensors (those are staged whole)."""
+    if piece <= 0:
+        return grp.max_padded
+    unit = world * grp.plan.alignment
+    several = max((b.padded for b in grp.buckets if b.num_tensors != 1), default=0)
+    return min(grp.max_padded, max(-(-piece // unit) * unit, several))
 
 
 def clip_coef(norm_sq: float, clip: float, scale: float) -> float:

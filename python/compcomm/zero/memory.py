@@ -36,28 +36,36 @@ def measure(zo: Any) -> Dict[str, int]:
     ``device`` + ``host`` = ``params + grads + master + optimizer_state``; ``host`` is what
     ZeRO-Offload keeps in host memory (the master, gradient and optimizer-state shards with
     ``offload_optimizer``, the parameter shards with ``offload_param``), 0 without offload
-    (also on a CPU-only run, where "device" memory is host memory too)."""
+    (also on a CPU-only run, where "device" memory is host memory too). ``buffers`` is not in
+    either: ``buffers_host`` of it are offload's host copies (and with ``onebit_placement``
+    "host" the 1-bit buffers, whose packed momentum then counts in ``host``), ``buffers_device``
+    the rest (gradient
+    staging -- a few ``reduce_bucket_size`` buffers --, 1-bit error feedback and workspaces), the
+    term DeepSpeed's estimator formulas leave out."""
     out = {"params": 0, "grads": 0, "master": 0}
     for grp in zo.groups:
         for k, n in grp.nbytes().items():
             out[k] += n
     buffers = zo._grads.nbytes()
-    if zo.compressor is not None:  # error buffers and exchange workspaces of the buckets
-        buffers += sum(zo.compressor.nbytes())
+    rep = zo._replicated
+    # offload with onebit_placement "host": the 1-bit buffers and momentum are in host memory
+    onebit_host = rep is not None and rep.where != zo.device
+    onebit_buffers = sum(zo.compressor.nbytes()) if zo.compressor is not None else 0
+    buffers += onebit_buffers  # error buffers and exchange workspaces of the buckets
     inner_state = _tensor_bytes(zo.optimizer.state)
     state = inner_state
-    if zo._replicated is not None:  # the momentum (no_allgather: variance, master) in full
-        state += zo._replicated.nbytes()
+    if rep is not None:  # the momentum (no_allgather: variance, master) in full
+        state += rep.nbytes()
     if hasattr(zo.optimizer, "memory_bytes"):  # a 1-bit optimizer's own error feedback
         inner = zo.optimizer.memory_bytes()
         state += inner["error_feedback"]
         buffers += inner["buffers"]
-    host = 0
-    buffers_host = 0
+    host = rep.nbytes() if onebit_host else 0
+    buffers_host = onebit_buffers if onebit_host else 0
     off = zo.offload
     if off is not None:
-        buffers_host = off.nbytes()
-        buffers += buffers_host
+        buffers_host += off.nbytes()
+        buffers += off.nbytes()
         if off.optimizer:
             idle = off.idle_grad_bytes(zo.groups)
             out["grads"] += idle
@@ -67,7 +75,7 @@ def measure(zo: Any) -> Dict[str, int]:
             host += sum(g.param_shard.numel() * g.param_shard.element_size() for g in zo.groups)
     total = sum(out.values()) + state
     return dict(out, optimizer_state=state, buffers=buffers, device=total - host, host=host,
-                buffers_host=buffers_host)
+                buffers_host=buffers_host, buffers_device=buffers - buffers_host)
 
 
 def estimate_memory(

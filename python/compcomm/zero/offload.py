@@ -35,7 +35,7 @@ import torch
 from ..optim import cpu_adam
 from .layout import GroupLayout
 
-__all__ = ["HostOffload", "PIECE", "check_offload", "step_inner"]
+__all__ = ["HostOffload", "PIECE", "check_offload", "check_placement", "step_inner"]
 
 #: elements per CPU-step piece (the unit of upload overlap; whole buckets are never split)
 PIECE = 1 << 22
@@ -52,6 +52,18 @@ def check_offload(config: Dict[str, Any], onebit: Optional[str], mode: Optional[
     what = f"{onebit} with onebit_mode={mode!r}" if onebit == "OneBitAdam" else onebit
     raise ValueError(f"ZeroOptimizer: offload_optimizer is not supported with {what} "
                      "(OneBitAdam with onebit_mode 'exact' is; or drop the offload)")
+
+
+def check_placement(config: Dict[str, Any], comm: Any, device: torch.device) -> None:
+    """ValueError naming ``onebit_placement`` when "host" cannot run here: the 1-bit exchange
+    then gets host buffers, which a GPU run's NCCL communicator with several ranks cannot take
+    (MPI and the one-rank communicator can)."""
+    if config.get("onebit_placement") != "host" or device.type == "cpu" or comm.size() == 1:
+        return
+    name = comm.backend_name() if hasattr(comm, "backend_name") else type(comm).__name__
+    if name not in ("mpi", "local"):
+        raise ValueError(f"ZeroOptimizer: onebit_placement='host' needs a communicator that "
+                         f"takes host buffers (MPI), got {name!r} with {comm.size()} ranks")
 
 
 def step_inner(opt: torch.optim.Optimizer, groups: List[GroupLayout], onebit: Any,
@@ -162,12 +174,14 @@ class HostOffload:
 
     # ---- gradients: device chunks -> host shard --------------------------------------------------
 
-    def receive(self, gi: int, grp: GroupLayout, bi: int, chunk: torch.Tensor) -> None:
-        """Bucket ``bi``'s reduced chunk (on the device) is to be added into the host gradient
-        shard: copied to a host buffer now (asynchronously on a GPU), added by :meth:`drain`."""
+    def receive(self, gi: int, grp: GroupLayout, bi: int, chunk: torch.Tensor,
+                lo: int = 0) -> None:
+        """Bucket ``bi``'s reduced chunk (on the device; from element ``lo`` of the rank's chunk
+        when the bucket is reduced in pieces) is to be added into the host gradient shard:
+        copied to a host buffer now (asynchronously on a GPU), added by :meth:`drain`."""
         if grp.master.grad is None:  # stage 1: the persistent host shard, zeroed per step
             grp.master.grad = self._grad[gi].zero_()
-        dst = grp.buckets[bi].shard_of(grp.master.grad)
+        dst = grp.buckets[bi].shard_of(grp.master.grad)[lo : lo + chunk.numel()]
         pool = self._pool.setdefault((chunk.numel(), chunk.dtype), [])
         tmp = pool.pop() if pool else self.empty(chunk.numel(), chunk.dtype)
         event = None

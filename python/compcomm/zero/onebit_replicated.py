@@ -29,6 +29,22 @@ compressed step (gathered from the warm-up's shards), after a checkpoint load (r
 shards, which hold exactly the unpacked values), and with a compressor that does not pack (one
 rank, :class:`~compcomm.compress.IdentityCompressor`).
 
+With ZeRO-Offload (``offload_optimizer``; "exact" mode) the shards live in host memory and
+``zero_optimization.onebit_placement`` says where the 1-bit work of a bucket runs:
+
+* ``"device"`` (default): where the gradients are. The local momentum is formed, compressed and
+  averaged on the device; then only this rank's chunk of the result in its 1-bit form (``chunk/8``
+  bytes of signs and one scale) is copied to the host and unpacked into the host momentum shard,
+  instead of the chunk's fp32 values (32x fewer bytes over PCIe; the same bits, unpacking is
+  exact). Device memory: the error feedback, the packed momentum and the staged gradient.
+* ``"host"``: the local gradient of every bucket is copied to the host (in the parameter dtype,
+  converted there) and the momentum, the compression, its error feedback and the packed momentum
+  are all in host memory (the CPU kernels); nothing 1-bit stays on the device. The communicator
+  must take host buffers (MPI, the local one; not NCCL with several ranks).
+
+The numerics are the same in both (the CPU kernels are the GPU kernels' twins, to fp32 rounding;
+on a CPU-only run the two are the same operations).
+
 The shards stay authoritative for checkpoints: after every compressed step this rank's chunks of the
 momentum (and, in ``no_allgather``, of the master weights) are copied back into the wrapped
 optimizer's shard state, so a checkpoint has the usual format and a load simply drops the full
@@ -55,7 +71,7 @@ from ..optim.adam import cpu_kernels_usable
 from ..optim.functional import adam_denom, adam_update
 from .grad_reducer import GradReducer, clip_coef
 from .layout import GroupLayout
-from .packed_momentum import PackedMomentum
+from .packed_momentum import PackedMomentum, unpack
 
 __all__ = ["ReplicatedMomentum"]
 
@@ -82,13 +98,17 @@ class ReplicatedMomentum:
     rank, world : int
     device : torch.device
     timeout : float
+    offload : bool
+        The master and state shards are in host memory (``offload_optimizer``).
+    placement : {"device", "host"}
+        With ``offload``: where the 1-bit work runs (see the module docstring).
     """
 
     def __init__(self, mode: str, groups: List[GroupLayout], grads: GradReducer, inner: Any,
                  compressor: Compressor, async_comm: Any,
                  loss_scale: Callable[[], float], gas: int,
                  clip: float, rank: int, world: int, device: torch.device,
-                 timeout: float) -> None:
+                 timeout: float, offload: bool = False, placement: str = "device") -> None:
         if mode not in ("exact", "no_allgather"):
             raise ValueError(f"ReplicatedMomentum: mode must be 'exact' or 'no_allgather', got {mode!r}")
         self.mode = mode
@@ -104,6 +124,12 @@ class ReplicatedMomentum:
         self.world = world
         self.device = device
         self.timeout = timeout
+        if placement not in ("device", "host") or (placement == "host" and not offload):
+            raise ValueError(f"ReplicatedMomentum: placement must be 'device' or (with offload) "
+                             f"'host', got {placement!r}")
+        self.offload = offload
+        #: where the momentum, the compression and its buffers live
+        self.where = torch.device("cpu") if placement == "host" else device
         # group -> full fp32 momentum (flat layout): only until every bucket of the group is packed
         self.m: Dict[int, torch.Tensor] = {}
         self.packed = PackedMomentum()  # (group, bucket) -> the 1-bit momentum
@@ -162,9 +188,9 @@ class ReplicatedMomentum:
                 if grp.dtype != torch.float32:
                     srcs.append((self.w, grp.master.detach()))
             for dst, shard in srcs:
-                full = torch.empty(grp.plan.flat_numel, dtype=torch.float32, device=self.device)
+                full = torch.empty(grp.plan.flat_numel, dtype=torch.float32, device=self.where)
                 dst[gi] = full
-                shard = shard.to(self.device).contiguous()  # offload: from host memory
+                shard = shard.to(self.where).contiguous()  # offload: from host memory
                 works.append((self.async_comm.bucketed_all_gather(
                     grp.plan, buffer_of(shard), buffer_of(full), timeout_s=self.timeout), shard))
         for w, _ in works:
@@ -182,7 +208,7 @@ class ReplicatedMomentum:
         for :meth:`update`. Returns the mean over ranks of the squared local-gradient norms
         (``inf``: the step is skipped on every rank).
         """
-        items = self.grads.local_buckets()
+        items = self.grads.local_buckets(self.where)
         scale = 1.0 / (self.gas * self.loss_scale())
         norm_sq = self.grads.mean_sq_norm([(x, scale) for _, _, x in items])
         if not math.isfinite(norm_sq):
@@ -200,7 +226,7 @@ class ReplicatedMomentum:
             # the same operations as unsharded OneBitAdam's staging, so the same bits (unpacking
             # is exact: the fp32 momentum had these values)
             if (gi, bi) in self.packed:  # b1 * m in the unpacking pass
-                y = self.packed.unpack_((gi, bi), torch.empty(b.padded, device=self.device),
+                y = self.packed.unpack_((gi, bi), torch.empty(b.padded, device=self.where),
                                         mul=b1)
                 y.add_(x, alpha=1 - b1)
             else:
@@ -213,9 +239,9 @@ class ReplicatedMomentum:
         packed_average = getattr(self.compressor, "packed_average", None)
         try:
             if packed_average is not None:
-                self._packs = packed_average(keys, numels, stage, self.device)
+                self._packs = packed_average(keys, numels, stage, self.where)
             else:
-                self.compressor.average_(keys, numels, stage, self.device)
+                self.compressor.average_(keys, numels, stage, self.where)
                 self._packs = None
         except NonFiniteError:  # raised on every rank, nothing written: skip the step
             return math.inf
@@ -226,12 +252,14 @@ class ReplicatedMomentum:
         """Apply the averaged momentum (after the skip decision; nothing here fails)."""
         inner, r = self.inner, self.rank
         ys: Dict[Tuple[int, int], torch.Tensor] = {}
+        packs: Dict[Tuple[int, int], Tuple[torch.Tensor, torch.Tensor]] = {}
         for i, (gi, bi, y) in enumerate(self._avg):
             b = self.groups[gi].buckets[bi]
             y[b.numel:].zero_()  # padding: 1 bit cannot say 0, unsharded keeps no padding
             ys[(gi, bi)] = y
             if self._packs is not None:  # what persists: signs + scales
                 signs, scales = self._packs[i]
+                packs[(gi, bi)] = (signs, scales)
                 self.packed.put((gi, bi), signs, scales, b.numel, b.chunk)
             else:
                 b.span(self.m[gi]).copy_(y)
@@ -243,7 +271,7 @@ class ReplicatedMomentum:
             group = inner.param_groups[gi]
             st = self._shard_state(gi)
             for bi, b in enumerate(grp.buckets):  # shards stay current for checkpoints
-                b.shard_of(st["exp_avg"]).copy_(ys[(gi, bi)][r * b.chunk: (r + 1) * b.chunk])
+                self._own_chunk(b, ys[(gi, bi)], packs.get((gi, bi)), b.shard_of(st["exp_avg"]))
             st["step"] = t
             # variance frozen since the warm-up: its correction too, as unsharded OneBitAdam
             bc2_t = min(t, inner.freeze_step)
@@ -254,6 +282,21 @@ class ReplicatedMomentum:
                 continue
             self._whole_update(gi, grp, group, ys, t, bc2_t)
         inner.schedule.advance(inner.schedule.next_kind())  # the wrapped optimizer's step count
+
+    def _own_chunk(self, b: Any, y: torch.Tensor,
+                   pack: Optional[Tuple[torch.Tensor, torch.Tensor]], dst: torch.Tensor) -> None:
+        """This rank's chunk of a bucket's averaged momentum ``y`` into ``dst`` (its momentum
+        shard): with offload, from the 1-bit form (only ``chunk/8`` bytes of signs and one scale
+        cross to the host; unpacking is exact), else copied."""
+        r = self.rank
+        if pack is None or not self.offload:
+            dst.copy_(y[r * b.chunk: (r + 1) * b.chunk])
+            return
+        signs, scales = pack
+        c8 = b.chunk // 8  # chunks hold whole bytes of signs (the replicated alignment)
+        host = dst.device
+        unpack(signs[r * c8: (r + 1) * c8].to(host), scales[r: r + 1].to(host), b.chunk,
+               b.padding_start(r), 0, dst)
 
     def _whole_update(self, gi: int, grp: GroupLayout, group: Dict[str, Any],
                       ys: Dict[Tuple[int, int], torch.Tensor], t: int, bc2_t: int) -> None:

@@ -39,7 +39,7 @@ from .config import check_arguments
 from .grad_reducer import GradReducer, clip_coef
 from .layout import alignment, build_groups, partition
 from .memory import measure
-from .offload import HostOffload, check_offload, step_inner
+from .offload import HostOffload, check_offload, check_placement, step_inner
 from .onebit_reducer import OneBitReducer
 from .onebit_replicated import ReplicatedMomentum
 from .param_gather import ParamGatherer, publish
@@ -151,6 +151,7 @@ class ZeroOptimizer:
         bucket = self.config["reduce_bucket_size"] if stage < 3 else 0
         #: the parameter groups' layouts (:class:`compcomm.zero.layout.GroupLayout`)
         self.groups, self.device = build_groups(params, bucket, self.world, align)
+        check_placement(self.config, self.comm, self.device)
         #: ZeRO-Offload (:mod:`.offload`): host master/state/gradient shards; None without
         self.offload: Optional[HostOffload] = HostOffload.create(self.config, stage, self.device)
         for grp in self.groups:
@@ -170,7 +171,8 @@ class ZeroOptimizer:
             build_compressor(self.optimizer, self.comm, self.timeout, not replicated)
             if self._rules is not None else None)
         self._grads = GradReducer(self.groups, stage, self._async, self.overlap, self.rank,
-                                  self.world, self.device, self.timeout)
+                                  self.world, self.device, self.timeout,
+                                  piece=self.config["reduce_bucket_size"])
         self._grads.sink = self.offload if self.offload and self.offload.optimizer else None
         self._onebit: Optional[OneBitReducer] = None
         if self._rules is not None and not replicated:
@@ -186,7 +188,9 @@ class ZeroOptimizer:
             self._replicated = ReplicatedMomentum(
                 self.onebit_mode, self.groups, self._grads, self.optimizer, self.compressor,
                 self._async, lambda: self.scaler.scale, self.gas, self.clip, self.rank,
-                self.world, self.device, self.timeout)
+                self.world, self.device, self.timeout,
+                offload=self._grads.sink is not None,
+                placement=self.config["onebit_placement"] or "device")
         self._unsharded: Optional[UnshardedPhase] = None
         if self._rules is not None and self._rules.local_phase:
             self._unsharded = UnshardedPhase(self.groups, self.optimizer, self._async, stage,
@@ -462,7 +466,8 @@ class ZeroOptimizer:
         wrapped optimizer's state), ``buffers`` (gradient staging, 1-bit error feedback and
         workspaces, offload copies); and where the first four kinds are: ``device`` and ``host``
         (with offload: master, state, gradient and, with ``offload_param``, parameter shards in
-        host memory), and ``buffers_host`` (offload's host copies; :func:`.memory.measure`)."""
+        host memory), and of ``buffers`` ``buffers_host`` (offload's host copies) and
+        ``buffers_device`` (the rest: staging, 1-bit buffers; :func:`.memory.measure`)."""
         return measure(self)
 
     def close(self) -> None:
