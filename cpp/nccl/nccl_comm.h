@@ -96,6 +96,8 @@ class NcclCommunicator final : public Communicator {
   void do_check_open(const char* call) override;
   // The flag raise_abort_flag() sets (nullptr if mapped host memory was unavailable).
   const int* do_abort_flag() const override { return abort_flag_dev_; }
+  // One rank: NCCL's collectives are copies on the stream, untracked by the watchdog (no peer).
+  bool do_alone() const override { return true; }
 
  private:
   struct Pending;  // an event recorded after a collective, with its deadline (nccl_watchdog.h)

@@ -12,7 +12,7 @@ from typing import Iterator, Optional, Tuple, Union
 import torch
 
 from . import _C
-from ._buffers import buffer_of
+from ._buffers import DTYPES, buffer_of
 from ._comm import Group, resolve
 from ._defaults import DEFAULT_TIMEOUT
 from .errors import CommError
@@ -170,25 +170,47 @@ def _exclusive(comm: object, call: str, rank: int) -> Iterator[None]:
     messages (wrong results or a hang), so a second concurrent call is refused, not queued.
     Different communicators may be used from different threads at the same time.
     """
-    with _registry:
-        lock = _locks.get(comm)
-        if lock is None:
-            lock = _locks[comm] = threading.Lock()
+    lock = _lock(comm)
     if not lock.acquire(blocking=False):
-        name = comm.backend_name() if hasattr(comm, "backend_name") else type(comm).__name__
-        raise CommError(
-            f"[rank {rank}] {call}: the communicator ({name}) is in use by another thread; a "
-            "communicator runs one compressed call at a time (give each thread its own process "
-            "group or communicator)",
-            call,
-            name,
-            0,
-            rank,
-        )
+        raise _busy(comm, call, rank)
     try:
         yield
     finally:
         lock.release()
+
+
+def _lock(comm: object) -> threading.Lock:
+    """``comm``'s lock for :func:`_exclusive` (made on first use)."""
+    with _registry:
+        lock = _locks.get(comm)
+        if lock is None:
+            lock = _locks[comm] = threading.Lock()
+    return lock
+
+
+def _busy(comm: object, call: str, rank: int) -> CommError:
+    """The error of a call on a communicator another thread is using (see _exclusive)."""
+    name = comm.backend_name() if hasattr(comm, "backend_name") else type(comm).__name__
+    return CommError(
+        f"[rank {rank}] {call}: the communicator ({name}) is in use by another thread; a "
+        "communicator runs one compressed call at a time (give each thread its own process "
+        "group or communicator)",
+        call,
+        name,
+        0,
+        rank,
+    )
+
+
+# torch's raw current-stream getter (an int, no Stream object) where this torch build has it.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _current_stream(device: torch.device) -> int:
+    """The handle of torch's current CUDA stream on ``device``."""
+    if _raw_stream is not None and device.index is not None:
+        return _raw_stream(device.index)
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 def _check_disjoint(call: str, rank: int, **tensors: Optional[torch.Tensor]) -> None:
@@ -297,6 +319,73 @@ def compressed_allreduce(
     works outside autograd (``tensor`` is written through its storage).
     """
     comm = resolve(group)
+    try:  # what the checks below depend on; an argument that is no tensor fails here
+        key = (comm.id, _arg_key(tensor), _arg_key(worker_error), _arg_key(server_error))
+        prep = _prepared.get(key)
+    except (AttributeError, TypeError):
+        key = prep = None
+    if prep is None:
+        prep = _prepare_allreduce(comm, tensor, worker_error, server_error)
+        if key is not None:
+            if len(_prepared) >= _PREPARED_MAX:
+                _prepared.clear()
+            _prepared[key] = prep
+    timeout_s = DEFAULT_TIMEOUT if timeout is None else _check_timeout(
+        "compressed_allreduce", prep.rank, timeout)
+    # On torch's current stream of the tensor's device (the core switches to that device itself).
+    stream = _current_stream(prep.device) if prep.cuda else 0
+    if not prep.lock.acquire(blocking=False):
+        raise _busy(comm, "compressed_allreduce", prep.rank)
+    try:
+        _C.compressed_allreduce(comm, prep.tensor, prep.worker_error, prep.server_error,
+                                prep.workspace_buffer(comm), timeout_s, stream,
+                                bool(check) or not prep.cuda)
+    finally:
+        prep.lock.release()
+    return tensor
+
+
+def _arg_key(t: torch.Tensor) -> tuple:
+    """What compressed_allreduce's checks of one tensor argument depend on (AttributeError if
+    ``t`` is no tensor)."""
+    return (type(t), t.data_ptr(), t.numel(), t.dtype, t.is_contiguous(), t.device)
+
+
+# Validated compressed_allreduce calls: (communicator id, _arg_key of each tensor) -> _Prepared. A
+# call whose key matches skips the checks and the Buffer construction, most of a small call's host
+# time. Buffers hold no tensor (the key's addresses and sizes define them), so the cache keeps no
+# memory alive; cleared when full. Dict reads and writes are atomic under the GIL.
+_prepared: dict = {}
+_PREPARED_MAX = 1024
+
+
+class _Prepared:
+    """One validated (communicator, tensor, worker_error, server_error): sizes and Buffers, the
+    communicator's lock and workspaces, and the Buffer of the workspace last used."""
+
+    __slots__ = ("world", "rank", "cuda", "device", "tensor", "worker_error", "server_error",
+                 "total", "lock", "per_device", "ws_ref", "ws_buffer")
+
+    def workspace_buffer(self, comm: object) -> _C.Buffer:
+        """The communicator's workspace as a Buffer (grown if needed). Call it holding ``lock``."""
+        ws = self.per_device.get(self.device)
+        if ws is None or ws.numel() < self.total:
+            ws = _workspace(comm, self.device, self.total)
+        if self.ws_ref is None or self.ws_ref() is not ws:
+            self.ws_ref = weakref.ref(ws)
+            self.ws_buffer = _C.Buffer(ws.data_ptr(), ws.numel(), DTYPES[torch.uint8], ws.get_device())
+        return self.ws_buffer
+
+
+def _raw_buffer(t: torch.Tensor) -> _C.Buffer:
+    """A Buffer of ``t``'s memory that does not hold ``t`` (see _prepared)."""
+    return _C.Buffer(t.data_ptr(), t.numel(), DTYPES[t.dtype], t.get_device())
+
+
+def _prepare_allreduce(comm: object, tensor: object, worker_error: object,
+                       server_error: object) -> _Prepared:
+    """Every check of compressed_allreduce's tensor arguments (typed errors naming the argument
+    and the rank), then what a call needs."""
     world, rank = comm.size(), comm.rank()
     if not isinstance(tensor, torch.Tensor):
         raise _fail(TypeError, rank, "tensor", f"must be a torch.Tensor, got {type(tensor).__name__}")
@@ -321,17 +410,16 @@ def compressed_allreduce(
     _check_float32_vector(server_error, "server_error", rank, padded // world, tensor.device)
     _check_disjoint("compressed_allreduce", rank, tensor=tensor, worker_error=worker_error,
                     server_error=server_error)
-    timeout_s = _check_timeout("compressed_allreduce", rank, timeout)
-
-    cuda = tensor.device.type == "cuda"
-    # On torch's current stream of the tensor's device (the core switches to that device itself).
-    stream = torch.cuda.current_stream(tensor.device).cuda_stream if cuda else 0
-    with _exclusive(comm, "compressed_allreduce", rank):
-        ws = _workspace(comm, tensor.device, _layout_total(padded, world, cuda))
-        _C.compressed_allreduce(comm, buffer_of(tensor), buffer_of(worker_error),
-                                buffer_of(server_error), buffer_of(ws), timeout_s, stream,
-                                bool(check) or not cuda)
-    return tensor
+    p = _Prepared()
+    p.world, p.rank, p.cuda, p.device = world, rank, tensor.device.type == "cuda", tensor.device
+    p.tensor, p.worker_error = _raw_buffer(tensor), _raw_buffer(worker_error)
+    p.server_error = _raw_buffer(server_error)
+    p.total = _layout_total(padded, world, p.cuda)
+    p.lock = _lock(comm)
+    with _registry:
+        p.per_device = _workspaces.setdefault(comm, {})
+    p.ws_ref = p.ws_buffer = None
+    return p
 
 
 # The compressed allreduce stopped before its final all-gather (ZeRO's momentum shards, FSDP2's
