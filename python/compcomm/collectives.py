@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import numbers
-import threading
 import weakref
-from typing import Iterator, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -15,7 +13,14 @@ from . import _C
 from ._buffers import DTYPES, buffer_of
 from ._comm import Group, resolve
 from ._defaults import DEFAULT_TIMEOUT
-from .errors import CommError
+from ._scratch import busy_error as _busy
+from ._scratch import current_stream as _current_stream
+from ._scratch import exclusive as _exclusive
+from ._scratch import layout_total as _layout_total
+from ._scratch import lock_of as _lock
+from ._scratch import registry as _registry
+from ._scratch import workspace as _workspace
+from ._scratch import workspaces as _workspaces
 
 __all__ = [
     "compressed_allreduce",
@@ -30,13 +35,6 @@ __all__ = [
 
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-# communicator -> {device: uint8 scratch}. Per communicator, not per device: the scratch holds the
-# call's headers and signs while it runs, so two communicators used from two threads at once must
-# not share it. Weak keys: a dropped communicator takes its scratch with it.
-_workspaces: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-# communicator -> Lock held for the duration of one compressed call on it (see _exclusive).
-_locks: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_registry = threading.Lock()  # guards the two dicts above (WeakKeyDictionary is not thread-safe)
 
 
 def padded_numel(numel: int, world_size: int) -> int:
@@ -144,75 +142,6 @@ def _check_float32_vector(t: object, name: str, rank: int, numel: int, device: t
         )
 
 
-def _workspace(comm: object, device: torch.device, nbytes: int) -> torch.Tensor:
-    """``comm``'s cached uint8 scratch tensor on ``device``, grown on demand (torch's allocator).
-
-    Zero-filled when allocated: the GPU norm kernels need a zeroed scratch on first use and leave it
-    zeroed. Growing it replaces the tensor, so it must not happen while a CUDA graph is being captured
-    (run one eager call of the largest size first). Call it only inside :func:`_exclusive` on
-    ``comm``: the lock is what keeps two calls from sharing the scratch.
-    """
-    with _registry:
-        per_device = _workspaces.setdefault(comm, {})
-    ws = per_device.get(device)
-    if ws is None or ws.numel() < nbytes:
-        ws = torch.zeros(max(nbytes, 1), dtype=torch.uint8, device=device)
-        per_device[device] = ws
-    return ws
-
-
-@contextlib.contextmanager
-def _exclusive(comm: object, call: str, rank: int) -> Iterator[None]:
-    """Hold ``comm`` for one call; raise CommError at once if another thread holds it.
-
-    The rule: a communicator runs one compressed call at a time. Waiting would be no fix: two
-    threads' calls on one communicator can reach the ranks in different orders and pair the wrong
-    messages (wrong results or a hang), so a second concurrent call is refused, not queued.
-    Different communicators may be used from different threads at the same time.
-    """
-    lock = _lock(comm)
-    if not lock.acquire(blocking=False):
-        raise _busy(comm, call, rank)
-    try:
-        yield
-    finally:
-        lock.release()
-
-
-def _lock(comm: object) -> threading.Lock:
-    """``comm``'s lock for :func:`_exclusive` (made on first use)."""
-    with _registry:
-        lock = _locks.get(comm)
-        if lock is None:
-            lock = _locks[comm] = threading.Lock()
-    return lock
-
-
-def _busy(comm: object, call: str, rank: int) -> CommError:
-    """The error of a call on a communicator another thread is using (see _exclusive)."""
-    name = comm.backend_name() if hasattr(comm, "backend_name") else type(comm).__name__
-    return CommError(
-        f"[rank {rank}] {call}: the communicator ({name}) is in use by another thread; a "
-        "communicator runs one compressed call at a time (give each thread its own process "
-        "group or communicator)",
-        call,
-        name,
-        0,
-        rank,
-    )
-
-
-# torch's raw current-stream getter (an int, no Stream object) where this torch build has it.
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-def _current_stream(device: torch.device) -> int:
-    """The handle of torch's current CUDA stream on ``device``."""
-    if _raw_stream is not None and device.index is not None:
-        return _raw_stream(device.index)
-    return torch.cuda.current_stream(device).cuda_stream
-
-
 def _check_disjoint(call: str, rank: int, **tensors: Optional[torch.Tensor]) -> None:
     """ValueError naming two arguments whose memory overlaps (all are contiguous tensors).
 
@@ -233,23 +162,11 @@ def _check_disjoint(call: str, rank: int, **tensors: Optional[torch.Tensor]) -> 
                 )
 
 
-_layouts: dict = {}
-
-
 def workspace_bytes(padded: int, world: int, cuda: bool) -> int:
     """Bytes of scratch one compressed call of ``padded`` elements over ``world`` ranks needs
     (host or CUDA layout): what :func:`compressed_allreduce` and :func:`compressed_reduce_scatter`
     (and the 1-bit exchanges of the optimizers and ZeRO) allocate per communicator."""
     return _layout_total(padded, world, cuda)
-
-
-def _layout_total(padded: int, world: int, cuda: bool) -> int:
-    key = (padded, world, cuda)
-    total = _layouts.get(key)
-    if total is None:
-        total = _C.compressed_allreduce_layout(padded, world, cuda)["total"]
-        _layouts[key] = total
-    return total
 
 
 def compressed_allreduce(
