@@ -177,7 +177,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "torch": torch.__version__,
         "build_info": compcomm.build_info(),
         "default_communicator": default.backend_name(),
-        "default_alone": bool(getattr(default, "alone", False)),
+        "default_alone": bool(default.alone(torch.cuda.current_device())),
         "command": "python bench/bench_latency.py "
         + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -332,7 +332,7 @@ struct Call {
     chunk = padded / world;
     dtype = static_cast<int32_t>(tensor.dtype);
     stream = opts.stream;
-    alone = world == 1 && comm.alone();
+    alone = comm.alone(tensor.device);
     // A whole call alone receives nothing an abort could cancel; a split call's commit may follow a
     // batched exchange that did run collectives, so it keeps the gate.
     gate = opts.gate && !(alone && phase == kWhole);

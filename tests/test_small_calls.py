@@ -211,9 +211,9 @@ class _Counting(_C.Communicator):
 
 
 def test_alone_only_for_backends_that_say_so() -> None:
-    assert _C.LocalCommunicator().alone
+    assert _C.LocalCommunicator().alone(-1) and _C.LocalCommunicator().alone(0)
     counting = _Counting()
-    assert not counting.alone
+    assert not counting.alone(-1)
     assert _C.LocalCommunicator().id != _C.LocalCommunicator().id
 
 

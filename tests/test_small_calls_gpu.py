@@ -137,7 +137,7 @@ def _nonfinite_changes_nothing(group) -> None:
 
 def test_local_alone_nonfinite_changes_nothing() -> None:
     comm = _C.LocalCommunicator()
-    assert comm.alone
+    assert comm.alone(0)
     _nonfinite_changes_nothing(comm)
 
 
@@ -156,7 +156,7 @@ def test_nccl_one_rank_alone() -> None:
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     try:
         comm = compcomm.get_communicator(None)
-        assert comm.backend_name() == "nccl" and comm.alone
+        assert comm.backend_name() == "nccl" and comm.alone(comm.device) and not comm.alone(-1)
         g = torch.Generator().manual_seed(5)
         xs = [torch.randn(4099, generator=g) for _ in range(3)]
         outs = {}

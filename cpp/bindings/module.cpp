@@ -212,10 +212,10 @@ PYBIND11_MODULE(_C, m) {
       .def("reset_bytes_sent", &Communicator::reset_bytes_sent)
       .def_property_readonly("id", &Communicator::id,
                              "Unique over the process's lifetime (a later communicator never reuses it).")
-      .def_property_readonly("alone", &Communicator::alone,
-                             "A world of one rank whose collectives are plain copies: the 1-bit "
-                             "algorithms then run none (True for LocalCommunicator and a one-rank "
-                             "NCCL communicator; False for Python subclasses).")
+      .def("alone", &Communicator::alone, py::arg("device"),
+           "Whether this is a world of one rank whose collectives on buffers of `device` (-1: host) "
+           "are plain copies: the 1-bit algorithms then run none (LocalCommunicator: always; a "
+           "one-rank NCCL communicator: on its device; Python subclasses: never).")
       .def_property_readonly(
           "abort_flag",
           [](const Communicator& c) { return reinterpret_cast<uintptr_t>(c.abort_flag()); },
