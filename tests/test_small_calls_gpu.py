@@ -169,6 +169,13 @@ def test_nccl_one_rank_alone() -> None:
         for a, b in zip(outs[DEV], outs["cpu"]):
             torch.testing.assert_close(a, b, rtol=0.0, atol=1e-5 * max(1.0, float(b.abs().max())))
         _nonfinite_changes_nothing(None)
+        # Not alone for host buffers: NCCL still refuses them, naming the argument.
+        t = torch.randn(64)
+        we, se = compcomm.error_buffers(t)
+        t0 = t.clone()
+        with pytest.raises(ValueError, match="host memory"):
+            compcomm.compressed_allreduce(t, we, se)
+        assert torch.equal(t, t0) and int(we.count_nonzero()) == 0
         comm.abort("test: closed")
         t = torch.randn(64, device=DEV)
         we, se = compcomm.error_buffers(t, comm)
