@@ -177,6 +177,35 @@ def test_cache_holds_no_tensor() -> None:
     assert all(r() is None for r in refs)
 
 
+def test_cache_keeps_no_workspace_of_a_dropped_communicator() -> None:
+    import gc
+    import weakref
+
+    comm = _C.LocalCommunicator()
+    t, we, se = _state(4099, 12, comm)
+    compcomm.compressed_allreduce(t, we, se, group=comm)
+    ws = weakref.ref(collectives._workspaces[comm][t.device])
+    assert ws() is not None
+    del comm
+    gc.collect()
+    assert ws() is None
+
+
+def test_cleared_workspaces_are_made_again() -> None:
+    comm = _C.LocalCommunicator()
+    a = _state(4099, 13, comm)
+    b = [x.clone() for x in a]
+    compcomm.compressed_allreduce(*a, group=comm)
+    collectives._workspaces.clear()  # what bench/gpu_bench.py does between sizes
+    compcomm.compressed_allreduce(*a, group=comm)
+    assert comm in collectives._workspaces
+    other = _C.LocalCommunicator()
+    for _ in range(2):
+        compcomm.compressed_allreduce(*b, group=other)
+    for u, v in zip(_bits(*a), _bits(*b)):
+        assert torch.equal(u, v)
+
+
 # ---- Communicator.alone ----------------------------------------------------------------------------
 
 

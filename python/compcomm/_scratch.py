@@ -15,9 +15,16 @@ from . import _C
 from .errors import CommError
 
 
-# communicator -> {device: uint8 scratch}. Per communicator, not per device: the scratch holds the
-# call's headers and signs while it runs, so two communicators used from two threads at once must
-# not share it. Weak keys: a dropped communicator takes its scratch with it.
+class PerDevice(dict):
+    """device -> uint8 scratch of one communicator: a dict that can be weakly referenced (the
+    validation cache of compressed_allreduce must not keep a dropped communicator's scratch)."""
+
+    __slots__ = ("__weakref__",)
+
+
+# communicator -> PerDevice {device: uint8 scratch}. Per communicator, not per device: the scratch
+# holds the call's headers and signs while it runs, so two communicators used from two threads at
+# once must not share it. Weak keys: a dropped communicator takes its scratch with it.
 workspaces: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 # communicator -> Lock held for the duration of one compressed call on it (see exclusive).
 locks: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -32,13 +39,17 @@ def workspace(comm: object, device: torch.device, nbytes: int) -> torch.Tensor:
     (run one eager call of the largest size first). Call it only inside :func:`exclusive` on
     ``comm``: the lock is what keeps two calls from sharing the scratch.
     """
-    with registry:
-        per_device = workspaces.setdefault(comm, {})
-    ws = per_device.get(device)
+    ws = per_device_of(comm).get(device)
     if ws is None or ws.numel() < nbytes:
         ws = torch.zeros(max(nbytes, 1), dtype=torch.uint8, device=device)
-        per_device[device] = ws
+        per_device_of(comm)[device] = ws
     return ws
+
+
+def per_device_of(comm: object) -> PerDevice:
+    """``comm``'s workspaces by device (made on first use)."""
+    with registry:
+        return workspaces.setdefault(comm, PerDevice())
 
 
 @contextlib.contextmanager

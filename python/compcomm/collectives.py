@@ -18,9 +18,9 @@ from ._scratch import current_stream as _current_stream
 from ._scratch import exclusive as _exclusive
 from ._scratch import layout_total as _layout_total
 from ._scratch import lock_of as _lock
-from ._scratch import registry as _registry
+from ._scratch import per_device_of as _per_device_of
 from ._scratch import workspace as _workspace
-from ._scratch import workspaces as _workspaces
+from ._scratch import workspaces as _workspaces  # noqa: F401  (tests and bench read it)
 
 __all__ = [
     "compressed_allreduce",
@@ -280,14 +280,19 @@ _PREPARED_MAX = 1024
 
 class _Prepared:
     """One validated (communicator, tensor, worker_error, server_error): sizes and Buffers, the
-    communicator's lock and workspaces, and the Buffer of the workspace last used."""
+    communicator's lock, a weak reference to its workspaces, and the Buffer of the workspace last
+    used."""
 
     __slots__ = ("world", "rank", "cuda", "device", "tensor", "worker_error", "server_error",
                  "total", "lock", "per_device", "ws_ref", "ws_buffer")
 
     def workspace_buffer(self, comm: object) -> _C.Buffer:
         """The communicator's workspace as a Buffer (grown if needed). Call it holding ``lock``."""
-        ws = self.per_device.get(self.device)
+        per_device = self.per_device()
+        if per_device is None:  # the cache of workspaces was dropped meanwhile
+            per_device = _per_device_of(comm)
+            self.per_device = weakref.ref(per_device)
+        ws = per_device.get(self.device)
         if ws is None or ws.numel() < self.total:
             ws = _workspace(comm, self.device, self.total)
         if self.ws_ref is None or self.ws_ref() is not ws:
@@ -335,8 +340,7 @@ def _prepare_allreduce(comm: object, tensor: object, worker_error: object,
     p.server_error = _raw_buffer(server_error)
     p.total = _layout_total(padded, world, p.cuda)
     p.lock = _lock(comm)
-    with _registry:
-        p.per_device = _workspaces.setdefault(comm, {})
+    p.per_device = weakref.ref(_per_device_of(comm))
     p.ws_ref = p.ws_buffer = None
     return p
 
