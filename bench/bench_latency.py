@@ -182,7 +182,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
-    rows = []
+    rows: List[dict] = []
+    os.makedirs(args.out, exist_ok=True)
     for k in (int(x) for x in args.sizes.split(",")):
         iters = args.iters if k <= 24 else max(20, args.iters // 10)
         r = run_size(k, local, iters)
@@ -190,15 +191,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"2^{k}: " + "  ".join(f"{m} {r[m]['events_us']:.1f}/{r[m]['wall_us']:.1f} us" for m in
                                      ("default", "default_nocheck", "local", "local_nocheck", "graph",
                                       "nccl_allreduce")), flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "latency.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    md = markdown(meta, rows)
-    with open(os.path.join(args.out, "latency.md"), "w") as f:
-        f.write(md)
+        # written after every size, so a run cut short still leaves what it measured
+        with open(os.path.join(args.out, "latency.json"), "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        md = markdown(meta, rows)
+        with open(os.path.join(args.out, "latency.md"), "w") as f:
+            f.write(md)
     print(md)
-    dist.destroy_process_group()
     compcomm._comm.forget_process_groups()
+    dist.destroy_process_group()
     return 0
 
 

@@ -18,12 +18,12 @@ START=$(date +%s)
 status=0
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >"$OUT/summary.txt" 2>&1
 (cd /tmp && python3 -c 'import compcomm; print(compcomm.__file__, compcomm.build_info())') >>"$OUT/summary.txt" 2>&1
-timeout 62 python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py tests/test_nccl.py \
+timeout 68 python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py tests/test_nccl.py \
   tests/test_small_calls_gpu.py >"$OUT/tests.log" 2>&1
 rc=$?; [ $rc -eq 0 ] || status=1
 echo "tests: rc=$rc, $(tail -1 "$OUT/tests.log") ($(( $(date +%s) - START )) s)" | tee -a "$OUT/summary.txt"
 t0=$(date +%s)
-timeout 35 python3 bench/bench_latency.py --sizes 20,28 --out "$OUT" >"$OUT/bench.log" 2>&1
+timeout 28 python3 bench/bench_latency.py --sizes 20,28 --out "$OUT" >"$OUT/bench.log" 2>&1
 rc=$?; [ $rc -eq 0 ] || status=1
 echo "bench: rc=$rc in $(( $(date +%s) - t0 )) s: $(grep -E 'Target' "$OUT/bench.log" | tail -1)" \
   | tee -a "$OUT/summary.txt"
