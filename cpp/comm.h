@@ -54,6 +54,12 @@ class Communicator {
   // (kernels::commit_gate) and writes nothing once it is set. nullptr (the default): this backend's
   // calls complete or fail on the host, so nothing after them can see data that never arrived.
   const int* abort_flag() const { return do_abort_flag(); }
+  // True for a world of one rank whose collectives on buffers of `device` (-1: host) would only
+  // copy send to recv on the caller's stream (nothing to wait for, nothing a peer can cancel, no
+  // argument error): an algorithm may then skip the collectives whose send and recv are the same
+  // memory. False unless the backend says so (do_alone), so a subclass that counts, fails or
+  // cancels its collectives still sees every one.
+  bool alone(int device) const { return size() == 1 && do_alone(device); }
 
  protected:
   virtual void do_all_to_all(const Buffer& send, const Buffer& recv, const CallOptions& opts) = 0;
@@ -65,6 +71,7 @@ class Communicator {
   virtual void do_barrier(const CallOptions& opts) = 0;
   virtual void do_check_open(const char* /*call*/) {}
   virtual const int* do_abort_flag() const { return nullptr; }
+  virtual bool do_alone(int /*device*/) const { return false; }
 
  private:
   int64_t bytes_sent_ = 0;

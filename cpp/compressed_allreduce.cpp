@@ -50,11 +50,9 @@ void check_padded(int64_t padded, int world, const char* name) {
 }
 
 struct Kernels {
-  decltype(&kernels::cpu::worker_scale_pack) worker_scale_pack;
-  decltype(&kernels::cpu::write_header) write_header;
+  decltype(&kernels::cpu::worker_scale_pack_header) worker_scale_pack_header;
   decltype(&kernels::cpu::server_scale_pack) server_scale_pack;
-  decltype(&kernels::cpu::server_update) server_update;
-  decltype(&kernels::cpu::worker_update_decompress) worker_update_decompress;
+  decltype(&kernels::cpu::commit) commit;
   decltype(&kernels::cpu::scale_workspace_bytes) scale_workspace_bytes;
   decltype(&kernels::cpu::decompress) decompress;
   decltype(&kernels::cpu::commit_gate) commit_gate;
@@ -62,12 +60,10 @@ struct Kernels {
 
 const Kernels& kernels_for(bool cuda) {
   namespace k = kernels;
-  static const Kernels cpu{k::cpu::worker_scale_pack, k::cpu::write_header,  k::cpu::server_scale_pack,
-                           k::cpu::server_update,     k::cpu::worker_update_decompress,
-                           k::cpu::scale_workspace_bytes, k::cpu::decompress, k::cpu::commit_gate};
-  static const Kernels gpu{k::cuda::worker_scale_pack, k::cuda::write_header,  k::cuda::server_scale_pack,
-                           k::cuda::server_update,     k::cuda::worker_update_decompress,
-                           k::cuda::scale_workspace_bytes, k::cuda::decompress, k::cuda::commit_gate};
+  static const Kernels cpu{k::cpu::worker_scale_pack_header, k::cpu::server_scale_pack, k::cpu::commit,
+                           k::cpu::scale_workspace_bytes,    k::cpu::decompress,        k::cpu::commit_gate};
+  static const Kernels gpu{k::cuda::worker_scale_pack_header, k::cuda::server_scale_pack, k::cuda::commit,
+                           k::cuda::scale_workspace_bytes,    k::cuda::decompress,        k::cuda::commit_gate};
   return cuda ? gpu : cpu;
 }
 
@@ -80,6 +76,26 @@ void check_status(kernels::Status s, const char* kernel, int rank) {
   throw BackendError(detail::concat("[rank ", rank, "] kernel ", kernel, " failed with status ",
                                     static_cast<int>(s)),
                      kernel, "kernels", static_cast<int>(s), rank);
+}
+
+// Pinned host memory for the device headers' copy (into pageable memory the copy is staged and
+// slower): one block per thread, grown on demand, reused by every later call on that thread.
+Header* pinned_headers(int64_t count, int rank) {
+  struct Block {
+    void* p = nullptr;
+    int64_t bytes = 0;
+    ~Block() { kernels::host_free(p); }
+  };
+  thread_local Block block;
+  const int64_t need = std::max<int64_t>(4096, count * static_cast<int64_t>(sizeof(Header)));
+  if (block.bytes < need) {
+    void* p = nullptr;
+    check_status(kernels::host_alloc(&p, need), "host_alloc", rank);
+    kernels::host_free(block.p);
+    block.p = p;
+    block.bytes = need;
+  }
+  return static_cast<Header*>(block.p);
 }
 
 // memset/memcpy on host memory, their stream-ordered CUDA counterparts on device memory.
@@ -267,7 +283,8 @@ struct Call {
   Buffer ws_buf;
   SeenKey key;
   bool host_check;
-  bool gate;  // CallOptions::gate
+  bool alone;  // a world of one rank whose collectives are copies (Communicator::alone): none run
+  bool gate;   // CallOptions::gate, except in a whole call alone (see the constructor)
   const float* sigmas;
   int64_t sigma_stride;
   float* tau;
@@ -315,7 +332,10 @@ struct Call {
     chunk = padded / world;
     dtype = static_cast<int32_t>(tensor.dtype);
     stream = opts.stream;
-    gate = opts.gate;
+    alone = comm.alone(tensor.device);
+    // A whole call alone receives nothing an abort could cancel; a split call's commit may follow a
+    // batched exchange that did run collectives, so it keeps the gate.
+    gate = opts.gate && !(alone && phase == kWhole);
     key = SeenKey{comm.id(), n, padded, dtype};
     // A split call is always checked on the host, so its commit needs no device-side guard.
     host_check = !cuda || opts.check || phase != kWhole || !seen_before(key);
@@ -328,9 +348,9 @@ struct Call {
   // 1. Worker scale and signs in one read of m and e (writes only the workspace), then the header --
   //    filled where it lives, so on GPU the scale never leaves the device.
   void worker() {
-    check_status(k->worker_scale_pack(m, itype, n, e, padded, &header->scale, signs_send, scratch, stream),
-                 "worker_scale_pack", rank);
-    check_status(k->write_header(header, n, padded, dtype, kHeaderMagic, stream), "write_header", rank);
+    check_status(k->worker_scale_pack_header(m, itype, n, e, padded, header, dtype, kHeaderMagic, signs_send,
+                                             scratch, stream),
+                 "worker_scale_pack_header", rank);
   }
 
   // 2. Validate every rank's header (in `headers`) before any variable-sized exchange and before
@@ -340,14 +360,13 @@ struct Call {
     fault_point("exit_after_header", cuda, stream);  // tests: a rank that dies mid-exchange
     if (!host_check) return;
     if (cuda) {
-      std::vector<Header> host(static_cast<size_t>(world));
-      check_status(kernels::device_copy(host.data(), headers, sizeof(Header) * world, stream), "device_copy",
-                   rank);
+      Header* host = pinned_headers(world, rank);
+      check_status(kernels::device_copy(host, headers, sizeof(Header) * world, stream), "device_copy", rank);
       check_status(kernels::stream_sync(stream), "stream_sync", rank);
       // A watchdog abort (a peer died or never called) also ends the wait, with `headers` never
       // received: raise that timeout or failure, not a verdict on stale bytes.
       comm.check_open(name);
-      check_host(host.data());
+      check_host(host);
     } else {
       check_host(headers);
     }
@@ -401,13 +420,10 @@ struct Call {
     // (The test fault also drops the guard of a checked call, as before: the records an abort left
     // are arbitrary bytes, and the test shows that, ungated, they are written.)
     const float* guard = no_gate && host_check ? nullptr : taus;
-    check_status(k->server_update(signs_recv, sigmas, sigma_stride, world, s, chunk, tau, stream, guard,
-                                  tau_stride),
-                 "server_update", rank);
-    check_status(k->worker_update_decompress(m, itype, n, e, padded, &header->scale, taus, tau_stride,
-                                             reinterpret_cast<const uint8_t*>(records + kRecordScaleBytes),
-                                             l.record_bytes, world, stream, guard, tau_stride),
-                 "worker_update_decompress", rank);
+    check_status(k->commit(signs_recv, sigmas, sigma_stride, s, tau, m, itype, n, e, padded, &header->scale, taus,
+                           tau_stride, reinterpret_cast<const uint8_t*>(records + kRecordScaleBytes),
+                           l.record_bytes, world, stream, guard, tau_stride),
+                 "commit", rank);
     if (out != nullptr)
       check_status(k->decompress(tau, packed, chunk, static_cast<float*>(out->data), stream, guard, tau_stride,
                                  world),
@@ -421,23 +437,34 @@ void run_compressed(const char* name, Communicator& comm, const Buffer& tensor, 
   Call c(name, comm, tensor, worker_error, server_error, out, workspace, opts, phase);
   const kernels::ScopedDevice on_device(tensor.device);  // callers may be on any thread and device
   const CompressedAllreduceLayout& l = c.l;
+  // Alone (one rank, collectives that are copies), every receive region of the layout is its send
+  // region, so no collective runs. On a GPU the header check then moves to the end of a whole call:
+  // one stream sync after everything is queued instead of one in the middle. That is still all or
+  // nothing: a non-finite worker scale makes the server scale non-finite too, so the guarded commit
+  // queued before the check writes nothing, and the check raises NonFiniteError.
+  const bool defer = c.alone && c.cuda && phase == kWhole;
   if (phase & kExchange) {
+    if (c.alone) comm.check_open(name);  // a closed communicator still raises
     c.worker();
-    comm.all_gather(c.ws_buf.reinterpret(DType::kUInt8, l.header_send, sizeof(Header)),
-                    c.ws_buf.reinterpret(DType::kUInt8, l.header_recv, sizeof(Header) * c.world), opts);
-    c.check();
-    if (c.padded == 0) return;
-    // 3. Worker signs to their server ranks.
-    comm.all_to_all(c.ws_buf.reinterpret(DType::kUInt8, l.signs_send, c.padded / 8),
-                    c.ws_buf.reinterpret(DType::kUInt8, l.signs_recv, c.padded / 8), opts);
-    c.server();
-    if (out == nullptr)
-      comm.all_gather(c.ws_buf.reinterpret(DType::kUInt8, l.record_send, l.record_bytes),
-                      c.ws_buf.reinterpret(DType::kUInt8, l.record_recv, l.record_bytes * c.world), opts);
-    else
-      c.local_records();
+    if (!c.alone)
+      comm.all_gather(c.ws_buf.reinterpret(DType::kUInt8, l.header_send, sizeof(Header)),
+                      c.ws_buf.reinterpret(DType::kUInt8, l.header_recv, sizeof(Header) * c.world), opts);
+    if (!defer) c.check();
+    if (c.padded != 0) {
+      // 3. Worker signs to their server ranks.
+      if (!c.alone)
+        comm.all_to_all(c.ws_buf.reinterpret(DType::kUInt8, l.signs_send, c.padded / 8),
+                        c.ws_buf.reinterpret(DType::kUInt8, l.signs_recv, c.padded / 8), opts);
+      c.server();
+      if (out != nullptr)
+        c.local_records();
+      else if (!c.alone)
+        comm.all_gather(c.ws_buf.reinterpret(DType::kUInt8, l.record_send, l.record_bytes),
+                        c.ws_buf.reinterpret(DType::kUInt8, l.record_recv, l.record_bytes * c.world), opts);
+    }
   }
-  if (phase & kCommit) c.commit();
+  if (phase & kCommit) c.commit();  // nothing to write when padded == 0
+  if (defer) c.check();
 }
 
 // The staging of a batched exchange (byte offsets, each 256-byte aligned): headers, signs and records

@@ -210,6 +210,12 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("bytes_sent", &Communicator::bytes_sent,
                              "Bytes this rank has sent through this communicator (nccl-tests conventions).")
       .def("reset_bytes_sent", &Communicator::reset_bytes_sent)
+      .def_property_readonly("id", &Communicator::id,
+                             "Unique over the process's lifetime (a later communicator never reuses it).")
+      .def("alone", &Communicator::alone, py::arg("device"),
+           "Whether this is a world of one rank whose collectives on buffers of `device` (-1: host) "
+           "are plain copies: the 1-bit algorithms then run none (LocalCommunicator: always; a "
+           "one-rank NCCL communicator: on its device; Python subclasses: never).")
       .def_property_readonly(
           "abort_flag",
           [](const Communicator& c) { return reinterpret_cast<uintptr_t>(c.abort_flag()); },
@@ -373,6 +379,45 @@ PYBIND11_MODULE(_C, m) {
       py::arg("out_signs"), py::arg("out_sign_stride"), py::arg("world"), py::arg("stream") = 0,
       py::arg("guard") = std::optional<Buffer>(), py::arg("guard_stride") = 1,
       py::call_guard<py::gil_scoped_release>());
+  k.def(
+      "worker_scale_pack_header",
+      [](const Buffer& mm, const Buffer& e, const Buffer& header, const Buffer& signs, const Buffer& ws,
+         uint32_t magic, uintptr_t stream) {
+        COMPCOMM_CHECK(signs.bytes() * 8 >= e.count, "worker_scale_pack_header: signs needs P/8 bytes");
+        COMPCOMM_CHECK(header.bytes() >= static_cast<int64_t>(sizeof(kernels::ExchangeHeader)),
+                       "worker_scale_pack_header: header needs 32 bytes");
+        auto f = mm.on_host() ? kernels::cpu::worker_scale_pack_header : kernels::cuda::worker_scale_pack_header;
+        check(f(mm.data, itype(mm), mm.count, ptr<const float>(e), e.count,
+                static_cast<kernels::ExchangeHeader*>(header.data), static_cast<int32_t>(mm.dtype), magic,
+                ptr<uint8_t>(signs), ws.data, reinterpret_cast<void*>(stream)),
+              "worker_scale_pack_header");
+      },
+      py::arg("m"), py::arg("error"), py::arg("header"), py::arg("signs"), py::arg("workspace"),
+      py::arg("magic") = 0, py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+      "worker_scale_pack and the 32-byte exchange header (scale, flags, numel, padded, dtype code, "
+      "magic) in one launch.");
+  k.def(
+      "commit",
+      [](const Buffer& signs, const Buffer& scales, int64_t stride, const Buffer& serr, const Buffer& server_scale,
+         const Buffer& mm, const Buffer& e, const Buffer& scale, const Buffer& out_scales, int64_t out_scale_stride,
+         const Buffer& out_signs, int64_t out_sign_stride, int world, uintptr_t stream, std::optional<Buffer> guard,
+         int64_t guard_stride) {
+        COMPCOMM_CHECK(world >= 1 && serr.count * world == e.count,
+                       "commit: server_error needs error.numel() / world elements");
+        auto f = mm.on_host() ? kernels::cpu::commit : kernels::cuda::commit;
+        check(f(ptr<const uint8_t>(signs), ptr<const float>(scales), stride, ptr<float>(serr),
+                ptr<const float>(server_scale), mm.data, itype(mm), mm.count, ptr<float>(e), e.count,
+                ptr<const float>(scale), ptr<const float>(out_scales), out_scale_stride,
+                ptr<const uint8_t>(out_signs), out_sign_stride, world, reinterpret_cast<void*>(stream),
+                guard ? ptr<const float>(*guard) : nullptr, guard_stride),
+              "commit");
+      },
+      py::arg("signs"), py::arg("scales"), py::arg("scale_stride"), py::arg("server_error"),
+      py::arg("server_scale"), py::arg("m"), py::arg("error"), py::arg("scale"), py::arg("out_scales"),
+      py::arg("out_scale_stride"), py::arg("out_signs"), py::arg("out_sign_stride"), py::arg("world"),
+      py::arg("stream") = 0, py::arg("guard") = std::optional<Buffer>(), py::arg("guard_stride") = 1,
+      py::call_guard<py::gil_scoped_release>(),
+      "server_update and worker_update_decompress in one launch, under one guard.");
   k.def(
       "decompress",
       [](const Buffer& scale, const Buffer& packed, const Buffer& out, uintptr_t stream) {

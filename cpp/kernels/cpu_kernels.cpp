@@ -449,6 +449,28 @@ Status decompress(const float* scale, const uint8_t* packed, int64_t count, floa
   return Status::kSuccess;
 }
 
+Status worker_scale_pack_header(const void* m, InputType dtype, int64_t n, const float* error, int64_t padded,
+                                ExchangeHeader* header, int32_t header_dtype, uint32_t magic, uint8_t* signs,
+                                void* workspace, Stream stream) {
+  const Status s = worker_scale_pack(m, dtype, n, error, padded, &header->scale, signs, workspace, stream);
+  if (s != Status::kSuccess) return s;
+  return write_header(header, n, padded, header_dtype, magic, stream);
+}
+
+Status commit(const uint8_t* signs, const float* scales, int64_t scale_stride, float* server_error,
+              const float* server_scale, void* m, InputType dtype, int64_t n, float* error, int64_t padded,
+              const float* scale, const float* out_scales, int64_t out_scale_stride, const uint8_t* out_signs,
+              int64_t out_sign_stride, int world, Stream stream, const float* guard, int64_t guard_stride) {
+  // Validated and guarded before either write, so that both happen or neither does.
+  if (bad_sizes(n, padded) || world < 1 || padded % (8 * world) != 0) return Status::kInvalidArgument;
+  if (guard_trips(guard, guard_stride, world)) return Status::kSuccess;
+  const Status s = server_update(signs, scales, scale_stride, world, server_error, padded / world, server_scale,
+                                 stream);
+  if (s != Status::kSuccess) return s;
+  return worker_update_decompress(m, dtype, n, error, padded, scale, out_scales, out_scale_stride, out_signs,
+                                  out_sign_stride, world, stream);
+}
+
 Status commit_gate(const int* abort_flag, float* scales, int64_t stride, int world, Stream) {
   if (abort_flag == nullptr || scales == nullptr || world < 0) return Status::kInvalidArgument;
   // Read once, like the device twin: a concurrent setter may be another thread.

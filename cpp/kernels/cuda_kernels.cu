@@ -219,7 +219,8 @@ __device__ double block_sum(double v, double* sh) {
 }
 
 // *scale = fl32(fl32(sqrt(sum)) / fl32(sqrt(count))) over all blocks' `acc`; see the file comment.
-__device__ void finish_norm(double acc, void* scratch, float* scale, int64_t count) {
+// Returns true in the one thread that wrote *scale (the caller may then read it back).
+__device__ bool finish_norm(double acc, void* scratch, float* scale, int64_t count) {
   __shared__ double sh[32];
   __shared__ bool last;
   double* partials = static_cast<double*>(scratch);
@@ -231,7 +232,7 @@ __device__ void finish_norm(double acc, void* scratch, float* scale, int64_t cou
     last = atomicAdd(ticket, 1u) == gridDim.x - 1;
   }
   __syncthreads();
-  if (!last) return;
+  if (!last) return false;
   __threadfence();
   double v = 0.0;
   for (unsigned i = threadIdx.x; i < gridDim.x; i += blockDim.x) v += __ldcg(&partials[i]);
@@ -240,7 +241,9 @@ __device__ void finish_norm(double acc, void* scratch, float* scale, int64_t cou
     *scale = count == 0 ? 0.0f
                         : static_cast<float>(sqrt(v)) / static_cast<float>(sqrt(static_cast<double>(count)));
     *ticket = 0u;
+    return true;
   }
+  return false;
 }
 
 // Whether any guard scale is not finite (block-uniform). Every thread must call it.
@@ -253,10 +256,13 @@ __device__ bool guard_trips(const float* guard, int64_t stride, int world) {
 
 // ---- kernels -------------------------------------------------------------------------------------
 
+// With `header` (whose scale field is `scale`), the thread that wrote the scale also fills in the
+// rest of the header, as header_kernel would: one launch instead of two.
 template <int kType, bool kVec>
 __global__ void __launch_bounds__(kThreads)
     worker_kernel(const void* __restrict__ m, int64_t n, const float* __restrict__ e, int64_t padded,
-                  uint8_t* __restrict__ signs, float* scale, void* scratch) {
+                  uint8_t* __restrict__ signs, float* scale, void* scratch, ExchangeHeader* header,
+                  int32_t header_dtype, uint32_t magic) {
   const int64_t groups = padded / 8;
   double acc = 0.0;
   for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < groups;
@@ -269,7 +275,13 @@ __global__ void __launch_bounds__(kThreads)
     acc += sumsq8(x);
     signs[g] = pack8(x);
   }
-  finish_norm(acc, scratch, scale, padded);
+  if (finish_norm(acc, scratch, scale, padded) && header != nullptr) {
+    header->flags = isfinite(*scale) ? 0u : 1u;
+    header->numel = n;
+    header->padded = padded;
+    header->dtype = header_dtype;
+    header->magic = magic;
+  }
 }
 
 enum : int { kServerScale = 1, kServerPack = 2, kServerUpdate = 4 };
@@ -335,6 +347,52 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// server_kernel<kServerUpdate> on groups [0, C/8) and commit_kernel on [0, P/8) in one grid: the
+// same arithmetic per element (explicit _rn products keep the compiler from contracting the server
+// sums into FMAs, as the CPU twin does not), so the same bits. kVecS: the server error is aligned.
+template <int kType, bool kVec, bool kVecS>
+__global__ void __launch_bounds__(kThreads)
+    commit_all_kernel(const uint8_t* __restrict__ signs, const float* scales, int64_t stride, float* serr,
+                      const float* tau_in, void* m, int64_t n, float* e, int64_t padded, const float* scale,
+                      const float* out_scales, int64_t oss, const uint8_t* out_signs, int64_t osb, int world,
+                      const float* guard, int64_t guard_stride) {
+  if (guard_trips(guard, guard_stride, world)) return;
+  const float sigma = *scale, tau = *tau_in;
+  const float inv_w = 1.0f / static_cast<float>(world);
+  const int64_t groups = padded / 8, chunk_groups = groups / world;
+  for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < groups;
+       g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    if (g < chunk_groups) {  // the server error of this rank's chunk
+      float c[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+      for (int i = 0; i < world; ++i) {
+        const float a = __fmul_rn(scales[i * stride], inv_w);
+        const uint32_t byte = signs[i * chunk_groups + g];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) c[j] = __fadd_rn(c[j], (byte >> (7 - j)) & 1u ? a : -a);
+      }
+      float s[8];
+      load_f8<kVecS>(serr, 8 * g, s);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        c[j] = __fadd_rn(c[j], s[j]);
+        s[j] = __fsub_rn(c[j], __fmul_rn(tau, sgn(c[j])));
+      }
+      store_f8<kVecS>(serr, 8 * g, s);
+    }
+    const int64_t j = world == 1 ? 0 : g / chunk_groups, b = g - j * chunk_groups;
+    float x[8], y[8];
+    load_m8<kType, kVec>(m, n, 8 * g, x);
+    load_f8<kVec>(e, 8 * g, y);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      x[i] = __fadd_rn(x[i], y[i]);
+      y[i] = __fsub_rn(x[i], __fmul_rn(sigma, sgn(x[i])));
+    }
+    store_f8<kVec>(e, 8 * g, y);
+    store_out8<kType, kVec>(m, n, 8 * g, out_scales[j * oss], out_signs[j * osb + b]);
+  }
+}
+
 __global__ void header_kernel(ExchangeHeader* h, int64_t numel, int64_t padded, int32_t dtype,
                               uint32_t magic) {
   h->flags = isfinite(h->scale) ? 0u : 1u;
@@ -357,13 +415,15 @@ Status dispatch(InputType dtype, bool vec, F&& f) {
 }
 
 Status worker_launch(const void* m, InputType dtype, int64_t n, const float* e, int64_t padded,
-                     float* scale, uint8_t* signs, void* ws, Stream stream) {
+                     float* scale, uint8_t* signs, void* ws, Stream stream, ExchangeHeader* header = nullptr,
+                     int32_t header_dtype = 0, uint32_t magic = 0) {
   if (bad_sizes(n, padded)) return Status::kInvalidArgument;
   const int grid = grid_for(padded / 8, true);
   auto s = static_cast<cudaStream_t>(stream);
   return dispatch(dtype, aligned16(m) && aligned16(e), [&](auto tag) {
     using T = decltype(tag);
-    worker_kernel<T::kType, T::kVec><<<grid, kThreads, 0, s>>>(m, n, e, padded, signs, scale, ws);
+    worker_kernel<T::kType, T::kVec><<<grid, kThreads, 0, s>>>(m, n, e, padded, signs, scale, ws, header,
+                                                              header_dtype, magic);
   });
 }
 
@@ -410,6 +470,32 @@ size_t scale_workspace_bytes(int64_t) { return kScratchBytes; }
 Status worker_scale_pack(const void* m, InputType dtype, int64_t n, const float* error, int64_t padded,
                          float* scale, uint8_t* signs, void* workspace, Stream stream) {
   return worker_launch(m, dtype, n, error, padded, scale, signs, workspace, stream);
+}
+
+Status worker_scale_pack_header(const void* m, InputType dtype, int64_t n, const float* error, int64_t padded,
+                                ExchangeHeader* header, int32_t header_dtype, uint32_t magic, uint8_t* signs,
+                                void* workspace, Stream stream) {
+  if (header == nullptr) return Status::kInvalidArgument;
+  return worker_launch(m, dtype, n, error, padded, &header->scale, signs, workspace, stream, header, header_dtype,
+                       magic);
+}
+
+Status commit(const uint8_t* signs, const float* scales, int64_t scale_stride, float* server_error,
+              const float* server_scale, void* m, InputType dtype, int64_t n, float* error, int64_t padded,
+              const float* scale, const float* out_scales, int64_t out_scale_stride, const uint8_t* out_signs,
+              int64_t out_sign_stride, int world, Stream stream, const float* guard, int64_t guard_stride) {
+  if (bad_sizes(n, padded) || world < 1 || padded % (8 * world) != 0) return Status::kInvalidArgument;
+  if (padded == 0) return Status::kSuccess;
+  const int grid = grid_for(padded / 8, false);
+  auto s = static_cast<cudaStream_t>(stream);
+  const bool vec = aligned16(m) && aligned16(error);
+  const bool vec_s = aligned16(server_error);
+  return dispatch(dtype, vec, [&](auto tag) {
+    using T = decltype(tag);
+    auto* k = vec_s ? commit_all_kernel<T::kType, T::kVec, true> : commit_all_kernel<T::kType, T::kVec, false>;
+    k<<<grid, kThreads, 0, s>>>(signs, scales, scale_stride, server_error, server_scale, m, n, error, padded, scale,
+                                out_scales, out_scale_stride, out_signs, out_sign_stride, world, guard, guard_stride);
+  });
 }
 
 Status server_scale_pack(const uint8_t* signs, const float* scales, int64_t stride, int world,
@@ -489,6 +575,18 @@ Status device_fill(void* dst, int value, int64_t bytes, Stream stream) {
   return cudaMemsetAsync(dst, value, static_cast<size_t>(bytes), static_cast<cudaStream_t>(stream)) == cudaSuccess
              ? Status::kSuccess
              : Status::kCudaError;
+}
+
+Status host_alloc(void** ptr, int64_t bytes) {
+  if (ptr == nullptr || bytes <= 0) return Status::kInvalidArgument;
+  if (cudaHostAlloc(ptr, static_cast<size_t>(bytes), cudaHostAllocPortable) == cudaSuccess) return Status::kSuccess;
+  cudaGetLastError();  // clear it, so the next launch does not report this failure as its own
+  *ptr = nullptr;
+  return Status::kCudaError;
+}
+
+void host_free(void* ptr) {
+  if (ptr != nullptr && cudaFreeHost(ptr) != cudaSuccess) cudaGetLastError();
 }
 
 Status stream_sync(Stream stream) {

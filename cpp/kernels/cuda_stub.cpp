@@ -27,6 +27,14 @@ Status write_header(ExchangeHeader*, int64_t, int64_t, int32_t, uint32_t, Stream
 Status decompress(const float*, const uint8_t*, int64_t, float*, Stream, const float*, int64_t, int) {
   return Status::kNotBuilt;
 }
+Status worker_scale_pack_header(const void*, InputType, int64_t, const float*, int64_t, ExchangeHeader*, int32_t,
+                                uint32_t, uint8_t*, void*, Stream) {
+  return Status::kNotBuilt;
+}
+Status commit(const uint8_t*, const float*, int64_t, float*, const float*, void*, InputType, int64_t, float*, int64_t,
+              const float*, const float*, int64_t, const uint8_t*, int64_t, int, Stream, const float*, int64_t) {
+  return Status::kNotBuilt;
+}
 Status commit_gate(const int*, float*, int64_t, int, Stream) { return Status::kNotBuilt; }
 }  // namespace cuda
 Status device_copy(void*, const void*, int64_t, Stream) { return Status::kNotBuilt; }
@@ -34,4 +42,6 @@ Status device_fill(void*, int, int64_t, Stream) { return Status::kNotBuilt; }
 ScopedDevice::ScopedDevice(int) {}
 ScopedDevice::~ScopedDevice() {}
 Status stream_sync(Stream) { return Status::kNotBuilt; }
+Status host_alloc(void**, int64_t) { return Status::kNotBuilt; }
+void host_free(void*) {}
 }  // namespace compcomm::kernels

@@ -73,6 +73,20 @@ static_assert(sizeof(ExchangeHeader) == 32, "ExchangeHeader is exchanged as 32 r
   Status decompress(const float* scale, const uint8_t* packed, int64_t count, float* out,            \
                     Stream stream, const float* guard = nullptr, int64_t guard_stride = 0,            \
                     int guard_count = 0);                                                             \
+  /* Pass 1 and the header in one launch: worker_scale_pack(m, dtype, n, error, padded,              \
+     &header->scale, signs, workspace), then write_header(header, n, padded, header_dtype, magic). */ \
+  Status worker_scale_pack_header(const void* m, InputType dtype, int64_t n, const float* error,     \
+                                  int64_t padded, ExchangeHeader* header, int32_t header_dtype,      \
+                                  uint32_t magic, uint8_t* signs, void* workspace, Stream stream);   \
+  /* The whole commit in one launch: server_update(signs, scales, scale_stride, world, server_error, \
+     padded / world, server_scale) and worker_update_decompress(m, dtype, n, error, padded, scale,    \
+     out_scales, out_scale_stride, out_signs, out_sign_stride, world), under one guard: both write   \
+     or neither does. Same bits as the two calls. */                                                 \
+  Status commit(const uint8_t* signs, const float* scales, int64_t scale_stride, float* server_error, \
+                const float* server_scale, void* m, InputType dtype, int64_t n, float* error,        \
+                int64_t padded, const float* scale, const float* out_scales, int64_t out_scale_stride, \
+                const uint8_t* out_signs, int64_t out_sign_stride, int world, Stream stream,          \
+                const float* guard = nullptr, int64_t guard_stride = 0);                             \
   /* Commit gate: if *abort_flag != 0, scales[i*stride] = NaN for i < world (the commit kernels given  \
      those scales as their guard then write nothing); else nothing. On GPU abort_flag may be mapped   \
      host memory that another thread sets; it is read once, when the gate runs in stream order. */    \
@@ -106,6 +120,11 @@ class ScopedDevice {
  private:
   int prev_ = -1;
 };
+
+// Page-locked host memory (device-to-host copies into it are direct and asynchronous); kNotBuilt
+// without CUDA. host_free(nullptr) is a no-op; errors of host_free are ignored (it may run at exit).
+Status host_alloc(void** ptr, int64_t bytes);
+void host_free(void* ptr);
 
 // Sets `bytes` bytes of device memory at dst to `value` on `stream`; kNotBuilt without CUDA.
 Status device_fill(void* dst, int value, int64_t bytes, Stream stream);

@@ -20,6 +20,7 @@ class LocalCommunicator final : public Communicator {
   void do_all_reduce(const Buffer&, ReduceOp, const CallOptions&) override {}
   void do_broadcast(const Buffer&, int, const CallOptions&) override {}
   void do_barrier(const CallOptions&) override {}
+  bool do_alone(int) const override { return true; }
 };
 
 // Copies `bytes` bytes between buffers on the same device (host memcpy or a CUDA copy on the stream).

@@ -96,6 +96,9 @@ class NcclCommunicator final : public Communicator {
   void do_check_open(const char* call) override;
   // The flag raise_abort_flag() sets (nullptr if mapped host memory was unavailable).
   const int* do_abort_flag() const override { return abort_flag_dev_; }
+  // One rank: NCCL's collectives are copies on the stream, untracked by the watchdog (no peer);
+  // buffers elsewhere than on device_ would be refused, so those calls still go to NCCL.
+  bool do_alone(int device) const override { return device == device_; }
 
  private:
   struct Pending;  // an event recorded after a collective, with its deadline (nccl_watchdog.h)

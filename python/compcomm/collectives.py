@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import numbers
-import threading
 import weakref
-from typing import Iterator, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 
 from . import _C
-from ._buffers import buffer_of
+from ._buffers import DTYPES, buffer_of
 from ._comm import Group, resolve
 from ._defaults import DEFAULT_TIMEOUT
-from .errors import CommError
+from ._scratch import busy_error as _busy
+from ._scratch import current_stream as _current_stream
+from ._scratch import exclusive as _exclusive
+from ._scratch import layout_total as _layout_total
+from ._scratch import lock_of as _lock
+from ._scratch import per_device_of as _per_device_of
+from ._scratch import workspace as _workspace
+from ._scratch import workspaces as _workspaces  # noqa: F401  (tests and bench read it)
 
 __all__ = [
     "compressed_allreduce",
@@ -30,13 +35,6 @@ __all__ = [
 
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-# communicator -> {device: uint8 scratch}. Per communicator, not per device: the scratch holds the
-# call's headers and signs while it runs, so two communicators used from two threads at once must
-# not share it. Weak keys: a dropped communicator takes its scratch with it.
-_workspaces: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-# communicator -> Lock held for the duration of one compressed call on it (see _exclusive).
-_locks: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_registry = threading.Lock()  # guards the two dicts above (WeakKeyDictionary is not thread-safe)
 
 
 def padded_numel(numel: int, world_size: int) -> int:
@@ -144,53 +142,6 @@ def _check_float32_vector(t: object, name: str, rank: int, numel: int, device: t
         )
 
 
-def _workspace(comm: object, device: torch.device, nbytes: int) -> torch.Tensor:
-    """``comm``'s cached uint8 scratch tensor on ``device``, grown on demand (torch's allocator).
-
-    Zero-filled when allocated: the GPU norm kernels need a zeroed scratch on first use and leave it
-    zeroed. Growing it replaces the tensor, so it must not happen while a CUDA graph is being captured
-    (run one eager call of the largest size first). Call it only inside :func:`_exclusive` on
-    ``comm``: the lock is what keeps two calls from sharing the scratch.
-    """
-    with _registry:
-        per_device = _workspaces.setdefault(comm, {})
-    ws = per_device.get(device)
-    if ws is None or ws.numel() < nbytes:
-        ws = torch.zeros(max(nbytes, 1), dtype=torch.uint8, device=device)
-        per_device[device] = ws
-    return ws
-
-
-@contextlib.contextmanager
-def _exclusive(comm: object, call: str, rank: int) -> Iterator[None]:
-    """Hold ``comm`` for one call; raise CommError at once if another thread holds it.
-
-    The rule: a communicator runs one compressed call at a time. Waiting would be no fix: two
-    threads' calls on one communicator can reach the ranks in different orders and pair the wrong
-    messages (wrong results or a hang), so a second concurrent call is refused, not queued.
-    Different communicators may be used from different threads at the same time.
-    """
-    with _registry:
-        lock = _locks.get(comm)
-        if lock is None:
-            lock = _locks[comm] = threading.Lock()
-    if not lock.acquire(blocking=False):
-        name = comm.backend_name() if hasattr(comm, "backend_name") else type(comm).__name__
-        raise CommError(
-            f"[rank {rank}] {call}: the communicator ({name}) is in use by another thread; a "
-            "communicator runs one compressed call at a time (give each thread its own process "
-            "group or communicator)",
-            call,
-            name,
-            0,
-            rank,
-        )
-    try:
-        yield
-    finally:
-        lock.release()
-
-
 def _check_disjoint(call: str, rank: int, **tensors: Optional[torch.Tensor]) -> None:
     """ValueError naming two arguments whose memory overlaps (all are contiguous tensors).
 
@@ -211,23 +162,11 @@ def _check_disjoint(call: str, rank: int, **tensors: Optional[torch.Tensor]) -> 
                 )
 
 
-_layouts: dict = {}
-
-
 def workspace_bytes(padded: int, world: int, cuda: bool) -> int:
     """Bytes of scratch one compressed call of ``padded`` elements over ``world`` ranks needs
     (host or CUDA layout): what :func:`compressed_allreduce` and :func:`compressed_reduce_scatter`
     (and the 1-bit exchanges of the optimizers and ZeRO) allocate per communicator."""
     return _layout_total(padded, world, cuda)
-
-
-def _layout_total(padded: int, world: int, cuda: bool) -> int:
-    key = (padded, world, cuda)
-    total = _layouts.get(key)
-    if total is None:
-        total = _C.compressed_allreduce_layout(padded, world, cuda)["total"]
-        _layouts[key] = total
-    return total
 
 
 def compressed_allreduce(
@@ -267,7 +206,9 @@ def compressed_allreduce(
         CUDA tensors only (CPU tensors are always checked; it is free there). ``True`` copies every
         rank's 32-byte header to the host and validates it before anything is written: one small
         device-to-host copy and stream synchronization per call (a few microseconds, and it stops
-        the host from running ahead of the GPU). ``False`` never synchronizes, so the call can be
+        the host from running ahead of the GPU). In a world of one rank (a LocalCommunicator, or
+        native NCCL with one rank) the sync comes at the end of the call instead; the commit queued
+        before it is guarded on the device, so a failed check still raises with nothing written. ``False`` never synchronizes, so the call can be
         captured in a CUDA graph: sizes are still validated on the host the first time a (group,
         numel, padded size, dtype) is seen (so make that first call outside graph capture), and
         afterwards a call in which some rank's input is not finite raises nothing but leaves
@@ -297,6 +238,78 @@ def compressed_allreduce(
     works outside autograd (``tensor`` is written through its storage).
     """
     comm = resolve(group)
+    try:  # what the checks below depend on; an argument that is no tensor fails here
+        key = (comm.id, _arg_key(tensor), _arg_key(worker_error), _arg_key(server_error))
+        prep = _prepared.get(key)
+    except (AttributeError, TypeError):
+        key = prep = None
+    if prep is None:
+        prep = _prepare_allreduce(comm, tensor, worker_error, server_error)
+        if key is not None:
+            if len(_prepared) >= _PREPARED_MAX:
+                _prepared.clear()
+            _prepared[key] = prep
+    timeout_s = DEFAULT_TIMEOUT if timeout is None else _check_timeout(
+        "compressed_allreduce", prep.rank, timeout)
+    # On torch's current stream of the tensor's device (the core switches to that device itself).
+    stream = _current_stream(prep.device) if prep.cuda else 0
+    if not prep.lock.acquire(blocking=False):
+        raise _busy(comm, "compressed_allreduce", prep.rank)
+    try:
+        _C.compressed_allreduce(comm, prep.tensor, prep.worker_error, prep.server_error,
+                                prep.workspace_buffer(comm), timeout_s, stream,
+                                bool(check) or not prep.cuda)
+    finally:
+        prep.lock.release()
+    return tensor
+
+
+def _arg_key(t: torch.Tensor) -> tuple:
+    """What compressed_allreduce's checks of one tensor argument depend on (AttributeError if
+    ``t`` is no tensor)."""
+    return (type(t), t.data_ptr(), t.numel(), t.dtype, t.is_contiguous(), t.device)
+
+
+# Validated compressed_allreduce calls: (communicator id, _arg_key of each tensor) -> _Prepared. A
+# call whose key matches skips the checks and the Buffer construction, most of a small call's host
+# time. Buffers hold no tensor (the key's addresses and sizes define them), so the cache keeps no
+# memory alive; cleared when full. Dict reads and writes are atomic under the GIL.
+_prepared: dict = {}
+_PREPARED_MAX = 1024
+
+
+class _Prepared:
+    """One validated (communicator, tensor, worker_error, server_error): sizes and Buffers, the
+    communicator's lock, a weak reference to its workspaces, and the Buffer of the workspace last
+    used."""
+
+    __slots__ = ("world", "rank", "cuda", "device", "tensor", "worker_error", "server_error",
+                 "total", "lock", "per_device", "ws_ref", "ws_buffer")
+
+    def workspace_buffer(self, comm: object) -> _C.Buffer:
+        """The communicator's workspace as a Buffer (grown if needed). Call it holding ``lock``."""
+        per_device = self.per_device()
+        if per_device is None:  # the cache of workspaces was dropped meanwhile
+            per_device = _per_device_of(comm)
+            self.per_device = weakref.ref(per_device)
+        ws = per_device.get(self.device)
+        if ws is None or ws.numel() < self.total:
+            ws = _workspace(comm, self.device, self.total)
+        if self.ws_ref is None or self.ws_ref() is not ws:
+            self.ws_ref = weakref.ref(ws)
+            self.ws_buffer = _C.Buffer(ws.data_ptr(), ws.numel(), DTYPES[torch.uint8], ws.get_device())
+        return self.ws_buffer
+
+
+def _raw_buffer(t: torch.Tensor) -> _C.Buffer:
+    """A Buffer of ``t``'s memory that does not hold ``t`` (see _prepared)."""
+    return _C.Buffer(t.data_ptr(), t.numel(), DTYPES[t.dtype], t.get_device())
+
+
+def _prepare_allreduce(comm: object, tensor: object, worker_error: object,
+                       server_error: object) -> _Prepared:
+    """Every check of compressed_allreduce's tensor arguments (typed errors naming the argument
+    and the rank), then what a call needs."""
     world, rank = comm.size(), comm.rank()
     if not isinstance(tensor, torch.Tensor):
         raise _fail(TypeError, rank, "tensor", f"must be a torch.Tensor, got {type(tensor).__name__}")
@@ -321,17 +334,15 @@ def compressed_allreduce(
     _check_float32_vector(server_error, "server_error", rank, padded // world, tensor.device)
     _check_disjoint("compressed_allreduce", rank, tensor=tensor, worker_error=worker_error,
                     server_error=server_error)
-    timeout_s = _check_timeout("compressed_allreduce", rank, timeout)
-
-    cuda = tensor.device.type == "cuda"
-    # On torch's current stream of the tensor's device (the core switches to that device itself).
-    stream = torch.cuda.current_stream(tensor.device).cuda_stream if cuda else 0
-    with _exclusive(comm, "compressed_allreduce", rank):
-        ws = _workspace(comm, tensor.device, _layout_total(padded, world, cuda))
-        _C.compressed_allreduce(comm, buffer_of(tensor), buffer_of(worker_error),
-                                buffer_of(server_error), buffer_of(ws), timeout_s, stream,
-                                bool(check) or not cuda)
-    return tensor
+    p = _Prepared()
+    p.world, p.rank, p.cuda, p.device = world, rank, tensor.device.type == "cuda", tensor.device
+    p.tensor, p.worker_error = _raw_buffer(tensor), _raw_buffer(worker_error)
+    p.server_error = _raw_buffer(server_error)
+    p.total = _layout_total(padded, world, p.cuda)
+    p.lock = _lock(comm)
+    p.per_device = weakref.ref(_per_device_of(comm))
+    p.ws_ref = p.ws_buffer = None
+    return p
 
 
 # The compressed allreduce stopped before its final all-gather (ZeRO's momentum shards, FSDP2's
