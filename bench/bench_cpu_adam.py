@@ -94,6 +94,9 @@ def onebit_states(params):
 
 
 BASE = "torch AdamW foreach=True"
+FLOOR = "memory floor: a += b over one flat fp32 tensor (torch, 12 B/param)"
+W1_DEFAULT = ("OneBitAdam.step, compressed phase, W=1, bias_correction=False (the default; "
+              "kernels)")
 
 
 def onebitadam_step(sizes: List[int], kernels: bool, bias_correction: bool = True
@@ -159,6 +162,12 @@ def bench_workload(name: str, sizes: List[int], threads: int, repeats: int) -> L
         ends = torch.stack([torch.stack(torch.aminmax(g.reshape(-1))) for g in grads])
         bool(torch.isfinite(ends).all())
 
+    flat_a, flat_b = torch.ones(total), torch.full((total,), 1e-30)
+
+    def floor() -> None:  # STREAM-like: a += b, read 8 and write 4 bytes per parameter
+        flat_a.add_(flat_b)
+
+    steps[FLOOR] = floor
     steps["1-bit compressed step, torch ops (functional.py)"] = torch_rules
     steps["1-bit compressed step, compcomm kernel"] = kernel
     steps["1-bit W=1 step (momentum + step), compcomm kernel onebit_local_step"] = local
@@ -168,8 +177,7 @@ def bench_workload(name: str, sizes: List[int], threads: int, repeats: int) -> L
     steps["OneBitAdam.step, compressed phase, W=1 (kernels)"] = onebitadam_step(sizes, True)
     steps["OneBitAdam.step, compressed phase, W=1 (COMPCOMM_FUSED_OPTIM=0)"] = \
         onebitadam_step(sizes, False)
-    steps["OneBitAdam.step, compressed phase, W=1, bias_correction=False (the default; kernels)"] = \
-        onebitadam_step(sizes, True, bias_correction=False)
+    steps[W1_DEFAULT] = onebitadam_step(sizes, True, bias_correction=False)
     med = interleaved_medians({k: f for k, f in steps.items() if f is not None}, repeats)
     rows = []
     for impl in steps:
@@ -193,7 +201,8 @@ def list_sizes(total: int, count: int) -> List[int]:
 
 def markdown(rows: List[Dict], info: Dict) -> str:
     lines = [f"Machine: {info['cpu']}, {info['cores']} cores visible; torch {info['torch']}; "
-             f"kernel path {info['isa']}, sqrt mode {info['sqrt']}, threading {info['threading']}.",
+             f"kernel path {info['isa']}, sqrt mode {info['sqrt']}, threading {info['threading']}; "
+             f"load average {info['load_before']:.2f} before, {info['load_after']:.2f} after.",
              "",
              "| workload | implementation | params | tensors | threads | median ms | ns/param "
              "| x vs torch AdamW foreach |",
@@ -232,10 +241,20 @@ def targets(rows: List[Dict]) -> str:
     if c is not None:
         out.append(f"- OneBitAdam.step (compressed phase, W=1) vs torch AdamW (foreach), list "
                    f"workload, one thread: {c:.2f}x (issue 12: >= 4x)")
-    e = x("list", "OneBitAdam.step, compressed phase, W=1, bias_correction=False (the default; "
-                  "kernels)")
+    e = x("list", W1_DEFAULT)
     if e is not None:
         out.append(f"- the same with OneBitAdam's default bias_correction=False: {e:.2f}x")
+    secs = {(r["workload"], r["impl"]): r["seconds"] for r in rows}
+    f, w1 = secs.get(("list", FLOOR)), secs.get(("list", W1_DEFAULT))
+    if f and w1:
+        numel = next(r["numel"] for r in rows if r["workload"] == "list")
+        bw = 12 * numel / f
+        # the W=1 step: finiteness pass (read g) + update (read w, m, v, g; write w, m)
+        floor_ms = 28 * numel / bw * 1e3
+        out.append(f"- memory floor in this run (a += b, one thread): {bw / 1e9:.1f} GB/s; the W=1 "
+                   f"step's 28 B/param at that speed: {floor_ms:.1f} ms; OneBitAdam.step (default "
+                   f"args) takes {w1 * 1e3:.1f} ms, {floor_ms / (w1 * 1e3):.0%} of the floor's "
+                   "speed")
     return "\n".join(out)
 
 
@@ -254,6 +273,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = ap.parse_args(argv)
 
     info = {"cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
+            "load_before": os.getloadavg()[0],
             "isa": kernel_isa(), "sqrt": torch_sqrt_mode(),
             "threading": __import__("compcomm")._C.optim.threading(),
             "command": "python bench/bench_cpu_adam.py " + " ".join(argv or [])}
@@ -262,6 +282,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         rows += bench_workload("flat", [args.numel], args.threads, args.repeats)
     if "list" not in args.skip:
         rows += bench_workload("list", list_sizes(args.list_numel, args.tensors), 1, args.repeats)
+    info["load_after"] = os.getloadavg()[0]
     print(markdown(rows, info))
     print()
     print(targets(rows))

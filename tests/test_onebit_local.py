@@ -184,6 +184,24 @@ def test_all_finite_matches_numpy(isa, n):
     assert K.all_finite([], isa) is True
 
 
+def test_all_finite_ptrs_matches_buffers_and_checks_arguments():
+    xs = [torch.randn(n) for n in (0, 1, 17, 4099)]
+    ptrs = lambda ts: [t.data_ptr() for t in ts]  # noqa: E731
+    assert K.all_finite_ptrs([t.numel() for t in xs], ptrs(xs)) is True
+    for bad in (float("inf"), float("nan")):
+        ys = [t.clone() for t in xs]
+        ys[3][4098] = bad
+        assert K.all_finite_ptrs([t.numel() for t in ys], ptrs(ys)) is False
+        assert K.all_finite([B(t) for t in ys]) is False
+    assert K.all_finite_ptrs([], []) is True
+    with pytest.raises(ValueError, match="must hold 2 pointers"):
+        K.all_finite_ptrs([1, 2], [xs[1].data_ptr()])
+    with pytest.raises(ValueError, match="null pointer"):
+        K.all_finite_ptrs([3], [0])
+    with pytest.raises(ValueError, match="negative"):
+        K.all_finite_ptrs([-1], [xs[1].data_ptr()])
+
+
 def test_all_finite_wrappers():
     ok = [torch.randn(100), torch.randn(3, 5)]
     bad = ok + [torch.tensor([1.0, float("nan")])]

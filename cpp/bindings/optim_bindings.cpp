@@ -353,6 +353,36 @@ void bind_optim(py::module_& parent) {
       "pass, stopping at the first buffer that is not.");
 
   m.def(
+      "all_finite_ptrs",
+      [](const std::vector<int64_t>& numels, const std::vector<uintptr_t>& ptrs,
+         const std::string& isa) {
+        const char* fn = "all_finite_ptrs";
+        if (ptrs.size() != numels.size())
+          value_error(concat(fn, ": ptrs must hold ", numels.size(), " pointers (one per numel)"));
+        const K::AdamIsa which = isa_of(isa);
+        if (!K::adam_isa_supported(which))
+          value_error(concat(fn, ": isa '", isa, "' is not available on this machine or in this build"));
+        for (size_t i = 0; i < numels.size(); ++i) {
+          if (numels[i] < 0) value_error(concat(fn, ": numels[", i, "] is negative"));
+          if (numels[i] > 0 && !ptrs[i]) value_error(concat(fn, ": a null pointer for tensor ", i));
+        }
+        bool finite = true;
+        kernels::Status s = kernels::Status::kSuccess;
+        {
+          py::gil_scoped_release release;
+          for (size_t i = 0; i < numels.size() && finite && s == kernels::Status::kSuccess; ++i)
+            s = K::adam_all_finite(reinterpret_cast<const float*>(ptrs[i]), numels[i], &finite,
+                                   which);
+        }
+        if (s != kernels::Status::kSuccess) value_error(concat(fn, ": the kernel rejected its arguments"));
+        return finite;
+      },
+      py::arg("numels"), py::arg("ptrs"), py::arg("isa") = "auto",
+      "all_finite over fp32 host arrays given as data pointers and element counts (one call, no "
+      "Buffer per tensor). The pointers are not checked beyond null: the caller validates the "
+      "tensors (compcomm.optim.cpu_adam.all_finite_ptrs).");
+
+  m.def(
       "sqrt",
       [](const Buffer& x, const Buffer& out, const std::string& sqrt, const std::string& isa) {
         float_type("sqrt", "x", x, false);

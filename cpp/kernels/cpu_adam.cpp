@@ -205,6 +205,10 @@ inline int64_t head_to_align(const void* p, int64_t size, int64_t align) {
   return (align - mis) % align / size;
 }
 
+// Software prefetch distance of the update loop, in elements (a hint: no effect on results; a
+// prefetch past the end of an array does not fault).
+constexpr int64_t kPrefetch = 256;
+
 template <class V, AdamRule R, class G, class O>
 void adam_range(const AdamCoeffs& c, const AdamTensors& t, int64_t begin, int64_t end) {
   constexpr int64_t W = V::kWidth;
@@ -254,9 +258,25 @@ void adam_range(const AdamCoeffs& c, const AdamTensors& t, int64_t begin, int64_
       }
     }
   }
+  // local copies: the compiler cannot tell that the float stores leave t's pointers alone and
+  // would reload them every iteration
+  float* const w = t.w;
+  float* const m = t.m;
+  float* const v = t.v;
   for (; i + W <= end; i += W) {
-    body(t.w + i, t.m + i, t.v + i, g + i, mask ? mask + i : nullptr, kOut ? out + i : nullptr,
-         stream_m, stream_out);
+    if constexpr (W > 1) {
+      // the streams the pass reads, kPrefetch elements ahead (measured on one core of the 2-core
+      // VM, cold caches, 8.4M parameters: ~10% faster than the hardware prefetcher alone); not m
+      // where it is only written
+      if (i + kPrefetch < end) {
+        __builtin_prefetch(w + i + kPrefetch, 1);
+        if constexpr (R != AdamRule::kOneBitCompressed) __builtin_prefetch(m + i + kPrefetch, 1);
+        __builtin_prefetch(v + i + kPrefetch, kWritesV<R> ? 1 : 0);
+        __builtin_prefetch(g + i + kPrefetch, 0);
+      }
+    }
+    body(w + i, m + i, v + i, g + i, mask ? mask + i : nullptr, kOut ? out + i : nullptr, stream_m,
+         stream_out);
   }
   if constexpr (W > 1) partial(i, end - i);
   if (stream_m || stream_out) V::fence();  // order the non-temporal stores before the caller's sync

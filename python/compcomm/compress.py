@@ -51,14 +51,17 @@ def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
     tensor); on the CPU one C++ pass over contiguous fp32 tensors, else each tensor's min and max
     (torch's CPU max-norm is ~10x slower). NaN and Inf propagate into both, and finite values
     never overflow them."""
+    ts = [t for t in tensors if t.numel()]
+    if all(t.is_cpu and t.dtype == torch.float32 and t.is_contiguous() for t in ts):
+        # the gradients' check at every CPU step: one C++ pass over raw pointers (a Buffer per
+        # tensor cost ~1.3 us each, 0.13 ms of a 100-tensor step); ts keeps the memory alive
+        return _C.optim.all_finite_ptrs([t.numel() for t in ts], [t.data_ptr() for t in ts])
     lists: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
-    for t in tensors:
-        if t.numel():
-            lists.setdefault((t.device, t.dtype), []).append(t)
+    for t in ts:
+        lists.setdefault((t.device, t.dtype), []).append(t)
     flags: Dict[torch.device, List[torch.Tensor]] = {}
     for (dev, dtype), ts in lists.items():
         if dev.type == "cpu" and dtype == torch.float32 and all(t.is_contiguous() for t in ts):
-            # one C++ pass, no per-tensor calls (the gradients' check at every CPU step)
             if not _C.optim.all_finite([buffer_of(t) for t in ts]):
                 return False
             continue

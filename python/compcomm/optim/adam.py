@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import os
 
@@ -11,6 +11,7 @@ import torch
 from ..schedule import FreezeSchedule, StepKind
 from . import _fused, cpu_adam
 from . import functional as F
+from ._grads import fp32_grad
 from ._params import group_chunks, mask_, master, moments, write_back_multi
 from ._validation import check_common, check_int
 from .base import OneBitBase
@@ -128,14 +129,16 @@ class OneBitAdam(OneBitBase):
         kind = self.schedule.next_kind()
         t = self.schedule.step + 1
         warm = kind is StepKind.FULL_AVERAGE
+        if not warm and (self.world_size == 1 or self._local is not None):
+            runs = self._local_runs()
+            if runs is not None:
+                self._local_step(runs, t)
+                self.schedule.advance(kind)
+                return
         grads = self._grads(average=warm)
         items = list(self._params())
         averaged: Dict[torch.Tensor, torch.Tensor] = {}
-        # nothing is sent (one rank, or step_on): the average is the rank's own momentum, so on the
-        # CPU momentum and step run as one pass per tensor, with no staged copy (same bits)
-        local = (not warm and (self.world_size == 1 or self._local is not None)
-                 and self._local_kernels_usable(items, grads))
-        if not warm and not local:
+        if not warm:
             def momentum(entries):  # b1 m + (1-b1) g_local, staged: m itself waits
                 for group, run in group_chunks(entries):
                     # no warm-up step yet: zero momentum (None), made when the step commits
@@ -158,15 +161,12 @@ class OneBitAdam(OneBitBase):
             states = [self.state[p] for p in ps]
             ms, vs = map(list, zip(*(moments(p, st) for p, st in zip(ps, states))))
             ws = [master(p, st) for p, st in zip(ps, states)]
-            xs = [(grads if warm or local else averaged)[p] for p in ps]
+            xs = [(grads if warm else averaged)[p] for p in ps]
             for st in states:
                 st["step"] = t
             # the variance (and its correction) frozen after the warm-up
             bc2_t = min(t, self.freeze_step)
             lowps = [None if p.dtype == torch.float32 else p.data for p in ps]
-            if local:  # checked by _local_kernels_usable: one C++ call for the chunk (xs: raw grads)
-                cpu_adam.onebit_local_steps_(ws, ms, vs, xs, group, t, bc2_t, lowps, check=False)
-                continue
             if _fused.usable(group, ws, ms, vs, xs, lowp=lowps):  # one CUDA pass per chunk
                 step = _fused.adam_warmup_step_ if warm else _fused.onebit_compressed_step_
                 step(ws, ms, vs, xs, group, t, bc2_t, lowps, check=False)
@@ -186,25 +186,71 @@ class OneBitAdam(OneBitBase):
             write_back_multi(ps, states)
         self.schedule.advance(kind)
 
-    def _local_kernels_usable(self, items, grads) -> bool:
-        """Whether every parameter's compressed step can run as ``onebit_local_steps_`` without
-        checks: the CPU kernels are usable for its group and its momenta exist, fp32 and
-        contiguous with its gradient's size (what the C++ call takes on trust)."""
-        groups: Dict[int, Any] = {}
-        for group, p in items:
-            st = self.state[p]
-            m, v, g = st.get("exp_avg"), st.get("exp_avg_sq"), grads[p]
-            if m is None or v is None:
-                return False
-            for t in (m, v, g):
-                if (t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous()
-                        or t.numel() != p.numel()):
-                    return False
-            w = master(p, st)
-            if not (p.data.is_contiguous() and w.is_contiguous() and p.is_cpu):
-                return False
-            groups[id(group)] = group
-        return all(cpu_kernels_usable(g) for g in groups.values())
+    def _local_runs(self) -> Optional[List[Tuple[Dict[str, Any], List[List[Any]]]]]:
+        """The compressed step where nothing is sent (one rank, or ``step_on``) as the CPU kernels
+        take it: per param group, ``(group, [ws, ms, vs, gs, param_outs, states])`` over its
+        parameters with a gradient, everything checked that ``onebit_local_steps_`` takes on
+        trust (fp32, contiguous, on the CPU, sizes; the kernels usable for the group; momenta
+        exist). None where anything does not qualify: nothing has been written, the general path
+        runs. One loop over the parameters, the step's only per-tensor Python."""
+        local, f32 = self._local, torch.float32
+        scale = getattr(self, "_grad_scale", None) if local is None else None
+        state = self.state
+        runs = []
+        for group in self.param_groups:
+            ws, ms, vs, gs, outs, sts = cols = [[], [], [], [], [], []]
+            for p in group["params"]:
+                g = p.grad if local is None else local.get(p)
+                n = p.numel()
+                if g is None or n == 0:
+                    continue
+                st = state.get(p)  # not state[p]: a defaultdict would grow an entry
+                if st is None or g.is_sparse:
+                    return None
+                # p itself, not p.data (a new alias per read): only its pointer and size are used
+                w, out = (p, None) if p.dtype == f32 else (st.get("master_param"), p)
+                if local is None and (scale is not None or g.dtype != f32 or not g.is_contiguous()):
+                    g = fp32_grad(p, copy=scale is not None)  # as _grads does
+                m, v = st.get("exp_avg"), st.get("exp_avg_sq")
+                if not (_fits(w, n) and _fits(m, n) and _fits(v, n) and _fits(g, n)):
+                    return None
+                if out is not None and not (out.is_cpu and out.is_contiguous()):
+                    return None
+                ws.append(w)
+                ms.append(m)
+                vs.append(v)
+                gs.append(g)
+                outs.append(out)
+                sts.append(st)
+            if ws:
+                if not cpu_kernels_usable(group):
+                    return None
+                runs.append((group, cols))
+        if scale is not None:
+            inv = 1.0 / float(scale)
+            for _, cols in runs:
+                for g in cols[3]:
+                    g.mul_(inv)
+        return runs
+
+    def _local_step(self, runs: List[Tuple[Dict[str, Any], List[List[Any]]]], t: int) -> None:
+        """Step ``t`` of the compressed phase with nothing sent, on ``_local_runs()``: the
+        average is the rank's own momentum, so momentum and step are one C++ pass per tensor
+        (``onebit_local_steps_``, one call per param group; 24 bytes of memory traffic per
+        parameter), bit for bit the staged momentum then the compressed step. The finiteness
+        check of every gradient (one C++ pass) runs before anything is written."""
+        self._check_finite([g for _, cols in runs for g in cols[3]], agree=False)
+        bc2_t = min(t, self.freeze_step)  # the variance (and its correction) frozen after warm-up
+        for group, (ws, ms, vs, gs, outs, sts) in runs:
+            for st in sts:
+                st["step"] = t
+            cpu_adam.onebit_local_steps_(ws, ms, vs, gs, group, t, bc2_t, outs, check=False)
+
+def _fits(x: Optional[torch.Tensor], n: int) -> bool:
+    """Whether ``x`` is an fp32 contiguous CPU tensor of ``n`` elements (what the C++ passes take
+    on trust)."""
+    return (x is not None and x.dtype == torch.float32 and x.is_cpu and x.is_contiguous()
+            and x.numel() == n)
 
 
 def cpu_kernels_usable(group: Dict[str, Any], tensors: Sequence[torch.Tensor] = ()) -> bool:

@@ -357,7 +357,7 @@ def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
     """Whether every value of contiguous fp32 CPU ``tensors`` is finite: one read-only C++ pass
     (torch's ``aminmax`` reads as much but costs a call, a stack and a sync per tensor)."""
     ts = [_check("all_finite", f"tensors[{i}]", t, _F32, None) for i, t in enumerate(tensors)]
-    return bool(_K.all_finite([buffer_of(t) for t in ts if t.numel()]))
+    return bool(_K.all_finite_ptrs([t.numel() for t in ts], [t.data_ptr() for t in ts]))
 
 
 class CPUAdam(torch.optim.Optimizer):
