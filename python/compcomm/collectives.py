@@ -238,10 +238,10 @@ def compressed_allreduce(
     works outside autograd (``tensor`` is written through its storage).
     """
     comm = resolve(group)
-    try:  # what the checks below depend on; an argument that is no tensor fails here
+    try:  # what the checks depend on; an argument that is no plain tensor fails here
         key = (comm.id, _arg_key(tensor), _arg_key(worker_error), _arg_key(server_error))
         prep = _prepared.get(key)
-    except (AttributeError, TypeError):
+    except Exception:  # then the checks themselves say what is wrong
         key = prep = None
     if prep is None:
         prep = _prepare_allreduce(comm, tensor, worker_error, server_error)
