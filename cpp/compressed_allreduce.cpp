@@ -438,11 +438,12 @@ void run_compressed(const char* name, Communicator& comm, const Buffer& tensor, 
   const kernels::ScopedDevice on_device(tensor.device);  // callers may be on any thread and device
   const CompressedAllreduceLayout& l = c.l;
   // Alone (one rank, collectives that are copies), every receive region of the layout is its send
-  // region, so no collective runs. On a GPU the header check then moves to the end of a whole call:
-  // one stream sync after everything is queued instead of one in the middle. That is still all or
-  // nothing: a non-finite worker scale makes the server scale non-finite too, so the guarded commit
-  // queued before the check writes nothing, and the check raises NonFiniteError.
-  const bool defer = c.alone && c.cuda && phase == kWhole;
+  // region, so no collective runs, and the header check moves to the end of a whole call: on a GPU
+  // one stream sync after everything is queued instead of one in the middle (on the host it is the
+  // same code, tested there). That is still all or nothing: a non-finite worker scale makes the
+  // server scale non-finite too, so the guarded commit before the check writes nothing, and the
+  // check raises NonFiniteError (the only verdict possible with one rank).
+  const bool defer = c.alone && phase == kWhole;
   if (phase & kExchange) {
     if (c.alone) comm.check_open(name);  // a closed communicator still raises
     c.worker();

@@ -260,6 +260,51 @@ def test_local_runs_no_collective_python_world_of_one_runs_all() -> None:
         assert torch.equal(u, v)
 
 
+def _poison(case: str, t: torch.Tensor, we: torch.Tensor, se: torch.Tensor) -> None:
+    if case == "nan":
+        t[5] = float("nan")
+    elif case == "inf":
+        t[-1] = float("-inf")
+    elif case == "inf_in_error":
+        we[3] = float("inf")
+    elif case == "norm_overflow":  # finite inputs whose norm overflows float32
+        t.fill_(3e38 if t.dtype == torch.float32 else 6e4)
+        we.fill_(3e38)
+    elif case == "nan_in_server_error":  # finite inputs: no error, the commit writes nothing
+        se[2] = float("nan")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", ["clean", "nan", "inf", "inf_in_error", "norm_overflow",
+                                  "nan_in_server_error"])
+def test_deferred_check_alone_equals_checked_call(case: str, dtype: torch.dtype) -> None:
+    """Alone, the header is checked after the guarded commit; a Python world of one checks it
+    between the exchanges. Same error (or none) and the same bits after, for every input."""
+    local, counting = _C.LocalCommunicator(), _Counting()
+    base = list(_state(4099, 14, local))
+    base[0] = base[0].to(dtype)
+    results = []
+    for comm in (local, counting):
+        t, we, se = (x.clone() for x in base)
+        compcomm.compressed_allreduce(t, we, se, group=comm)  # nonzero errors, shape seen
+        _poison(case, t, we, se)
+        before = _bits(t.float(), we, se)
+        raised = None
+        try:
+            compcomm.compressed_allreduce(t, we, se, group=comm)
+        except NonFiniteError as e:
+            raised = type(e).__name__
+        after = _bits(t.float(), we, se)
+        if case != "clean":  # nothing written, raised or not
+            assert all(torch.equal(u, v) for u, v in zip(before, after)), case
+        results.append((raised, after))
+    assert results[0][0] == results[1][0]
+    expect = "NonFiniteError" if case in ("nan", "inf", "inf_in_error", "norm_overflow") else None
+    assert results[0][0] == expect
+    for u, v in zip(results[0][1], results[1][1]):
+        assert torch.equal(u, v)
+
+
 def test_reduce_scatter_alone_equals_python_world_of_one() -> None:
     local, counting = _C.LocalCommunicator(), _Counting()
     a = _state(1001, 11, local)

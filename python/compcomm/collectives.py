@@ -207,8 +207,8 @@ def compressed_allreduce(
         rank's 32-byte header to the host and validates it before anything is written: one small
         device-to-host copy and stream synchronization per call (a few microseconds, and it stops
         the host from running ahead of the GPU). In a world of one rank (a LocalCommunicator, or
-        native NCCL with one rank) the sync comes at the end of the call instead; the commit queued
-        before it is guarded on the device, so a failed check still raises with nothing written. ``False`` never synchronizes, so the call can be
+        native NCCL with one rank) the check comes at the end of the call instead (one sync); the
+        commit before it is guarded, so a failed check still raises with nothing written. ``False`` never synchronizes, so the call can be
         captured in a CUDA graph: sizes are still validated on the host the first time a (group,
         numel, padded size, dtype) is seen (so make that first call outside graph capture), and
         afterwards a call in which some rank's input is not finite raises nothing but leaves
@@ -238,10 +238,10 @@ def compressed_allreduce(
     works outside autograd (``tensor`` is written through its storage).
     """
     comm = resolve(group)
-    try:  # what the checks below depend on; an argument that is no tensor fails here
+    try:  # what the checks depend on; an argument that is no plain tensor fails here
         key = (comm.id, _arg_key(tensor), _arg_key(worker_error), _arg_key(server_error))
         prep = _prepared.get(key)
-    except (AttributeError, TypeError):
+    except Exception:  # then the checks themselves say what is wrong
         key = prep = None
     if prep is None:
         prep = _prepare_allreduce(comm, tensor, worker_error, server_error)
