@@ -271,6 +271,48 @@ def test_onebit_adam_w1_fast_path_keeps_the_bits(monkeypatch, lowp, on):
             assert torch.equal(x, y), f"step {step + 1}, tensor {i}"
 
 
+def _scaled_trajectory(steps, freeze_step, scale):
+    """OneBitAdam at W=1 driven as GradScaler drives it (grad_scale / found_inf set, gradients
+    scaled); the gradients' values after each step are returned too (they must stay as given)."""
+    gen = torch.Generator().manual_seed(11)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
+    opt = OneBitAdam(params, lr=1e-2, freeze_step=freeze_step, weight_decay=0.01)
+    out = []
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen) * scale
+        given = [p.grad.clone() for p in params]
+        if scale != 1.0:
+            opt.grad_scale = torch.tensor(scale)
+            opt.found_inf = torch.tensor(0.0)
+        opt.step()
+        assert all(torch.equal(p.grad, g) for p, g in zip(params, given))
+        out.append([p.detach().clone() for p in params]
+                   + [opt.state[p]["exp_avg"].clone() for p in params])
+    return out
+
+
+@pytest.mark.parametrize("freeze_step,scale", [(2, 1024.0), (0, 1.0), (0, 8.0)])
+def test_onebit_adam_w1_fast_path_scaled_and_stateless_starts(monkeypatch, freeze_step, scale):
+    """GradScaler's scaled gradients (unscaled into copies, p.grad untouched) and a compressed
+    phase from step 1 (no momentum yet: the general path makes it, the fast path follows): the
+    torch ops' bits."""
+    if not cpu_adam.matches_torch_rules():
+        pytest.skip("the CPU kernels do not reproduce torch's ops here: no kernel path at all")
+    calls = []
+    real = cpu_adam.onebit_local_steps_
+    monkeypatch.setattr(cpu_adam, "onebit_local_steps_", lambda ws, *a, **k: (
+        calls.append(len(ws)), real(ws, *a, **k)))
+    fast = _scaled_trajectory(5, freeze_step, scale)
+    # steps freeze_step+1 .. 5 compressed; with freeze_step 0 the first has no momentum yet
+    assert len(calls) == 5 - max(freeze_step, 1)
+    monkeypatch.setenv("COMPCOMM_FUSED_OPTIM", "0")
+    ref = _scaled_trajectory(5, freeze_step, scale)
+    for step, (a, b) in enumerate(zip(fast, ref)):
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert torch.equal(x, y), f"step {step + 1}, tensor {i}"
+
+
 @pytest.mark.parametrize("on", [False, True], ids=["step", "step_on"])
 def test_onebit_adam_w1_nonfinite_gradient_changes_nothing(on):
     before, _ = _trajectory(3, on=on)

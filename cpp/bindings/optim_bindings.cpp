@@ -361,7 +361,8 @@ void bind_optim(py::module_& parent) {
           value_error(concat(fn, ": ptrs must hold ", numels.size(), " pointers (one per numel)"));
         const K::AdamIsa which = isa_of(isa);
         if (!K::adam_isa_supported(which))
-          value_error(concat(fn, ": isa '", isa, "' is not available on this machine or in this build"));
+          value_error(
+              concat(fn, ": isa '", isa, "' is not available on this machine or in this build"));
         for (size_t i = 0; i < numels.size(); ++i) {
           if (numels[i] < 0) value_error(concat(fn, ": numels[", i, "] is negative"));
           if (numels[i] > 0 && !ptrs[i]) value_error(concat(fn, ": a null pointer for tensor ", i));
@@ -374,7 +375,9 @@ void bind_optim(py::module_& parent) {
             s = K::adam_all_finite(reinterpret_cast<const float*>(ptrs[i]), numels[i], &finite,
                                    which);
         }
-        if (s != kernels::Status::kSuccess) value_error(concat(fn, ": the kernel rejected its arguments"));
+        // a failed kernel raises: it must not read as "not finite, skip the step"
+        if (s != kernels::Status::kSuccess)
+          value_error(concat(fn, ": the kernel rejected its arguments"));
         return finite;
       },
       py::arg("numels"), py::arg("ptrs"), py::arg("isa") = "auto",
