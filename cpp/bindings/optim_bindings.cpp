@@ -383,7 +383,7 @@ void bind_optim(py::module_& parent) {
       py::arg("numels"), py::arg("ptrs"), py::arg("isa") = "auto",
       "all_finite over fp32 host arrays given as data pointers and element counts (one call, no "
       "Buffer per tensor). The pointers are not checked beyond null: the caller validates the "
-      "tensors (compcomm.optim.cpu_adam.all_finite_ptrs).");
+      "tensors (compcomm.optim.cpu_adam.all_finite, compcomm.compress.all_finite).");
 
   m.def(
       "sqrt",

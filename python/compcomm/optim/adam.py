@@ -192,7 +192,7 @@ class OneBitAdam(OneBitBase):
         parameters with a gradient, everything checked that ``onebit_local_steps_`` takes on
         trust (fp32, contiguous, on the CPU, sizes; the kernels usable for the group; momenta
         exist). None where anything does not qualify: nothing has been written, the general path
-        runs. One loop over the parameters, the step's only per-tensor Python."""
+        runs. One loop over the parameters (the Python of a 100-tensor step: 0.75 -> 0.27 ms)."""
         local, f32 = self._local, torch.float32
         scale = getattr(self, "_grad_scale", None) if local is None else None
         state = self.state
@@ -245,6 +245,7 @@ class OneBitAdam(OneBitBase):
             for st in sts:
                 st["step"] = t
             cpu_adam.onebit_local_steps_(ws, ms, vs, gs, group, t, bc2_t, outs, check=False)
+
 
 def _fits(x: Optional[torch.Tensor], n: int) -> bool:
     """Whether ``x`` is an fp32 contiguous CPU tensor of ``n`` elements (what the C++ passes take
