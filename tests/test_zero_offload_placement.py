@@ -59,8 +59,10 @@ def test_onebit_placement_host_needs_host_buffers():
         check_placement(cfg, _Comm("nccl", 2), cuda)
     with pytest.raises(ValueError, match="torch:nccl"):
         check_placement(cfg, _Comm("torch:nccl", 4), cuda)
-    for comm, dev in ((_Comm("mpi", 2), cuda), (_Comm("nccl", 1), cuda),
-                      (_Comm("torch:gloo", 3), torch.device("cpu"))):
+    with pytest.raises(ValueError, match="'nccl' with 1 ranks"):  # refuses host buffers alone too
+        check_placement(cfg, _Comm("nccl", 1), cuda)
+    for comm, dev in ((_Comm("mpi", 2), cuda), (_Comm("local", 1), cuda),
+                      (_Comm("torch:gloo", 3), cuda), (_Comm("nccl", 2), torch.device("cpu"))):
         check_placement(cfg, comm, dev)
     check_placement({"onebit_placement": "device"}, _Comm("nccl", 2), cuda)
 

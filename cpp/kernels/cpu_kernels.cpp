@@ -452,6 +452,7 @@ Status decompress(const float* scale, const uint8_t* packed, int64_t count, floa
 Status worker_scale_pack_header(const void* m, InputType dtype, int64_t n, const float* error, int64_t padded,
                                 ExchangeHeader* header, int32_t header_dtype, uint32_t magic, uint8_t* signs,
                                 void* workspace, Stream stream) {
+  if (header == nullptr) return Status::kInvalidArgument;  // as the device twin
   const Status s = worker_scale_pack(m, dtype, n, error, padded, &header->scale, signs, workspace, stream);
   if (s != Status::kSuccess) return s;
   return write_header(header, n, padded, header_dtype, magic, stream);
@@ -463,6 +464,7 @@ Status commit(const uint8_t* signs, const float* scales, int64_t scale_stride, f
               int64_t out_sign_stride, int world, Stream stream, const float* guard, int64_t guard_stride) {
   // Validated and guarded before either write, so that both happen or neither does.
   if (bad_sizes(n, padded) || world < 1 || padded % (8 * world) != 0) return Status::kInvalidArgument;
+  if (padded == 0) return Status::kSuccess;  // nothing to write (as the device twin: no read either)
   if (guard_trips(guard, guard_stride, world)) return Status::kSuccess;
   const Status s = server_update(signs, scales, scale_stride, world, server_error, padded / world, server_scale,
                                  stream);

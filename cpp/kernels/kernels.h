@@ -41,6 +41,8 @@ static_assert(sizeof(ExchangeHeader) == 32, "ExchangeHeader is exchanged as 32 r
   /* Scratch bytes the *_scale_pack calls need for P (or C) elements. On GPU the scratch must be           \
      zero-filled before its first use; every call leaves it zero-filled again. */                     \
   size_t scale_workspace_bytes(int64_t count);                                                       \
+  /* (server_update, worker_update_decompress and write_header: the core calls the fused commit and  \
+     worker_scale_pack_header; these stay as their parts, tested against them.) */                   \
   /* Commit: server_error_k = c_k - (*scale) * s(c_k), c as in server_scale_pack. Guard (above). */ \
   Status server_update(const uint8_t* signs, const float* scales, int64_t scale_stride, int world,    \
                        float* server_error, int64_t chunk, const float* scale, Stream stream,         \

@@ -1,5 +1,6 @@
 """Per-communicator scratch of the 1-bit calls: the cached workspaces, the one-call-at-a-time lock,
-the workspace layout sizes and torch's current CUDA stream (shared by collectives, compress and zero).
+the workspace layout sizes and torch's current CUDA stream (used by collectives; compress keeps
+its own workspaces per bucket).
 """
 
 from __future__ import annotations

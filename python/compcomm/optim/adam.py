@@ -209,10 +209,12 @@ class OneBitAdam(OneBitBase):
                     return None
                 # p itself, not p.data (a new alias per read): only its pointer and size are used
                 w, out = (p, None) if p.dtype == f32 else (st.get("master_param"), p)
+                m, v = st.get("exp_avg"), st.get("exp_avg_sq")
+                if not (_fits(w, n) and _fits(m, n) and _fits(v, n)):
+                    return None  # before any gradient copy (a CUDA run never gets this far)
                 if local is None and (scale is not None or g.dtype != f32 or not g.is_contiguous()):
                     g = fp32_grad(p, copy=scale is not None)  # as _grads does
-                m, v = st.get("exp_avg"), st.get("exp_avg_sq")
-                if not (_fits(w, n) and _fits(m, n) and _fits(v, n) and _fits(g, n)):
+                if not _fits(g, n):
                     return None
                 if out is not None and not (out.is_cpu and out.is_contiguous()):
                     return None

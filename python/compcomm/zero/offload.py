@@ -56,14 +56,15 @@ def check_offload(config: Dict[str, Any], onebit: Optional[str], mode: Optional[
 
 def check_placement(config: Dict[str, Any], comm: Any, device: torch.device) -> None:
     """ValueError naming ``onebit_placement`` when "host" cannot run here: the 1-bit exchange
-    then gets host buffers, which a GPU run's NCCL communicator with several ranks cannot take
-    (MPI and the one-rank communicator can)."""
-    if config.get("onebit_placement") != "host" or device.type == "cpu" or comm.size() == 1:
+    then gets host buffers, which an NCCL communicator refuses even with one rank; MPI, the local
+    communicator and a torch gloo group take them."""
+    if config.get("onebit_placement") != "host" or device.type == "cpu":
         return
     name = comm.backend_name() if hasattr(comm, "backend_name") else type(comm).__name__
-    if name not in ("mpi", "local"):
+    if name not in ("mpi", "local", "torch:gloo"):
         raise ValueError(f"ZeroOptimizer: onebit_placement='host' needs a communicator that "
-                         f"takes host buffers (MPI), got {name!r} with {comm.size()} ranks")
+                         f"takes host buffers (MPI, gloo or local), got {name!r} with "
+                         f"{comm.size()} ranks")
 
 
 def step_inner(opt: torch.optim.Optimizer, groups: List[GroupLayout], onebit: Any,
