@@ -86,7 +86,9 @@ def test_staging_bounded_cuda(offload):
             held = torch.cuda.memory_allocated() - before
             T = sum(p.numel() for p in model.parameters())
             states = 4 * T + (0 if offload else 16 * T)  # params (+ master, m, v, grad shard)
-            assert held <= states + 3 * z._grads.cap[0] * 4 + (1 << 20), (held, states)
+            # + 4 MiB: torch's own allocations (cuBLAS workspace of the backward's stream, AdamW's
+            # step tensors; 1.9 MB without offload on the H200), far below one 30 MB buffer
+            assert held <= states + 3 * z._grads.cap[0] * 4 + (4 << 20), (held, states)
             assert z._grads.cap[0] * 10 < z.groups[0].max_padded
         got.append([p.detach().clone() for p in model.parameters()])
         z.close()

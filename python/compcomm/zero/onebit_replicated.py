@@ -33,10 +33,11 @@ With ZeRO-Offload (``offload_optimizer``; "exact" mode) the shards live in host 
 ``zero_optimization.onebit_placement`` says where the 1-bit work of a bucket runs:
 
 * ``"device"`` (default): where the gradients are. The local momentum is formed, compressed and
-  averaged on the device; then only this rank's chunk of the result in its 1-bit form (``chunk/8``
-  bytes of signs and one scale) is copied to the host and unpacked into the host momentum shard,
-  instead of the chunk's fp32 values (32x fewer bytes over PCIe; the same bits, unpacking is
-  exact). Device memory: the error feedback, the packed momentum and the staged gradient.
+  averaged on the device; then this rank's chunk of the result is copied to the host momentum
+  shard as fp32 values. (Copying only its 1-bit form, 32x fewer bytes over PCIe, and unpacking on
+  the host measured 4.1x slower on the H200: 6.2 against 1.5 ms per 10M-element bucket,
+  ``bench/bench_offload.py`` part (d): the host's unpacking costs more than PCIe saves.) Device
+  memory: the error feedback, the packed momentum and the staged gradient.
 * ``"host"``: the local gradient of every bucket is copied to the host (in the parameter dtype,
   converted there) and the momentum, the compression, its error feedback and the packed momentum
   are all in host memory (the CPU kernels); nothing 1-bit stays on the device. The communicator
@@ -71,7 +72,7 @@ from ..optim.adam import cpu_kernels_usable
 from ..optim.functional import adam_denom, adam_update
 from .grad_reducer import GradReducer, clip_coef
 from .layout import GroupLayout
-from .packed_momentum import PackedMomentum, unpack
+from .packed_momentum import PackedMomentum
 
 __all__ = ["ReplicatedMomentum"]
 
@@ -127,7 +128,6 @@ class ReplicatedMomentum:
         if placement not in ("device", "host") or (placement == "host" and not offload):
             raise ValueError(f"ReplicatedMomentum: placement must be 'device' or (with offload) "
                              f"'host', got {placement!r}")
-        self.offload = offload
         #: where the momentum, the compression and its buffers live
         self.where = torch.device("cpu") if placement == "host" else device
         # group -> full fp32 momentum (flat layout): only until every bucket of the group is packed
@@ -252,14 +252,12 @@ class ReplicatedMomentum:
         """Apply the averaged momentum (after the skip decision; nothing here fails)."""
         inner, r = self.inner, self.rank
         ys: Dict[Tuple[int, int], torch.Tensor] = {}
-        packs: Dict[Tuple[int, int], Tuple[torch.Tensor, torch.Tensor]] = {}
         for i, (gi, bi, y) in enumerate(self._avg):
             b = self.groups[gi].buckets[bi]
             y[b.numel:].zero_()  # padding: 1 bit cannot say 0, unsharded keeps no padding
             ys[(gi, bi)] = y
             if self._packs is not None:  # what persists: signs + scales
                 signs, scales = self._packs[i]
-                packs[(gi, bi)] = (signs, scales)
                 self.packed.put((gi, bi), signs, scales, b.numel, b.chunk)
             else:
                 b.span(self.m[gi]).copy_(y)
@@ -271,7 +269,7 @@ class ReplicatedMomentum:
             group = inner.param_groups[gi]
             st = self._shard_state(gi)
             for bi, b in enumerate(grp.buckets):  # shards stay current for checkpoints
-                self._own_chunk(b, ys[(gi, bi)], packs.get((gi, bi)), b.shard_of(st["exp_avg"]))
+                b.shard_of(st["exp_avg"]).copy_(ys[(gi, bi)][r * b.chunk: (r + 1) * b.chunk])
             st["step"] = t
             # variance frozen since the warm-up: its correction too, as unsharded OneBitAdam
             bc2_t = min(t, inner.freeze_step)
@@ -282,21 +280,6 @@ class ReplicatedMomentum:
                 continue
             self._whole_update(gi, grp, group, ys, t, bc2_t)
         inner.schedule.advance(inner.schedule.next_kind())  # the wrapped optimizer's step count
-
-    def _own_chunk(self, b: Any, y: torch.Tensor,
-                   pack: Optional[Tuple[torch.Tensor, torch.Tensor]], dst: torch.Tensor) -> None:
-        """This rank's chunk of a bucket's averaged momentum ``y`` into ``dst`` (its momentum
-        shard): with offload, from the 1-bit form (only ``chunk/8`` bytes of signs and one scale
-        cross to the host; unpacking is exact), else copied."""
-        r = self.rank
-        if pack is None or not self.offload:
-            dst.copy_(y[r * b.chunk: (r + 1) * b.chunk])
-            return
-        signs, scales = pack
-        c8 = b.chunk // 8  # chunks hold whole bytes of signs (the replicated alignment)
-        host = dst.device
-        unpack(signs[r * c8: (r + 1) * c8].to(host), scales[r: r + 1].to(host), b.chunk,
-               b.padding_start(r), 0, dst)
 
     def _whole_update(self, gi: int, grp: GroupLayout, group: Dict[str, Any],
                       ys: Dict[Tuple[int, int], torch.Tensor], t: int, bc2_t: int) -> None:
