@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from typing import Callable, Dict, List, Optional
@@ -38,24 +37,14 @@ import torch.distributed as dist
 
 import compcomm
 from compcomm import _C
+from gpu_bench import events_median  # bench/ is on sys.path when this script runs
 
 TARGET_US = 40.0
 
 
 def events_us(fn: Callable[[], None], iters: int, warmup: int = 5) -> float:
     """Median microseconds per call, each call between its own pair of CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    pairs = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        pairs.append((a, b))
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in pairs) * 1e3
+    return events_median(fn, iters, warmup) * 1e6
 
 
 def wall_us(fn: Callable[[], None], iters: int, warmup: int = 5) -> float:

@@ -41,7 +41,7 @@ import compcomm
 from compcomm import collectives as _coll
 
 
-def _events_median(fn: Callable[[], None], iters: int, warmup: int) -> float:
+def events_median(fn: Callable[[], None], iters: int, warmup: int) -> float:
     """Median seconds per call, each call timed by its own pair of CUDA events."""
     for _ in range(warmup):
         fn()
@@ -62,7 +62,7 @@ def copy_bandwidth() -> float:
     n = 1 << 28
     src = torch.randn(n, device="cuda")
     dst = torch.empty_like(src)
-    t = _events_median(lambda: dst.copy_(src), 20, 5)
+    t = events_median(lambda: dst.copy_(src), 20, 5)
     del src, dst
     torch.cuda.empty_cache()
     return 2 * 4 * n / t
@@ -88,15 +88,15 @@ def bench_compcomm(n: int, dtype: torch.dtype, comm) -> Dict[str, object]:
     we, se = compcomm.error_buffers(n, comm, device="cuda")
     peak = _peak_extra(lambda: compcomm.compressed_allreduce(t, we, se, comm))
     res: Dict[str, object] = {"peak_extra_bytes": peak}
-    probe = _events_median(lambda: compcomm.compressed_allreduce(t, we, se, comm), 3, 1)
+    probe = events_median(lambda: compcomm.compressed_allreduce(t, we, se, comm), 3, 1)
     iters = _iters_for(probe)
-    res["check"] = _events_median(lambda: compcomm.compressed_allreduce(t, we, se, comm), iters, 3)
-    res["nocheck"] = _events_median(
+    res["check"] = events_median(lambda: compcomm.compressed_allreduce(t, we, se, comm), iters, 3)
+    res["nocheck"] = events_median(
         lambda: compcomm.compressed_allreduce(t, we, se, comm, check=False), iters, 3
     )
     # what a user calls: group=None under an initialized torch 'nccl' process group (compcomm's
     # native NCCL communicator when built, else the torch adapter)
-    res["default"] = _events_median(lambda: compcomm.compressed_allreduce(t, we, se), iters, 3)
+    res["default"] = events_median(lambda: compcomm.compressed_allreduce(t, we, se), iters, 3)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -105,7 +105,7 @@ def bench_compcomm(n: int, dtype: torch.dtype, comm) -> Dict[str, object]:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, capture_error_mode="thread_local"):
         compcomm.compressed_allreduce(t, we, se, comm, check=False)
-    res["graph"] = _events_median(g.replay, iters, 3)
+    res["graph"] = events_median(g.replay, iters, 3)
     del g, t, we, se
     return res
 
@@ -131,9 +131,9 @@ def bench_deepspeed(ds, n: int, dtype: torch.dtype) -> Optional[Dict[str, object
             t.copy_(out)
 
     peak = _peak_extra(call)
-    probe = _events_median(call, 2, 1)
+    probe = events_median(call, 2, 1)
     iters = max(5, min(30, _iters_for(probe, 0.4)))
-    res = {"time": _events_median(call, iters, 2), "peak_extra_bytes": peak}
+    res = {"time": events_median(call, iters, 2), "peak_extra_bytes": peak}
     del t, we, se
     torch.cuda.empty_cache()
     return res
