@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import time
 import timeit
 from typing import List, Optional
@@ -30,17 +29,7 @@ import torch
 import compcomm
 from compcomm import _C, collectives
 from compcomm._buffers import buffer_of
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+from bench_cpu_adam import cpu_model  # bench/ is on sys.path when this script runs
 
 
 def per_call_us(fn, number: int) -> float:
@@ -77,7 +66,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         f"# Host overhead of one compressed_allreduce of {args.numel} fp32 (CPU, LocalCommunicator)",
         "",
         f"Command: `python bench/bench_call_overhead.py --numel {args.numel}`; "
-        f"{cpu_name()} ({os.cpu_count()} cores, shared), torch {torch.__version__}, "
+        f"{cpu_model()} ({os.cpu_count()} cores, shared), torch {torch.__version__}, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Best of 7 x {args.number} calls.",
         "",
         "| cached us | validated us | core us | Python layer, cached | Python layer, validated |"

@@ -252,15 +252,21 @@ def _trajectory(steps, lowp=False, nan_at=None, on=False):
     return out, opt
 
 
+def _count_local_steps(monkeypatch) -> list:
+    """Record the number of tensors of every onebit_local_steps_ call (the fast path's)."""
+    calls = []
+    real = cpu_adam.onebit_local_steps_
+    monkeypatch.setattr(cpu_adam, "onebit_local_steps_", lambda ws, *a, **k: (
+        calls.append(len(ws)), real(ws, *a, **k)))
+    return calls
+
+
 @pytest.mark.parametrize("on", [False, True], ids=["step", "step_on"])
 @pytest.mark.parametrize("lowp", [False, True], ids=["fp32", "bf16"])
 def test_onebit_adam_w1_fast_path_keeps_the_bits(monkeypatch, lowp, on):
     if not cpu_adam.matches_torch_rules():
         pytest.skip("the CPU kernels do not reproduce torch's ops here: no kernel path at all")
-    calls = []
-    real = cpu_adam.onebit_local_steps_
-    monkeypatch.setattr(cpu_adam, "onebit_local_steps_", lambda ws, *a, **k: (
-        calls.append(len(ws)), real(ws, *a, **k)))
+    calls = _count_local_steps(monkeypatch)
     fast, _ = _trajectory(6, lowp, on=on)
     assert sum(calls) == 4 * len(SHAPES) and len(calls) == 4 * 2  # steps 3..6: a call per group
     monkeypatch.setenv("COMPCOMM_FUSED_OPTIM", "0")  # the torch ops, staged momentum
@@ -299,10 +305,7 @@ def test_onebit_adam_w1_fast_path_scaled_and_stateless_starts(monkeypatch, freez
     torch ops' bits."""
     if not cpu_adam.matches_torch_rules():
         pytest.skip("the CPU kernels do not reproduce torch's ops here: no kernel path at all")
-    calls = []
-    real = cpu_adam.onebit_local_steps_
-    monkeypatch.setattr(cpu_adam, "onebit_local_steps_", lambda ws, *a, **k: (
-        calls.append(len(ws)), real(ws, *a, **k)))
+    calls = _count_local_steps(monkeypatch)
     fast = _scaled_trajectory(5, freeze_step, scale)
     # steps freeze_step+1 .. 5 compressed; with freeze_step 0 the first has no momentum yet
     assert len(calls) == 5 - max(freeze_step, 1)
