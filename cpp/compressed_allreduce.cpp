@@ -111,18 +111,24 @@ struct NoticeSlot {
   uint64_t seq = 0;                         // the last call's tag; tags start at 1, the memory at 0
 };
 
-NoticeSlot& notice_slot(bool cuda, int rank) {
+// nullptr where mapped memory cannot be had (a context without host mapping): the call then checks
+// at its end with a stream sync, as before notices existed.
+NoticeSlot* notice_slot(bool cuda) {
   thread_local kernels::HeaderNotice on_host{};
   thread_local NoticeSlot host_slot{&on_host, &on_host, 0};
   thread_local NoticeSlot mapped;
-  if (!cuda) return host_slot;
-  if (mapped.host == nullptr) {
+  thread_local bool unavailable = false;
+  if (!cuda) return &host_slot;
+  if (mapped.host == nullptr && !unavailable) {
     void *h = nullptr, *d = nullptr;
-    check_status(kernels::host_alloc_mapped(&h, &d, sizeof(kernels::HeaderNotice)), "host_alloc_mapped", rank);
+    if (kernels::host_alloc_mapped(&h, &d, sizeof(kernels::HeaderNotice)) != kernels::Status::kSuccess) {
+      unavailable = true;
+      return nullptr;
+    }
     std::memset(h, 0, sizeof(kernels::HeaderNotice));
     mapped = NoticeSlot{static_cast<kernels::HeaderNotice*>(h), static_cast<kernels::HeaderNotice*>(d), 0};
   }
-  return mapped;
+  return unavailable ? nullptr : &mapped;
 }
 
 // memset/memcpy on host memory, their stream-ordered CUDA counterparts on device memory.
@@ -528,7 +534,7 @@ void run_compressed(const char* name, Communicator& comm, const Buffer& tensor, 
   // check stays at the end (a no-op, or the sync capture rejects): a non-finite worker scale makes
   // the server scale non-finite too, so the guarded commit writes nothing.
   const bool defer = c.alone && phase == kWhole;
-  NoticeSlot* slot = defer && c.can_notify() ? &notice_slot(c.cuda, c.rank) : nullptr;
+  NoticeSlot* slot = defer && c.can_notify() ? notice_slot(c.cuda) : nullptr;
   const uint64_t seq = slot != nullptr ? ++slot->seq : 0;
   if (phase & kExchange) {
     if (c.alone) comm.check_open(name);  // a closed communicator still raises
