@@ -100,11 +100,21 @@ Header* pinned_headers(int64_t count, int rank) {
   return static_cast<Header*>(block.p);
 }
 
+constexpr double kNoticeSpinS = 50e-6;  // how long wait_notice spins before it yields and polls
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
 // The notice a whole call alone waits on for its verdict (kernels.h, HeaderNotice): one per thread, so
 // concurrent calls never share one. On a GPU it is page-locked host memory mapped into the devices,
 // allocated once; on the host, plain memory (the same code path, so the CPU tests cover it). A call
 // that timed out abandons its notice (its worker kernel may still post there later) and the thread
-// allocates a fresh one; it is never freed, since a kernel may still write it.
+// allocates a fresh one. Notices are never freed (a kernel may still write one; 64 bytes per thread).
 struct NoticeSlot {
   kernels::HeaderNotice* host = nullptr;    // read by this thread
   kernels::HeaderNotice* device = nullptr;  // written by the worker kernel
@@ -413,6 +423,15 @@ struct Call {
     };
     if (!arrived()) {
       COMPCOMM_CHECK(cuda, "[rank ", rank, "] ", name, ": the worker pass posted no header");  // host: a bug
+      // A small call's verdict comes within microseconds: spin on the tag alone first (a yield or a
+      // stream query costs about as much as the wait), then poll as the other backends' waits do.
+      const double spin_until = now_s() + kNoticeSpinS;
+      for (int i = 1; !arrived(); ++i) {
+        if (i % 256 == 0 && now_s() > spin_until) break;
+        cpu_relax();
+      }
+    }
+    if (!arrived()) {
       CountingBackoff pacer;
       int polls = 0;
       poll_until(
