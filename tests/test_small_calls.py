@@ -362,7 +362,8 @@ def test_worker_scale_pack_header_posts_notice(n: int) -> None:
     m[n // 2:] = float("nan") if n else 0.0
     P = compcomm.padded_numel(n, 1)
     e, ws = torch.zeros(P), torch.zeros(16, dtype=torch.uint8)
-    header, signs = torch.zeros(32, dtype=torch.uint8), torch.zeros(max(1, P // 8), dtype=torch.uint8)
+    header = torch.zeros(32, dtype=torch.uint8)
+    signs = torch.zeros(max(1, P // 8), dtype=torch.uint8)
     notice = torch.full((64,), 0xEE, dtype=torch.uint8)
     K.worker_scale_pack_header(buffer_of(m), buffer_of(e), buffer_of(header), buffer_of(signs),
                                buffer_of(ws), magic=9)
