@@ -301,3 +301,27 @@ def test_alone_nonfinite_then_more_calls_without_sync() -> None:
             compcomm.compressed_allreduce(t, we, se, comm)
     torch.cuda.synchronize()
     assert bool(torch.isfinite(t).all())
+
+
+def test_alone_notice_two_threads() -> None:
+    """Two threads, each with its own communicator and stream, call at once: each waits on its own
+    thread's notice, and each gets the bits a single thread gets."""
+    import threading
+
+    g = torch.Generator().manual_seed(12)
+    xs = [torch.randn(4099, generator=g) for _ in range(100)]
+    want = _run(_C.LocalCommunicator(), True, xs, [torch.cuda.Stream()])
+    got: list = []
+
+    def body() -> None:
+        got.append(_run(_C.LocalCommunicator(), True, xs, [torch.cuda.Stream()]))
+
+    threads = [threading.Thread(target=body) for _ in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert len(got) == 2
+    for result in got:
+        for a, b in zip(result, want):
+            _same_bits(a, b)
