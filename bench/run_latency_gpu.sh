@@ -3,7 +3,8 @@
 # already be installed from this checkout):
 #   tests  tests/test_cuda.py, tests/test_nccl.py and tests/test_small_calls_gpu.py (kernels vs CPU
 #          twins, the compressed allreduce on device, native NCCL at world size 1, the fused kernels
-#          and the world-of-one path with its deferred check)
+#          and the world-of-one path: its header posted to mapped host memory, the commit queued
+#          after the verdict, a busy stream and the timeout)
 #   bench  bench/bench_latency.py: 2^20 and 2^28 fp32 through the default path (torch nccl group,
 #          W=1, eager, check=True), check=False, the local communicator, a CUDA graph, plain NCCL
 #          allreduce; per-call us and the profiler's kernel/API list of one default call

@@ -19,6 +19,7 @@
 #include "compressed_allreduce.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -30,6 +31,7 @@
 #include <vector>
 
 #include "kernels/kernels.h"
+#include "poll.h"
 
 namespace compcomm {
 namespace {
@@ -96,6 +98,47 @@ Header* pinned_headers(int64_t count, int rank) {
     block.bytes = need;
   }
   return static_cast<Header*>(block.p);
+}
+
+constexpr double kNoticeSpinS = 50e-6;  // how long wait_notice spins before it yields and polls
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// The notice a whole call alone waits on for its verdict (kernels.h, HeaderNotice): one per thread, so
+// concurrent calls never share one. On a GPU it is page-locked host memory mapped into the devices,
+// allocated once; on the host, plain memory (the same code path, so the CPU tests cover it). A call
+// that timed out abandons its notice (its worker kernel may still post there later) and the thread
+// allocates a fresh one. Notices are never freed (a kernel may still write one; 64 bytes per thread).
+struct NoticeSlot {
+  kernels::HeaderNotice* host = nullptr;    // read by this thread
+  kernels::HeaderNotice* device = nullptr;  // written by the worker kernel
+  uint64_t seq = 0;                         // the last call's tag; tags start at 1, the memory at 0
+};
+
+// nullptr where mapped memory cannot be had (a context without host mapping): the call then checks
+// at its end with a stream sync, as before notices existed.
+NoticeSlot* notice_slot(bool cuda) {
+  thread_local kernels::HeaderNotice on_host{};
+  thread_local NoticeSlot host_slot{&on_host, &on_host, 0};
+  thread_local NoticeSlot mapped;
+  thread_local bool unavailable = false;
+  if (!cuda) return &host_slot;
+  if (mapped.host == nullptr && !unavailable) {
+    void *h = nullptr, *d = nullptr;
+    if (kernels::host_alloc_mapped(&h, &d, sizeof(kernels::HeaderNotice)) != kernels::Status::kSuccess) {
+      unavailable = true;
+      return nullptr;
+    }
+    std::memset(h, 0, sizeof(kernels::HeaderNotice));
+    mapped = NoticeSlot{static_cast<kernels::HeaderNotice*>(h), static_cast<kernels::HeaderNotice*>(d), 0};
+  }
+  return unavailable ? nullptr : &mapped;
 }
 
 // memset/memcpy on host memory, their stream-ordered CUDA counterparts on device memory.
@@ -346,11 +389,75 @@ struct Call {
   }
 
   // 1. Worker scale and signs in one read of m and e (writes only the workspace), then the header --
-  //    filled where it lives, so on GPU the scale never leaves the device.
-  void worker() {
+  //    filled where it lives, so on GPU the scale never leaves the device -- and, with `notice`, posted
+  //    there for a host thread waiting on it (wait_notice).
+  void worker(kernels::HeaderNotice* notice = nullptr, uint64_t seq = 0) {
     check_status(k->worker_scale_pack_header(m, itype, n, e, padded, header, dtype, kHeaderMagic, signs_send,
-                                             scratch, stream),
+                                             scratch, stream, notice, seq),
                  "worker_scale_pack_header", rank);
+  }
+
+  // Whether a whole call alone can take its verdict from a notice: it must be checked on the host,
+  // and its stream must run now (a stream being captured into a CUDA graph runs nothing: that call
+  // keeps the stream sync at the end, which fails as it always did under capture).
+  bool can_notify() {
+    if (!host_check) return false;
+    if (!cuda) return true;
+    bool capturing = false;
+    check_status(kernels::stream_capturing(stream, &capturing), "stream_capturing", rank);
+    return !capturing;
+  }
+
+  // 2, alone. The header as the worker kernel posted it in `slot` under tag `seq`, validated as
+  // check() does. Only the worker's verdict is waited for, not the stream: the server kernel queued
+  // behind it keeps running, and the caller queues the commit only after this returned, so a call
+  // that raises here (NaN/Inf, a timeout) never writes tensor or errors. The stream is polled now and
+  // then, so that a failed kernel raises rather than being waited for until the deadline.
+  void wait_notice(NoticeSlot& slot, uint64_t seq, double timeout_s) {
+    fault_point("exit_after_header", cuda, stream);  // tests: as check()
+    const volatile uint64_t* tag = &slot.host->tag;
+    auto arrived = [&] {
+      if (*tag != seq) return false;
+      std::atomic_thread_fence(std::memory_order_acquire);  // the header was written before the tag
+      return true;
+    };
+    if (!arrived()) {
+      COMPCOMM_CHECK(cuda, "[rank ", rank, "] ", name, ": the worker pass posted no header");  // host: a bug
+      // A small call's verdict comes within microseconds: spin on the tag alone first (a yield or a
+      // stream query costs about as much as the wait), then poll as the other backends' waits do.
+      const double spin_until = now_s() + kNoticeSpinS;
+      for (int i = 1; !arrived(); ++i) {
+        if (i % 256 == 0 && now_s() > spin_until) break;
+        cpu_relax();
+      }
+    }
+    if (!arrived()) {
+      CountingBackoff pacer;
+      int polls = 0;
+      poll_until(
+          pacer, now_s() + timeout_s,
+          [&](bool*) {
+            if (arrived()) return true;
+            if (++polls % 64 != 0) return false;
+            bool idle = false;
+            check_status(kernels::stream_idle(stream, &idle), "stream_query", rank);
+            if (idle && !arrived())
+              throw BackendError(detail::concat("[rank ", rank, "] ", name, ": the worker kernel finished "
+                                                "without posting its header"),
+                                 name, "cuda", 0, rank);
+            return idle;
+          },
+          [&] {
+            slot = NoticeSlot{};  // abandoned: the worker kernel may still post there
+            throw TimeoutError(detail::concat("[rank ", rank, "] ", name, ": the worker kernel did not finish "
+                                              "within ", timeout_s, " s (is the stream blocked by earlier "
+                                              "work?); nothing was changed"),
+                               name, "cuda", 0, rank);
+          });
+    }
+    Header h;
+    std::memcpy(&h, const_cast<const kernels::HeaderNotice*>(slot.host), sizeof(Header));
+    check_host(&h);
   }
 
   // 2. Validate every rank's header (in `headers`) before any variable-sized exchange and before
@@ -438,15 +545,19 @@ void run_compressed(const char* name, Communicator& comm, const Buffer& tensor, 
   const kernels::ScopedDevice on_device(tensor.device);  // callers may be on any thread and device
   const CompressedAllreduceLayout& l = c.l;
   // Alone (one rank, collectives that are copies), every receive region of the layout is its send
-  // region, so no collective runs, and the header check moves to the end of a whole call: on a GPU
-  // one stream sync after everything is queued instead of one in the middle (on the host it is the
-  // same code, tested there). That is still all or nothing: a non-finite worker scale makes the
-  // server scale non-finite too, so the guarded commit before the check writes nothing, and the
-  // check raises NonFiniteError (the only verdict possible with one rank).
+  // region, so no collective runs, and the header check needs no stream sync: the worker kernel posts
+  // its header to (mapped) host memory, the host waits for that verdict while the server kernel runs,
+  // and only then queues the commit; the call returns without a device-to-host copy or a sync
+  // (Call::wait_notice; on the host it is the same code, tested there). A call that raises has queued
+  // no commit, so it wrote nothing. Unchecked (check = false, sizes seen) or under graph capture, the
+  // check stays at the end (a no-op, or the sync capture rejects): a non-finite worker scale makes
+  // the server scale non-finite too, so the guarded commit writes nothing.
   const bool defer = c.alone && phase == kWhole;
+  NoticeSlot* slot = defer && c.can_notify() ? notice_slot(c.cuda) : nullptr;
+  const uint64_t seq = slot != nullptr ? ++slot->seq : 0;
   if (phase & kExchange) {
     if (c.alone) comm.check_open(name);  // a closed communicator still raises
-    c.worker();
+    c.worker(slot != nullptr ? slot->device : nullptr, seq);
     if (!c.alone)
       comm.all_gather(c.ws_buf.reinterpret(DType::kUInt8, l.header_send, sizeof(Header)),
                       c.ws_buf.reinterpret(DType::kUInt8, l.header_recv, sizeof(Header) * c.world), opts);
@@ -464,8 +575,9 @@ void run_compressed(const char* name, Communicator& comm, const Buffer& tensor, 
                         c.ws_buf.reinterpret(DType::kUInt8, l.record_recv, l.record_bytes * c.world), opts);
     }
   }
+  if (slot != nullptr) c.wait_notice(*slot, seq, opts.timeout_s);
   if (phase & kCommit) c.commit();  // nothing to write when padded == 0
-  if (defer) c.check();
+  if (defer && slot == nullptr) c.check();
 }
 
 // The staging of a batched exchange (byte offsets, each 256-byte aligned): headers, signs and records

@@ -33,7 +33,9 @@ int64_t compressed_allreduce_wire_bytes(int64_t padded, int world);
 //
 // On device buffers the headers and records live in the (device) workspace and no scale leaves the
 // device. opts.check = true copies the gathered headers to the host and validates them as on the CPU
-// (one small stream sync per call). opts.check = false never syncs (the call can be captured in a CUDA
+// (one small stream sync per call; a whole call alone on one rank instead waits only for the worker
+// kernel's header, posted to mapped host memory, for at most opts.timeout_s, and queues the commit
+// after it: no sync, and a raising call wrote nothing). opts.check = false never syncs (the call can be captured in a CUDA
 // graph): sizes are still validated on the host the first time a (communicator, numel, padded, dtype)
 // is seen, and afterwards a call in which any rank's scale is not finite leaves every rank's state
 // unchanged without raising. Host buffers are always checked (it costs nothing there). On every

@@ -354,6 +354,60 @@ def test_worker_scale_pack_header_flags_nonfinite() -> None:
     assert header.view(torch.int32)[1].item() == 1
 
 
+@pytest.mark.parametrize("n", [0, 7, 4099])
+def test_worker_scale_pack_header_posts_notice(n: int) -> None:
+    """With a notice, the header goes there too, then the tag (the CPU twin of what a whole call
+    alone waits on); without one, the notice is not touched."""
+    m = torch.randn(n)
+    m[n // 2:] = float("nan") if n else 0.0
+    P = compcomm.padded_numel(n, 1)
+    e, ws = torch.zeros(P), torch.zeros(16, dtype=torch.uint8)
+    header = torch.zeros(32, dtype=torch.uint8)
+    signs = torch.zeros(max(1, P // 8), dtype=torch.uint8)
+    notice = torch.full((64,), 0xEE, dtype=torch.uint8)
+    K.worker_scale_pack_header(buffer_of(m), buffer_of(e), buffer_of(header), buffer_of(signs),
+                               buffer_of(ws), magic=9)
+    assert bool((notice == 0xEE).all())
+    seq = 2**40 + 5
+    K.worker_scale_pack_header(buffer_of(m), buffer_of(e), buffer_of(header), buffer_of(signs),
+                               buffer_of(ws), magic=9, notice=buffer_of(notice), seq=seq)
+    assert torch.equal(notice[:32], header) and notice[32:40].view(torch.int64).item() == seq
+    assert header.view(torch.int32)[1].item() == (1 if n > 1 else 0)  # the flag travels with it
+    assert bool((notice[40:] == 0xEE).all())
+    with pytest.raises(ValueError, match="notice needs 64 bytes"):
+        K.worker_scale_pack_header(buffer_of(m), buffer_of(e), buffer_of(header), buffer_of(signs),
+                                   buffer_of(ws), notice=buffer_of(notice[:40]), seq=1)
+
+
+def test_alone_many_calls_raising_ones_between() -> None:
+    """A whole call alone takes its verdict from its thread's notice, tagged per call: many calls,
+    raising ones among them, on two threads at once, give what one thread's sequence gives."""
+    def run(results: list) -> None:
+        comm = _C.LocalCommunicator()
+        t, we, se = _state(4099, 3, comm)
+        for i in range(150):
+            if i % 7 == 3:
+                bad = t.clone()
+                bad[i] = float("inf")
+                with pytest.raises(NonFiniteError):
+                    compcomm.compressed_allreduce(bad, we, se, comm)
+            t.add_(0.5)
+            compcomm.compressed_allreduce(t, we, se, comm)
+        results.append(_bits(t, we, se))
+
+    alone: list = []
+    run(alone)
+    both: list = []
+    threads = [threading.Thread(target=run, args=(both,)) for _ in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert len(both) == 2
+    for b in both:
+        assert all(torch.equal(x, y) for x, y in zip(b, alone[0]))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("world", [1, 3, 4])
 def test_commit_equals_two_calls(world: int, dtype: torch.dtype) -> None:

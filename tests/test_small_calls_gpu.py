@@ -184,3 +184,144 @@ def test_nccl_one_rank_alone() -> None:
     finally:
         dist.destroy_process_group()
         compcomm._comm.forget_process_groups()
+
+
+# ---- the notice: a checked call alone waits for the worker kernel's posted header, not the stream
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("n", [0, 7, 2**20 + 3])
+def test_worker_notice_matches_header(n: int, dtype: torch.dtype) -> None:
+    """The device twin posts what it wrote to the header, then the tag; as the CPU twin does."""
+    g = torch.Generator().manual_seed(n + 2)
+    P = compcomm.padded_numel(n, 1)
+    m, e = torch.randn(n, generator=g).to(dtype), 0.1 * torch.randn(P, generator=g)
+    if n == 7:
+        m[3] = float("nan")  # the flag travels too
+    notices = {}
+    for dev in ("cpu", DEV):
+        hd = torch.zeros(32, dtype=torch.uint8, device=dev)
+        sd = torch.zeros(max(1, P // 8), dtype=torch.uint8, device=dev)
+        wsb = K.scale_workspace_bytes(P, dev != "cpu") or 16
+        ws = torch.zeros(wsb, dtype=torch.uint8, device=dev)
+        nd = torch.full((64,), 0xEE, dtype=torch.uint8, device=dev)
+        md, ed = m.to(dev), e.to(dev)
+        K.worker_scale_pack_header(buffer_of(md), buffer_of(ed), buffer_of(hd), buffer_of(sd),
+                                   buffer_of(ws), magic=5, notice=buffer_of(nd), seq=2**33 + n)
+        torch.cuda.synchronize()
+        assert torch.equal(nd[:32], hd) and nd[32:40].view(torch.int64).item() == 2**33 + n
+        assert bool((nd[40:] == 0xEE).all())
+        notices[dev] = nd.cpu()
+    assert torch.equal(notices[DEV][4:], notices["cpu"][4:])  # flags, sizes, magic, tag
+    scales = [notices[d][:4].view(torch.float32) for d in (DEV, "cpu")]
+    torch.testing.assert_close(scales[0], scales[1], rtol=2.5e-7, atol=0.0, equal_nan=True)
+
+
+def _run(comm, check: bool, xs: list, streams: list) -> tuple:
+    """Calls compressed_allreduce on each of xs in turn, on streams[i % len], with other work on a
+    side stream in between; returns every output and the final errors."""
+    n = xs[0].numel()
+    we, se = compcomm.error_buffers(n, comm, device=DEV)
+    side = torch.cuda.Stream()
+    junk = torch.randn(1 << 20, device=DEV)
+    outs = []
+    for i, x in enumerate(xs):
+        s = streams[i % len(streams)]
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            t = x.to(DEV, non_blocking=True)
+            compcomm.compressed_allreduce(t, we, se, comm, check=check)
+            outs.append(t)
+        torch.cuda.current_stream().wait_stream(s)
+        with torch.cuda.stream(side):
+            junk.mul_(1.0001)  # unrelated work interleaved on another stream
+    torch.cuda.synchronize()
+    return torch.stack(outs).cpu(), we.cpu(), se.cpu()
+
+
+def test_alone_notice_many_calls_streams_bits() -> None:
+    """Hundreds of checked calls alone, alternating between two streams with other streams' work
+    between them: every tag arrives, and the bits equal those of the same calls unchecked (the same
+    kernels without the notice) and, to fp32 rounding of the scales, the CPU twin's."""
+    g = torch.Generator().manual_seed(11)
+    xs = [torch.randn(4099, generator=g) for _ in range(300)]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    checked = _run(_C.LocalCommunicator(), True, xs, streams)
+    comm = _C.LocalCommunicator()
+    _run(comm, True, xs[:1], streams)  # sizes seen once: check=False then skips the host check
+    unchecked = _run(comm, False, xs, streams)
+    for a, b in zip(checked, unchecked):
+        _same_bits(a, b)
+    host = _C.LocalCommunicator()
+    we, se = compcomm.error_buffers(4099, host)
+    for i, x in enumerate(xs[:3]):  # more calls could let a scale rounding flip a sign
+        t = x.clone()
+        compcomm.compressed_allreduce(t, we, se, host)
+        tol = 1e-5 * max(1.0, float(t.abs().max()))
+        torch.testing.assert_close(checked[0][i], t, rtol=0.0, atol=tol)
+
+
+def test_alone_notice_waits_for_a_busy_stream_and_times_out() -> None:
+    """Behind earlier work on its stream the call waits for it (past the spinning phase); given
+    less time than that work takes, it raises CommTimeoutError, queues no commit (nothing written,
+    even once the stream drains), and the next call works."""
+    comm = _C.LocalCommunicator()
+    t = torch.randn(4099, device=DEV)
+    we, se = compcomm.error_buffers(t, comm)
+    compcomm.compressed_allreduce(t, we, se, comm)
+    torch.cuda._sleep(20_000_000)  # ~10 ms of GPU time ahead of the call
+    compcomm.compressed_allreduce(t, we, se, comm)
+    torch.cuda.synchronize()
+    before = [x.clone() for x in (t, we, se)]
+    torch.cuda._sleep(1_000_000_000)  # ~0.5 s
+    with pytest.raises(compcomm.errors.CommTimeoutError, match="did not finish"):
+        compcomm.compressed_allreduce(t, we, se, comm, timeout=0.05)
+    torch.cuda.synchronize()
+    for x, x0 in zip((t, we, se), before):
+        _same_bits(x, x0)
+    for _ in range(3):  # a fresh notice after the abandoned one
+        compcomm.compressed_allreduce(t, we, se, comm)
+    torch.cuda.synchronize()
+    assert bool(torch.isfinite(t).all()) and not torch.equal(we, before[1])
+
+
+def test_alone_nonfinite_then_more_calls_without_sync() -> None:
+    """A raising call leaves the tags in order: calls right after it, with no sync between, see
+    their own verdicts (a NaN later in the series raises again)."""
+    comm = _C.LocalCommunicator()
+    t = torch.randn(1000, device=DEV)
+    we, se = compcomm.error_buffers(t, comm)
+    for i in range(40):
+        if i % 10 == 5:
+            bad = t.clone()
+            bad[i] = float("nan")
+            with pytest.raises(NonFiniteError):
+                compcomm.compressed_allreduce(bad, we, se, comm)
+        else:
+            compcomm.compressed_allreduce(t, we, se, comm)
+    torch.cuda.synchronize()
+    assert bool(torch.isfinite(t).all())
+
+
+def test_alone_notice_two_threads() -> None:
+    """Two threads, each with its own communicator and stream, call at once: each waits on its own
+    thread's notice, and each gets the bits a single thread gets."""
+    import threading
+
+    g = torch.Generator().manual_seed(12)
+    xs = [torch.randn(4099, generator=g) for _ in range(100)]
+    want = _run(_C.LocalCommunicator(), True, xs, [torch.cuda.Stream()])
+    got: list = []
+
+    def body() -> None:
+        got.append(_run(_C.LocalCommunicator(), True, xs, [torch.cuda.Stream()]))
+
+    threads = [threading.Thread(target=body) for _ in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert len(got) == 2
+    for result in got:
+        for a, b in zip(result, want):
+            _same_bits(a, b)

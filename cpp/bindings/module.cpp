@@ -382,20 +382,25 @@ PYBIND11_MODULE(_C, m) {
   k.def(
       "worker_scale_pack_header",
       [](const Buffer& mm, const Buffer& e, const Buffer& header, const Buffer& signs, const Buffer& ws,
-         uint32_t magic, uintptr_t stream) {
+         uint32_t magic, uintptr_t stream, std::optional<Buffer> notice, uint64_t seq) {
         COMPCOMM_CHECK(signs.bytes() * 8 >= e.count, "worker_scale_pack_header: signs needs P/8 bytes");
         COMPCOMM_CHECK(header.bytes() >= static_cast<int64_t>(sizeof(kernels::ExchangeHeader)),
                        "worker_scale_pack_header: header needs 32 bytes");
+        COMPCOMM_CHECK(!notice || notice->bytes() >= static_cast<int64_t>(sizeof(kernels::HeaderNotice)),
+                       "worker_scale_pack_header: notice needs 64 bytes");
         auto f = mm.on_host() ? kernels::cpu::worker_scale_pack_header : kernels::cuda::worker_scale_pack_header;
         check(f(mm.data, itype(mm), mm.count, ptr<const float>(e), e.count,
                 static_cast<kernels::ExchangeHeader*>(header.data), static_cast<int32_t>(mm.dtype), magic,
-                ptr<uint8_t>(signs), ws.data, reinterpret_cast<void*>(stream)),
+                ptr<uint8_t>(signs), ws.data, reinterpret_cast<void*>(stream),
+                notice ? static_cast<kernels::HeaderNotice*>(notice->data) : nullptr, seq),
               "worker_scale_pack_header");
       },
       py::arg("m"), py::arg("error"), py::arg("header"), py::arg("signs"), py::arg("workspace"),
-      py::arg("magic") = 0, py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+      py::arg("magic") = 0, py::arg("stream") = 0, py::arg("notice") = std::optional<Buffer>(),
+      py::arg("seq") = 0, py::call_guard<py::gil_scoped_release>(),
       "worker_scale_pack and the 32-byte exchange header (scale, flags, numel, padded, dtype code, "
-      "magic) in one launch.");
+      "magic) in one launch; with `notice` (64 bytes the kernel can write) the header is also posted "
+      "there, then the 8-byte tag `seq` at byte 32.");
   k.def(
       "commit",
       [](const Buffer& signs, const Buffer& scales, int64_t stride, const Buffer& serr, const Buffer& server_scale,

@@ -3,6 +3,7 @@
 // on x86-64 an AVX2 version of the hot loops is chosen at run time. Both give the same signs and the
 // same fp32 values (the server sums run in the same rank order); fp64 norm sums may differ in their
 // last bits between the two, which is within the fp32 rounding of the scales.
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -451,11 +452,15 @@ Status decompress(const float* scale, const uint8_t* packed, int64_t count, floa
 
 Status worker_scale_pack_header(const void* m, InputType dtype, int64_t n, const float* error, int64_t padded,
                                 ExchangeHeader* header, int32_t header_dtype, uint32_t magic, uint8_t* signs,
-                                void* workspace, Stream stream) {
+                                void* workspace, Stream stream, HeaderNotice* notice, uint64_t seq) {
   if (header == nullptr) return Status::kInvalidArgument;  // as the device twin
-  const Status s = worker_scale_pack(m, dtype, n, error, padded, &header->scale, signs, workspace, stream);
-  if (s != Status::kSuccess) return s;
-  return write_header(header, n, padded, header_dtype, magic, stream);
+  Status s = worker_scale_pack(m, dtype, n, error, padded, &header->scale, signs, workspace, stream);
+  if (s == Status::kSuccess) s = write_header(header, n, padded, header_dtype, magic, stream);
+  if (s != Status::kSuccess || notice == nullptr) return s;
+  notice->header = *header;
+  std::atomic_thread_fence(std::memory_order_release);  // as the device twin: the header, then the tag
+  *static_cast<volatile uint64_t*>(&notice->tag) = seq;
+  return s;
 }
 
 Status commit(const uint8_t* signs, const float* scales, int64_t scale_stride, float* server_error,

@@ -256,13 +256,26 @@ __device__ bool guard_trips(const float* guard, int64_t stride, int world) {
 
 // ---- kernels -------------------------------------------------------------------------------------
 
+// Posts *h to a notice in (mapped host) memory: the header, a system-wide fence, then the tag, so a
+// host thread that reads its tag there also reads this header (kernels.h, HeaderNotice).
+__device__ void post_notice(const ExchangeHeader& h, HeaderNotice* notice, uint64_t seq) {
+  volatile uint32_t* dst = reinterpret_cast<volatile uint32_t*>(&notice->header);
+  const uint32_t* src = reinterpret_cast<const uint32_t*>(&h);
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(ExchangeHeader) / 4); ++i) dst[i] = src[i];
+  __threadfence_system();
+  *reinterpret_cast<volatile unsigned long long*>(&notice->tag) = seq;
+}
+
 // With `header` (whose scale field is `scale`), the thread that wrote the scale also fills in the
-// rest of the header, as header_kernel would: one launch instead of two.
+// rest of the header, as header_kernel would: one launch instead of two. With `notice` it also posts
+// the header there: the host learns the verdict as soon as this kernel's last block is done, without
+// waiting for the rest of the stream.
 template <int kType, bool kVec>
 __global__ void __launch_bounds__(kThreads)
     worker_kernel(const void* __restrict__ m, int64_t n, const float* __restrict__ e, int64_t padded,
                   uint8_t* __restrict__ signs, float* scale, void* scratch, ExchangeHeader* header,
-                  int32_t header_dtype, uint32_t magic) {
+                  int32_t header_dtype, uint32_t magic, HeaderNotice* notice, uint64_t seq) {
   const int64_t groups = padded / 8;
   double acc = 0.0;
   for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < groups;
@@ -276,11 +289,19 @@ __global__ void __launch_bounds__(kThreads)
     signs[g] = pack8(x);
   }
   if (finish_norm(acc, scratch, scale, padded) && header != nullptr) {
-    header->flags = isfinite(*scale) ? 0u : 1u;
+    ExchangeHeader h;
+    h.scale = *scale;
+    h.flags = isfinite(h.scale) ? 0u : 1u;
+    h.numel = n;
+    h.padded = padded;
+    h.dtype = header_dtype;
+    h.magic = magic;
+    header->flags = h.flags;
     header->numel = n;
     header->padded = padded;
     header->dtype = header_dtype;
     header->magic = magic;
+    if (notice != nullptr) post_notice(h, notice, seq);
   }
 }
 
@@ -416,14 +437,15 @@ Status dispatch(InputType dtype, bool vec, F&& f) {
 
 Status worker_launch(const void* m, InputType dtype, int64_t n, const float* e, int64_t padded,
                      float* scale, uint8_t* signs, void* ws, Stream stream, ExchangeHeader* header = nullptr,
-                     int32_t header_dtype = 0, uint32_t magic = 0) {
+                     int32_t header_dtype = 0, uint32_t magic = 0, HeaderNotice* notice = nullptr,
+                     uint64_t seq = 0) {
   if (bad_sizes(n, padded)) return Status::kInvalidArgument;
   const int grid = grid_for(padded / 8, true);
   auto s = static_cast<cudaStream_t>(stream);
   return dispatch(dtype, aligned16(m) && aligned16(e), [&](auto tag) {
     using T = decltype(tag);
     worker_kernel<T::kType, T::kVec><<<grid, kThreads, 0, s>>>(m, n, e, padded, signs, scale, ws, header,
-                                                              header_dtype, magic);
+                                                              header_dtype, magic, notice, seq);
   });
 }
 
@@ -474,10 +496,10 @@ Status worker_scale_pack(const void* m, InputType dtype, int64_t n, const float*
 
 Status worker_scale_pack_header(const void* m, InputType dtype, int64_t n, const float* error, int64_t padded,
                                 ExchangeHeader* header, int32_t header_dtype, uint32_t magic, uint8_t* signs,
-                                void* workspace, Stream stream) {
+                                void* workspace, Stream stream, HeaderNotice* notice, uint64_t seq) {
   if (header == nullptr) return Status::kInvalidArgument;
   return worker_launch(m, dtype, n, error, padded, &header->scale, signs, workspace, stream, header, header_dtype,
-                       magic);
+                       magic, notice, seq);
 }
 
 Status commit(const uint8_t* signs, const float* scales, int64_t scale_stride, float* server_error,
@@ -587,6 +609,39 @@ Status host_alloc(void** ptr, int64_t bytes) {
 
 void host_free(void* ptr) {
   if (ptr != nullptr && cudaFreeHost(ptr) != cudaSuccess) cudaGetLastError();
+}
+
+Status host_alloc_mapped(void** host_ptr, void** device_ptr, int64_t bytes) {
+  if (host_ptr == nullptr || device_ptr == nullptr || bytes <= 0) return Status::kInvalidArgument;
+  *host_ptr = *device_ptr = nullptr;
+  void* h = nullptr;
+  if (cudaHostAlloc(&h, static_cast<size_t>(bytes), cudaHostAllocMapped | cudaHostAllocPortable) == cudaSuccess) {
+    if (cudaHostGetDevicePointer(device_ptr, h, 0) == cudaSuccess) {
+      *host_ptr = h;
+      return Status::kSuccess;
+    }
+    cudaFreeHost(h);
+  }
+  cudaGetLastError();  // not sticky: clear it, as host_alloc does
+  *device_ptr = nullptr;
+  return Status::kCudaError;
+}
+
+Status stream_idle(Stream stream, bool* idle) {
+  const cudaError_t err = cudaStreamQuery(static_cast<cudaStream_t>(stream));
+  *idle = err == cudaSuccess;
+  if (err == cudaSuccess || err == cudaErrorNotReady) {
+    if (err == cudaErrorNotReady) cudaGetLastError();  // not an error: do not leave it for the next launch
+    return Status::kSuccess;
+  }
+  return Status::kCudaError;
+}
+
+Status stream_capturing(Stream stream, bool* capturing) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &st) != cudaSuccess) return Status::kCudaError;
+  *capturing = st != cudaStreamCaptureStatusNone;
+  return Status::kSuccess;
 }
 
 Status stream_sync(Stream stream) {

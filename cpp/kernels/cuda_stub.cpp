@@ -28,7 +28,7 @@ Status decompress(const float*, const uint8_t*, int64_t, float*, Stream, const f
   return Status::kNotBuilt;
 }
 Status worker_scale_pack_header(const void*, InputType, int64_t, const float*, int64_t, ExchangeHeader*, int32_t,
-                                uint32_t, uint8_t*, void*, Stream) {
+                                uint32_t, uint8_t*, void*, Stream, HeaderNotice*, uint64_t) {
   return Status::kNotBuilt;
 }
 Status commit(const uint8_t*, const float*, int64_t, float*, const float*, void*, InputType, int64_t, float*, int64_t,
@@ -44,4 +44,7 @@ ScopedDevice::~ScopedDevice() {}
 Status stream_sync(Stream) { return Status::kNotBuilt; }
 Status host_alloc(void**, int64_t) { return Status::kNotBuilt; }
 void host_free(void*) {}
+Status host_alloc_mapped(void**, void**, int64_t) { return Status::kNotBuilt; }
+Status stream_idle(Stream, bool*) { return Status::kNotBuilt; }
+Status stream_capturing(Stream, bool*) { return Status::kNotBuilt; }
 }  // namespace compcomm::kernels

@@ -32,6 +32,17 @@ struct ExchangeHeader {
 };
 static_assert(sizeof(ExchangeHeader) == 32, "ExchangeHeader is exchanged as 32 raw bytes");
 
+// Where a worker kernel also posts its header for a host thread that waits on it without syncing the
+// stream (on GPU: page-locked host memory mapped into the device, host_alloc_mapped). The header is
+// written first, then, after a system-wide fence, tag = the caller's sequence number: a reader that
+// sees its own sequence number in tag (an acquire load) sees that call's header.
+struct HeaderNotice {
+  ExchangeHeader header;
+  uint64_t tag;
+  uint64_t reserved[3];
+};
+static_assert(sizeof(HeaderNotice) == 64, "HeaderNotice is one 64-byte line");
+
 // Guard: the two commit kernels (server_update, worker_update_decompress) take an optional array of
 // `world` scales, guard[i*guard_stride]; when it is given and any of them is not finite, the call changes
 // nothing. This lets a caller that does not inspect the exchanged scales on the host (CUDA-graph capture)
@@ -76,10 +87,12 @@ static_assert(sizeof(ExchangeHeader) == 32, "ExchangeHeader is exchanged as 32 r
                     Stream stream, const float* guard = nullptr, int64_t guard_stride = 0,            \
                     int guard_count = 0);                                                             \
   /* Pass 1 and the header in one launch: worker_scale_pack(m, dtype, n, error, padded,              \
-     &header->scale, signs, workspace), then write_header(header, n, padded, header_dtype, magic). */ \
+     &header->scale, signs, workspace), then write_header(header, n, padded, header_dtype, magic).    \
+     With `notice`, the thread that wrote the header also posts it there, tagged `seq` (above). */   \
   Status worker_scale_pack_header(const void* m, InputType dtype, int64_t n, const float* error,     \
                                   int64_t padded, ExchangeHeader* header, int32_t header_dtype,      \
-                                  uint32_t magic, uint8_t* signs, void* workspace, Stream stream);   \
+                                  uint32_t magic, uint8_t* signs, void* workspace, Stream stream,    \
+                                  HeaderNotice* notice = nullptr, uint64_t seq = 0);                 \
   /* The whole commit in one launch: server_update(signs, scales, scale_stride, world, server_error, \
      padded / world, server_scale) and worker_update_decompress(m, dtype, n, error, padded, scale,    \
      out_scales, out_scale_stride, out_signs, out_sign_stride, world), under one guard: both write   \
@@ -127,6 +140,14 @@ class ScopedDevice {
 // without CUDA. host_free(nullptr) is a no-op; errors of host_free are ignored (it may run at exit).
 Status host_alloc(void** ptr, int64_t bytes);
 void host_free(void* ptr);
+// Page-locked host memory mapped into every device's address space (a kernel writes *device_ptr, the
+// host reads *host_ptr); freed with host_free(host_ptr). kNotBuilt without CUDA.
+Status host_alloc_mapped(void** host_ptr, void** device_ptr, int64_t bytes);
+// *idle = whether every operation queued on `stream` has finished (cudaStreamQuery); kCudaError when
+// the stream reports an error (a failed kernel, a capture that a query invalidates). kNotBuilt without CUDA.
+Status stream_idle(Stream stream, bool* idle);
+// *capturing = whether `stream` is being captured into a CUDA graph (its work does not run now).
+Status stream_capturing(Stream stream, bool* capturing);
 
 // Sets `bytes` bytes of device memory at dst to `value` on `stream`; kNotBuilt without CUDA.
 Status device_fill(void* dst, int value, int64_t bytes, Stream stream);

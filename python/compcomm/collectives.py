@@ -207,9 +207,11 @@ def compressed_allreduce(
         rank's 32-byte header to the host and validates it before anything is written: one small
         device-to-host copy and stream synchronization per call (a few microseconds, and it stops
         the host from running ahead of the GPU). In a world of one rank (a LocalCommunicator, or
-        native NCCL with one rank and the tensor on its device) the check comes at the end of the
-        call instead (one sync); the commit before it is guarded, so a failed check still raises
-        with nothing written. ``False`` never synchronizes, so the call can be
+        native NCCL with one rank and the tensor on its device) there is neither copy nor sync:
+        the worker kernel posts its header to mapped host memory, the call waits for that alone
+        (at most ``timeout`` seconds: ``CommTimeoutError``, nothing written), and it queues the
+        commit only if the check passed; it returns while the GPU still runs the rest (stream
+        ordered, as any CUDA op). ``False`` never synchronizes, so the call can be
         captured in a CUDA graph: sizes are still validated on the host the first time a (group,
         numel, padded size, dtype) is seen (so make that first call outside graph capture), and
         afterwards a call in which some rank's input is not finite raises nothing but leaves
