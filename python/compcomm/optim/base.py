@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 
+from .._agree import Field, LayoutCheck, digest, schedule_fields
 from ..compress import DEFAULT_BUCKET_ELEMENTS, OneBitCompressor, plan_buckets
 from ..errors import NonFiniteError
 from ..schedule import FreezeSchedule, StepKind
@@ -88,6 +89,7 @@ class OneBitBase(torch.optim.Optimizer):
         self.schedule: Any = FreezeSchedule(0)
         #: during step_on: the given parameters' fp32 gradients (None otherwise)
         self._local: Optional[Dict[torch.Tensor, torch.Tensor]] = None
+        self._layout_check = LayoutCheck()
 
     # -- phase queries ---------------------------------------------------------------------
     @property
@@ -255,6 +257,7 @@ class OneBitBase(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._agree_layout()
         if self._amp_skip():
             self.skipped_steps += 1
         else:
@@ -348,6 +351,42 @@ class OneBitBase(torch.optim.Optimizer):
     def _device(self) -> torch.device:
         """The parameters' device (of the first parameter; the CPU if there is none)."""
         return next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
+
+    def _agree_layout(self) -> None:
+        """Raise RankMismatchError on every rank, before anything is sent or changed, if the
+        ranks' parameters (shapes, dtypes, which have gradients), bucket plans or schedules
+        differ (:mod:`compcomm._agree`): one small all-gather the first time a set of parameters
+        with gradients is seen, nothing afterwards."""
+        if self.world_size == 1:
+            return
+        key = tuple(p.grad is not None for g in self.param_groups for p in g["params"])
+        self._layout_check.agree(self.comm, f"{self._name}.step", key, self._layout_fields,
+                                 self._device())
+
+    def _layout_fields(self) -> List[Field]:
+        """What the ranks must agree on (:func:`compcomm._agree.agree_layout`'s fields)."""
+        params = [(gi, p) for gi, g in enumerate(self.param_groups) for p in g["params"]]
+        items = list(self._params())
+        gidx = {id(g): gi for gi, g in enumerate(self.param_groups)}
+        limit = 0 if self.per_parameter else self.reduce_bucket_size
+        plan = plan_buckets([((gidx[id(g)], p.device), p.numel()) for g, p in items], limit)
+        bucket_numels = [sum(items[j][1].numel() for j in b) for b in plan]
+        return [
+            ("optimizer class", digest(self._name), True),
+            ("number of parameters", len(params), False),
+            ("parameter shapes", digest([(gi, tuple(p.shape)) for gi, p in params]), True),
+            ("parameter dtypes", digest([str(p.dtype) for _, p in params]), True),
+            ("parameters with gradients", len(items), False),
+            ("which parameters have gradients",
+             digest([p.grad is not None for _, p in params]), True),
+            ("elements with gradients", sum(p.numel() for _, p in items), False),
+            ("reduce_bucket_size", self.reduce_bucket_size, False),
+            ("per_parameter", int(self.per_parameter), False),
+            ("compressed buckets", len(bucket_numels), False),
+            ("compressed bucket sizes", digest(bucket_numels), True),
+            ("grads_averaged", int(self.grads_averaged), False),
+            *schedule_fields(self.schedule),
+        ]
 
     def _check_finite(self, tensors: Iterable[torch.Tensor], agree: bool) -> None:
         """Raise NonFiniteError (a skipped step) if ``tensors`` hold Inf/NaN -- on this rank, or
@@ -459,6 +498,7 @@ class OneBitBase(torch.optim.Optimizer):
                 st.pop(k, None)
         self.compressor.reset()
         self._plan_key = None
+        self._layout_check.forget()  # a step or schedule loaded: agree on them again
         self._loaded_errors = None
         if exact and saved is not None:
             layout, errors = saved
