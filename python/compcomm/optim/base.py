@@ -25,13 +25,13 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 
-from .._agree import Field, LayoutCheck, digest, schedule_fields
+from .._agree import LayoutCheck
 from ..compress import DEFAULT_BUCKET_ELEMENTS, OneBitCompressor, plan_buckets
 from ..errors import NonFiniteError
 from ..schedule import FreezeSchedule, StepKind
 from ._grads import all_finite, all_max, average_, fp32_grad, resolve_comm
 from ._state import ERROR_KEYS, validate_state_dict
-from ._validation import check_int, check_masks
+from ._validation import check_int, check_masks, layout_fields
 
 __all__ = ["OneBitBase"]
 
@@ -360,33 +360,8 @@ class OneBitBase(torch.optim.Optimizer):
         if self.world_size == 1:
             return
         key = tuple(p.grad is not None for g in self.param_groups for p in g["params"])
-        self._layout_check.agree(self.comm, f"{self._name}.step", key, self._layout_fields,
-                                 self._device())
-
-    def _layout_fields(self) -> List[Field]:
-        """What the ranks must agree on (:func:`compcomm._agree.agree_layout`'s fields)."""
-        params = [(gi, p) for gi, g in enumerate(self.param_groups) for p in g["params"]]
-        items = list(self._params())
-        gidx = {id(g): gi for gi, g in enumerate(self.param_groups)}
-        limit = 0 if self.per_parameter else self.reduce_bucket_size
-        plan = plan_buckets([((gidx[id(g)], p.device), p.numel()) for g, p in items], limit)
-        bucket_numels = [sum(items[j][1].numel() for j in b) for b in plan]
-        return [
-            ("optimizer class", digest(self._name), True),
-            ("number of parameters", len(params), False),
-            ("parameter shapes", digest([(gi, tuple(p.shape)) for gi, p in params]), True),
-            ("parameter dtypes", digest([str(p.dtype) for _, p in params]), True),
-            ("parameters with gradients", len(items), False),
-            ("which parameters have gradients",
-             digest([p.grad is not None for _, p in params]), True),
-            ("elements with gradients", sum(p.numel() for _, p in items), False),
-            ("reduce_bucket_size", self.reduce_bucket_size, False),
-            ("per_parameter", int(self.per_parameter), False),
-            ("compressed buckets", len(bucket_numels), False),
-            ("compressed bucket sizes", digest(bucket_numels), True),
-            ("grads_averaged", int(self.grads_averaged), False),
-            *schedule_fields(self.schedule),
-        ]
+        self._layout_check.agree(self.comm, f"{self._name}.step", key,
+                                 lambda: layout_fields(self), self._device())
 
     def _check_finite(self, tensors: Iterable[torch.Tensor], agree: bool) -> None:
         """Raise NonFiniteError (a skipped step) if ``tensors`` hold Inf/NaN -- on this rank, or
