@@ -102,6 +102,7 @@ OPTIMIZER_EXPECT = {
     "warm_dtypes": "parameter dtypes", "warm_buckets": "compressed buckets",
     "warm_schedule": "freeze_step", "compressed_shapes": "parameter shapes",
     "compressed_buckets": "compressed buckets", "compressed_grads": "which parameters have gradients",
+    "compressed_one_sided": "layout",
 }
 
 
@@ -127,6 +128,13 @@ def _rank_optimizer(rank: int, world: int, name: str) -> Dict[str, Any]:
     _grads(params, rank, 99)
     params[1 if odd else 2].grad = None
     out["compressed_grads"] = _outcome(opt.step, lambda: _optimizer_state(opt, params))
+    assert _in_step(world)
+    # ... or one rank alone drops a gradient: it checks, the others go on to the compressed
+    # exchange, whose first record tells them apart (RankMismatchError on both sides)
+    _grads(params, rank, 100)
+    if odd:
+        params[1].grad = None
+    out["compressed_one_sided"] = _outcome(opt.step, lambda: _optimizer_state(opt, params))
     assert _in_step(world)
     return out
 
@@ -222,6 +230,11 @@ def _rank_zero(rank: int, world: int) -> Dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 # compressed_allreduce: sizes and dtypes travel in its header
 # --------------------------------------------------------------------------------------------
+#: what each compressed_allreduce case's message must name
+ALLREDUCE_EXPECT = {"numel": "different", "padded": "different", "dtype": "different",
+                    "compressor_buckets": "other ranks"}
+
+
 def _rank_allreduce(rank: int, world: int) -> Dict[str, Any]:
     odd = rank == world - 1
     out: Dict[str, Any] = {}
@@ -234,4 +247,17 @@ def _rank_allreduce(rank: int, world: int) -> Dict[str, Any]:
         out[case] = _outcome(lambda: compcomm.compressed_allreduce(t, we, se, timeout=TIMEOUT),
                              lambda: (t, we, se))
         assert _in_step(world), case
+    # OneBitCompressor used directly: one bucket here, three there (a single exchange against a
+    # batch: their first records tell them apart)
+    from compcomm.compress import OneBitCompressor
+
+    comp = OneBitCompressor(compcomm.get_communicator(None), timeout=TIMEOUT)
+    numels = [64, 32, 16] if odd else [112]
+    bufs = [torch.randn(n) for n in numels]
+    out["compressor_buckets"] = _outcome(
+        lambda: comp.average_(list(range(len(numels))), numels, lambda i: bufs[i],
+                              torch.device("cpu")),
+        lambda: (bufs, comp.state_dict()))
+    comp.close()
+    assert _in_step(world)
     return out

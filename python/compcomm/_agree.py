@@ -5,13 +5,17 @@ Collectives of different sizes on different ranks do not fail cleanly: gloo and 
 read past a buffer) until a timeout. So a caller that builds a layout -- an optimizer's buckets, a
 DDP bucket, ZeRO's partition -- describes it as a few named fields and calls
 :meth:`LayoutCheck.agree`. The first time a description is seen, every rank all-gathers a record
-of fixed size (one int64 per field: small values as they are, the rest as 63-bit hashes), and if
-any field differs every rank raises the same :class:`~compcomm.errors.RankMismatchError`, naming
-the fields and ranks. A description seen before (and agreed) costs nothing: one tuple compare.
+of 32 bytes (a digest of the fields; the fields themselves, one int64 each, small values as they
+are and the rest as 63-bit hashes, follow only when the digests differ), and if any field differs
+every rank raises the same :class:`~compcomm.errors.RankMismatchError`, naming the fields and
+ranks. A description seen before (and agreed) costs nothing: one tuple compare.
 
-What this cannot catch: a layout that changes on some ranks only after it was agreed (a rank that
-checks while its peers, unchanged, go straight to their collective). That still ends at the
-collective's timeout (:class:`~compcomm.errors.CommTimeoutError`).
+A layout that changes on some ranks only after it was agreed makes those ranks check while their
+peers, unchanged, go straight to their collective. When that collective is a compressed exchange
+(the 1-bit phase), its first all-gather has the size of this check's first record, and both sides
+recognise the other's record: RankMismatchError on every rank. Against any other collective (a
+full-precision warm-up all-reduce) it still ends at that collective's timeout
+(:class:`~compcomm.errors.CommTimeoutError`) or in the backend's own error.
 """
 
 from __future__ import annotations
@@ -21,14 +25,16 @@ from typing import Any, Callable, Hashable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from . import _C
 from ._buffers import buffer_of
 from ._defaults import DEFAULT_TIMEOUT
 from .errors import RankMismatchError
 
 __all__ = ["LayoutCheck", "digest", "agree_layout", "schedule_fields"]
 
-_MAGIC = 0x636F6D6C61796F  # "comlayo": a record from a peer that is not checking is not this
+# The magic numbers of the 32-byte records a first all-gather of compcomm can carry (cpp/
+# compressed_allreduce.cpp): this check's, a compressed call's header, a batch's call count.
+_MAGIC = 0xC0C01A70
+_PEER_CALLS = {0xC0C0B175: "a compressed_allreduce call", 0xC0C0BA7C: "a batch of compressed calls"}
 
 #: A field: (name, value, hashed). Hashed values are shown as "differs" rather than printed.
 Field = Tuple[str, int, bool]
@@ -52,11 +58,29 @@ def schedule_fields(schedule: Any) -> List[Field]:
             ("schedule state", digest(sorted(schedule.state_dict().items())), True)]
 
 
+def _signed(v: int) -> int:
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def _gather(comm: Any, values: List[int], device: Optional[torch.device],
+            timeout: float) -> List[List[int]]:
+    send = torch.tensor([_signed(v) for v in values], dtype=torch.int64, device=device)
+    recv = torch.empty(comm.size() * len(values), dtype=torch.int64, device=device)
+    stream = torch.cuda.current_stream(device).cuda_stream if send.is_cuda else 0
+    comm.all_gather(buffer_of(send), buffer_of(recv), timeout, stream)
+    return recv.view(comm.size(), len(values)).tolist()
+
+
 def agree_layout(comm: Any, call: str, fields: Sequence[Field], device: Optional[torch.device] = None,
                  timeout: float = DEFAULT_TIMEOUT) -> None:
-    """All-gather ``fields`` (one int64 each) over ``comm`` and raise RankMismatchError on every
-    rank if any differs between ranks. Every rank of ``comm`` must call it with the same field
-    names (a collective of ``8 * (len(fields) + 2)`` bytes per rank); one rank: nothing happens.
+    """Raise RankMismatchError on every rank of ``comm`` if any of ``fields`` differs between
+    ranks. Every rank must call it (one rank: nothing happens).
+
+    First one all-gather of a 32-byte record per rank: a digest of ``call`` and of all fields, and
+    a magic number where compressed_allreduce's header has its own (so a peer that went on to a
+    compressed exchange instead, its layout unchanged while this rank's changed, raises there
+    too, and this rank names it). Only if the digests differ, a second all-gather of the fields
+    themselves (one int64 each), to say which differ.
 
     Raises
     ------
@@ -67,20 +91,25 @@ def agree_layout(comm: Any, call: str, fields: Sequence[Field], device: Optional
     world, rank = comm.size(), comm.rank()
     if world == 1:
         return
-    values = [_MAGIC, len(fields)] + [int(v) for _, v, _ in fields]
-    send = torch.tensor(values, dtype=torch.int64, device=device)
-    recv = torch.empty(world * len(values), dtype=torch.int64, device=device)
-    stream = torch.cuda.current_stream(device).cuda_stream if send.is_cuda else 0
-    comm.all_gather(buffer_of(send), buffer_of(recv), timeout, stream)
-    rows: List[List[int]] = recv.view(world, len(values)).tolist()
-    if any(r[:2] != values[:2] for r in rows):  # a peer in another call: do not guess at fields
+    values = [int(v) for _, v, _ in fields]
+    record = [digest(values), digest((call, len(fields))), 0, _MAGIC << 32]
+    rows = _gather(comm, record, device, timeout)
+    magics = [(r[3] >> 32) & 0xFFFFFFFF for r in rows]
+    other = [f"rank {i}: " + _PEER_CALLS.get(m, "an unknown record")
+             for i, m in enumerate(magics) if m != _MAGIC]
+    if other or any(r[1] != record[1] for r in rows):
+        other += [f"rank {i}: another layout check" for i, r in enumerate(rows)
+                  if magics[i] == _MAGIC and r[1] != record[1]]
         raise RankMismatchError(
-            f"[rank {rank}] {call}: rank(s) {[i for i, r in enumerate(rows) if r[:2] != values[:2]]}"
-            " sent a record of another call (the ranks' collectives are out of step)",
-            call, "", 0, rank)
+            f"[rank {rank}] {call}: this rank checks the layout of what it communicates, other "
+            f"ranks are in another call ({', '.join(other)}): the layout changed on some ranks "
+            "only, or the ranks run different code", call, "", 0, rank)
+    if all(r[0] == record[0] for r in rows):
+        return
+    rows = _gather(comm, values, device, timeout)  # every rank saw the digests differ: all come
     what = []
     for k, (name, _, hashed) in enumerate(fields):
-        col = [r[k + 2] for r in rows]
+        col = [r[k] for r in rows]
         if len(set(col)) == 1:
             continue
         if hashed:
@@ -88,10 +117,9 @@ def agree_layout(comm: Any, call: str, fields: Sequence[Field], device: Optional
                         "differ from rank 0)")
         else:
             what.append(f"{name} ({', '.join(f'rank {i}: {v}' for i, v in enumerate(col))})")
-    if what:
-        raise RankMismatchError(f"[rank {rank}] {call}: ranks disagree on the layout of what they "
-                                f"communicate: {'; '.join(what)}; nothing was changed",
-                                call, "", 0, rank)
+    raise RankMismatchError(f"[rank {rank}] {call}: ranks disagree on the layout of what they "
+                            f"communicate: {'; '.join(what)}; nothing was changed",
+                            call, "", 0, rank)
 
 
 class LayoutCheck:

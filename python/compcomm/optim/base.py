@@ -89,6 +89,9 @@ class OneBitBase(torch.optim.Optimizer):
         self.schedule: Any = FreezeSchedule(0)
         #: during step_on: the given parameters' fp32 gradients (None otherwise)
         self._local: Optional[Dict[torch.Tensor, torch.Tensor]] = None
+        #: step() checks that the ranks agree on the parameters and buckets (docs/errors.md);
+        #: False where the caller did (ZeroOptimizer, when it is built)
+        self.check_layout = True
         self._layout_check = LayoutCheck()
 
     # -- phase queries ---------------------------------------------------------------------
@@ -357,7 +360,7 @@ class OneBitBase(torch.optim.Optimizer):
         ranks' parameters (shapes, dtypes, which have gradients), bucket plans or schedules
         differ (:mod:`compcomm._agree`): one small all-gather the first time a set of parameters
         with gradients is seen, nothing afterwards."""
-        if self.world_size == 1:
+        if self.world_size == 1 or not self.check_layout:
             return
         key = tuple(p.grad is not None for g in self.param_groups for p in g["params"])
         self._layout_check.agree(self.comm, f"{self._name}.step", key,

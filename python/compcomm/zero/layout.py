@@ -177,8 +177,7 @@ def layout_fields(groups: List[GroupLayout], config: Mapping, stage: int, onebit
     them (a 1-bit optimizer's ``freeze_step`` decides when ZeRO compresses)."""
     plain = sorted((k, v) for k, v in kwargs.items()
                    if v is None or isinstance(v, (bool, int, float, str, tuple)))
-    comm_keys = sorted(k for k in config if k.startswith("stage3_") or k in (
-        "reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "reduce_scatter"))
+    stage3 = sorted(k for k in config if k.startswith("stage3_"))
     return [
         ("stage", stage, False),
         ("parameter groups", len(groups), False),
@@ -187,8 +186,10 @@ def layout_fields(groups: List[GroupLayout], config: Mapping, stage: int, onebit
         ("parameter dtypes", digest([str(g.dtype) for g in groups]), True),
         ("buckets", sum(len(g.buckets) for g in groups), False),
         ("bucket sizes", digest([[(b.numel, b.padded) for b in g.buckets] for g in groups]), True),
-        ("zero_optimization settings (" + ", ".join(comm_keys) + ")",
-         digest([(k, config[k]) for k in comm_keys]), True),
+        ("reduce_bucket_size", int(config["reduce_bucket_size"]), False),
+        ("allgather_bucket_size", int(config["allgather_bucket_size"]), False),
+        ("overlap_comm", int(bool(config["overlap_comm"])), False),
+        ("stage3_* settings", digest([(k, config[k]) for k in stage3]), True),
         ("1-bit optimizer and onebit_mode", digest((onebit, onebit_mode)), True),
         ("optimizer and optimizer_kwargs",
          digest((getattr(optimizer, "__qualname__", repr(optimizer)), plain)), True),

@@ -168,6 +168,8 @@ class ZeroOptimizer:
         self.optimizer = optimizer_class(
             [dict(grp.options, params=[grp.master]) for grp in self.groups], **kwargs
         )
+        if self._rules is not None:  # its layout was agreed above, with the partition's
+            self.optimizer.check_layout = False
         self._async = _C.zero.AsyncComm(self.comm)
         #: 1-bit optimizers: the compressor of ZeRO's buckets (key (group, bucket)), from the
         #: wrapped optimizer's ``compressor_factory``: 1-bit with error feedback by default
