@@ -175,8 +175,11 @@ def layout_fields(groups: List[GroupLayout], config: Mapping, stage: int, onebit
     (:func:`compcomm._agree.agree_layout`): the groups' parameters and buckets and the settings
     that decide which collectives run, the wrapped optimizer's class and plain arguments among
     them (a 1-bit optimizer's ``freeze_step`` decides when ZeRO compresses)."""
-    plain = sorted((k, v) for k, v in kwargs.items()
-                   if v is None or isinstance(v, (bool, int, float, str, tuple)))
+    def plain(v: Any) -> bool:  # values whose repr is the same on every rank (no addresses)
+        return v is None or isinstance(v, (bool, int, float, str)) or (
+            isinstance(v, tuple) and all(plain(x) for x in v))
+
+    args = sorted((k, v) for k, v in kwargs.items() if plain(v))
     stage3 = sorted(k for k in config if k.startswith("stage3_"))
     return [
         ("stage", stage, False),
@@ -192,7 +195,7 @@ def layout_fields(groups: List[GroupLayout], config: Mapping, stage: int, onebit
         ("stage3_* settings", digest([(k, config[k]) for k in stage3]), True),
         ("1-bit optimizer and onebit_mode", digest((onebit, onebit_mode)), True),
         ("optimizer and optimizer_kwargs",
-         digest((getattr(optimizer, "__qualname__", repr(optimizer)), plain)), True),
+         digest((getattr(optimizer, "__qualname__", type(optimizer).__name__), args)), True),
         ("gradient_accumulation_steps", gas, False),
     ]
 
