@@ -74,7 +74,8 @@ def _optimizer_state(opt: Any, params: List[torch.nn.Parameter]) -> Any:
 # --------------------------------------------------------------------------------------------
 def _optimizer_cases(name: str, odd: bool) -> Dict[str, Tuple[List[int], Any, Dict[str, Any]]]:
     """case -> (sizes, dtypes, kwargs) of this rank (``odd``: the rank that differs), all at the
-    first step: warm-up (``warm_*``) or, for OneBitAdam/OneBitLamb, compressed (``compressed_*``)."""
+    first step: warm-up (``warm_*``) or, for OneBitAdam/OneBitLamb, compressed
+    (``compressed_*``)."""
     warm = _WARM[name]
     sched_key = "var_freeze_step" if name == "ZeroOneAdam" else "freeze_step"
     cases = {
@@ -101,7 +102,8 @@ OPTIMIZER_EXPECT = {
     "warm_shapes": "parameter shapes", "warm_count": "number of parameters",
     "warm_dtypes": "parameter dtypes", "warm_buckets": "compressed buckets",
     "warm_schedule": "freeze_step", "compressed_shapes": "parameter shapes",
-    "compressed_buckets": "compressed buckets", "compressed_grads": "which parameters have gradients",
+    "compressed_buckets": "compressed buckets",
+    "compressed_grads": "which parameters have gradients",
     "compressed_one_sided": "layout",
 }
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from _mismatch_cases import (ALLREDUCE_EXPECT, DDP_EXPECT, OPTIMIZER_EXPECT, ZERO_EXPECT, _rank_allreduce,
-                             _rank_ddp, _rank_optimizer, _rank_zero)
+from _mismatch_cases import (ALLREDUCE_EXPECT, DDP_EXPECT, OPTIMIZER_EXPECT, ZERO_EXPECT,
+                             _rank_allreduce, _rank_ddp, _rank_optimizer, _rank_zero)
 from compcomm.testing import run_ranks
 
 TIMEOUT = 150  # seconds for a whole body: spawning the ranks takes most of it on a busy machine

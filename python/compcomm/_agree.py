@@ -71,8 +71,8 @@ def _gather(comm: Any, values: List[int], device: Optional[torch.device],
     return recv.view(comm.size(), len(values)).tolist()
 
 
-def agree_layout(comm: Any, call: str, fields: Sequence[Field], device: Optional[torch.device] = None,
-                 timeout: float = DEFAULT_TIMEOUT) -> None:
+def agree_layout(comm: Any, call: str, fields: Sequence[Field],
+                 device: Optional[torch.device] = None, timeout: float = DEFAULT_TIMEOUT) -> None:
     """Raise RankMismatchError on every rank of ``comm`` if any of ``fields`` differs between
     ranks. Every rank must call it (one rank: nothing happens).
 

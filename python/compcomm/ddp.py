@@ -152,7 +152,8 @@ def onebit_hook(state: OneBitHookState, bucket: dist.GradBucket) -> torch.future
     world = dist.get_world_size(group)
     if world > 1:
         _agree_bucket(state._check, resolve(group), "onebit_hook", bucket, buf,
-                      [("warmup_steps", state.warmup_steps, False), ("hook step", state.step, False)])
+                      [("warmup_steps", state.warmup_steps, False),
+                       ("hook step", state.step, False)])
     if state.step < state.warmup_steps or world == 1:
         buf.div_(world)
         work = dist.all_reduce(buf, group=group, async_op=True)
