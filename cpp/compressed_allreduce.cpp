@@ -37,6 +37,11 @@ namespace compcomm {
 namespace {
 
 constexpr uint32_t kHeaderMagic = 0xC0C0B175u;
+// Other 32-byte records that can meet a header in the same all_gather when ranks are out of step:
+// a batch's call count (compressed_allreduce_exchange_many) and compcomm._agree's layout check.
+// Recognising them turns what would be a garbled exchange into RankMismatchError on every rank.
+constexpr uint32_t kBatchMagic = 0xC0C0BA7Cu;
+constexpr uint32_t kLayoutMagic = 0xC0C01A70u;  // = compcomm._agree._MAGIC
 constexpr uint32_t kFlagNonFinite = 1u;
 using Header = kernels::ExchangeHeader;
 constexpr int64_t kRecordScaleBytes = 16;  // the fp32 tau, padded so the signs stay 16-byte aligned
@@ -167,11 +172,34 @@ kernels::InputType input_type(DType t) {
                                        " is not supported (float32, float16 or bfloat16)"));
 }
 
+// What a peer's 32-byte record says it is doing, when it is not `expected` (for errors).
+std::string out_of_step(const Header* h, int world, uint32_t expected) {
+  std::string who;
+  for (int i = 0; i < world; ++i) {
+    if (h[i].magic == expected) continue;
+    if (h[i].magic == kHeaderMagic)
+      who += detail::concat(who.empty() ? "" : ", ", "rank ", i, ": one call");
+    else if (h[i].magic == kBatchMagic)
+      who += detail::concat(who.empty() ? "" : ", ", "rank ", i, ": a batch of ", h[i].numel, " calls");
+    else if (h[i].magic == kLayoutMagic)
+      who += detail::concat(who.empty() ? "" : ", ", "rank ", i, ": a layout check (its parameters or "
+                            "buckets changed on that rank only)");
+    else
+      return "";  // not a compcomm record: a malformed header
+  }
+  return who;
+}
+
 // Every rank sees every header, so every rank raises the same error.
 void check_headers(const Header* h, int world, int rank, const Header& mine) {
   bool mismatch = false;
   std::vector<int> nonfinite;
   for (int i = 0; i < world; ++i) {
+    if (h[i].magic != kHeaderMagic && !out_of_step(h, world, kHeaderMagic).empty())
+      throw RankMismatchError(detail::concat("[rank ", rank, "] compressed_allreduce: this rank passed one "
+                                             "call, other ranks something else (",
+                                             out_of_step(h, world, kHeaderMagic), ")"),
+                              "compressed_allreduce", "", 0, rank);
     if (h[i].magic != kHeaderMagic)
       throw BackendError(detail::concat("[rank ", rank, "] compressed_allreduce: rank ", i,
                                         " sent a malformed header (is every rank running compcomm?)"),
@@ -583,7 +611,7 @@ void run_compressed(const char* name, Communicator& comm, const Buffer& tensor, 
 // The staging of a batched exchange (byte offsets, each 256-byte aligned): headers, signs and records
 // of every call side by side, so each of the three exchanges is one collective.
 struct BatchLayout {
-  int64_t count_send, count_recv;  // each rank's number of calls (int64), exchanged first
+  int64_t count_send, count_recv;  // each rank's number of calls (a kBatchMagic record), exchanged first
   int64_t header_send, header_recv, signs_send, signs_recv, record_send, record_recv, total;
   int64_t signs_per_rank;   // bytes each rank sends each peer: sum of chunk/8
   int64_t records_per_rank;  // sum of record bytes
@@ -604,8 +632,8 @@ BatchLayout batch_layout(const std::vector<int64_t>& paddeds, int world) {
     off = align(off + bytes, 256);
     return at;
   };
-  b.count_send = take(sizeof(int64_t));
-  b.count_recv = take(sizeof(int64_t) * world);
+  b.count_send = take(sizeof(Header));  // a header-sized record: see kBatchMagic
+  b.count_recv = take(sizeof(Header) * world);
   b.header_send = take(calls * static_cast<int64_t>(sizeof(Header)));
   b.header_recv = take(calls * world * static_cast<int64_t>(sizeof(Header)));
   b.signs_send = take(b.signs_per_rank * world);
@@ -707,11 +735,14 @@ void compressed_allreduce_exchange_many(Communicator& comm, const std::vector<Bu
 
   // 0. Every rank's number of calls, in a collective of fixed size: the header exchange's size
   //    depends on it, and mismatched sizes hang (or worse) on NCCL.
-  std::vector<int64_t> counts(static_cast<size_t>(world), nc);
+  //    The count travels in a record of a header's size and kind (kBatchMagic), so that a peer
+  //    in a single call or a layout check, whose first collective is a 32-byte all_gather too,
+  //    raises RankMismatchError on both sides instead of garbling the exchange.
+  std::vector<Header> counts(static_cast<size_t>(world), Header{0.0f, 0u, nc, 0, 0, kBatchMagic});
   if (world > 1) {
-    put(st + b.count_send, &nc, sizeof(int64_t));
-    comm.all_gather(staging.reinterpret(DType::kUInt8, b.count_send, sizeof(int64_t)),
-                    staging.reinterpret(DType::kUInt8, b.count_recv, sizeof(int64_t) * world), opts);
+    put(st + b.count_send, counts.data(), hb);
+    comm.all_gather(staging.reinterpret(DType::kUInt8, b.count_send, hb),
+                    staging.reinterpret(DType::kUInt8, b.count_recv, hb * world), opts);
   }
   // 1. Worker passes (only the workspaces are written), queued behind that exchange on a GPU.
   for (size_t i = 0; i < calls; ++i) {
@@ -719,11 +750,21 @@ void compressed_allreduce_exchange_many(Communicator& comm, const std::vector<Bu
     put(st + b.header_send + i * hb, cs[i].header, hb);
   }
   if (world > 1) {
-    put(counts.data(), st + b.count_recv, sizeof(int64_t) * world);
+    put(counts.data(), st + b.count_recv, hb * world);
     sync();
-    if (std::any_of(counts.begin(), counts.end(), [&](int64_t c) { return c != nc; })) {
+    const std::string other = out_of_step(counts.data(), world, kBatchMagic);
+    if (!other.empty())
+      throw RankMismatchError(detail::concat("[rank ", rank, "] ", name, ": this rank passed a batch of ", nc,
+                                             " calls, other ranks something else (", other, ")"),
+                              name, "", 0, rank);
+    for (int r = 0; r < world; ++r)
+      if (counts[r].magic != kBatchMagic)
+        throw BackendError(detail::concat("[rank ", rank, "] ", name, ": rank ", r, " sent a malformed call "
+                                          "count (is every rank running compcomm?)"),
+                           name, "", 0, rank);
+    if (std::any_of(counts.begin(), counts.end(), [&](const Header& c) { return c.numel != nc; })) {
       std::string who;  // only built for the error
-      for (int r = 0; r < world; ++r) who += detail::concat(r ? ", " : "", "rank ", r, ": ", counts[r]);
+      for (int r = 0; r < world; ++r) who += detail::concat(r ? ", " : "", "rank ", r, ": ", counts[r].numel);
       throw RankMismatchError(detail::concat("[rank ", rank, "] ", name, ": ranks passed different numbers "
                                              "of calls (", who, ")"),
                               name, "", 0, rank);

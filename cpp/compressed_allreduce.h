@@ -85,7 +85,8 @@ int64_t compressed_reduce_scatter_wire_bytes(int64_t padded, int world);
 // passes the same number of calls with the same sizes (a size or dtype that differs is reported as
 // by compressed_allreduce, on every rank, before anything but the workspaces is written; a number of
 // calls that differs, zero included, raises RankMismatchError naming each rank's count: the counts
-// go first, in an all_gather of 8 bytes per rank). `staging` (on the tensors' device) holds
+// go first, in an all_gather of one 32-byte record per rank, which also tells a single call or a layout
+// check of compcomm._agree met in its place). `staging` (on the tensors' device) holds
 // compressed_allreduce_batch_bytes(paddeds, world) bytes. Always checked on the host (opts.check is
 // ignored); on device buffers that costs two stream syncs per batch (the counts, then all headers).
 int64_t compressed_allreduce_batch_bytes(const std::vector<int64_t>& paddeds, int world);

@@ -7,6 +7,8 @@ import torch
 import torch.distributed as dist
 
 from . import _C
+from ._agree import LayoutCheck, digest, schedule_fields
+from ._comm import resolve
 
 __all__ = ["OneBitHookState", "ddp_comm_hook", "onebit_hook"]
 
@@ -45,10 +47,14 @@ def ddp_comm_hook(optimizer: Any) -> Callable[[Any, Any], torch.futures.Future]:
     group = getattr(optimizer, "process_group", None)
     group = getattr(group, "group", None) if isinstance(group, _C.Communicator) else group
     world = optimizer.world_size
+    check = LayoutCheck()
 
     def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buf = bucket.buffer()
         averages = optimizer.next_step_averages()
+        if world > 1:  # a bucket seen for the first time: the ranks agree on it before sending
+            _agree_bucket(check, optimizer.comm, "ddp_comm_hook", bucket, buf,
+                          schedule_fields(optimizer.schedule))
         optimizer.mark_grads_averaged(averages)  # world 1: local == average
         if averages and world > 1:
             buf.div_(world)
@@ -59,6 +65,21 @@ def ddp_comm_hook(optimizer: Any) -> Callable[[Any, Any], torch.futures.Future]:
         return fut
 
     return hook
+
+
+def _agree_bucket(check: LayoutCheck, comm: Any, call: str, bucket: Any, buf: torch.Tensor,
+                  extra: Any) -> None:
+    """RankMismatchError on every rank if the ranks' DDP bucket ``bucket.index()`` differs (size,
+    dtype; different ``bucket_cap_mb`` or parameters) or the ``extra`` fields do, checked the first
+    time this rank sees the bucket (DDP hands buckets to the hook in index order on every rank)."""
+    check.agree(comm, f"{call} (DDP bucket {bucket.index()})",
+                (bucket.index(), buf.numel(), buf.dtype, buf.device),
+                lambda: [("bucket index", bucket.index(), False),
+                         ("bucket elements", buf.numel(), False),
+                         ("bucket dtype", digest(str(buf.dtype)), True),
+                         ("bucket parameter shapes", digest([tuple(p.shape)
+                                                             for p in bucket.parameters()]), True),
+                         *extra], buf.device)
 
 
 class OneBitHookState:
@@ -83,6 +104,7 @@ class OneBitHookState:
         self.warmup_steps = warmup_steps
         self.step = 0
         self.errors: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self._check = LayoutCheck()
 
     def state_dict(self) -> Dict[str, Any]:
         """The step count and this rank's error buffers (CPU copies)."""
@@ -103,6 +125,7 @@ class OneBitHookState:
         same = (sd["world"] == dist.get_world_size(self.process_group)
                 and sd["rank"] == dist.get_rank(self.process_group))
         self.step = sd["step"]
+        self._check.forget()  # agree on the loaded step again
         self.errors = {int(k): (a.clone(), b.clone()) for k, (a, b) in sd["errors"].items()} \
             if same else {}
 
@@ -127,6 +150,10 @@ def onebit_hook(state: OneBitHookState, bucket: dist.GradBucket) -> torch.future
     buf = bucket.buffer()
     group = state.process_group
     world = dist.get_world_size(group)
+    if world > 1:
+        _agree_bucket(state._check, resolve(group), "onebit_hook", bucket, buf,
+                      [("warmup_steps", state.warmup_steps, False),
+                       ("hook step", state.step, False)])
     if state.step < state.warmup_steps or world == 1:
         buf.div_(world)
         work = dist.all_reduce(buf, group=group, async_op=True)

@@ -60,8 +60,8 @@ def main() -> None:
         torch.cuda.set_device(dev)
 
     got = bc.rank_body(rank, world, dev.type)
-    # the per-bucket bytes, and 8 to each peer: the call count exchanged first
-    assert got["same"] == [True] * 3 and all(a + 8 * (world - 1) == b for a, b in got["bytes"]), got
+    # the per-bucket bytes, and 32 to each peer: the call-count record exchanged first
+    assert got["same"] == [True] * 3 and all(a + 32 * (world - 1) == b for a, b in got["bytes"]), got
     assert got["compressor_same"] and got["after_failures_same"], got
     f = got["fails"]
     assert f["short_lists"][0] == f["small_staging"][0] == f["bad_error_size"][0] == "ValueError", f

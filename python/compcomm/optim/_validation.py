@@ -1,5 +1,6 @@
 """Argument checks of the 1-bit optimizers' constructors: each names the optimizer and the
-argument, and raises before anything is built."""
+argument, and raises before anything is built; and what their ranks must agree on before a step
+communicates (:func:`layout_fields`)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
+from .._agree import Field, digest, schedule_fields
+from ..compress import plan_buckets
 from ..errors import UnsupportedError
 
-__all__ = ["check_common", "check_int", "check_positive", "check_masks"]
+__all__ = ["check_common", "check_int", "check_positive", "check_masks", "layout_fields"]
 
 
 def check_common(name: str, lr: float, betas: Tuple[float, float], eps: float, weight_decay: float,
@@ -60,3 +63,30 @@ def check_masks(name: str, param_groups: List[Dict[str, Any]]) -> None:
                 raise ValueError(f"{name}: param group {gi}: 'exp_avg_mask' of shape "
                                  f"{tuple(mask.shape)} does not broadcast to parameter {pi} of shape "
                                  f"{tuple(p.shape)}")
+
+
+def layout_fields(opt: Any) -> List[Field]:
+    """What the ranks of 1-bit optimizer ``opt`` must agree on before a step communicates
+    (:func:`compcomm._agree.agree_layout`'s fields): the parameters, which have gradients, the
+    compressed bucket plan that gives and the schedule."""
+    params = [(gi, p) for gi, g in enumerate(opt.param_groups) for p in g["params"]]
+    items = list(opt._params())
+    gidx = {id(g): gi for gi, g in enumerate(opt.param_groups)}
+    limit = 0 if opt.per_parameter else opt.reduce_bucket_size
+    plan = plan_buckets([((gidx[id(g)], p.device), p.numel()) for g, p in items], limit)
+    bucket_numels = [sum(items[j][1].numel() for j in b) for b in plan]
+    return [
+        ("optimizer class", digest(opt._name), True),
+        ("number of parameters", len(params), False),
+        ("parameter shapes", digest([(gi, tuple(p.shape)) for gi, p in params]), True),
+        ("parameter dtypes", digest([str(p.dtype) for _, p in params]), True),
+        ("parameters with gradients", len(items), False),
+        ("which parameters have gradients", digest([p.grad is not None for _, p in params]), True),
+        ("elements with gradients", sum(p.numel() for _, p in items), False),
+        ("reduce_bucket_size", opt.reduce_bucket_size, False),
+        ("per_parameter", int(opt.per_parameter), False),
+        ("compressed buckets", len(bucket_numels), False),
+        ("compressed bucket sizes", digest(bucket_numels), True),
+        ("grads_averaged", int(opt.grads_averaged), False),
+        *schedule_fields(opt.schedule),
+    ]

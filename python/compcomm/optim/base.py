@@ -25,13 +25,14 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 
+from .._agree import LayoutCheck
 from ..compress import DEFAULT_BUCKET_ELEMENTS, OneBitCompressor, plan_buckets
 from ..errors import NonFiniteError
 from ..schedule import FreezeSchedule, StepKind
 from ._grads import all_finite, all_max, average_, fp32_grad, resolve_comm
 from ._staging import staged_plan
 from ._state import ERROR_KEYS, validate_state_dict
-from ._validation import check_int, check_masks
+from ._validation import check_int, check_masks, layout_fields
 
 __all__ = ["OneBitBase"]
 
@@ -89,6 +90,10 @@ class OneBitBase(torch.optim.Optimizer):
         self.schedule: Any = FreezeSchedule(0)
         #: during step_on: the given parameters' fp32 gradients (None otherwise)
         self._local: Optional[Dict[torch.Tensor, torch.Tensor]] = None
+        #: step() checks that the ranks agree on the parameters and buckets (docs/errors.md);
+        #: False where the caller did (ZeroOptimizer, when it is built)
+        self.check_layout = True
+        self._layout_check = LayoutCheck()
 
     # -- phase queries ---------------------------------------------------------------------
     @property
@@ -242,6 +247,7 @@ class OneBitBase(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._agree_layout()
         if self._amp_skip():
             self.skipped_steps += 1
         else:
@@ -335,6 +341,17 @@ class OneBitBase(torch.optim.Optimizer):
     def _device(self) -> torch.device:
         """The parameters' device (of the first parameter; the CPU if there is none)."""
         return next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
+
+    def _agree_layout(self) -> None:
+        """Raise RankMismatchError on every rank, before anything is sent or changed, if the
+        ranks' parameters (shapes, dtypes, which have gradients), bucket plans or schedules
+        differ (:mod:`compcomm._agree`): one small all-gather the first time a set of parameters
+        with gradients is seen, nothing afterwards."""
+        if self.world_size == 1 or not self.check_layout:
+            return
+        key = tuple(p.grad is not None for g in self.param_groups for p in g["params"])
+        self._layout_check.agree(self.comm, f"{self._name}.step", key,
+                                 lambda: layout_fields(self), self._device())
 
     def _check_finite(self, tensors: Iterable[torch.Tensor], agree: bool) -> None:
         """Raise NonFiniteError (a skipped step) if ``tensors`` hold Inf/NaN -- on this rank, or
@@ -446,6 +463,7 @@ class OneBitBase(torch.optim.Optimizer):
                 st.pop(k, None)
         self.compressor.reset()
         self._plan_key = None
+        self._layout_check.forget()  # a step or schedule loaded: agree on them again
         self._loaded_errors = None
         if exact and saved is not None:
             layout, errors = saved

@@ -19,10 +19,11 @@ from typing import Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Tu
 import torch
 
 from .. import _C
+from .._agree import Field, digest
 from .._buffers import buffer_of
 
 __all__ = ["ALIGNMENT", "ONEBIT_ALIGNMENT", "Bucket", "Slot", "GroupLayout", "alignment",
-           "build_groups", "partition", "full_numel", "full_shape"]
+           "build_groups", "layout_fields", "partition", "full_numel", "full_shape"]
 
 ALIGNMENT = 2  # DeepSpeed's nccl_start_alignment_factor
 ONEBIT_ALIGNMENT = 8  # 1-bit optimizers: chunks of whole bytes of signs
@@ -165,6 +166,38 @@ def _param_groups(params: Iterable[Any]) -> List[Dict[str, Any]]:
     if isinstance(params[0], dict):
         return [dict(g) for g in params]
     return [{"params": params}]
+
+
+def layout_fields(groups: List[GroupLayout], config: Mapping, stage: int, onebit: Optional[str],
+                  onebit_mode: Optional[str], gas: int, optimizer: Any,
+                  kwargs: Mapping) -> List[Field]:
+    """What ZeroOptimizer's ranks must agree on before the partition's first collective
+    (:func:`compcomm._agree.agree_layout`): the groups' parameters and buckets and the settings
+    that decide which collectives run, the wrapped optimizer's class and plain arguments among
+    them (a 1-bit optimizer's ``freeze_step`` decides when ZeRO compresses)."""
+    def plain(v: Any) -> bool:  # values whose repr is the same on every rank (no addresses)
+        return v is None or isinstance(v, (bool, int, float, str)) or (
+            isinstance(v, tuple) and all(plain(x) for x in v))
+
+    args = sorted((k, v) for k, v in kwargs.items() if plain(v))
+    stage3 = sorted(k for k in config if k.startswith("stage3_"))
+    return [
+        ("stage", stage, False),
+        ("parameter groups", len(groups), False),
+        ("number of parameters", sum(len(g.params) for g in groups), False),
+        ("parameter shapes", digest([[tuple(p.shape) for p in g.params] for g in groups]), True),
+        ("parameter dtypes", digest([str(g.dtype) for g in groups]), True),
+        ("buckets", sum(len(g.buckets) for g in groups), False),
+        ("bucket sizes", digest([[(b.numel, b.padded) for b in g.buckets] for g in groups]), True),
+        ("reduce_bucket_size", int(config["reduce_bucket_size"]), False),
+        ("allgather_bucket_size", int(config["allgather_bucket_size"]), False),
+        ("overlap_comm", int(bool(config["overlap_comm"])), False),
+        ("stage3_* settings", digest([(k, config[k]) for k in stage3]), True),
+        ("1-bit optimizer and onebit_mode", digest((onebit, onebit_mode)), True),
+        ("optimizer and optimizer_kwargs",
+         digest((getattr(optimizer, "__qualname__", type(optimizer).__name__), args)), True),
+        ("gradient_accumulation_steps", gas, False),
+    ]
 
 
 def build_groups(params: Iterable[Any], bucket_size: int, world: int,

@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 import torch
 
 from .. import _C
+from .._agree import agree_layout
 from .._buffers import buffer_of
 from .._comm import resolve, wait_cancellable
 from .._defaults import DEFAULT_TIMEOUT
@@ -37,7 +38,7 @@ from ..compress import Compressor
 from .checkpoint import errors_of, load_errors, load_shard_state_dict, shard_state_dict
 from .config import check_arguments
 from .grad_reducer import GradReducer, clip_coef
-from .layout import alignment, build_groups, partition
+from .layout import alignment, build_groups, layout_fields, partition
 from .memory import measure
 from .offload import HostOffload, check_offload, check_placement, step_inner
 from .onebit_reducer import OneBitReducer
@@ -151,6 +152,9 @@ class ZeroOptimizer:
         bucket = self.config["reduce_bucket_size"] if stage < 3 else 0
         #: the parameter groups' layouts (:class:`compcomm.zero.layout.GroupLayout`)
         self.groups, self.device = build_groups(params, bucket, self.world, align)
+        agree_layout(self.comm, "ZeroOptimizer", layout_fields(  # before any other collective
+            self.groups, self.config, stage, self.onebit, self.onebit_mode, self.gas,
+            optimizer_class, optimizer_kwargs or {}), self.device, self.timeout)
         check_placement(self.config, self.comm, self.device)
         #: ZeRO-Offload (:mod:`.offload`): host master/state/gradient shards; None without
         self.offload: Optional[HostOffload] = HostOffload.create(self.config, stage, self.device)
@@ -164,6 +168,8 @@ class ZeroOptimizer:
         self.optimizer = optimizer_class(
             [dict(grp.options, params=[grp.master]) for grp in self.groups], **kwargs
         )
+        if self._rules is not None:  # its layout was agreed above, with the partition's
+            self.optimizer.check_layout = False
         self._async = _C.zero.AsyncComm(self.comm)
         #: 1-bit optimizers: the compressor of ZeRO's buckets (key (group, bucket)), from the
         #: wrapped optimizer's ``compressor_factory``: 1-bit with error feedback by default

@@ -1,0 +1,53 @@
+"""Ranks that disagree on the layout of what they communicate get RankMismatchError on every
+rank, naming what differs and which ranks, before anything is sent or changed -- not a timeout.
+
+The 1-bit optimizers (warm-up and compressed phase), the DDP hooks, ZeroOptimizer stage 1/2 (with
+torch's Adam and with OneBitAdam) and compressed_allreduce; the last rank is the one that differs
+(rank bodies in tests/_mismatch_cases.py). A regression that hangs fails at run_ranks' timeout
+(the bodies' own collectives wait 30 s at most)."""
+
+from __future__ import annotations
+
+import pytest
+
+from _mismatch_cases import (ALLREDUCE_EXPECT, DDP_EXPECT, OPTIMIZER_EXPECT, ZERO_EXPECT,
+                             _rank_allreduce, _rank_ddp, _rank_optimizer, _rank_zero)
+from compcomm.testing import run_ranks
+
+TIMEOUT = 150  # seconds for a whole body: spawning the ranks takes most of it on a busy machine
+
+
+def _check(results, expect, world):
+    """Every case raised RankMismatchError on every rank, naming ``expect[case]`` and the rank
+    that differs, and changed nothing."""
+    odd = f"rank {world - 1}"
+    for rank, res in enumerate(results):
+        assert res, f"rank {rank}: no cases ran"
+        for case, (name, msg, unchanged) in res.items():
+            where = f"rank {rank}, case {case}: {name}: {msg}"
+            assert name == "RankMismatchError", where
+            assert f"[rank {rank}]" in msg and expect(case) in msg, where
+            assert odd in msg or f"[{world - 1}]" in msg, where
+            assert unchanged, f"{where} (state changed)"
+
+
+@pytest.mark.parametrize("name,world", [("OneBitAdam", 2), ("OneBitAdam", 3), ("ZeroOneAdam", 2),
+                                        ("OneBitLamb", 2)])
+def test_optimizers_raise_rank_mismatch(name, world):
+    results = run_ranks(world, _rank_optimizer, name, timeout=TIMEOUT)
+    _check(results, OPTIMIZER_EXPECT.__getitem__, world)
+    assert {"compressed_grads", "compressed_one_sided"} <= set(results[0])
+
+
+def test_ddp_hooks_raise_rank_mismatch():
+    _check(run_ranks(2, _rank_ddp, timeout=TIMEOUT), DDP_EXPECT.__getitem__, 2)
+
+
+def test_zero_raises_rank_mismatch_when_built():
+    results = run_ranks(2, _rank_zero, timeout=TIMEOUT)
+    _check(results, lambda case: ZERO_EXPECT[case.rsplit("_", 1)[1]], 2)
+    assert len(results[0]) == 20
+
+
+def test_compressed_allreduce_sizes_and_dtypes():
+    _check(run_ranks(2, _rank_allreduce, timeout=TIMEOUT), ALLREDUCE_EXPECT.__getitem__, 2)
