@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <optional>
 #include <string>
 
@@ -34,8 +35,19 @@ namespace {
 // Lets Python classes (the torch.distributed adapter) implement Communicator.
 class PyCommunicator : public Communicator {
  public:
-  int rank() const override { PYBIND11_OVERRIDE_PURE(int, Communicator, rank); }
-  int size() const override { PYBIND11_OVERRIDE_PURE(int, Communicator, size); }
+  // A communicator's rank and size never change: asked of Python once, then kept. (Every call of
+  // the 1-bit algorithms asks for both, from worker threads that must take the GIL for it: several
+  // microseconds per bucket of a batched step.)
+  int rank() const override {
+    int r = rank_.load(std::memory_order_relaxed);
+    if (r < 0) rank_.store(r = py_rank(), std::memory_order_relaxed);
+    return r;
+  }
+  int size() const override {
+    int s = size_.load(std::memory_order_relaxed);
+    if (s < 0) size_.store(s = py_size(), std::memory_order_relaxed);
+    return s;
+  }
   std::string backend_name() const override {
     PYBIND11_OVERRIDE_PURE(std::string, Communicator, backend_name);
   }
@@ -67,6 +79,11 @@ class PyCommunicator : public Communicator {
     if (!f) return nullptr;
     return reinterpret_cast<const int*>(f().cast<uintptr_t>());
   }
+
+ private:
+  int py_rank() const { PYBIND11_OVERRIDE_PURE(int, Communicator, rank); }
+  int py_size() const { PYBIND11_OVERRIDE_PURE(int, Communicator, size); }
+  mutable std::atomic<int> rank_{-1}, size_{-1};  // -1: not asked yet (a negative answer is asked again)
 };
 
 const char* buffer_format(DType t) {

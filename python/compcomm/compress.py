@@ -307,8 +307,9 @@ class OneBitCompressor:
                 self._prep = None
             raise error
         prep.created = []  # they exist now: a later failure must not drop them
-        for args in calls:  # after a wait that found no abort, every commit writes
-            _C.zero.compressed_allreduce_commit(self.comm, *args, stream, gate=not synced)
+        # after a wait that found no abort, every commit writes; all buckets in one C++ call
+        _C.zero.compressed_allreduce_commit_many(self.comm, *map(list, zip(*calls)), stream,
+                                                 gate=not synced)
 
     def _prepared(self, keys: Sequence[Hashable], numels: Sequence[int],
                   device: torch.device) -> "_Prepared":
