@@ -44,7 +44,8 @@ def _tensors(seed: int, low: bool) -> List[List[torch.Tensor]]:
 @pytest.mark.parametrize("rule", ["warmup", "compressed", "local"])
 @pytest.mark.parametrize("low", [False, True])
 def test_list_forms_give_the_bits_of_the_single_forms(rule, low):
-    single = {"warmup": cpu_adam.onebit_warmup_step_, "compressed": cpu_adam.onebit_compressed_step_,
+    single = {"warmup": cpu_adam.onebit_warmup_step_,
+              "compressed": cpu_adam.onebit_compressed_step_,
               "local": cpu_adam.onebit_local_step_}[rule]
     multi = {"warmup": cpu_multi.onebit_warmup_steps_,
              "compressed": cpu_multi.onebit_compressed_steps_,

@@ -83,7 +83,8 @@ class PyCommunicator : public Communicator {
  private:
   int py_rank() const { PYBIND11_OVERRIDE_PURE(int, Communicator, rank); }
   int py_size() const { PYBIND11_OVERRIDE_PURE(int, Communicator, size); }
-  mutable std::atomic<int> rank_{-1}, size_{-1};  // -1: not asked yet (a negative answer is asked again)
+  // -1: not asked yet (a negative answer is asked again)
+  mutable std::atomic<int> rank_{-1}, size_{-1};
 };
 
 const char* buffer_format(DType t) {

@@ -304,20 +304,20 @@ void bind_optim(py::module_& parent) {
         py::arg("sqrt") = "ieee", doc);
   };
   def_steps("onebit_local_steps", K::AdamRule::kOneBitLocal,
-            "onebit_local_step over a list of tensors given as data pointers (fp32 w, m, v, g; outs: "
-            "optional parameter copies of out_types, 0 for none) in one call, the GIL released once. "
-            "The pointers are not checked beyond null: the caller validates the tensors "
-            "(compcomm.optim.cpu_adam.onebit_local_steps_).");
+            "onebit_local_step over a list of tensors given as data pointers (fp32 w, m, v, g; "
+            "outs: optional parameter copies of out_types, 0 for none) in one call, the GIL "
+            "released once. The pointers are not checked beyond null: the caller validates the "
+            "tensors (compcomm.optim.cpu_adam.onebit_local_steps_).");
   def_steps("onebit_warmup_steps", K::AdamRule::kOneBitWarmup,
-            "onebit_warmup_step over a list of tensors given as data pointers (fp32 w, m, v, g; outs "
-            "as onebit_local_steps) in one call, the GIL released once. The pointers are not checked "
-            "beyond null: the caller validates the tensors "
-            "(compcomm.optim.cpu_adam.onebit_warmup_steps_).");
+            "onebit_warmup_step over a list of tensors given as data pointers (fp32 w, m, v, g; "
+            "outs as onebit_local_steps) in one call, the GIL released once. The pointers are not "
+            "checked beyond null: the caller validates the tensors "
+            "(compcomm.optim.cpu_multi.onebit_warmup_steps_).");
   def_steps("onebit_compressed_steps", K::AdamRule::kOneBitCompressed,
             "onebit_compressed_step (no mask, v not a denominator) over a list of tensors given as "
             "data pointers (fp32 w, m, v, averaged as gs; outs as onebit_local_steps) in one call, "
             "the GIL released once. The pointers are not checked beyond null: the caller validates "
-            "the tensors (compcomm.optim.cpu_adam.onebit_compressed_steps_).");
+            "the tensors (compcomm.optim.cpu_multi.onebit_compressed_steps_).");
 
   m.def(
       "onebit_momentums",
@@ -354,7 +354,7 @@ void bind_optim(py::module_& parent) {
       py::arg("num_threads") = 0, py::arg("isa") = "auto",
       "onebit_momentum over lists of fp32 tensors given as data pointers (out i may be m i) in one "
       "call, the GIL released once. The pointers are not checked beyond null: the caller validates "
-      "the tensors (compcomm.optim.cpu_adam.onebit_momentums_).");
+      "the tensors (compcomm.optim.cpu_multi.onebit_momentums_).");
 
   m.def(
       "onebit_momentum",

@@ -267,7 +267,11 @@ class OneBitCompressor:
             return
         if self._async is None:
             self._async = _C.zero.AsyncComm(self.comm)
-        prep = self._prepared(keys, numels, device)
+        try:
+            prep = self._prepared(keys, numels, device)
+        except BaseException as e:  # e.g. out of memory: the peers are left waiting, as below
+            self._broken = f"this rank failed while preparing its buckets: {e!r}"
+            raise
         created = prep.created
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
         works, calls, error = [], [], None
@@ -308,8 +312,8 @@ class OneBitCompressor:
             raise error
         prep.created = []  # they exist now: a later failure must not drop them
         # after a wait that found no abort, every commit writes; all buckets in one C++ call
-        _C.zero.compressed_allreduce_commit_many(self.comm, *map(list, zip(*calls)), stream,
-                                                 gate=not synced)
+        _C.zero.compressed_allreduce_commit_many(self.comm, prep.tensors, prep.wes, prep.ses,
+                                                 prep.wss, stream, gate=not synced)
 
     def _prepared(self, keys: Sequence[Hashable], numels: Sequence[int],
                   device: torch.device) -> "_Prepared":
@@ -317,14 +321,16 @@ class OneBitCompressor:
         kept from the last call while the keys, sizes, device and buffers are the same: a
         step of many small buckets paid ~10 us per bucket re-deriving them."""
         prep = self._prep
+        batched = self.batched and len(keys) > 1
         if (prep is not None and prep.device == device and prep.keys == keys
-                and prep.numels == numels and prep.valid(self._buffers)):
+                and prep.numels == numels and (prep.staging is not None) == batched
+                and prep.valid(self._buffers)):
             return prep
         created = [k for k in keys if k not in self._buffers]
         world = self.comm.size()
         bufs = [self._buffers_for(k, padded_numel(n, world), device) for k, n in zip(keys, numels)]
         staging = None
-        if self.batched and len(keys) > 1:
+        if batched:
             staging = buffer_of(self._staging_for([we.numel() for we, _, _ in bufs], device))
         prep = self._prep = _Prepared(list(keys), list(numels), device, bufs, staging, created)
         return prep

@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, T
 import torch
 
 from .. import _C
-from .._buffers import DTYPES, buffer_of
+from .._buffers import buffer_of
 
 __all__ = ["CPUAdam", "adam_step_", "onebit_warmup_step_", "onebit_compressed_step_",
            "kernel_isa", "torch_sqrt_mode", "matches_torch_rules", "onebit_local_step_",
