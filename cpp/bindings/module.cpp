@@ -72,12 +72,19 @@ class PyCommunicator : public Communicator {
   void do_barrier(const CallOptions& opts) override {
     PYBIND11_OVERRIDE_PURE(void, Communicator, do_barrier, opts);
   }
-  // Optional in Python: do_abort_flag(self) -> int, the flag's address (0: none).
+  // Optional in Python: do_abort_flag(self) -> int, the flag's address (0: none). Asked once (the
+  // address is the communicator's for its life; every bucket's commit asks for it).
   const int* do_abort_flag() const override {
-    py::gil_scoped_acquire gil;
-    py::function f = py::get_override(static_cast<const Communicator*>(this), "do_abort_flag");
-    if (!f) return nullptr;
-    return reinterpret_cast<const int*>(f().cast<uintptr_t>());
+    if (flag_asked_.load(std::memory_order_acquire)) return flag_.load(std::memory_order_relaxed);
+    const int* flag = nullptr;
+    {
+      py::gil_scoped_acquire gil;
+      py::function f = py::get_override(static_cast<const Communicator*>(this), "do_abort_flag");
+      if (f) flag = reinterpret_cast<const int*>(f().cast<uintptr_t>());
+    }
+    flag_.store(flag, std::memory_order_relaxed);
+    flag_asked_.store(true, std::memory_order_release);
+    return flag;
   }
 
  private:
@@ -85,6 +92,8 @@ class PyCommunicator : public Communicator {
   int py_size() const { PYBIND11_OVERRIDE_PURE(int, Communicator, size); }
   // -1: not asked yet (a negative answer is asked again)
   mutable std::atomic<int> rank_{-1}, size_{-1};
+  mutable std::atomic<bool> flag_asked_{false};
+  mutable std::atomic<const int*> flag_{nullptr};
 };
 
 const char* buffer_format(DType t) {
