@@ -167,3 +167,77 @@ def test_batched_per_parameter_steps_equal_the_per_bucket_path(name):
             kept = res["keptTrue"]
             # steps 7 and 8: new plans (a parameter without gradient, then with); 10: a reset
             assert kept[2:] == [True, True, True, False, False, True, False]
+
+
+def _mirror(world: int) -> Any:
+    """Rank 0 of a ``world``-rank group whose peers send what it sends (device copies): a W-rank
+    compressed step in one process, on the CPU or one GPU (as bench/bench_bucket_overhead.py)."""
+    from compcomm import _C
+    from compcomm._buffers import tensor_of
+
+    class Mirror(_C.Communicator):
+        def __init__(self) -> None:
+            _C.Communicator.__init__(self)
+
+        def rank(self) -> int:
+            return 0
+
+        def size(self) -> int:
+            return world
+
+        def backend_name(self) -> str:
+            return "test:mirror"
+
+        def do_all_to_all(self, send, recv, opts) -> None:  # type: ignore[no-untyped-def]
+            s, r = tensor_of(send), tensor_of(recv)
+            row = s.numel() // world
+            r.view(world, row).copy_(s[:row].expand(world, row))
+
+        def do_all_gather(self, send, recv, opts) -> None:  # type: ignore[no-untyped-def]
+            tensor_of(recv).view(world, -1).copy_(tensor_of(send).expand(world, -1))
+
+        def do_all_reduce(self, buf, op, opts) -> None:  # type: ignore[no-untyped-def]
+            if op == _C.ReduceOp.sum:
+                tensor_of(buf).mul_(world)
+
+        def do_reduce_scatter(self, send, recv, op, opts) -> None:  # type: ignore[no-untyped-def]
+            raise NotImplementedError
+
+        def do_broadcast(self, buf, root, opts) -> None:  # type: ignore[no-untyped-def]
+            pass
+
+        def do_barrier(self, opts) -> None:  # type: ignore[no-untyped-def]
+            pass
+
+    return Mirror()
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                         reason="no CUDA device"))])
+@pytest.mark.parametrize("name", ["OneBitAdam", "ZeroOneAdam"])
+def test_staged_at_once_equals_per_bucket_with_mirrored_peers(device, name):
+    """One process, W=2 with mirrored peers: per-parameter buckets staged all at once and
+    exchanged in one batch equal, bit for bit, a fill and an exchange per bucket (on CUDA: the
+    fused momentum over all buckets' views, the batched commits on the stream)."""
+    from compcomm.compress import OneBitCompressor
+    from compcomm.optim import OneBitAdam, ZeroOneAdam
+
+    runs = {}
+    for batched in (True, False):
+        gen = torch.Generator().manual_seed(9)
+        params = [torch.nn.Parameter(torch.randn(n, generator=gen).to(device))
+                  for n in (7, 300, 64, 1031)]
+        kw = dict(lr=1e-2, per_parameter=True, weight_decay=0.01, process_group=_mirror(2),
+                  compressor=lambda comm, b=batched: OneBitCompressor(comm, batched=b))
+        opt = (OneBitAdam(params, freeze_step=2, **kw) if name == "OneBitAdam" else
+               ZeroOneAdam(params, var_freeze_step=4, var_update_scaler=1, **kw))
+        traj = []
+        for step in range(7):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen).to(device)
+            opt.step()
+            traj.append([p.detach().cpu().clone() for p in params])
+        runs[batched] = traj
+    for step, (a, b) in enumerate(zip(runs[True], runs[False])):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), f"step {step + 1}"
