@@ -537,16 +537,23 @@ def test_onebitadam_cpu_step_uses_the_kernels_bit_for_bit(monkeypatch, dtype):
 
     if not cpu_adam.matches_torch_rules():
         pytest.skip("the kernels do not give torch's bits on this machine (then unused)")
-    calls = {"warmup": 0, "compressed": 0, "local": 0}
-    for name, key in (("onebit_warmup_step_", "warmup"), ("onebit_compressed_step_", "compressed"),
-                      ("onebit_local_steps_", "local")):
-        real = getattr(cpu_adam, name)
+    from compcomm.optim import cpu_multi
 
-        def counted(*a, _real=real, _key=key, **k):
-            calls[_key] += 1
+    calls = {"warmup": 0, "compressed": 0, "local": 0}
+    # tensors through the kernels (warm-up and compressed steps: the list forms, one call a chunk)
+    for mod, name, key, per_tensor in (
+            (cpu_adam, "onebit_warmup_step_", "warmup", True),
+            (cpu_multi, "onebit_warmup_steps_", "warmup", False),
+            (cpu_adam, "onebit_compressed_step_", "compressed", True),
+            (cpu_multi, "onebit_compressed_steps_", "compressed", False),
+            (cpu_adam, "onebit_local_steps_", "local", None)):
+        real = getattr(mod, name)
+
+        def counted(*a, _real=real, _key=key, _one=per_tensor, **k):
+            calls[_key] += 1 if _one in (True, None) else len(a[0])
             return _real(*a, **k)
 
-        monkeypatch.setattr(cpu_adam, name, counted)
+        monkeypatch.setattr(mod, name, counted)
 
     def trajectory(env):
         monkeypatch.setenv("COMPCOMM_FUSED_OPTIM", env)
@@ -565,6 +572,7 @@ def test_onebitadam_cpu_step_uses_the_kernels_bit_for_bit(monkeypatch, dtype):
     assert calls == {"warmup": 0, "compressed": 0, "local": 0}
     fused = trajectory("1")
     # a world of one rank: the compressed phase's momentum and step in one pass
-    assert calls == {"warmup": 2 * 3, "compressed": 0, "local": 3}  # one call per step
+    # warm-up: 2 steps of 3 tensors; local: one call per step
+    assert calls == {"warmup": 2 * 3, "compressed": 0, "local": 3}
     for a, b in zip(reference, fused):
         assert all(torch.equal(x, y) for x, y in zip(a, b))

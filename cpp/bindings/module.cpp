@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <optional>
 #include <string>
 
@@ -34,8 +35,19 @@ namespace {
 // Lets Python classes (the torch.distributed adapter) implement Communicator.
 class PyCommunicator : public Communicator {
  public:
-  int rank() const override { PYBIND11_OVERRIDE_PURE(int, Communicator, rank); }
-  int size() const override { PYBIND11_OVERRIDE_PURE(int, Communicator, size); }
+  // A communicator's rank and size never change: asked of Python once, then kept. (Every call of
+  // the 1-bit algorithms asks for both, from worker threads that must take the GIL for it: several
+  // microseconds per bucket of a batched step.)
+  int rank() const override {
+    int r = rank_.load(std::memory_order_relaxed);
+    if (r < 0) rank_.store(r = py_rank(), std::memory_order_relaxed);
+    return r;
+  }
+  int size() const override {
+    int s = size_.load(std::memory_order_relaxed);
+    if (s < 0) size_.store(s = py_size(), std::memory_order_relaxed);
+    return s;
+  }
   std::string backend_name() const override {
     PYBIND11_OVERRIDE_PURE(std::string, Communicator, backend_name);
   }
@@ -60,13 +72,28 @@ class PyCommunicator : public Communicator {
   void do_barrier(const CallOptions& opts) override {
     PYBIND11_OVERRIDE_PURE(void, Communicator, do_barrier, opts);
   }
-  // Optional in Python: do_abort_flag(self) -> int, the flag's address (0: none).
+  // Optional in Python: do_abort_flag(self) -> int, the flag's address (0: none). Asked once (the
+  // address is the communicator's for its life; every bucket's commit asks for it).
   const int* do_abort_flag() const override {
-    py::gil_scoped_acquire gil;
-    py::function f = py::get_override(static_cast<const Communicator*>(this), "do_abort_flag");
-    if (!f) return nullptr;
-    return reinterpret_cast<const int*>(f().cast<uintptr_t>());
+    if (flag_asked_.load(std::memory_order_acquire)) return flag_.load(std::memory_order_relaxed);
+    const int* flag = nullptr;
+    {
+      py::gil_scoped_acquire gil;
+      py::function f = py::get_override(static_cast<const Communicator*>(this), "do_abort_flag");
+      if (f) flag = reinterpret_cast<const int*>(f().cast<uintptr_t>());
+    }
+    flag_.store(flag, std::memory_order_relaxed);
+    flag_asked_.store(true, std::memory_order_release);
+    return flag;
   }
+
+ private:
+  int py_rank() const { PYBIND11_OVERRIDE_PURE(int, Communicator, rank); }
+  int py_size() const { PYBIND11_OVERRIDE_PURE(int, Communicator, size); }
+  // -1: not asked yet (a negative answer is asked again)
+  mutable std::atomic<int> rank_{-1}, size_{-1};
+  mutable std::atomic<bool> flag_asked_{false};
+  mutable std::atomic<const int*> flag_{nullptr};
 };
 
 const char* buffer_format(DType t) {

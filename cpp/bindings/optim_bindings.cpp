@@ -145,6 +145,57 @@ void run(const char* fn, K::AdamCoeffs c, const std::string& sqrt, const Buffer&
     value_error(concat(fn, ": the kernel rejected its arguments"));
 }
 
+// onebit_{local,warmup,compressed}_steps: one rule over lists of tensors given as data
+// pointers (the caller validated them), the GIL released once. gs: the gradients (local, warm-up)
+// or the averaged momenta (compressed); all fp32.
+void run_steps(const char* fn, K::AdamRule rule, const std::vector<int64_t>& numels,
+               const std::vector<uintptr_t>& ws, const std::vector<uintptr_t>& ms,
+               const std::vector<uintptr_t>& vs, const std::vector<uintptr_t>& gs,
+               const std::vector<uintptr_t>& outs, const std::vector<DType>& out_types, double lr,
+               double b1, double b2, double eps, double wd, bool bias_correction, int64_t bc1_t,
+               int64_t bc2_t, int num_threads, const std::string& isa, const std::string& sqrt) {
+  const size_t k = numels.size();
+  if (ws.size() != k || ms.size() != k || vs.size() != k || gs.size() != k)
+    value_error(concat(fn, ": ws, ms, vs and gs must hold ", k, " pointers (one per numel)"));
+  if (!(outs.empty() && out_types.empty()) && (outs.size() != k || out_types.size() != k))
+    value_error(concat(fn, ": outs and out_types must be empty or hold ", k, " entries"));
+  if (bc1_t < 0 || bc2_t < 0)
+    value_error(concat(fn, ": bc1_t and bc2_t must be >= 0, got ", bc1_t, ", ", bc2_t));
+  if (num_threads < 0) value_error(concat(fn, ": num_threads must be >= 0, got ", num_threads));
+  const K::AdamIsa which = isa_of(isa);
+  if (!K::adam_isa_supported(which))
+    value_error(concat(fn, ": isa '", isa, "' is not available on this machine or in this build"));
+  K::AdamCoeffs c = K::onebit_coeffs(rule, lr, b1, b2, eps, wd, bias_correction, bc1_t, bc2_t);
+  c.sqrt = sqrt_of(sqrt);
+  std::vector<K::AdamTensors> ts(k);
+  for (size_t i = 0; i < k; ++i) {
+    if (numels[i] < 0) value_error(concat(fn, ": numels[", i, "] is negative"));
+    if (numels[i] > 0 && (!ws[i] || !ms[i] || !vs[i] || !gs[i]))
+      value_error(concat(fn, ": a null pointer for tensor ", i));
+    K::AdamTensors& t = ts[i];
+    t.w = reinterpret_cast<float*>(ws[i]);
+    t.m = reinterpret_cast<float*>(ms[i]);
+    t.v = reinterpret_cast<float*>(vs[i]);
+    t.g = reinterpret_cast<const void*>(gs[i]);
+    if (!outs.empty() && outs[i] != 0) {
+      t.param_out = reinterpret_cast<void*>(outs[i]);
+      if (out_types[i] == DType::kFloat16)
+        t.out_type = kernels::InputType::kFloat16;
+      else if (out_types[i] == DType::kBFloat16)
+        t.out_type = kernels::InputType::kBFloat16;
+      else if (out_types[i] != DType::kFloat32)
+        type_error(concat(fn, ": out_types[", i, "] must be float32, float16 or bfloat16"));
+    }
+  }
+  bool ok = true;
+  {
+    py::gil_scoped_release release;
+    for (size_t i = 0; i < k && ok; ++i)
+      ok = K::adam_update(c, ts[i], numels[i], num_threads, which) == kernels::Status::kSuccess;
+  }
+  if (!ok) value_error(concat(fn, ": the kernel rejected its arguments"));
+}
+
 }  // namespace
 
 void bind_optim(py::module_& parent) {
@@ -232,66 +283,78 @@ void bind_optim(py::module_& parent) {
       "functional.adam_denom(v, group, bc2_t), used as the denominator as is.");
 
 
+  // The list forms: one crossing into C++ for a whole list of tensors (a step of many small
+  // tensors paid ~10 us of Python per tensor and call).
+  auto def_steps = [&m](const char* name, K::AdamRule rule, const char* doc) {
+    m.def(
+        name,
+        [name, rule](const std::vector<int64_t>& numels, const std::vector<uintptr_t>& ws,
+                     const std::vector<uintptr_t>& ms, const std::vector<uintptr_t>& vs,
+                     const std::vector<uintptr_t>& gs, const std::vector<uintptr_t>& outs,
+                     const std::vector<DType>& out_types, double lr, double b1, double b2,
+                     double eps, double wd, bool bias_correction, int64_t bc1_t, int64_t bc2_t,
+                     int num_threads, const std::string& isa, const std::string& sqrt) {
+          run_steps(name, rule, numels, ws, ms, vs, gs, outs, out_types, lr, b1, b2, eps, wd,
+                    bias_correction, bc1_t, bc2_t, num_threads, isa, sqrt);
+        },
+        py::arg("numels"), py::arg("ws"), py::arg("ms"), py::arg("vs"), py::arg("gs"),
+        py::arg("outs"), py::arg("out_types"), py::arg("lr"), py::arg("b1"), py::arg("b2"),
+        py::arg("eps"), py::arg("wd"), py::arg("bias_correction"), py::arg("bc1_t"),
+        py::arg("bc2_t"), py::arg("num_threads") = 0, py::arg("isa") = "auto",
+        py::arg("sqrt") = "ieee", doc);
+  };
+  def_steps("onebit_local_steps", K::AdamRule::kOneBitLocal,
+            "onebit_local_step over a list of tensors given as data pointers (fp32 w, m, v, g; "
+            "outs: optional parameter copies of out_types, 0 for none) in one call, the GIL "
+            "released once. The pointers are not checked beyond null: the caller validates the "
+            "tensors (compcomm.optim.cpu_adam.onebit_local_steps_).");
+  def_steps("onebit_warmup_steps", K::AdamRule::kOneBitWarmup,
+            "onebit_warmup_step over a list of tensors given as data pointers (fp32 w, m, v, g; "
+            "outs as onebit_local_steps) in one call, the GIL released once. The pointers are not "
+            "checked beyond null: the caller validates the tensors "
+            "(compcomm.optim.cpu_multi.onebit_warmup_steps_).");
+  def_steps("onebit_compressed_steps", K::AdamRule::kOneBitCompressed,
+            "onebit_compressed_step (no mask, v not a denominator) over a list of tensors given as "
+            "data pointers (fp32 w, m, v, averaged as gs; outs as onebit_local_steps) in one call, "
+            "the GIL released once. The pointers are not checked beyond null: the caller validates "
+            "the tensors (compcomm.optim.cpu_multi.onebit_compressed_steps_).");
+
   m.def(
-      "onebit_local_steps",
-      [](const std::vector<int64_t>& numels, const std::vector<uintptr_t>& ws,
-         const std::vector<uintptr_t>& ms, const std::vector<uintptr_t>& vs,
-         const std::vector<uintptr_t>& gs, const std::vector<uintptr_t>& outs,
-         const std::vector<DType>& out_types, double lr, double b1, double b2, double eps,
-         double wd, bool bias_correction, int64_t bc1_t, int64_t bc2_t, int num_threads,
-         const std::string& isa, const std::string& sqrt) {
-        const char* fn = "onebit_local_steps";
+      "onebit_momentums",
+      [](const std::vector<int64_t>& numels, const std::vector<uintptr_t>& ms,
+         const std::vector<uintptr_t>& gs, const std::vector<uintptr_t>& outs, double b1,
+         int num_threads, const std::string& isa) {
+        const char* fn = "onebit_momentums";
         const size_t k = numels.size();
-        if (ws.size() != k || ms.size() != k || vs.size() != k || gs.size() != k)
-          value_error(concat(fn, ": ws, ms, vs and gs must hold ", k, " pointers (one per numel)"));
-        if (!(outs.empty() && out_types.empty()) && (outs.size() != k || out_types.size() != k))
-          value_error(concat(fn, ": outs and out_types must be empty or hold ", k, " entries"));
-        if (bc1_t < 0 || bc2_t < 0)
-          value_error(concat(fn, ": bc1_t and bc2_t must be >= 0, got ", bc1_t, ", ", bc2_t));
+        if (ms.size() != k || gs.size() != k || outs.size() != k)
+          value_error(concat(fn, ": ms, gs and outs must hold ", k, " pointers (one per numel)"));
         if (num_threads < 0) value_error(concat(fn, ": num_threads must be >= 0, got ", num_threads));
         const K::AdamIsa which = isa_of(isa);
         if (!K::adam_isa_supported(which))
           value_error(concat(fn, ": isa '", isa, "' is not available on this machine or in this build"));
-        K::AdamCoeffs c = K::onebit_coeffs(K::AdamRule::kOneBitLocal, lr, b1, b2, eps, wd,
-                                           bias_correction, bc1_t, bc2_t);
-        c.sqrt = sqrt_of(sqrt);
-        std::vector<K::AdamTensors> ts(k);
         for (size_t i = 0; i < k; ++i) {
           if (numels[i] < 0) value_error(concat(fn, ": numels[", i, "] is negative"));
-          if (numels[i] > 0 && (!ws[i] || !ms[i] || !vs[i] || !gs[i]))
+          if (numels[i] > 0 && (!ms[i] || !gs[i] || !outs[i]))
             value_error(concat(fn, ": a null pointer for tensor ", i));
-          K::AdamTensors& t = ts[i];
-          t.w = reinterpret_cast<float*>(ws[i]);
-          t.m = reinterpret_cast<float*>(ms[i]);
-          t.v = reinterpret_cast<float*>(vs[i]);
-          t.g = reinterpret_cast<const void*>(gs[i]);
-          if (!outs.empty() && outs[i] != 0) {
-            t.param_out = reinterpret_cast<void*>(outs[i]);
-            if (out_types[i] == DType::kFloat16)
-              t.out_type = kernels::InputType::kFloat16;
-            else if (out_types[i] == DType::kBFloat16)
-              t.out_type = kernels::InputType::kBFloat16;
-            else if (out_types[i] != DType::kFloat32)
-              type_error(concat(fn, ": out_types[", i, "] must be float32, float16 or bfloat16"));
-          }
         }
+        const K::AdamCoeffs c =
+            K::onebit_coeffs(K::AdamRule::kOneBitLocal, 0.0, b1, 0.0, 0.0, 0.0, false, 0, 0);
         bool ok = true;
         {
           py::gil_scoped_release release;
           for (size_t i = 0; i < k && ok; ++i)
-            ok = K::adam_update(c, ts[i], numels[i], num_threads, which) == kernels::Status::kSuccess;
+            ok = K::onebit_momentum(c, reinterpret_cast<const float*>(ms[i]),
+                                    reinterpret_cast<const float*>(gs[i]),
+                                    reinterpret_cast<float*>(outs[i]), numels[i], num_threads,
+                                    which) == kernels::Status::kSuccess;
         }
         if (!ok) value_error(concat(fn, ": the kernel rejected its arguments"));
       },
-      py::arg("numels"), py::arg("ws"), py::arg("ms"), py::arg("vs"), py::arg("gs"),
-      py::arg("outs"), py::arg("out_types"), py::arg("lr"), py::arg("b1"), py::arg("b2"),
-      py::arg("eps"), py::arg("wd"), py::arg("bias_correction"), py::arg("bc1_t"),
-      py::arg("bc2_t"), py::arg("num_threads") = 0, py::arg("isa") = "auto",
-      py::arg("sqrt") = "ieee",
-      "onebit_local_step over a list of tensors given as data pointers (fp32 w, m, v, g; outs: "
-      "optional parameter copies of out_types, 0 for none) in one call, the GIL released once. "
-      "The pointers are not checked beyond null: the caller validates the tensors "
-      "(compcomm.optim.cpu_adam.onebit_local_steps_).");
+      py::arg("numels"), py::arg("ms"), py::arg("gs"), py::arg("outs"), py::arg("b1"),
+      py::arg("num_threads") = 0, py::arg("isa") = "auto",
+      "onebit_momentum over lists of fp32 tensors given as data pointers (out i may be m i) in one "
+      "call, the GIL released once. The pointers are not checked beyond null: the caller validates "
+      "the tensors (compcomm.optim.cpu_multi.onebit_momentums_).");
 
   m.def(
       "onebit_momentum",

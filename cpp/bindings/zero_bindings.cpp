@@ -217,6 +217,30 @@ void bind_zero(py::module_& parent) {
       "The local writes of a compressed allreduce whose exchange (AsyncComm.compressed_allreduce_exchange) "
       "ran on the same arguments and workspace.");
   m.def(
+      "compressed_allreduce_commit_many",
+      [](Communicator& comm, const std::vector<Buffer>& tensors,
+         const std::vector<Buffer>& worker_errors, const std::vector<Buffer>& server_errors,
+         const std::vector<Buffer>& workspaces, uintptr_t stream, bool gate) {
+        const size_t calls = tensors.size();
+        if (worker_errors.size() != calls || server_errors.size() != calls ||
+            workspaces.size() != calls)
+          throw py::value_error(detail::concat(
+              "compressed_allreduce_commit_many: tensors, worker_errors, server_errors and "
+              "workspaces must have the same length (",
+              calls, ", ", worker_errors.size(), ", ", server_errors.size(), ", ",
+              workspaces.size(), ")"));
+        CallOptions opts = opts_of(600.0, stream);
+        opts.gate = gate;
+        for (size_t i = 0; i < calls; ++i)
+          compressed_allreduce_commit(comm, tensors[i], worker_errors[i], server_errors[i],
+                                      workspaces[i], opts);
+      },
+      py::arg("comm"), py::arg("tensors"), py::arg("worker_errors"), py::arg("server_errors"),
+      py::arg("workspaces"), py::arg("stream") = 0, py::arg("gate") = true,
+      py::call_guard<py::gil_scoped_release>(),
+      "compressed_allreduce_commit of every call of one exchange, in order (one crossing into "
+      "C++ for all buckets).");
+  m.def(
       "compressed_allreduce_exchange_many",
       [](Communicator& comm, const std::vector<Buffer>& tensors, const std::vector<Buffer>& worker_errors,
          const std::vector<Buffer>& server_errors, const std::vector<Buffer>& workspaces, const Buffer& staging,

@@ -160,8 +160,24 @@ class _Optim:
         wd: float, bias_correction: bool, bc1_t: int, bc2_t: int, num_threads: int = 0,
         isa: str = "auto", sqrt: str = "ieee",
     ) -> None: ...
+    def onebit_warmup_steps(
+        self, numels: List[int], ws: List[int], ms: List[int], vs: List[int], gs: List[int],
+        outs: List[int], out_types: List[DType], lr: float, b1: float, b2: float, eps: float,
+        wd: float, bias_correction: bool, bc1_t: int, bc2_t: int, num_threads: int = 0,
+        isa: str = "auto", sqrt: str = "ieee",
+    ) -> None: ...
+    def onebit_compressed_steps(
+        self, numels: List[int], ws: List[int], ms: List[int], vs: List[int], gs: List[int],
+        outs: List[int], out_types: List[DType], lr: float, b1: float, b2: float, eps: float,
+        wd: float, bias_correction: bool, bc1_t: int, bc2_t: int, num_threads: int = 0,
+        isa: str = "auto", sqrt: str = "ieee",
+    ) -> None: ...
     def onebit_momentum(
         self, m: Buffer, g: Buffer, out: Buffer, b1: float, num_threads: int = 0, isa: str = "auto",
+    ) -> None: ...
+    def onebit_momentums(
+        self, numels: List[int], ms: List[int], gs: List[int], outs: List[int], b1: float,
+        num_threads: int = 0, isa: str = "auto",
     ) -> None: ...
     def all_finite(self, xs: List[Buffer], isa: str = "auto") -> bool: ...
     def all_finite_ptrs(self, numels: List[int], ptrs: List[int], isa: str = "auto") -> bool: ...
@@ -171,5 +187,6 @@ class _Optim:
 
 optim: _Optim
 zero: Any  # BucketPlan, plan_buckets, bucketed_reduce_scatter/all_gather, AsyncComm, Work, compressed_reduce_scatter,
-#           compressed_allreduce_exchange_many, compressed_allreduce_batch_bytes
+#           compressed_allreduce_exchange_many, compressed_allreduce_commit_many,
+#           compressed_allreduce_batch_bytes
 nccl: Any  # load, loaded, runtime_version, unique_id (when built with NCCL)

@@ -115,7 +115,9 @@ class Compressor(Protocol):
     ``keys`` lists the buckets that have state; ``nbytes`` is (state bytes, workspace bytes);
     ``close`` releases threads. Optional: ``packed_average`` (as ``average_``, returning each
     bucket's result in its 1-bit form, see :meth:`OneBitCompressor.packed_average`), which lets
-    ZeRO keep its replicated momentum at ~P/8 bytes; without it ZeRO keeps it in fp32.
+    ZeRO keep its replicated momentum at ~P/8 bytes; without it ZeRO keeps it in fp32. Optional:
+    ``stages_ahead`` (default False), True where ``average_`` calls every ``stage(i)`` before it
+    sends anything, so that a caller may fill all buckets at the first call.
 
     ZeRO's sharded form (``onebit_mode="sharded"``, ZeroOneAdam's gradient steps) also needs a
     reduce-scatter of one bucket: ``tensor`` (fp32, ``P = world * out.numel()`` elements, the same
@@ -151,6 +153,38 @@ class Compressor(Protocol):
                               gate: bool = True) -> None: ...
 
 
+class _Prepared:
+    """One :meth:`OneBitCompressor.average_` call's buckets as the core takes them: the error
+    buffers' and workspaces' Buffer views (and the staged tensors', while ``stage`` returns the
+    same tensors), made once and reused while nothing they view has been replaced."""
+
+    def __init__(self, keys: List[Hashable], numels: List[int], device: torch.device,
+                 bufs: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                 staging: Optional[_C.Buffer], created: List[Hashable]) -> None:
+        self.keys, self.numels, self.device, self.staging = keys, numels, device, staging
+        self.created = created  # made by this call: dropped again if it fails
+        self.bufs = bufs
+        self.wes = [buffer_of(we) for we, _, _ in bufs]
+        self.ses = [buffer_of(se) for _, se, _ in bufs]
+        self.wss = [buffer_of(ws) for _, _, ws in bufs]
+        self.error_args = list(zip(self.wes, self.ses, self.wss))
+        self._staged: List[Optional[torch.Tensor]] = [None] * len(keys)
+        self.tensors: List[_C.Buffer] = [None] * len(keys)  # type: ignore[list-item]
+
+    def valid(self, buffers: Dict[Hashable, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+              ) -> bool:
+        """Whether every bucket still has the buffers this was made of."""
+        return all(buffers.get(k) is b for k, b in zip(self.keys, self.bufs))
+
+    def tensor_buffer(self, i: int, t: torch.Tensor) -> _C.Buffer:
+        """The Buffer of bucket ``i``'s staged tensor ``t`` (kept while ``t`` is the same)."""
+        b = self.tensors[i]
+        if self._staged[i] is not t or b.data != t.data_ptr() or b.count != t.numel():
+            self._staged[i] = t
+            b = self.tensors[i] = buffer_of(t)
+        return b
+
+
 class OneBitCompressor:
     """Owns the error-feedback buffers of named buckets and averages buckets with 1-bit compression.
 
@@ -178,6 +212,13 @@ class OneBitCompressor:
         self._staging = torch.zeros(0, dtype=torch.uint8)  # the batched exchange's
         self._async = None
         self._broken = ""  # why this compressor refuses further calls ("" while usable)
+        # the last call's buckets as the core takes them (see _prepared); None when stale
+        self._prep: Optional[_Prepared] = None
+
+    @property
+    def stages_ahead(self) -> bool:
+        """Whether :meth:`average_` stages every bucket before sending any (``batched``)."""
+        return self.batched
 
     def _buffers_for(self, key: Hashable, padded: int, device: torch.device):
         world = self.comm.size()
@@ -226,23 +267,26 @@ class OneBitCompressor:
             return
         if self._async is None:
             self._async = _C.zero.AsyncComm(self.comm)
-        created = [k for k in keys if k not in self._buffers]
-        world = self.comm.size()
-        bufs = [self._buffers_for(k, padded_numel(n, world), device) for k, n in zip(keys, numels)]
+        try:
+            prep = self._prepared(keys, numels, device)
+        except BaseException as e:  # e.g. out of memory: the peers are left waiting, as below
+            self._broken = f"this rank failed while preparing its buckets: {e!r}"
+            raise
+        created = prep.created
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
         works, calls, error = [], [], None
         batched = self.batched and len(keys) > 1
         try:
-            for i, (we, se, ws) in enumerate(bufs):
-                args = (buffer_of(stage(i)), buffer_of(we), buffer_of(se), buffer_of(ws))
+            for i in range(len(keys)):
+                args = (prep.tensor_buffer(i, stage(i)),) + prep.error_args[i]
                 if not batched:
                     works.append(self._async.compressed_allreduce_exchange(*args, self.timeout,
                                                                            stream))
                 calls.append(args)
             if batched:  # every bucket staged: one exchange of three collectives
-                staging = self._staging_for([we.numel() for we, _, _ in bufs], device)
                 works.append(self._async.compressed_allreduce_exchange_many(
-                    *(list(a) for a in zip(*calls)), buffer_of(staging), self.timeout, stream))
+                    prep.tensors, prep.wes, prep.ses, prep.wss, prep.staging, self.timeout,
+                    stream))
         except BaseException as e:
             self._broken = f"this rank failed while staging bucket {len(calls)}: {e!r}"
             error = e
@@ -263,14 +307,39 @@ class OneBitCompressor:
         if error is not None:
             for k in created:  # a failed call leaves no trace, not even new zero buffers
                 self._buffers.pop(k, None)
+            if created:
+                self._prep = None
             raise error
-        for args in calls:  # after a wait that found no abort, every commit writes
-            _C.zero.compressed_allreduce_commit(self.comm, *args, stream, gate=not synced)
+        prep.created = []  # they exist now: a later failure must not drop them
+        # after a wait that found no abort, every commit writes; all buckets in one C++ call
+        _C.zero.compressed_allreduce_commit_many(self.comm, prep.tensors, prep.wes, prep.ses,
+                                                 prep.wss, stream, gate=not synced)
+
+    def _prepared(self, keys: Sequence[Hashable], numels: Sequence[int],
+                  device: torch.device) -> "_Prepared":
+        """The buckets' error buffers and workspaces (made where missing) and their core views,
+        kept from the last call while the keys, sizes, device and buffers are the same: a
+        step of many small buckets paid ~10 us per bucket re-deriving them."""
+        prep = self._prep
+        batched = self.batched and len(keys) > 1
+        if (prep is not None and prep.device == device and prep.keys == keys
+                and prep.numels == numels and (prep.staging is not None) == batched
+                and prep.valid(self._buffers)):
+            return prep
+        created = [k for k in keys if k not in self._buffers]
+        world = self.comm.size()
+        bufs = [self._buffers_for(k, padded_numel(n, world), device) for k, n in zip(keys, numels)]
+        staging = None
+        if batched:
+            staging = buffer_of(self._staging_for([we.numel() for we, _, _ in bufs], device))
+        prep = self._prep = _Prepared(list(keys), list(numels), device, bufs, staging, created)
+        return prep
 
     def _staging_for(self, paddeds: List[int], device: torch.device) -> torch.Tensor:
         nbytes = _C.zero.compressed_allreduce_batch_bytes(paddeds, self.comm.size())
         if self._staging.numel() < nbytes or self._staging.device != device:
             self._staging = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            self._prep = None
         return self._staging
 
     def packed_average(self, keys: Sequence[Hashable], numels: Sequence[int],
@@ -374,6 +443,7 @@ class OneBitCompressor:
     def reset(self) -> None:
         """Forget every error buffer (they restart at zero on next use)."""
         self._buffers.clear()
+        self._prep = None
 
     def zero_(self) -> None:
         """Set every error buffer to zero (keeping the allocations)."""
@@ -395,6 +465,7 @@ class OneBitCompressor:
                 raise ValueError(f"OneBitCompressor.load_state_dict: bucket {k!r} has error buffers "
                                  f"of {we.numel()} / {se.numel()} elements, not a world of {world}")
         self._buffers = {}
+        self._prep = None
         for k, bufs in state.items():
             we, se = bufs["worker_error"], bufs["server_error"]
             self._buffers[k] = (we.detach().clone(), se.detach().clone(),
@@ -423,6 +494,9 @@ class IdentityCompressor:
     timeout : float
         Seconds each all-reduce may wait for peers.
     """
+
+    #: :meth:`average_` stages every bucket before it sends anything
+    stages_ahead = True
 
     def __init__(self, comm: _C.Communicator, timeout: float = DEFAULT_TIMEOUT) -> None:
         self.comm = comm

@@ -9,7 +9,7 @@ import os
 import torch
 
 from ..schedule import FreezeSchedule, StepKind
-from . import _fused, cpu_adam
+from . import _fused, cpu_adam, cpu_multi
 from . import functional as F
 from ._grads import fp32_grad
 from ._params import group_chunks, mask_, master, moments, write_back_multi
@@ -149,8 +149,7 @@ class OneBitAdam(OneBitBase):
                         continue
                     ps = [p for _, p, _ in run]
                     if None not in ms and cpu_kernels_usable(group, [p.data for p in ps]):
-                        for m, g, out in zip(ms, gs, outs):
-                            cpu_adam.onebit_momentum_(m, g, group, out)
+                        cpu_multi.onebit_momentums_(ms, gs, group, outs)  # one C++ call
                         continue
                     ms = [out.zero_() if m is None else m for m, out in zip(ms, outs)]
                     F.onebit_momentum_multi(ms, gs, group, outs)
@@ -172,9 +171,14 @@ class OneBitAdam(OneBitBase):
                 step(ws, ms, vs, xs, group, t, bc2_t, lowps, check=False)
                 continue
             if cpu_kernels_usable(group, [p.data for p in ps] + ws):  # one C++ pass per tensor
-                step = cpu_adam.onebit_warmup_step_ if warm else cpu_adam.onebit_compressed_step_
-                for w, m, v, x, lowp in zip(ws, ms, vs, xs, lowps):
-                    step(w, m, v, x, group, t, bc2_t, param_out=lowp)
+                if warm and not all(x.dtype == torch.float32 for x in xs):
+                    for w, m, v, x, lowp in zip(ws, ms, vs, xs, lowps):
+                        cpu_adam.onebit_warmup_step_(w, m, v, x, group, t, bc2_t, param_out=lowp)
+                    continue
+                # the whole chunk in one C++ call (fp32 lists; the same kernel per tensor)
+                step = cpu_multi.onebit_warmup_steps_ if warm else \
+                    cpu_multi.onebit_compressed_steps_
+                step(ws, ms, vs, xs, group, t, bc2_t, lowps)
                 continue
             if warm:
                 F.adam_moments_multi_(ms, vs, xs, group)

@@ -30,6 +30,7 @@ from ..compress import DEFAULT_BUCKET_ELEMENTS, OneBitCompressor, plan_buckets
 from ..errors import NonFiniteError
 from ..schedule import FreezeSchedule, StepKind
 from ._grads import all_finite, all_max, average_, fp32_grad, resolve_comm
+from ._staging import staged_plan
 from ._state import ERROR_KEYS, validate_state_dict
 from ._validation import check_int, check_masks, layout_fields
 
@@ -185,28 +186,14 @@ class OneBitBase(torch.optim.Optimizer):
             fill([(group, p, views[p]) for group, p in items])
             return views
         buckets = self._bucket_plan(items)
-        numels = [sum(items[j][1].numel() for j in idx) for idx in buckets]
-        devices = [items[idx[0]][1].device for idx in buckets]
-        for b, (n, dev) in enumerate(zip(numels, devices)):  # allocate all before any exchange
-            flat = self._staging.get(b)
-            if flat is None or flat.numel() != n or flat.device != dev:
-                self._staging[b] = torch.empty(n, dtype=torch.float32, device=dev)
-        views: Dict[torch.Tensor, torch.Tensor] = {}
-
-        def stage(b: int) -> torch.Tensor:
-            flat, off, entries = self._staging[b], 0, []
-            for j in buckets[b]:
-                group, p = items[j]
-                views[p] = flat[off:off + p.numel()].view(p.shape)
-                entries.append((group, p, views[p]))
-                off += p.numel()
-            fill(entries)
-            return flat
-
+        # views, entries and buffers are worked out once per plan (not per bucket per step)
+        plan = self._staged = staged_plan(getattr(self, "_staged", None), self._plan_key, items,
+                                          buckets, self._staging)
+        ahead = bool(getattr(self.compressor, "stages_ahead", False))
         # buckets of one device at a time (a model may keep groups on several devices)
-        for dev in dict.fromkeys(devices):
-            idx = [b for b, d in enumerate(devices) if d == dev]
-            self.compressor.average_(idx, [numels[b] for b in idx], lambda i: stage(idx[i]), dev)
+        for dev, idx, numels, entries in plan.by_device:
+            self.compressor.average_(idx, numels, plan.stage_fn(idx, entries, fill, ahead), dev)
+        views = dict(plan.views)
         return views
 
     def _zero_errors(self) -> None:

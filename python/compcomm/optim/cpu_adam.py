@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, T
 import torch
 
 from .. import _C
-from .._buffers import DTYPES, buffer_of
+from .._buffers import buffer_of
 
 __all__ = ["CPUAdam", "adam_step_", "onebit_warmup_step_", "onebit_compressed_step_",
            "kernel_isa", "torch_sqrt_mode", "matches_torch_rules", "onebit_local_step_",
@@ -314,30 +314,10 @@ def onebit_local_steps_(ws: Sequence[torch.Tensor], ms: Sequence[torch.Tensor],
     """:func:`onebit_local_step_` over lists of fp32 tensors in one call (one crossing into C++,
     not one per tensor); ``param_outs[i]``: None or a copy to write. ``check``: validate every
     tensor as :func:`onebit_local_step_` does (False: the caller has; raw pointers go down)."""
-    fn = "onebit_local_steps_"
-    k = len(ws)
-    if not (len(ms) == len(vs) == len(gs) == k):
-        raise ValueError(f"{fn}: ws, ms, vs and gs must have one length, got {k}, {len(ms)}, "
-                         f"{len(vs)}, {len(gs)}")
-    outs = list(param_outs) if param_outs is not None else []
-    if outs and len(outs) != k:
-        raise ValueError(f"{fn}: param_outs must hold {k} entries, got {len(outs)}")
-    if check:
-        for i in range(k):
-            n, _ = _state_args(f"{fn}[{i}]", ws[i], ms[i], vs[i], outs[i] if outs else None)
-            _check(f"{fn}[{i}]", "g", gs[i], _F32, n)
-    if any(o is not None for o in outs):
-        out_ptrs = [0 if o is None else o.data_ptr() for o in outs]
-        out_types = [DTYPES[torch.float32 if o is None else o.dtype] for o in outs]
-    else:
-        out_ptrs, out_types = [], []
-    b1, b2 = group["betas"]
-    _K.onebit_local_steps([w.numel() for w in ws], [w.data_ptr() for w in ws],
-                          [m.data_ptr() for m in ms], [v.data_ptr() for v in vs],
-                          [g.data_ptr() for g in gs], out_ptrs, out_types, float(group["lr"]),
-                          float(b1), float(b2), float(group["eps"]), float(group["weight_decay"]),
-                          bool(group["bias_correction"]), int(bc1_t), int(bc2_t),
-                          _threads(num_threads), sqrt=_sqrt_mode(sqrt))
+    from .cpu_multi import steps_  # the list forms' module (it imports this one)
+
+    steps_("onebit_local_steps_", _K.onebit_local_steps, ws, ms, vs, gs, group, bc1_t, bc2_t,
+           param_outs, num_threads, sqrt, check)
 
 
 def onebit_momentum_(m: torch.Tensor, g: torch.Tensor, group: Group, out: torch.Tensor,

@@ -1,0 +1,106 @@
+"""The 1-bit Adam CPU updates of :mod:`compcomm.optim.cpu_adam` over lists of tensors: one
+crossing into C++ per list (data pointers), not one per tensor, with the same bits. A step of many
+small tensors (or one-tensor buckets) paid ~10 us of Python per tensor and call for the single
+forms' Buffers and checks; here the checks are a few attribute reads per tensor, and
+``check=False`` skips them where the caller has checked.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence, Tuple
+
+import torch
+
+from .._buffers import DTYPES
+from .cpu_adam import _F32, _FLOATS, _K, Group, _check, _sqrt_mode, _state_args, _threads
+
+__all__ = ["onebit_warmup_steps_", "onebit_compressed_steps_", "onebit_momentums_", "steps_"]
+
+
+def onebit_warmup_steps_(ws: Sequence[torch.Tensor], ms: Sequence[torch.Tensor],
+                         vs: Sequence[torch.Tensor], gs: Sequence[torch.Tensor], group: Group,
+                         bc1_t: int, bc2_t: int,
+                         param_outs: Optional[Sequence[Optional[torch.Tensor]]] = None,
+                         num_threads: Optional[int] = None, sqrt: Optional[str] = None,
+                         check: bool = True) -> None:
+    """:func:`onebit_warmup_step_` over lists of fp32 tensors (``gs``: fp32 averaged gradients)
+    in one call; arguments as :func:`onebit_local_steps_`."""
+    steps_("onebit_warmup_steps_", _K.onebit_warmup_steps, ws, ms, vs, gs, group, bc1_t, bc2_t,
+           param_outs, num_threads, sqrt, check)
+
+
+def onebit_compressed_steps_(ws: Sequence[torch.Tensor], ms: Sequence[torch.Tensor],
+                             vs: Sequence[torch.Tensor], averaged: Sequence[torch.Tensor],
+                             group: Group, bc1_t: int, bc2_t: int,
+                             param_outs: Optional[Sequence[Optional[torch.Tensor]]] = None,
+                             num_threads: Optional[int] = None, sqrt: Optional[str] = None,
+                             check: bool = True) -> None:
+    """:func:`onebit_compressed_step_` (no mask, ``v`` the variance) over lists of fp32 tensors in
+    one call; arguments as :func:`onebit_local_steps_`, ``averaged[i]`` the averaged momentum of
+    tensor ``i`` (it may be ``ms[i]``)."""
+    steps_("onebit_compressed_steps_", _K.onebit_compressed_steps, ws, ms, vs, averaged, group,
+           bc1_t, bc2_t, param_outs, num_threads, sqrt, check)
+
+
+def steps_(fn: str, kernel: Callable[..., None], ws: Sequence[torch.Tensor],
+           ms: Sequence[torch.Tensor], vs: Sequence[torch.Tensor], gs: Sequence[torch.Tensor],
+           group: Group, bc1_t: int, bc2_t: int,
+           param_outs: Optional[Sequence[Optional[torch.Tensor]]], num_threads: Optional[int],
+           sqrt: Optional[str], check: bool) -> None:
+    """The list forms' common body: validate (``check``), then ``kernel`` (a ``_C.optim`` list
+    entry point) over the tensors' data pointers; ``fn`` names the caller in errors."""
+    k = len(ws)
+    if not (len(ms) == len(vs) == len(gs) == k):
+        raise ValueError(f"{fn}: ws, ms, vs and gs must have one length, got {k}, {len(ms)}, "
+                         f"{len(vs)}, {len(gs)}")
+    outs = list(param_outs) if param_outs is not None else []
+    if outs and len(outs) != k:
+        raise ValueError(f"{fn}: param_outs must hold {k} entries, got {len(outs)}")
+    if check:
+        for i in range(k):
+            w = ws[i]
+            n = w.numel() if isinstance(w, torch.Tensor) else -1
+            o = outs[i] if outs else None
+            if not (_ok(w, n) and _ok(ms[i], n) and _ok(vs[i], n) and _ok(gs[i], n)
+                    and (o is None or _ok(o, n, _FLOATS))):  # then say which
+                _state_args(f"{fn}[{i}]", w, ms[i], vs[i], o)
+                _check(f"{fn}[{i}]", "g", gs[i], _F32, n)
+    if any(o is not None for o in outs):
+        out_ptrs = [0 if o is None else o.data_ptr() for o in outs]
+        out_types = [DTYPES[torch.float32 if o is None else o.dtype] for o in outs]
+    else:
+        out_ptrs, out_types = [], []
+    b1, b2 = group["betas"]
+    kernel([w.numel() for w in ws], [w.data_ptr() for w in ws], [m.data_ptr() for m in ms],
+           [v.data_ptr() for v in vs], [g.data_ptr() for g in gs], out_ptrs, out_types,
+           float(group["lr"]), float(b1), float(b2), float(group["eps"]),
+           float(group["weight_decay"]), bool(group["bias_correction"]), int(bc1_t), int(bc2_t),
+           _threads(num_threads), sqrt=_sqrt_mode(sqrt))
+
+
+def onebit_momentums_(ms: Sequence[torch.Tensor], gs: Sequence[torch.Tensor], group: Group,
+                      outs: Sequence[torch.Tensor], num_threads: Optional[int] = None,
+                      check: bool = True) -> None:
+    """:func:`onebit_momentum_` over lists of tensors in one call; ``check`` as
+    :func:`onebit_local_steps_`."""
+    fn = "onebit_momentums_"
+    if not len(ms) == len(gs) == len(outs):
+        raise ValueError(f"{fn}: ms, gs and outs must have one length, got {len(ms)}, {len(gs)}, "
+                         f"{len(outs)}")
+    if check:
+        for i, (m, g, out) in enumerate(zip(ms, gs, outs)):
+            n = m.numel() if isinstance(m, torch.Tensor) else -1
+            if not (_ok(m, n) and _ok(g, n) and _ok(out, n)):  # then say which
+                n = _check(f"{fn}[{i}]", "m", m, _F32, None).numel()
+                _check(f"{fn}[{i}]", "g", g, _F32, n)
+                _check(f"{fn}[{i}]", "out", out, _F32, n)
+    _K.onebit_momentums([m.numel() for m in ms], [m.data_ptr() for m in ms],
+                        [g.data_ptr() for g in gs], [o.data_ptr() for o in outs],
+                        float(group["betas"][0]), _threads(num_threads))
+
+
+def _ok(t: Any, n: int, dtypes: Tuple[torch.dtype, ...] = _F32) -> bool:
+    """What :func:`_check` accepts, as a bool without building messages (the list forms' fast
+    path; :func:`_check` then names what failed)."""
+    return (isinstance(t, torch.Tensor) and t.is_cpu and t.dtype in dtypes and not t.is_sparse
+            and t.is_contiguous() and t.numel() == n)
