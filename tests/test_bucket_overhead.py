@@ -13,11 +13,14 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any, Dict, List
 
 import pytest
 import torch
 
+from compcomm.compress import OneBitCompressor
 from compcomm.optim import cpu_adam, cpu_multi
 from compcomm.optim._staging import StagedPlan, staged_plan
 from compcomm.testing import run_ranks
@@ -241,3 +244,35 @@ def test_staged_at_once_equals_per_bucket_with_mirrored_peers(device, name):
         runs[batched] = traj
     for step, (a, b) in enumerate(zip(runs[True], runs[False])):
         assert all(torch.equal(x, y) for x, y in zip(a, b)), f"step {step + 1}"
+
+
+def test_compressor_keeps_no_staged_tensor_after_a_call() -> None:
+    """Staged buckets are not kept alive between calls (ZeRO's replicated mode stages fresh
+    tensors every step: keeping them held a whole model's fp32 momentum), and a stage() that
+    returns the same tensors again still gives the same bits."""
+    comp = OneBitCompressor(_mirror(2))
+    refs = []
+
+    def fresh(i: int) -> torch.Tensor:
+        y = torch.randn(1 << 12, generator=torch.Generator().manual_seed(i))
+        refs.append(weakref.ref(y))
+        return y
+
+    comp.average_([0, 1, 2], [1 << 12] * 3, fresh, torch.device("cpu"))
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]
+    kept = [torch.randn(1 << 12, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    twins = [t.clone() for t in kept]
+    comp, other, staged = OneBitCompressor(_mirror(2)), OneBitCompressor(_mirror(2)), {}
+
+    def copy_of(i: int) -> torch.Tensor:
+        staged[i] = twins[i].clone()
+        return staged[i]
+
+    for _ in range(3):  # the cached views of the same tensors, released and taken up again
+        comp.average_([0, 1, 2], [1 << 12] * 3, lambda i: kept[i], torch.device("cpu"))
+        other.average_([0, 1, 2], [1 << 12] * 3, copy_of, torch.device("cpu"))
+        for i in range(3):
+            twins[i].copy_(staged[i])
+    for a, b in zip(kept, twins):
+        assert torch.equal(a, b)

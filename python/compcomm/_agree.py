@@ -26,6 +26,7 @@ from typing import Any, Callable, Hashable, List, Optional, Sequence, Set, Tuple
 import torch
 
 from ._buffers import buffer_of
+from ._comm import wait_cancellable
 from ._defaults import DEFAULT_TIMEOUT
 from .errors import RankMismatchError
 
@@ -65,9 +66,12 @@ def _signed(v: int) -> int:
 def _gather(comm: Any, values: List[int], device: Optional[torch.device],
             timeout: float) -> List[List[int]]:
     send = torch.tensor([_signed(v) for v in values], dtype=torch.int64, device=device)
-    recv = torch.empty(comm.size() * len(values), dtype=torch.int64, device=device)
+    recv = torch.zeros(comm.size() * len(values), dtype=torch.int64, device=device)
     stream = torch.cuda.current_stream(device).cuda_stream if send.is_cuda else 0
     comm.all_gather(buffer_of(send), buffer_of(recv), timeout, stream)
+    # native NCCL returns before the data arrived and may abort it later (a peer never came):
+    # raise that abort's typed error instead of reading what the buffer held
+    wait_cancellable(comm, timeout)
     return recv.view(comm.size(), len(values)).tolist()
 
 
@@ -131,6 +135,8 @@ class LayoutCheck:
 
     def __init__(self) -> None:
         self._agreed: Set[Hashable] = set()
+        #: the communicator a DDP hook checks over (compcomm.ddp makes it on first use)
+        self.torch_comm: Any = None
 
     def agree(self, comm: Any, call: str, key: Hashable, fields: Callable[[], Sequence[Field]],
               device: Optional[torch.device] = None, timeout: float = DEFAULT_TIMEOUT) -> None:

@@ -22,13 +22,15 @@ so either every rank commits every bucket or none commits anything.
 from __future__ import annotations
 
 import math
-from typing import (Any, Callable, Dict, Hashable, List, Mapping, Optional, Protocol, Sequence,
+from typing import (Any, Callable, Dict, Hashable, List, Mapping, Optional, Sequence,
                     Tuple)
 
 import torch
 
 from . import _C
+from ._bucket_views import PreparedBuckets
 from ._buffers import buffer_of
+from ._compressor import Compressor
 from ._comm import wait_cancellable
 from ._defaults import DEFAULT_TIMEOUT
 from .collectives import compressed_reduce_scatter, padded_numel, workspace_bytes
@@ -104,87 +106,6 @@ def plan_buckets(sizes: Sequence[Tuple[Hashable, int]], limit: int) -> List[List
     return buckets
 
 
-class Compressor(Protocol):
-    """What an optimizer needs from a compressor (built as ``cls(comm)``: one per communicator).
-
-    ``average_(keys, numels, stage, device)`` averages the buckets ``stage(0), stage(1), ...``
-    (``numels[i]`` fp32 elements on ``device``) in place on every rank, all or nothing (an exception on one rank is raised on every rank and leaves every
-    bucket's state unchanged); ``keys`` name the buckets whose state persists between calls.
-    ``state_dict``/``load_state_dict`` carry that state for exact resume (``{key: {name:
-    tensor}}``; empty for a stateless compressor); ``reset`` forgets it, ``zero_`` zeroes it;
-    ``keys`` lists the buckets that have state; ``nbytes`` is (state bytes, workspace bytes);
-    ``close`` releases threads. Optional: ``packed_average`` (as ``average_``, returning each
-    bucket's result in its 1-bit form, see :meth:`OneBitCompressor.packed_average`), which lets
-    ZeRO keep its replicated momentum at ~P/8 bytes; without it ZeRO keeps it in fp32. Optional:
-    ``stages_ahead`` (default False), True where ``average_`` calls every ``stage(i)`` before it
-    sends anything, so that a caller may fill all buckets at the first call.
-
-    ZeRO's sharded form (``onebit_mode="sharded"``, ZeroOneAdam's gradient steps) also needs a
-    reduce-scatter of one bucket: ``tensor`` (fp32, ``P = world * out.numel()`` elements, the same
-    ``P`` on every rank; it may be overwritten) gives this rank's chunk of the average in ``out``.
-    ``reduce_scatter_`` does it at once; ``reduce_scatter_exchange`` queues the collectives on
-    ``async_comm`` (a ``_C.zero.AsyncComm``) and returns its work, writing only the compressor's
-    scratch, and ``reduce_scatter_commit`` (after every exchange succeeded) does the local writes.
-    """
-
-    def average_(self, keys: Sequence[Hashable], numels: Sequence[int],
-                 stage: Callable[[int], torch.Tensor], device: torch.device) -> None: ...
-
-    def keys(self) -> List[Hashable]: ...
-
-    def reset(self) -> None: ...
-
-    def zero_(self) -> None: ...
-
-    def nbytes(self) -> Tuple[int, int]: ...
-
-    def state_dict(self) -> Dict[Hashable, Dict[str, torch.Tensor]]: ...
-
-    def load_state_dict(self, state: Mapping[Hashable, Mapping[str, torch.Tensor]]) -> None: ...
-
-    def close(self) -> None: ...
-
-    def reduce_scatter_(self, key: Hashable, tensor: torch.Tensor, out: torch.Tensor) -> None: ...
-
-    def reduce_scatter_exchange(self, key: Hashable, tensor: torch.Tensor, out: torch.Tensor,
-                                async_comm: Any) -> Any: ...
-
-    def reduce_scatter_commit(self, key: Hashable, tensor: torch.Tensor, out: torch.Tensor,
-                              gate: bool = True) -> None: ...
-
-
-class _Prepared:
-    """One :meth:`OneBitCompressor.average_` call's buckets as the core takes them: the error
-    buffers' and workspaces' Buffer views (and the staged tensors', while ``stage`` returns the
-    same tensors), made once and reused while nothing they view has been replaced."""
-
-    def __init__(self, keys: List[Hashable], numels: List[int], device: torch.device,
-                 bufs: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                 staging: Optional[_C.Buffer], created: List[Hashable]) -> None:
-        self.keys, self.numels, self.device, self.staging = keys, numels, device, staging
-        self.created = created  # made by this call: dropped again if it fails
-        self.bufs = bufs
-        self.wes = [buffer_of(we) for we, _, _ in bufs]
-        self.ses = [buffer_of(se) for _, se, _ in bufs]
-        self.wss = [buffer_of(ws) for _, _, ws in bufs]
-        self.error_args = list(zip(self.wes, self.ses, self.wss))
-        self._staged: List[Optional[torch.Tensor]] = [None] * len(keys)
-        self.tensors: List[_C.Buffer] = [None] * len(keys)  # type: ignore[list-item]
-
-    def valid(self, buffers: Dict[Hashable, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-              ) -> bool:
-        """Whether every bucket still has the buffers this was made of."""
-        return all(buffers.get(k) is b for k, b in zip(self.keys, self.bufs))
-
-    def tensor_buffer(self, i: int, t: torch.Tensor) -> _C.Buffer:
-        """The Buffer of bucket ``i``'s staged tensor ``t`` (kept while ``t`` is the same)."""
-        b = self.tensors[i]
-        if self._staged[i] is not t or b.data != t.data_ptr() or b.count != t.numel():
-            self._staged[i] = t
-            b = self.tensors[i] = buffer_of(t)
-        return b
-
-
 class OneBitCompressor:
     """Owns the error-feedback buffers of named buckets and averages buckets with 1-bit compression.
 
@@ -213,7 +134,7 @@ class OneBitCompressor:
         self._async = None
         self._broken = ""  # why this compressor refuses further calls ("" while usable)
         # the last call's buckets as the core takes them (see _prepared); None when stale
-        self._prep: Optional[_Prepared] = None
+        self._prep: Optional[PreparedBuckets] = None
 
     @property
     def stages_ahead(self) -> bool:
@@ -272,6 +193,15 @@ class OneBitCompressor:
         except BaseException as e:  # e.g. out of memory: the peers are left waiting, as below
             self._broken = f"this rank failed while preparing its buckets: {e!r}"
             raise
+        try:
+            self._average_prepared(prep, stage, device)
+        finally:
+            prep.release()
+
+    def _average_prepared(self, prep: "PreparedBuckets", stage: Callable[[int], torch.Tensor],
+                          device: torch.device) -> None:
+        """:meth:`average_`'s staging, exchange and commit over prepared buckets."""
+        keys = prep.keys
         created = prep.created
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
         works, calls, error = [], [], None
@@ -316,7 +246,7 @@ class OneBitCompressor:
                                                  prep.wss, stream, gate=not synced)
 
     def _prepared(self, keys: Sequence[Hashable], numels: Sequence[int],
-                  device: torch.device) -> "_Prepared":
+                  device: torch.device) -> "PreparedBuckets":
         """The buckets' error buffers and workspaces (made where missing) and their core views,
         kept from the last call while the keys, sizes, device and buffers are the same: a
         step of many small buckets paid ~10 us per bucket re-deriving them."""
@@ -332,7 +262,7 @@ class OneBitCompressor:
         staging = None
         if batched:
             staging = buffer_of(self._staging_for([we.numel() for we, _, _ in bufs], device))
-        prep = self._prep = _Prepared(list(keys), list(numels), device, bufs, staging, created)
+        prep = self._prep = PreparedBuckets(list(keys), list(numels), device, bufs, staging, created)
         return prep
 
     def _staging_for(self, paddeds: List[int], device: torch.device) -> torch.Tensor:

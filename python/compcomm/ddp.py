@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from . import _C
 from ._agree import LayoutCheck, digest, schedule_fields
-from ._comm import resolve
+from ._comm import TorchCommunicator
 
 __all__ = ["OneBitHookState", "ddp_comm_hook", "onebit_hook"]
 
@@ -53,7 +53,7 @@ def ddp_comm_hook(optimizer: Any) -> Callable[[Any, Any], torch.futures.Future]:
         buf = bucket.buffer()
         averages = optimizer.next_step_averages()
         if world > 1:  # a bucket seen for the first time: the ranks agree on it before sending
-            _agree_bucket(check, optimizer.comm, "ddp_comm_hook", bucket, buf,
+            _agree_bucket(check, group, "ddp_comm_hook", bucket, buf,
                           schedule_fields(optimizer.schedule))
         optimizer.mark_grads_averaged(averages)  # world 1: local == average
         if averages and world > 1:
@@ -67,12 +67,18 @@ def ddp_comm_hook(optimizer: Any) -> Callable[[Any, Any], torch.futures.Future]:
     return hook
 
 
-def _agree_bucket(check: LayoutCheck, comm: Any, call: str, bucket: Any, buf: torch.Tensor,
+def _agree_bucket(check: LayoutCheck, group: Any, call: str, bucket: Any, buf: torch.Tensor,
                   extra: Any) -> None:
     """RankMismatchError on every rank if the ranks' DDP bucket ``bucket.index()`` differs (size,
     dtype; different ``bucket_cap_mb`` or parameters) or the ``extra`` fields do, checked the first
-    time this rank sees the bucket (DDP hands buckets to the hook in index order on every rank)."""
-    check.agree(comm, f"{call} (DDP bucket {bucket.index()})",
+    time this rank sees the bucket (DDP hands buckets to the hook in index order on every rank).
+
+    The check runs over the torch process group ``group`` itself (the torch adapter), not over
+    compcomm's native NCCL communicator: torch orders it after the group's earlier all-reduces and
+    after the work on the current stream, where two NCCL communicators could run side by side."""
+    if check.torch_comm is None:
+        check.torch_comm = TorchCommunicator(group)
+    check.agree(check.torch_comm, f"{call} (DDP bucket {bucket.index()})",
                 (bucket.index(), buf.numel(), buf.dtype, buf.device),
                 lambda: [("bucket index", bucket.index(), False),
                          ("bucket elements", buf.numel(), False),
@@ -151,7 +157,7 @@ def onebit_hook(state: OneBitHookState, bucket: dist.GradBucket) -> torch.future
     group = state.process_group
     world = dist.get_world_size(group)
     if world > 1:
-        _agree_bucket(state._check, resolve(group), "onebit_hook", bucket, buf,
+        _agree_bucket(state._check, group, "onebit_hook", bucket, buf,
                       [("warmup_steps", state.warmup_steps, False),
                        ("hook step", state.step, False)])
     if state.step < state.warmup_steps or world == 1:

@@ -29,53 +29,28 @@ bits) and multi-threaded, and can write a bf16/fp16 copy of the new parameter in
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 
-from .. import _C
 from .._buffers import buffer_of
+from ._cpu_args import F32 as _F32
+from ._cpu_args import FLOATS as _FLOATS
+from ._cpu_args import K as _K
+from ._cpu_args import Group, torch_sqrt_mode
+from ._cpu_args import check as _check
+from ._cpu_args import sqrt_mode as _sqrt_mode
+from ._cpu_args import state_args as _state_args
+from ._cpu_args import threads as _threads
+from .cpu_multi import steps_
 
 __all__ = ["CPUAdam", "adam_step_", "onebit_warmup_step_", "onebit_compressed_step_",
            "kernel_isa", "torch_sqrt_mode", "matches_torch_rules", "onebit_local_step_",
            "onebit_local_steps_", "onebit_momentum_", "all_finite"]
 
-Group = Mapping[str, Any]
-
-_K = _C.optim
-_F32 = (torch.float32,)
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-
-
 def kernel_isa() -> str:
     """The instruction set the kernels use here: ``'avx512'``, ``'avx2'`` or ``'generic'``."""
     return _K.isa()
-
-
-_torch_sqrt: Optional[Tuple[Optional[str]]] = None
-
-
-def torch_sqrt_mode() -> Optional[str]:
-    """Which square root torch's CPU ``Tensor.sqrt()`` computes on this machine, as a kernel
-    ``sqrt`` mode: ``'ieee'`` (correctly rounded), ``'rsqrt14'`` (MKL's on AVX-512: see
-    ``cpp/kernels/cpu_adam.h``), or None if it is neither (the kernels then use ``'ieee'`` and
-    cannot be bit-identical to torch's CPU ops). Probed once, on values that tell them apart."""
-    global _torch_sqrt
-    if _torch_sqrt is None:
-        gen = torch.Generator().manual_seed(0)
-        scale = torch.pow(4.0, torch.arange(-70, 60, dtype=torch.float64)).to(torch.float32)
-        x = (1.0 + 3.0 * torch.rand(64, scale.numel(), generator=gen)) * scale
-        x = torch.cat([x.flatten(), torch.tensor([0.0, -0.0, 1.0, 2.0, float("inf"), 1e-45])])
-        want = x.sqrt()
-        found = None
-        for mode in ("ieee", "rsqrt14"):
-            out = torch.empty_like(x)
-            _K.sqrt(buffer_of(x), buffer_of(out), mode)
-            if torch.equal(out, want):
-                found = mode
-                break
-        _torch_sqrt = (found,)
-    return _torch_sqrt[0]
 
 
 _matches: Optional[bool] = None
@@ -119,46 +94,6 @@ def matches_torch_rules() -> bool:
             ok = ok and all(torch.equal(x, y) for x, y in zip(ref, got))
         _matches = ok
     return _matches
-
-
-def _sqrt_mode(sqrt: Optional[str]) -> str:
-    if sqrt is None:
-        return torch_sqrt_mode() or "ieee"
-    if sqrt not in ("ieee", "rsqrt14"):
-        raise ValueError(f"sqrt must be None, 'ieee' or 'rsqrt14', got {sqrt!r}")
-    return sqrt
-
-
-def _check(fn: str, name: str, t: Any, dtypes: Tuple[torch.dtype, ...],
-           numel: Optional[int]) -> torch.Tensor:
-    """``t`` if it is a contiguous CPU tensor of one of ``dtypes`` with ``numel`` elements, else a
-    TypeError (not a tensor, wrong dtype) or ValueError (device, layout, size) naming ``name``.
-    (Runs for every tensor of every step: the common case is a few attribute reads.)"""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if not t.is_cpu:
-        raise ValueError(f"{fn}: {name} must be a CPU tensor, got device {t.device}")
-    if t.dtype not in dtypes:
-        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(f"{fn}: {name} must be {names}, got {str(t.dtype).replace('torch.', '')}")
-    if t.is_sparse or not t.is_contiguous():
-        raise ValueError(f"{fn}: {name} must be a contiguous (dense) tensor")
-    if numel is not None and t.numel() != numel:
-        raise ValueError(f"{fn}: {name} has {t.numel()} elements, w has {numel}")
-    return t
-
-
-def _threads(num_threads: Optional[int]) -> int:
-    return torch.get_num_threads() if num_threads is None else int(num_threads)
-
-
-def _state_args(fn: str, w: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
-                param_out: Optional[torch.Tensor]):
-    n = _check(fn, "w", w, _F32, None).numel()
-    _check(fn, "m", m, _F32, n)
-    _check(fn, "v", v, _F32, n)
-    out = None if param_out is None else buffer_of(_check(fn, "param_out", param_out, _FLOATS, n))
-    return n, out
 
 
 def adam_step_(w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, group: Group,
@@ -314,8 +249,6 @@ def onebit_local_steps_(ws: Sequence[torch.Tensor], ms: Sequence[torch.Tensor],
     """:func:`onebit_local_step_` over lists of fp32 tensors in one call (one crossing into C++,
     not one per tensor); ``param_outs[i]``: None or a copy to write. ``check``: validate every
     tensor as :func:`onebit_local_step_` does (False: the caller has; raw pointers go down)."""
-    from .cpu_multi import steps_  # the list forms' module (it imports this one)
-
     steps_("onebit_local_steps_", _K.onebit_local_steps, ws, ms, vs, gs, group, bc1_t, bc2_t,
            param_outs, num_threads, sqrt, check)
 

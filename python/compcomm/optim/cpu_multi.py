@@ -12,7 +12,14 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 import torch
 
 from .._buffers import DTYPES
-from .cpu_adam import _F32, _FLOATS, _K, Group, _check, _sqrt_mode, _state_args, _threads
+from ._cpu_args import F32 as _F32
+from ._cpu_args import FLOATS as _FLOATS
+from ._cpu_args import K as _K
+from ._cpu_args import Group
+from ._cpu_args import check as _check
+from ._cpu_args import sqrt_mode as _sqrt_mode
+from ._cpu_args import state_args as _state_args
+from ._cpu_args import threads as _threads
 
 __all__ = ["onebit_warmup_steps_", "onebit_compressed_steps_", "onebit_momentums_", "steps_"]
 
