@@ -377,6 +377,10 @@ def test_worker_scale_pack_header_posts_notice(n: int) -> None:
     with pytest.raises(ValueError, match="notice needs 64 bytes"):
         K.worker_scale_pack_header(buffer_of(m), buffer_of(e), buffer_of(header), buffer_of(signs),
                                    buffer_of(ws), notice=buffer_of(notice[:40]), seq=1)
+    wide = torch.zeros(72, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="8-byte aligned"):
+        K.worker_scale_pack_header(buffer_of(m), buffer_of(e), buffer_of(header), buffer_of(signs),
+                                   buffer_of(ws), notice=buffer_of(wide[1:65]), seq=1)
 
 
 def test_alone_many_calls_raising_ones_between() -> None:

@@ -415,6 +415,12 @@ PYBIND11_MODULE(_C, m) {
                        "worker_scale_pack_header: header needs 32 bytes");
         COMPCOMM_CHECK(!notice || notice->bytes() >= static_cast<int64_t>(sizeof(kernels::HeaderNotice)),
                        "worker_scale_pack_header: notice needs 64 bytes");
+        // the kernel writes it: on m's device (a host notice for a GPU kernel would be an illegal
+        // address that breaks the CUDA context), its 8-byte tag aligned
+        COMPCOMM_CHECK(!notice || notice->device == mm.device,
+                       "worker_scale_pack_header: notice must be on m's device");
+        COMPCOMM_CHECK(!notice || reinterpret_cast<uintptr_t>(notice->data) % 8 == 0,
+                       "worker_scale_pack_header: notice must be 8-byte aligned");
         auto f = mm.on_host() ? kernels::cpu::worker_scale_pack_header : kernels::cuda::worker_scale_pack_header;
         check(f(mm.data, itype(mm), mm.count, ptr<const float>(e), e.count,
                 static_cast<kernels::ExchangeHeader*>(header.data), static_cast<int32_t>(mm.dtype), magic,
