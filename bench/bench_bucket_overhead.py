@@ -39,53 +39,10 @@ import torch
 PLANS = {"one": {}, "b16k": {"reduce_bucket_size": 16384}, "pp": {"per_parameter": True}}
 
 
-def _mirror(world: int) -> Any:
-    """Rank 0 of a ``world``-rank group whose peers send what it sends, on any device."""
-    import compcomm
-    from compcomm import _C
-    from compcomm._buffers import tensor_of
-
-    class Mirror(compcomm.Communicator):
-        def __init__(self) -> None:
-            compcomm.Communicator.__init__(self)
-
-        def rank(self) -> int:
-            return 0
-
-        def size(self) -> int:
-            return world
-
-        def backend_name(self) -> str:
-            return "mirror"
-
-        def do_all_to_all(self, send, recv, opts) -> None:  # type: ignore[no-untyped-def]
-            s, r = tensor_of(send), tensor_of(recv)
-            row = s.numel() // world
-            r.view(world, row).copy_(s[:row].expand(world, row))
-
-        def do_all_gather(self, send, recv, opts) -> None:  # type: ignore[no-untyped-def]
-            s, r = tensor_of(send), tensor_of(recv)
-            r.view(world, -1).copy_(s.expand(world, -1))
-
-        def do_all_reduce(self, buf, op, opts) -> None:  # type: ignore[no-untyped-def]
-            if op == _C.ReduceOp.sum:  # the warm-up's average: W equal summands
-                tensor_of(buf).mul_(world)
-
-        def do_reduce_scatter(self, send, recv, op, opts) -> None:  # type: ignore[no-untyped-def]
-            raise NotImplementedError("not used by this benchmark")
-
-        def do_broadcast(self, buf, root, opts) -> None:  # type: ignore[no-untyped-def]
-            pass
-
-        def do_barrier(self, opts) -> None:  # type: ignore[no-untyped-def]
-            pass
-
-    return Mirror()
-
-
 def _rank(rank: int, world: int, optim: str, plan: str, tensors: int, numel: int, steps: int,
           device: str, threads: int, mirror: bool = False) -> Dict[str, float]:
     from compcomm.optim import OneBitAdam, ZeroOneAdam
+    from compcomm.testing import mirrored_peers
 
     torch.set_num_threads(threads)
     dev = torch.device(device)
@@ -97,7 +54,7 @@ def _rank(rank: int, world: int, optim: str, plan: str, tensors: int, numel: int
               for _ in range(tensors)]
     for p in params:
         p.grad = (torch.randn(numel, generator=gen) * 1e-3).to(dev)
-    kw: Dict[str, Any] = dict(PLANS[plan], process_group=_mirror(world) if mirror else None)
+    kw: Dict[str, Any] = dict(PLANS[plan], process_group=mirrored_peers(world) if mirror else None)
     if optim == "adam":
         opt = OneBitAdam(params, lr=1e-3, freeze_step=2, **kw)
     else:  # every step after the variance freeze is a sync (local_step_interval stays 1)

@@ -23,7 +23,7 @@ import torch
 from compcomm.compress import OneBitCompressor
 from compcomm.optim import cpu_adam, cpu_multi
 from compcomm.optim._staging import StagedPlan, staged_plan
-from compcomm.testing import run_ranks
+from compcomm.testing import mirrored_peers, run_ranks
 
 SIZES = [1, 7, 4099, 300]
 
@@ -172,49 +172,6 @@ def test_batched_per_parameter_steps_equal_the_per_bucket_path(name):
             assert kept[2:] == [True, True, True, False, False, True, False]
 
 
-def _mirror(world: int) -> Any:
-    """Rank 0 of a ``world``-rank group whose peers send what it sends (device copies): a W-rank
-    compressed step in one process, on the CPU or one GPU (as bench/bench_bucket_overhead.py)."""
-    from compcomm import _C
-    from compcomm._buffers import tensor_of
-
-    class Mirror(_C.Communicator):
-        def __init__(self) -> None:
-            _C.Communicator.__init__(self)
-
-        def rank(self) -> int:
-            return 0
-
-        def size(self) -> int:
-            return world
-
-        def backend_name(self) -> str:
-            return "test:mirror"
-
-        def do_all_to_all(self, send, recv, opts) -> None:  # type: ignore[no-untyped-def]
-            s, r = tensor_of(send), tensor_of(recv)
-            row = s.numel() // world
-            r.view(world, row).copy_(s[:row].expand(world, row))
-
-        def do_all_gather(self, send, recv, opts) -> None:  # type: ignore[no-untyped-def]
-            tensor_of(recv).view(world, -1).copy_(tensor_of(send).expand(world, -1))
-
-        def do_all_reduce(self, buf, op, opts) -> None:  # type: ignore[no-untyped-def]
-            if op == _C.ReduceOp.sum:
-                tensor_of(buf).mul_(world)
-
-        def do_reduce_scatter(self, send, recv, op, opts) -> None:  # type: ignore[no-untyped-def]
-            raise NotImplementedError
-
-        def do_broadcast(self, buf, root, opts) -> None:  # type: ignore[no-untyped-def]
-            pass
-
-        def do_barrier(self, opts) -> None:  # type: ignore[no-untyped-def]
-            pass
-
-    return Mirror()
-
-
 @pytest.mark.parametrize("device", [
     "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                          reason="no CUDA device"))])
@@ -231,7 +188,7 @@ def test_staged_at_once_equals_per_bucket_with_mirrored_peers(device, name):
         gen = torch.Generator().manual_seed(9)
         params = [torch.nn.Parameter(torch.randn(n, generator=gen).to(device))
                   for n in (7, 300, 64, 1031)]
-        kw = dict(lr=1e-2, per_parameter=True, weight_decay=0.01, process_group=_mirror(2),
+        kw = dict(lr=1e-2, per_parameter=True, weight_decay=0.01, process_group=mirrored_peers(2),
                   compressor=lambda comm, b=batched: OneBitCompressor(comm, batched=b))
         opt = (OneBitAdam(params, freeze_step=2, **kw) if name == "OneBitAdam" else
                ZeroOneAdam(params, var_freeze_step=4, var_update_scaler=1, **kw))
@@ -250,7 +207,7 @@ def test_compressor_keeps_no_staged_tensor_after_a_call() -> None:
     """Staged buckets are not kept alive between calls (ZeRO's replicated mode stages fresh
     tensors every step: keeping them held a whole model's fp32 momentum), and a stage() that
     returns the same tensors again still gives the same bits."""
-    comp = OneBitCompressor(_mirror(2))
+    comp = OneBitCompressor(mirrored_peers(2))
     refs = []
 
     def fresh(i: int) -> torch.Tensor:
@@ -263,7 +220,8 @@ def test_compressor_keeps_no_staged_tensor_after_a_call() -> None:
     assert [r() for r in refs] == [None, None, None]
     kept = [torch.randn(1 << 12, generator=torch.Generator().manual_seed(i)) for i in range(3)]
     twins = [t.clone() for t in kept]
-    comp, other, staged = OneBitCompressor(_mirror(2)), OneBitCompressor(_mirror(2)), {}
+    comp, other = OneBitCompressor(mirrored_peers(2)), OneBitCompressor(mirrored_peers(2))
+    staged = {}
 
     def copy_of(i: int) -> torch.Tensor:
         staged[i] = twins[i].clone()

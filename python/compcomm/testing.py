@@ -15,7 +15,7 @@ import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional
 
-__all__ = ["run_ranks", "free_port", "mpirun_command"]
+__all__ = ["run_ranks", "free_port", "mpirun_command", "mirrored_peers"]
 
 
 def free_port() -> int:
@@ -179,3 +179,48 @@ def mpirun_command(
     else:
         cmd += ["-n", str(np)]
     return cmd + [python or sys.executable, script, *map(str, args)]
+
+
+def mirrored_peers(world: int) -> Any:
+    """A Communicator for rank 0 of a ``world``-rank group whose peers send exactly what it sends
+    (copies on its own device): a W-rank compressed step in one process, on the CPU or one GPU,
+    with no network (the per-bucket overhead benchmark and its tests). Its all-reduce of a sum
+    multiplies by ``world`` (W equal summands); reduce-scatter is not provided."""
+    from . import _C
+    from ._buffers import tensor_of
+
+    class MirroredPeers(_C.Communicator):
+        def __init__(self) -> None:
+            _C.Communicator.__init__(self)
+
+        def rank(self) -> int:
+            return 0
+
+        def size(self) -> int:
+            return world
+
+        def backend_name(self) -> str:
+            return "test:mirror"
+
+        def do_all_to_all(self, send, recv, opts) -> None:  # type: ignore[no-untyped-def]
+            s, r = tensor_of(send), tensor_of(recv)
+            row = s.numel() // world
+            r.view(world, row).copy_(s[:row].expand(world, row))
+
+        def do_all_gather(self, send, recv, opts) -> None:  # type: ignore[no-untyped-def]
+            tensor_of(recv).view(world, -1).copy_(tensor_of(send).expand(world, -1))
+
+        def do_all_reduce(self, buf, op, opts) -> None:  # type: ignore[no-untyped-def]
+            if op == _C.ReduceOp.sum:
+                tensor_of(buf).mul_(world)
+
+        def do_reduce_scatter(self, send, recv, op, opts) -> None:  # type: ignore[no-untyped-def]
+            raise NotImplementedError("mirrored_peers has no reduce-scatter")
+
+        def do_broadcast(self, buf, root, opts) -> None:  # type: ignore[no-untyped-def]
+            pass
+
+        def do_barrier(self, opts) -> None:  # type: ignore[no-untyped-def]
+            pass
+
+    return MirroredPeers()
