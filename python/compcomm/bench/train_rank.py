@@ -5,6 +5,10 @@ Each rank process runs :func:`rank_main` on the config the driver wrote: a compu
 (forward + backward with no communication), then every optimizer in turn, printing ``COMPUTE`` and
 ``RESULT`` lines (JSON, rank 0 only) that the driver collects; ``PROGRESS`` lines with
 ``--progress``.
+
+Profiling: with ``COMPCOMM_PROFILE_DIR`` set, rank 0 records the optimizer step of each optimizer's
+last three steps with ``torch.profiler`` (CPU and, on GPU, CUDA activity) and writes the operator
+table, sorted by host time, to ``<dir>/<optimizer>.txt`` (where a step's time goes, e.g. per bucket).
 """
 
 from __future__ import annotations
@@ -78,6 +82,34 @@ def lr_factor(cfg: Dict[str, Any], t: int, steps: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * done))
 
 
+def _start_profiler(dev: Any) -> Any:
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    prof = profile(activities=acts)
+    prof.__enter__()
+    return prof
+
+
+def _record(prof: Any, label: str) -> Any:
+    import contextlib
+
+    import torch
+
+    return torch.profiler.record_function(label) if prof is not None else contextlib.nullcontext()
+
+
+def _stop_profiler(prof: Any, dev: Any, path: str) -> None:
+    prof.__exit__(None, None, None)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    events = prof.key_averages()
+    with open(path, "w") as f:
+        f.write(events.table(sort_by="self_cpu_time_total", row_limit=60, max_name_column_width=70))
+        if dev.type == "cuda":
+            f.write("\n" + events.table(sort_by="self_device_time_total", row_limit=40,
+                                         max_name_column_width=70))
+
+
 def _train_one(name: str, cfg: Dict[str, Any], rank: int, world: int, dev: Any, new_model: Any,
                batch: Any, train: Any, loss_of: Any, evaluate: Any, barrier: Any,
                rec: Dict[str, List[Any]], evals: List[List[float]], out: Any) -> Dict[str, Any]:
@@ -105,6 +137,7 @@ def _train_one(name: str, cfg: Dict[str, Any], rank: int, world: int, dev: Any, 
     wall = 0.0
     began = time.monotonic()
     stopped_early = False
+    profile_dir, prof = os.environ.get("COMPCOMM_PROFILE_DIR"), None
     try:
         for t in range(1, steps + 1):
             x, y = batch(train, torch.randint(0, train.numel() - seq - 1, (bsz,), generator=gen))
@@ -121,7 +154,10 @@ def _train_one(name: str, cfg: Dict[str, Any], rank: int, world: int, dev: Any, 
             loss.backward()
             _sync(dev)
             t1 = time.perf_counter()
-            opt.step()
+            if prof is None and profile_dir and rank == 0 and t == steps - 2:
+                prof = _start_profiler(dev)
+            with _record(prof, "optimizer.step"):
+                opt.step()
             _sync(dev)
             t2 = time.perf_counter()
             sent = counted() - before if counted is not None else ddp_bytes
@@ -153,6 +189,8 @@ def _train_one(name: str, cfg: Dict[str, Any], rank: int, world: int, dev: Any, 
         if not evals or evals[-1][0] != len(rec["loss"]):
             evals.append([len(rec["loss"]), evaluate(module), wall, float(sum(rec["bytes"]))])
     finally:
+        if prof is not None:
+            _stop_profiler(prof, dev, os.path.join(profile_dir, name + ".txt"))
         if hasattr(opt, "close"):
             opt.close()
     return {"steps_planned": steps, "stopped_early": stopped_early, "params": nparams,
