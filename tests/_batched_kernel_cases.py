@@ -113,3 +113,59 @@ def commit_many_bad_argument_writes_nothing(device: str) -> Tuple[str, str, bool
     except Exception as e:  # noqa: BLE001 -- the test reads its class and message
         err = (type(e).__name__, str(e))
     return err[0], err[1], same(before, snapshot(xs, bufs))
+
+
+def cancelled_commit_many(cancel_at: int) -> Tuple[bool, bool]:
+    """A world of one rank whose `cancel_at`-th collective of a batched exchange is "cancelled" as
+    an aborted NCCL collective is (abort flag set, finite garbage received, no error): the gated
+    commit_many writes nothing. cancel_at = 0: never cancelled, and the same bits as per-call calls.
+    Returns (unchanged, equal to per-call calls). Host buffers (the flag is host memory)."""
+    from compcomm._buffers import tensor_of
+
+    class Cancelling(_C.Communicator):
+        def __init__(self) -> None:
+            _C.Communicator.__init__(self)
+            self.flag = torch.zeros(1, dtype=torch.int32)
+            self.calls = 0
+
+        def rank(self) -> int:
+            return 0
+
+        def size(self) -> int:
+            return 1
+
+        def backend_name(self) -> str:
+            return "test:cancelling"
+
+        def do_abort_flag(self) -> int:
+            return self.flag.data_ptr()
+
+        def _collective(self, send, recv) -> None:
+            if send.data != recv.data:
+                tensor_of(recv).copy_(tensor_of(send))
+            self.calls += 1
+            if self.calls == cancel_at:
+                self.flag.fill_(1)
+                tensor_of(recv).view(torch.uint8).fill_(0x3F)
+
+        def do_all_to_all(self, send, recv, opts) -> None:
+            self._collective(send, recv)
+
+        def do_all_gather(self, send, recv, opts) -> None:
+            self._collective(send, recv)
+
+    comm = Cancelling()
+    bufs, xs = buffers(1, "cpu"), inputs(0, "cpu")
+    for b in bufs:
+        b[0].normal_(0, 0.1)
+        b[1].copy_(b[0][: b[1].numel()] * 0.5)
+    ref_bufs = [[t.clone() for t in b] for b in bufs]
+    ref_xs = [x.clone() for x in xs]
+    before = snapshot(xs, bufs)
+    exchange_many(comm, xs, bufs, "cpu")
+    _C.zero.compressed_allreduce_commit_many(comm, *args(xs, bufs))
+    unchanged = same(before, snapshot(xs, bufs))
+    local = _C.LocalCommunicator()
+    for x, (we, se, ws) in zip(ref_xs, ref_bufs):
+        _C.compressed_allreduce(local, buffer_of(x), buffer_of(we), buffer_of(se), buffer_of(ws))
+    return unchanged, same(snapshot(ref_xs, ref_bufs), snapshot(xs, bufs))

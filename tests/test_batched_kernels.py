@@ -44,3 +44,25 @@ def test_commit_many_with_a_bad_argument_writes_nothing():
     kind, msg, unchanged = bk.commit_many_bad_argument_writes_nothing("cpu")
     assert kind == "ValueError" and "workspace has 64 bytes" in msg, (kind, msg)
     assert unchanged
+
+
+# collectives of a batch in a world of one rank: 1 the headers, 2 the signs, 3 the records
+@pytest.mark.parametrize("cancel_at", [2, 3])
+def test_cancelled_batch_commits_nothing(cancel_at):
+    """The batched gate (commit_gate_many) turns a cancelled batch's commits into no-ops."""
+    unchanged, _ = bk.cancelled_commit_many(cancel_at)
+    assert unchanged
+
+
+def test_uncancelled_batch_with_a_gate_equals_per_call():
+    unchanged, equal = bk.cancelled_commit_many(0)
+    assert equal and not unchanged
+
+
+@pytest.mark.parametrize("cancel_at", [2, 3])
+def test_cancelled_batch_without_gate_changes_state(cancel_at, monkeypatch):
+    """COMPCOMM_TEST_FAULT=no_commit_gate: the same cancellation then writes, so the test above
+    shows the gate at work."""
+    monkeypatch.setenv("COMPCOMM_TEST_FAULT", "no_commit_gate")
+    unchanged, _ = bk.cancelled_commit_many(cancel_at)
+    assert not unchanged
