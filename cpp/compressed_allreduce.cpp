@@ -602,16 +602,14 @@ struct Call {
                    "decompress", rank);
   }
 
-  // commit() of an allreduce (out == nullptr) as jobs of a batch: whether it gates (its record's
-  // scales, GateJob) and the commit launch itself, with the same guard as commit().
-  bool gates() const { return padded != 0 && gate && comm.abort_flag() != nullptr && !test_fault("no_commit_gate"); }
+  // commit() of an allreduce (out == nullptr) as jobs of a batch: the gate of its record's scales
+  // and the commit launch, whose guard is commit()'s (no_gate: commit()'s, for the caller's flag).
   kernels::GateJob gate_job() const {
     return kernels::GateJob{reinterpret_cast<float*>(records), l.record_bytes / static_cast<int64_t>(sizeof(float))};
   }
-  kernels::CommitJob commit_job() const {
+  kernels::CommitJob commit_job(bool no_gate) const {
     const int64_t tau_stride = l.record_bytes / static_cast<int64_t>(sizeof(float));
     const auto* taus = reinterpret_cast<const float*>(records);
-    const bool no_gate = gate && comm.abort_flag() != nullptr && test_fault("no_commit_gate");
     return kernels::CommitJob{signs_recv, sigmas, sigma_stride, s, tau, m, n, e, padded, &header->scale, taus,
                               tau_stride, reinterpret_cast<const uint8_t*>(records + kRecordScaleBytes),
                               l.record_bytes, no_gate && host_check ? nullptr : taus, tau_stride, itype};
@@ -933,15 +931,18 @@ void compressed_allreduce_commit_many(Communicator& comm, const std::vector<Buff
   }
   const kernels::ScopedDevice on_device(tensors[0].device);
   const Kernels& k = *cs[0].k;
+  // as commit() (a split call's gate is opts.gate), the flag asked for once, not per call
+  const int* abort_flag = opts.gate ? comm.abort_flag() : nullptr;
+  const bool no_gate = abort_flag != nullptr && test_fault("no_commit_gate");
   std::vector<kernels::GateJob> gates;
   std::vector<kernels::CommitJob> jobs;
   for (const Call& c : cs) {
     if (c.padded == 0) continue;  // nothing to write, as commit()
-    if (c.gates()) gates.push_back(c.gate_job());
-    jobs.push_back(c.commit_job());
+    if (abort_flag != nullptr && !no_gate) gates.push_back(c.gate_job());
+    jobs.push_back(c.commit_job(no_gate));
   }
   if (!gates.empty())
-    check_status(k.commit_gate_many(comm.abort_flag(), gates.data(), static_cast<int64_t>(gates.size()), cs[0].world,
+    check_status(k.commit_gate_many(abort_flag, gates.data(), static_cast<int64_t>(gates.size()), cs[0].world,
                                     opts.stream),
                  "commit_gate_many", rank);
   check_status(k.commit_many(jobs.data(), static_cast<int64_t>(jobs.size()), cs[0].world, opts.stream), "commit_many",

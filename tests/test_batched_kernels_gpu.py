@@ -49,3 +49,21 @@ def test_commit_many_with_a_bad_argument_writes_nothing():
     kind, msg, unchanged = bk.commit_many_bad_argument_writes_nothing("cuda")
     assert kind == "ValueError" and "workspace has 64 bytes" in msg, (kind, msg)
     assert unchanged
+
+
+@pytest.mark.parametrize("shift", [0, 1, 6, 12])
+def test_batch_copy_of_megabytes_misaligned(shift):
+    """Copies past the per-copy block cap (512 blocks of 4 KiB), src and dst misaligned to each
+    other by `shift` bytes (narrower words; bytes at the odd shifts)."""
+    g = torch.Generator().manual_seed(shift)
+    src = torch.randint(0, 256, (3 << 20,), generator=g, dtype=torch.uint8).cuda()
+    out = torch.zeros((3 << 20) + 64, dtype=torch.uint8, device="cuda")
+    n = (3 << 20) - 37
+    dst = out[shift:shift + n]
+    _C.kernels.batch_copy([buffer_of(dst), buffer_of(out[-8:])], [buffer_of(src[3:3 + n]), buffer_of(src[:5])],
+                          torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    want = torch.zeros_like(out)
+    want[shift:shift + n] = src[3:3 + n]
+    want[-8:-3] = src[:5]
+    assert torch.equal(out, want)

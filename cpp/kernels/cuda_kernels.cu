@@ -641,28 +641,42 @@ __device__ __forceinline__ int job_of(const Pack<Job>& p, int block) {
   return lo;
 }
 
-// Copies 16, then 4 bytes at a time where src, dst and bytes allow, else byte by byte.
+// Bytes [0, bytes) of s to d, in words of W where d and s are equally aligned: a head of bytes up to
+// d's W-alignment, the words, a tail of bytes. Thread `start` of a grid-stride of `step`.
+template <class W>
+__device__ __forceinline__ void copy_words(const uint8_t* s, uint8_t* d, int64_t bytes, int64_t start,
+                                           int64_t step) {
+  constexpr int64_t kW = sizeof(W);
+  const int64_t head = min(bytes, (kW - static_cast<int64_t>(reinterpret_cast<uintptr_t>(d) % kW)) % kW);
+  for (int64_t i = start; i < head; i += step) d[i] = s[i];
+  const int64_t words = (bytes - head) / kW;
+  const W* sw = reinterpret_cast<const W*>(s + head);
+  W* dw = reinterpret_cast<W*>(d + head);
+  for (int64_t i = start; i < words; i += step) dw[i] = sw[i];
+  for (int64_t i = head + words * kW + start; i < bytes; i += step) d[i] = s[i];
+}
+
+// The widest word that src and dst share an alignment for (16 bytes when they are equally aligned
+// mod 16; a copy between buffers misaligned to each other goes in narrower words, down to bytes).
 __global__ void __launch_bounds__(kThreads) batch_copy_kernel(const __grid_constant__ Pack<CopyJob> p) {
   const int j = job_of(p, blockIdx.x);
   const CopyJob& c = p.job[j];
   const unsigned block = blockIdx.x - p.first[j], nblocks = p.first[j + 1] - p.first[j];
   const int64_t start = block * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const int64_t step = static_cast<int64_t>(nblocks) * blockDim.x;
-  const uintptr_t a = reinterpret_cast<uintptr_t>(c.src) | reinterpret_cast<uintptr_t>(c.dst) |
-                      static_cast<uintptr_t>(c.bytes);
-  if ((a & 15u) == 0) {
-    const uint4* s = static_cast<const uint4*>(c.src);
-    uint4* d = static_cast<uint4*>(c.dst);
-    for (int64_t i = start; i < c.bytes / 16; i += step) d[i] = s[i];
-  } else if ((a & 3u) == 0) {
-    const uint32_t* s = static_cast<const uint32_t*>(c.src);
-    uint32_t* d = static_cast<uint32_t*>(c.dst);
-    for (int64_t i = start; i < c.bytes / 4; i += step) d[i] = s[i];
-  } else {
-    const uint8_t* s = static_cast<const uint8_t*>(c.src);
-    uint8_t* d = static_cast<uint8_t*>(c.dst);
-    for (int64_t i = start; i < c.bytes; i += step) d[i] = s[i];
-  }
+  const auto* s = static_cast<const uint8_t*>(c.src);
+  auto* d = static_cast<uint8_t*>(c.dst);
+  const uintptr_t x = reinterpret_cast<uintptr_t>(s) ^ reinterpret_cast<uintptr_t>(d);
+  if ((x & 15u) == 0)
+    copy_words<uint4>(s, d, c.bytes, start, step);
+  else if ((x & 7u) == 0)
+    copy_words<uint2>(s, d, c.bytes, start, step);
+  else if ((x & 3u) == 0)
+    copy_words<uint32_t>(s, d, c.bytes, start, step);
+  else if ((x & 1u) == 0)
+    copy_words<uint16_t>(s, d, c.bytes, start, step);
+  else
+    copy_words<uint8_t>(s, d, c.bytes, start, step);
 }
 
 template <int kType, bool kVec>
@@ -750,9 +764,10 @@ Status batch_copy(const CopyJob* jobs, int64_t count, Stream stream) {
   for (int64_t i = 0; i < count; ++i)
     if (jobs[i].bytes > 0 && jobs[i].src != jobs[i].dst) idx.push_back(i);
   auto s = static_cast<cudaStream_t>(stream);
-  // A block moves 4 KiB per pass; at most 64 blocks per copy (the copies are small: headers, chunks of signs).
+  // A block moves 4 KiB per pass in 16-byte words; at most 512 blocks per copy (a one-bucket step's
+  // signs are megabytes per peer, in narrower words where the two sides are misaligned to each other).
   return launch_packs(
-      jobs, idx, [](const CopyJob& c) { return static_cast<int32_t>(std::min<int64_t>((c.bytes + 4095) / 4096, 64)); },
+      jobs, idx, [](const CopyJob& c) { return static_cast<int32_t>(std::min<int64_t>((c.bytes + 4095) / 4096, 512)); },
       [&](const Pack<CopyJob>& p, int32_t blocks) { batch_copy_kernel<<<blocks, kThreads, 0, s>>>(p); });
 }
 
