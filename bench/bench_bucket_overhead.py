@@ -24,6 +24,10 @@ tensors in every collective::
 
     python bench/bench_bucket_overhead.py --device cuda --mirror --world 2
     python bench/bench_bucket_overhead.py --device cuda --backend nccl --world 2  # 2 GPUs
+
+``--profile`` adds, per plan, what rank 0's host issued per step over 3 more steps under
+torch.profiler: kernel launches, async copies and fills, stream syncs (on CUDA; where the
+per-bucket host time goes: each costs microseconds of host time whatever its size).
 """
 
 from __future__ import annotations
@@ -37,10 +41,29 @@ from typing import Any, Dict, List
 import torch
 
 PLANS = {"one": {}, "b16k": {"reduce_bucket_size": 16384}, "pp": {"per_parameter": True}}
+# host-side CUDA runtime calls counted by --profile, by name prefix
+CALLS = {"launch": "cudaLaunch", "memcpy": "cudaMemcpy", "memset": "cudaMemset",
+         "sync": "cudaStreamSynchronize"}
+
+
+def _count_calls(opt: Any, dev: torch.device, steps: int = 3) -> Dict[str, float]:
+    """CUDA runtime calls per ``opt.step()`` (CALLS), from torch.profiler over ``steps`` steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            opt.step()
+        torch.cuda.synchronize(dev)
+    counts = dict.fromkeys(CALLS, 0)
+    for ev in prof.events():
+        for key, prefix in CALLS.items():
+            if ev.name.startswith(prefix):
+                counts[key] += 1
+    return {k: v / steps for k, v in counts.items()}
 
 
 def _rank(rank: int, world: int, optim: str, plan: str, tensors: int, numel: int, steps: int,
-          device: str, threads: int, mirror: bool = False) -> Dict[str, float]:
+          device: str, threads: int, mirror: bool = False, prof: bool = False) -> Dict[str, Any]:
     from compcomm.optim import OneBitAdam, ZeroOneAdam
     from compcomm.testing import mirrored_peers
 
@@ -72,12 +95,13 @@ def _rank(rank: int, world: int, optim: str, plan: str, tensors: int, numel: int
             torch.cuda.synchronize(dev)
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
+    calls = _count_calls(opt, dev) if prof and rank == 0 and dev.type == "cuda" else None
     return {"median": statistics.median(times), "cpu": statistics.median(cpu),
-            "buckets": len(opt._buckets)}
+            "buckets": len(opt._buckets), "calls": calls}
 
 
-def _mirror_rank(rank: int, one: int, world: int, *run: Any) -> Dict[str, float]:
-    return _rank(0, world, *run, mirror=True)
+def _mirror_rank(rank: int, one: int, world: int, prof: bool, *run: Any) -> Dict[str, Any]:
+    return _rank(0, world, *run, mirror=True, prof=prof)
 
 
 def main() -> None:
@@ -94,6 +118,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--mirror", action="store_true",
                     help="one process whose --world - 1 peers mirror it (no network; one GPU)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also count rank 0's CUDA launches, copies and syncs per step")
     args = ap.parse_args()
     import compcomm
     from compcomm.testing import run_ranks
@@ -110,10 +136,12 @@ def main() -> None:
         for plan in args.plans:
             run = (args.optim, plan, args.tensors, args.numel, args.steps, args.device,
                    args.threads)
+            prof = args.profile and r == 0  # counted in the first round
             if args.mirror:
-                res = run_ranks(1, _mirror_rank, args.world, *run, backend="none", timeout=600)
+                res = run_ranks(1, _mirror_rank, args.world, prof, *run, backend="none", timeout=600)
             else:
-                res = run_ranks(args.world, _rank, *run, backend=args.backend, timeout=600)
+                res = run_ranks(args.world, _rank, *run, False, prof, backend=args.backend,
+                                timeout=600)
             got[plan] = max(x["median"] for x in res)
             cpu[plan] = max(x["cpu"] for x in res)
             best[plan] = min(best.get(plan, float("inf")), got[plan])
@@ -123,6 +151,9 @@ def main() -> None:
                      f"({cpu[plan] / cpu['one']:.2f}x)" if "one" in got else "")
             print(f"round {r + 1} {plan:>4}: {buckets:4d} buckets, {got[plan] * 1e3:8.3f} ms/step"
                   f"{ratio}; load {os.getloadavg()[0]:.1f}", flush=True)
+            if res[0].get("calls"):
+                print(f"  per step ({plan}): " + ", ".join(
+                    f"{k} {v:.0f}" for k, v in res[0]["calls"].items()), flush=True)
     if "one" in best:
         print("best of rounds, wall: " + ", ".join(
             f"{p} {best[p] * 1e3:.3f} ms ({best[p] / best['one']:.2f}x)" for p in best))

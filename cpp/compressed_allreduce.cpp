@@ -63,14 +63,38 @@ struct Kernels {
   decltype(&kernels::cpu::scale_workspace_bytes) scale_workspace_bytes;
   decltype(&kernels::cpu::decompress) decompress;
   decltype(&kernels::cpu::commit_gate) commit_gate;
+  // the batched twins (exchange_many, commit_many): one launch per phase for all buckets on a GPU
+  decltype(&kernels::cpu::batch_copy) batch_copy;
+  decltype(&kernels::cpu::worker_scale_pack_header_many) worker_many;
+  decltype(&kernels::cpu::server_scale_pack_many) server_many;
+  decltype(&kernels::cpu::commit_many) commit_many;
+  decltype(&kernels::cpu::commit_gate_many) commit_gate_many;
 };
 
 const Kernels& kernels_for(bool cuda) {
   namespace k = kernels;
-  static const Kernels cpu{k::cpu::worker_scale_pack_header, k::cpu::server_scale_pack, k::cpu::commit,
-                           k::cpu::scale_workspace_bytes,    k::cpu::decompress,        k::cpu::commit_gate};
-  static const Kernels gpu{k::cuda::worker_scale_pack_header, k::cuda::server_scale_pack, k::cuda::commit,
-                           k::cuda::scale_workspace_bytes,    k::cuda::decompress,        k::cuda::commit_gate};
+  static const Kernels cpu{k::cpu::worker_scale_pack_header,
+                           k::cpu::server_scale_pack,
+                           k::cpu::commit,
+                           k::cpu::scale_workspace_bytes,
+                           k::cpu::decompress,
+                           k::cpu::commit_gate,
+                           k::cpu::batch_copy,
+                           k::cpu::worker_scale_pack_header_many,
+                           k::cpu::server_scale_pack_many,
+                           k::cpu::commit_many,
+                           k::cpu::commit_gate_many};
+  static const Kernels gpu{k::cuda::worker_scale_pack_header,
+                           k::cuda::server_scale_pack,
+                           k::cuda::commit,
+                           k::cuda::scale_workspace_bytes,
+                           k::cuda::decompress,
+                           k::cuda::commit_gate,
+                           k::cuda::batch_copy,
+                           k::cuda::worker_scale_pack_header_many,
+                           k::cuda::server_scale_pack_many,
+                           k::cuda::commit_many,
+                           k::cuda::commit_gate_many};
   return cuda ? gpu : cpu;
 }
 
@@ -436,6 +460,11 @@ struct Call {
     return !capturing;
   }
 
+  // worker()'s launch as one job of a batch (worker_scale_pack_header_many, magic kHeaderMagic).
+  kernels::WorkerJob worker_job() const {
+    return kernels::WorkerJob{m, e, signs_send, scratch, header, n, padded, itype, dtype};
+  }
+
   // 2, alone. The header as the worker kernel posted it in `slot` under tag `seq`, validated as
   // check() does. Only the worker's verdict is waited for, not the stream: the server kernel queued
   // behind it keeps running, and the caller queues the commit only after this returned, so a call
@@ -522,6 +551,13 @@ struct Call {
                  "server_scale_pack", rank);
   }
 
+  // server()'s launch as one job of a batch (server_scale_pack_many); on the host its record's
+  // padding is zeroed here, as server() does.
+  kernels::ServerJob server_job() const {
+    if (!cuda) std::memset(record, 0, static_cast<size_t>(l.record_bytes));
+    return kernels::ServerJob{signs_recv, sigmas, sigma_stride, s, chunk, tau, packed, scratch};
+  }
+
   // Reduce-scatter: the other ranks' records read as scale +0, signs +1 (output +0 there).
   void local_records() {
     const int64_t sign_bytes = l.record_bytes - kRecordScaleBytes;
@@ -555,6 +591,7 @@ struct Call {
     // (The test fault also drops the guard of a checked call, as before: the records an abort left
     // are arbitrary bytes, and the test shows that, ungated, they are written.)
     const float* guard = no_gate && host_check ? nullptr : taus;
+    // (commit_job() below builds the same launch for a batch: keep the two in step)
     check_status(k->commit(signs_recv, sigmas, sigma_stride, s, tau, m, itype, n, e, padded, &header->scale, taus,
                            tau_stride, reinterpret_cast<const uint8_t*>(records + kRecordScaleBytes),
                            l.record_bytes, world, stream, guard, tau_stride),
@@ -563,6 +600,19 @@ struct Call {
       check_status(k->decompress(tau, packed, chunk, static_cast<float*>(out->data), stream, guard, tau_stride,
                                  world),
                    "decompress", rank);
+  }
+
+  // commit() of an allreduce (out == nullptr) as jobs of a batch: the gate of its record's scales
+  // and the commit launch, whose guard is commit()'s (no_gate: commit()'s, for the caller's flag).
+  kernels::GateJob gate_job() const {
+    return kernels::GateJob{reinterpret_cast<float*>(records), l.record_bytes / static_cast<int64_t>(sizeof(float))};
+  }
+  kernels::CommitJob commit_job(bool no_gate) const {
+    const int64_t tau_stride = l.record_bytes / static_cast<int64_t>(sizeof(float));
+    const auto* taus = reinterpret_cast<const float*>(records);
+    return kernels::CommitJob{signs_recv, sigmas, sigma_stride, s, tau, m, n, e, padded, &header->scale, taus,
+                              tau_stride, reinterpret_cast<const uint8_t*>(records + kRecordScaleBytes),
+                              l.record_bytes, no_gate && host_check ? nullptr : taus, tau_stride, itype};
   }
 };
 
@@ -727,6 +777,17 @@ void compressed_allreduce_exchange_many(Communicator& comm, const std::vector<Bu
   void* stream = opts.stream;
   const int64_t hb = sizeof(Header), nc = static_cast<int64_t>(calls);
   auto put = [&](void* dst, const void* src, int64_t bytes) { copy(cuda, dst, src, bytes, stream, rank); };
+  // The per-bucket copies of each phase go in one batch_copy (one launch on a GPU, not one
+  // cudaMemcpyAsync per copy: those cost ~10 us of host time each).
+  const Kernels& k = kernels_for(cuda);
+  std::vector<kernels::CopyJob> copies;
+  auto queue = [&](void* dst, const void* src, int64_t bytes) {
+    if (bytes > 0) copies.push_back(kernels::CopyJob{src, dst, bytes});
+  };
+  auto flush = [&] {
+    check_status(k.batch_copy(copies.data(), static_cast<int64_t>(copies.size()), stream), "batch_copy", rank);
+    copies.clear();
+  };
   auto sync = [&] {  // device results to the host; an abort that ended the wait raises here
     if (!cuda) return;
     check_status(kernels::stream_sync(stream), "stream_sync", rank);
@@ -745,10 +806,13 @@ void compressed_allreduce_exchange_many(Communicator& comm, const std::vector<Bu
                     staging.reinterpret(DType::kUInt8, b.count_recv, hb * world), opts);
   }
   // 1. Worker passes (only the workspaces are written), queued behind that exchange on a GPU.
-  for (size_t i = 0; i < calls; ++i) {
-    cs[i].worker();
-    put(st + b.header_send + i * hb, cs[i].header, hb);
+  {
+    std::vector<kernels::WorkerJob> jobs;
+    for (const Call& c : cs) jobs.push_back(c.worker_job());
+    check_status(k.worker_many(jobs.data(), nc, kHeaderMagic, stream), "worker_scale_pack_header_many", rank);
   }
+  for (size_t i = 0; i < calls; ++i) queue(st + b.header_send + i * hb, cs[i].header, hb);
+  flush();
   if (world > 1) {
     put(counts.data(), st + b.count_recv, hb * world);
     sync();
@@ -777,7 +841,8 @@ void compressed_allreduce_exchange_many(Communicator& comm, const std::vector<Bu
   comm.all_gather(staging.reinterpret(DType::kUInt8, b.header_send, nc * hb),
                   staging.reinterpret(DType::kUInt8, b.header_recv, nc * hb * world), opts);
   for (size_t i = 0; i < calls; ++i)
-    for (int r = 0; r < world; ++r) put(cs[i].headers + r, st + b.header_recv + (r * nc + i) * hb, hb);
+    for (int r = 0; r < world; ++r) queue(cs[i].headers + r, st + b.header_recv + (r * nc + i) * hb, hb);
+  flush();
   fault_point("exit_after_header", cuda, stream);  // tests: a rank that dies mid-exchange
   std::vector<Header> gathered;  // the received block, rank-major: call i of rank r at r * nc + i
   const Header* block = reinterpret_cast<const Header*>(st + b.header_recv);
@@ -799,36 +864,89 @@ void compressed_allreduce_exchange_many(Communicator& comm, const std::vector<Bu
   for (Call& c : cs) {
     const int64_t cb = c.chunk / 8;
     for (int j = 0; j < world && cb > 0; ++j)
-      put(st + b.signs_send + j * b.signs_per_rank + off, c.signs_send + j * cb, cb);
+      queue(st + b.signs_send + j * b.signs_per_rank + off, c.signs_send + j * cb, cb);
     off += cb;
   }
+  flush();
   comm.all_to_all(staging.reinterpret(DType::kUInt8, b.signs_send, b.signs_per_rank * world),
                   staging.reinterpret(DType::kUInt8, b.signs_recv, b.signs_per_rank * world), opts);
   off = 0;
   for (Call& c : cs) {
     const int64_t cb = c.chunk / 8;
     for (int j = 0; j < world && cb > 0; ++j)
-      put(c.signs_recv + j * cb, st + b.signs_recv + j * b.signs_per_rank + off, cb);
+      queue(c.signs_recv + j * cb, st + b.signs_recv + j * b.signs_per_rank + off, cb);
     off += cb;
   }
+  flush();
 
   // 4. Server passes, then every call's record in one all_gather.
+  {
+    std::vector<kernels::ServerJob> jobs;
+    for (const Call& c : cs)
+      if (c.padded != 0) jobs.push_back(c.server_job());
+    check_status(k.server_many(jobs.data(), static_cast<int64_t>(jobs.size()), world, stream), "server_scale_pack_many",
+                 rank);
+  }
   off = 0;
   for (Call& c : cs) {
     if (c.padded == 0) continue;
-    c.server();
-    put(st + b.record_send + off, c.record, c.l.record_bytes);
+    queue(st + b.record_send + off, c.record, c.l.record_bytes);
     off += c.l.record_bytes;
   }
+  flush();
   comm.all_gather(staging.reinterpret(DType::kUInt8, b.record_send, b.records_per_rank),
                   staging.reinterpret(DType::kUInt8, b.record_recv, b.records_per_rank * world), opts);
   off = 0;
   for (Call& c : cs) {
     if (c.padded == 0) continue;
     for (int j = 0; j < world; ++j)
-      put(c.records + j * c.l.record_bytes, st + b.record_recv + j * b.records_per_rank + off, c.l.record_bytes);
+      queue(c.records + j * c.l.record_bytes, st + b.record_recv + j * b.records_per_rank + off, c.l.record_bytes);
     off += c.l.record_bytes;
   }
+  flush();
+}
+
+// Every call's commit() in three launches at most (the gates, then the commits; more only past a
+// kernel argument pack, ~27 buckets per commit launch), validated first: a bad argument of any call
+// raises before anything is written.
+void compressed_allreduce_commit_many(Communicator& comm, const std::vector<Buffer>& tensors,
+                                      const std::vector<Buffer>& worker_errors,
+                                      const std::vector<Buffer>& server_errors,
+                                      const std::vector<Buffer>& workspaces, const CallOptions& opts) {
+  const char* name = "compressed_allreduce_commit_many";
+  const int rank = comm.rank();
+  const size_t calls = tensors.size();
+  COMPCOMM_CHECK(worker_errors.size() == calls && server_errors.size() == calls && workspaces.size() == calls,
+                 "[rank ", rank, "] ", name, ": tensors, worker_errors, server_errors and workspaces must have "
+                 "the same length (", calls, ", ", worker_errors.size(), ", ", server_errors.size(), ", ",
+                 workspaces.size(), ")");
+  if (calls == 0) return;
+  std::vector<Call> cs;
+  cs.reserve(calls);
+  for (size_t i = 0; i < calls; ++i) {
+    COMPCOMM_CHECK(tensors[i].device == tensors[0].device, "[rank ", rank, "] ", name, ": tensors[", i,
+                   "] is on another device than tensors[0]");
+    cs.emplace_back("compressed_allreduce", comm, tensors[i], worker_errors[i], server_errors[i], nullptr,
+                    workspaces[i], opts, kCommit);
+  }
+  const kernels::ScopedDevice on_device(tensors[0].device);
+  const Kernels& k = *cs[0].k;
+  // as commit() (a split call's gate is opts.gate), the flag asked for once, not per call
+  const int* abort_flag = opts.gate ? comm.abort_flag() : nullptr;
+  const bool no_gate = abort_flag != nullptr && test_fault("no_commit_gate");
+  std::vector<kernels::GateJob> gates;
+  std::vector<kernels::CommitJob> jobs;
+  for (const Call& c : cs) {
+    if (c.padded == 0) continue;  // nothing to write, as commit()
+    if (abort_flag != nullptr && !no_gate) gates.push_back(c.gate_job());
+    jobs.push_back(c.commit_job(no_gate));
+  }
+  if (!gates.empty())
+    check_status(k.commit_gate_many(abort_flag, gates.data(), static_cast<int64_t>(gates.size()), cs[0].world,
+                                    opts.stream),
+                 "commit_gate_many", rank);
+  check_status(k.commit_many(jobs.data(), static_cast<int64_t>(jobs.size()), cs[0].world, opts.stream), "commit_many",
+               rank);
 }
 
 }  // namespace compcomm

@@ -96,4 +96,13 @@ void compressed_allreduce_exchange_many(Communicator& comm, const std::vector<Bu
                                         const std::vector<Buffer>& workspaces, const Buffer& staging,
                                         const CallOptions& opts);
 
+// compressed_allreduce_commit of every call of one compressed_allreduce_exchange_many (or of
+// per-call exchanges), in order, bit for bit; on a GPU in O(1) launches instead of two per call. All
+// arguments are validated before anything is written (a bad one raises as compressed_allreduce_commit
+// would, and no call is committed).
+void compressed_allreduce_commit_many(Communicator& comm, const std::vector<Buffer>& tensors,
+                                      const std::vector<Buffer>& worker_errors,
+                                      const std::vector<Buffer>& server_errors,
+                                      const std::vector<Buffer>& workspaces, const CallOptions& opts);
+
 }  // namespace compcomm

@@ -486,6 +486,26 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("flag"), py::arg("scales"), py::arg("stride"), py::arg("world"), py::arg("stream") = 0,
       py::call_guard<py::gil_scoped_release>());
+  k.def(
+      "batch_copy",
+      [](const std::vector<Buffer>& dsts, const std::vector<Buffer>& srcs, uintptr_t stream) {
+        COMPCOMM_CHECK(dsts.size() == srcs.size(), "batch_copy: dsts and srcs must have the same length (",
+                       dsts.size(), ", ", srcs.size(), ")");
+        std::vector<kernels::CopyJob> jobs;
+        for (size_t i = 0; i < dsts.size(); ++i) {
+          COMPCOMM_CHECK(dsts[i].device == dsts[0].device && srcs[i].device == dsts[0].device, "batch_copy: dsts[",
+                         i, "] and srcs[", i, "] must be on the device of dsts[0]");
+          COMPCOMM_CHECK(dsts[i].bytes() >= srcs[i].bytes(), "batch_copy: dsts[", i, "] has ", dsts[i].bytes(),
+                         " bytes, fewer than srcs[", i, "] (", srcs[i].bytes(), ")");
+          jobs.push_back(kernels::CopyJob{srcs[i].data, dsts[i].data, srcs[i].bytes()});
+        }
+        if (jobs.empty()) return;
+        auto f = dsts[0].on_host() ? kernels::cpu::batch_copy : kernels::cuda::batch_copy;
+        check(f(jobs.data(), static_cast<int64_t>(jobs.size()), reinterpret_cast<void*>(stream)), "batch_copy");
+      },
+      py::arg("dsts"), py::arg("srcs"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+      "Copies srcs[i] (all its bytes) to the start of dsts[i] for every i: one kernel launch on a GPU "
+      "(the batched copies of compressed_allreduce_exchange_many), a memcpy loop on the host.");
 
   // The packed 1-bit momentum (cpp/kernels/packed_momentum.h): host buffers only (GPU tensors take
   // compcomm.zero.packed_momentum's torch-op path). Sizes are checked here, naming the argument.

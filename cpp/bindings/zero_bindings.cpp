@@ -231,15 +231,13 @@ void bind_zero(py::module_& parent) {
               workspaces.size(), ")"));
         CallOptions opts = opts_of(600.0, stream);
         opts.gate = gate;
-        for (size_t i = 0; i < calls; ++i)
-          compressed_allreduce_commit(comm, tensors[i], worker_errors[i], server_errors[i],
-                                      workspaces[i], opts);
+        compressed_allreduce_commit_many(comm, tensors, worker_errors, server_errors, workspaces, opts);
       },
       py::arg("comm"), py::arg("tensors"), py::arg("worker_errors"), py::arg("server_errors"),
       py::arg("workspaces"), py::arg("stream") = 0, py::arg("gate") = true,
       py::call_guard<py::gil_scoped_release>(),
-      "compressed_allreduce_commit of every call of one exchange, in order (one crossing into "
-      "C++ for all buckets).");
+      "compressed_allreduce_commit of every call of one exchange, bit for bit (one crossing into "
+      "C++ and, on a GPU, O(1) kernel launches for all buckets); every argument is validated first.");
   m.def(
       "compressed_allreduce_exchange_many",
       [](Communicator& comm, const std::vector<Buffer>& tensors, const std::vector<Buffer>& worker_errors,

@@ -21,7 +21,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
+#include "batch_jobs.h"
 #include "kernels.h"
 
 namespace compcomm::kernels {
@@ -219,23 +221,25 @@ __device__ double block_sum(double v, double* sh) {
 }
 
 // *scale = fl32(fl32(sqrt(sum)) / fl32(sqrt(count))) over all blocks' `acc`; see the file comment.
-// Returns true in the one thread that wrote *scale (the caller may then read it back).
-__device__ bool finish_norm(double acc, void* scratch, float* scale, int64_t count) {
+// Returns true in the one thread that wrote *scale (the caller may then read it back). `block` of
+// `nblocks`: the caller's place among the blocks of this norm (a batched launch runs many norms).
+__device__ bool finish_norm(double acc, void* scratch, float* scale, int64_t count, unsigned block,
+                            unsigned nblocks) {
   __shared__ double sh[32];
   __shared__ bool last;
   double* partials = static_cast<double*>(scratch);
   unsigned* ticket = reinterpret_cast<unsigned*>(static_cast<char*>(scratch) + kCounterOffset);
   const double s = block_sum(acc, sh);
   if (threadIdx.x == 0) {
-    partials[blockIdx.x] = s;
+    partials[block] = s;
     __threadfence();
-    last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+    last = atomicAdd(ticket, 1u) == nblocks - 1;
   }
   __syncthreads();
   if (!last) return false;
   __threadfence();
   double v = 0.0;
-  for (unsigned i = threadIdx.x; i < gridDim.x; i += blockDim.x) v += __ldcg(&partials[i]);
+  for (unsigned i = threadIdx.x; i < nblocks; i += blockDim.x) v += __ldcg(&partials[i]);
   v = block_sum(v, sh);
   if (threadIdx.x == 0) {
     *scale = count == 0 ? 0.0f
@@ -271,15 +275,17 @@ __device__ void post_notice(const ExchangeHeader& h, HeaderNotice* notice, uint6
 // rest of the header, as header_kernel would: one launch instead of two. With `notice` it also posts
 // the header there: the host learns the verdict as soon as this kernel's last block is done, without
 // waiting for the rest of the stream.
+// Block `block` of `nblocks` (the whole grid of a single call; a bucket's share of a batched one).
 template <int kType, bool kVec>
-__global__ void __launch_bounds__(kThreads)
-    worker_kernel(const void* __restrict__ m, int64_t n, const float* __restrict__ e, int64_t padded,
-                  uint8_t* __restrict__ signs, float* scale, void* scratch, ExchangeHeader* header,
-                  int32_t header_dtype, uint32_t magic, HeaderNotice* notice, uint64_t seq) {
+__device__ __forceinline__ void worker_body(const void* __restrict__ m, int64_t n, const float* __restrict__ e,
+                                            int64_t padded, uint8_t* __restrict__ signs, float* scale,
+                                            void* scratch, ExchangeHeader* header, int32_t header_dtype,
+                                            uint32_t magic, HeaderNotice* notice, uint64_t seq, unsigned block,
+                                            unsigned nblocks) {
   const int64_t groups = padded / 8;
   double acc = 0.0;
-  for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < groups;
-       g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for (int64_t g = block * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < groups;
+       g += static_cast<int64_t>(nblocks) * blockDim.x) {
     float x[8], y[8];
     load_m8<kType, kVec>(m, n, 8 * g, x);
     load_f8<kVec>(e, 8 * g, y);
@@ -288,7 +294,7 @@ __global__ void __launch_bounds__(kThreads)
     acc += sumsq8(x);
     signs[g] = pack8(x);
   }
-  if (finish_norm(acc, scratch, scale, padded) && header != nullptr) {
+  if (finish_norm(acc, scratch, scale, padded, block, nblocks) && header != nullptr) {
     ExchangeHeader h;
     h.scale = *scale;
     h.flags = isfinite(h.scale) ? 0u : 1u;
@@ -305,14 +311,24 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+template <int kType, bool kVec>
+__global__ void __launch_bounds__(kThreads)
+    worker_kernel(const void* __restrict__ m, int64_t n, const float* __restrict__ e, int64_t padded,
+                  uint8_t* __restrict__ signs, float* scale, void* scratch, ExchangeHeader* header,
+                  int32_t header_dtype, uint32_t magic, HeaderNotice* notice, uint64_t seq) {
+  worker_body<kType, kVec>(m, n, e, padded, signs, scale, scratch, header, header_dtype, magic, notice, seq,
+                           blockIdx.x, gridDim.x);
+}
+
 enum : int { kServerScale = 1, kServerPack = 2, kServerUpdate = 4 };
 
 // c = sum_i s_i * fl32(scale_i * fl32(1/W)) (ranks in order) + server_error, per group of 8.
 template <bool kVec, int kMode>
-__global__ void __launch_bounds__(kThreads)
-    server_kernel(const uint8_t* __restrict__ signs, const float* scales, int64_t stride, int world,
-                  float* serr, int64_t chunk, float* scale_out, uint8_t* __restrict__ packed,
-                  const float* tau_in, const float* guard, int64_t guard_stride, void* scratch) {
+__device__ __forceinline__ void server_body(const uint8_t* __restrict__ signs, const float* scales, int64_t stride,
+                                            int world, float* serr, int64_t chunk, float* scale_out,
+                                            uint8_t* __restrict__ packed, const float* tau_in, const float* guard,
+                                            int64_t guard_stride, void* scratch, unsigned block,
+                                            unsigned nblocks) {
   if (kMode & kServerUpdate) {
     if (guard_trips(guard, guard_stride, world)) return;
   }
@@ -320,8 +336,8 @@ __global__ void __launch_bounds__(kThreads)
   const float inv_w = 1.0f / static_cast<float>(world);
   const float tau = (kMode & kServerUpdate) ? *tau_in : 0.0f;
   double acc = 0.0;
-  for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < groups;
-       g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for (int64_t g = block * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < groups;
+       g += static_cast<int64_t>(nblocks) * blockDim.x) {
     float c[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
     for (int i = 0; i < world; ++i) {
       const float a = scales[i * stride] * inv_w;
@@ -341,7 +357,16 @@ __global__ void __launch_bounds__(kThreads)
       store_f8<kVec>(serr, 8 * g, s);
     }
   }
-  if (kMode & kServerScale) finish_norm(acc, scratch, scale_out, chunk);
+  if (kMode & kServerScale) finish_norm(acc, scratch, scale_out, chunk, block, nblocks);
+}
+
+template <bool kVec, int kMode>
+__global__ void __launch_bounds__(kThreads)
+    server_kernel(const uint8_t* __restrict__ signs, const float* scales, int64_t stride, int world,
+                  float* serr, int64_t chunk, float* scale_out, uint8_t* __restrict__ packed,
+                  const float* tau_in, const float* guard, int64_t guard_stride, void* scratch) {
+  server_body<kVec, kMode>(signs, scales, stride, world, serr, chunk, scale_out, packed, tau_in, guard,
+                           guard_stride, scratch, blockIdx.x, gridDim.x);
 }
 
 template <int kType, bool kVec>
@@ -372,17 +397,18 @@ __global__ void __launch_bounds__(kThreads)
 // same arithmetic per element (explicit _rn products keep the compiler from contracting the server
 // sums into FMAs, as the CPU twin does not), so the same bits. kVecS: the server error is aligned.
 template <int kType, bool kVec, bool kVecS>
-__global__ void __launch_bounds__(kThreads)
-    commit_all_kernel(const uint8_t* __restrict__ signs, const float* scales, int64_t stride, float* serr,
-                      const float* tau_in, void* m, int64_t n, float* e, int64_t padded, const float* scale,
-                      const float* out_scales, int64_t oss, const uint8_t* out_signs, int64_t osb, int world,
-                      const float* guard, int64_t guard_stride) {
+__device__ __forceinline__ void commit_all_body(const uint8_t* __restrict__ signs, const float* scales,
+                                                int64_t stride, float* serr, const float* tau_in, void* m,
+                                                int64_t n, float* e, int64_t padded, const float* scale,
+                                                const float* out_scales, int64_t oss, const uint8_t* out_signs,
+                                                int64_t osb, int world, const float* guard,
+                                                int64_t guard_stride, unsigned block, unsigned nblocks) {
   if (guard_trips(guard, guard_stride, world)) return;
   const float sigma = *scale, tau = *tau_in;
   const float inv_w = 1.0f / static_cast<float>(world);
   const int64_t groups = padded / 8, chunk_groups = groups / world;
-  for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < groups;
-       g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for (int64_t g = block * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < groups;
+       g += static_cast<int64_t>(nblocks) * blockDim.x) {
     if (g < chunk_groups) {  // the server error of this rank's chunk
       float c[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
       for (int i = 0; i < world; ++i) {
@@ -412,6 +438,16 @@ __global__ void __launch_bounds__(kThreads)
     store_f8<kVec>(e, 8 * g, y);
     store_out8<kType, kVec>(m, n, 8 * g, out_scales[j * oss], out_signs[j * osb + b]);
   }
+}
+
+template <int kType, bool kVec, bool kVecS>
+__global__ void __launch_bounds__(kThreads)
+    commit_all_kernel(const uint8_t* __restrict__ signs, const float* scales, int64_t stride, float* serr,
+                      const float* tau_in, void* m, int64_t n, float* e, int64_t padded, const float* scale,
+                      const float* out_scales, int64_t oss, const uint8_t* out_signs, int64_t osb, int world,
+                      const float* guard, int64_t guard_stride) {
+  commit_all_body<kType, kVec, kVecS>(signs, scales, stride, serr, tau_in, m, n, e, padded, scale, out_scales, oss,
+                                      out_signs, osb, world, guard, guard_stride, blockIdx.x, gridDim.x);
 }
 
 __global__ void header_kernel(ExchangeHeader* h, int64_t numel, int64_t padded, int32_t dtype,
@@ -571,6 +607,241 @@ Status commit_gate(const int* abort_flag, float* scales, int64_t stride, int wor
   if (abort_flag == nullptr || scales == nullptr || world < 0) return Status::kInvalidArgument;
   commit_gate_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(abort_flag, scales, stride, world);
   return launched();
+}
+
+
+// ---- batches (kernels.h): the jobs travel as kernel arguments, up to kPackBytes of them per launch;
+// each job owns a contiguous range of the grid's blocks (first[j] .. first[j+1]), exactly the blocks
+// its single launch would have had, so every bucket is computed as by its own launch. ----
+namespace {
+
+constexpr size_t kPackBytes = 3968;  // under the classic 4 KiB kernel-argument limit, with the others
+
+template <class Job>
+struct Pack {
+  static constexpr int kMax = static_cast<int>((kPackBytes - 8) / (sizeof(Job) + sizeof(int32_t)) - 1);
+  Job job[kMax];
+  int32_t first[kMax + 1];  // job j runs blocks [first[j], first[j+1]); jobs of no block are skipped
+  int32_t count;
+};
+static_assert(sizeof(Pack<CopyJob>) <= kPackBytes && sizeof(Pack<WorkerJob>) <= kPackBytes &&
+                  sizeof(Pack<ServerJob>) <= kPackBytes && sizeof(Pack<CommitJob>) <= kPackBytes &&
+                  sizeof(Pack<GateJob>) <= kPackBytes,
+              "a pack must fit the kernel-argument limit");
+
+// The job whose range holds `block`: the last j with first[j] <= block (a job of no block shares its
+// first with the next one, which wins).
+template <class Job>
+__device__ __forceinline__ int job_of(const Pack<Job>& p, int block) {
+  int lo = 0, hi = p.count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (p.first[mid] <= block) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// Bytes [0, bytes) of s to d, in words of W where d and s are equally aligned: a head of bytes up to
+// d's W-alignment, the words, a tail of bytes. Thread `start` of a grid-stride of `step`.
+template <class W>
+__device__ __forceinline__ void copy_words(const uint8_t* s, uint8_t* d, int64_t bytes, int64_t start,
+                                           int64_t step) {
+  constexpr int64_t kW = sizeof(W);
+  const int64_t head = min(bytes, (kW - static_cast<int64_t>(reinterpret_cast<uintptr_t>(d) % kW)) % kW);
+  for (int64_t i = start; i < head; i += step) d[i] = s[i];
+  const int64_t words = (bytes - head) / kW;
+  const W* sw = reinterpret_cast<const W*>(s + head);
+  W* dw = reinterpret_cast<W*>(d + head);
+  for (int64_t i = start; i < words; i += step) dw[i] = sw[i];
+  for (int64_t i = head + words * kW + start; i < bytes; i += step) d[i] = s[i];
+}
+
+// The widest word that src and dst share an alignment for (16 bytes when they are equally aligned
+// mod 16; a copy between buffers misaligned to each other goes in narrower words, down to bytes).
+__global__ void __launch_bounds__(kThreads) batch_copy_kernel(const __grid_constant__ Pack<CopyJob> p) {
+  const int j = job_of(p, blockIdx.x);
+  const CopyJob& c = p.job[j];
+  const unsigned block = blockIdx.x - p.first[j], nblocks = p.first[j + 1] - p.first[j];
+  const int64_t start = block * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t step = static_cast<int64_t>(nblocks) * blockDim.x;
+  const auto* s = static_cast<const uint8_t*>(c.src);
+  auto* d = static_cast<uint8_t*>(c.dst);
+  const uintptr_t x = reinterpret_cast<uintptr_t>(s) ^ reinterpret_cast<uintptr_t>(d);
+  if ((x & 15u) == 0)
+    copy_words<uint4>(s, d, c.bytes, start, step);
+  else if ((x & 7u) == 0)
+    copy_words<uint2>(s, d, c.bytes, start, step);
+  else if ((x & 3u) == 0)
+    copy_words<uint32_t>(s, d, c.bytes, start, step);
+  else if ((x & 1u) == 0)
+    copy_words<uint16_t>(s, d, c.bytes, start, step);
+  else
+    copy_words<uint8_t>(s, d, c.bytes, start, step);
+}
+
+template <int kType, bool kVec>
+__global__ void __launch_bounds__(kThreads)
+    worker_many_kernel(const __grid_constant__ Pack<WorkerJob> p, uint32_t magic) {
+  const int j = job_of(p, blockIdx.x);
+  const WorkerJob& w = p.job[j];
+  worker_body<kType, kVec>(w.m, w.n, w.error, w.padded, w.signs, &w.header->scale, w.workspace, w.header,
+                           w.header_dtype, magic, nullptr, 0, blockIdx.x - p.first[j], p.first[j + 1] - p.first[j]);
+}
+
+template <bool kVec>
+__global__ void __launch_bounds__(kThreads) server_many_kernel(const __grid_constant__ Pack<ServerJob> p, int world) {
+  const int j = job_of(p, blockIdx.x);
+  const ServerJob& v = p.job[j];
+  server_body<kVec, kServerScale | kServerPack>(v.signs, v.scales, v.scale_stride, world,
+                                                const_cast<float*>(v.server_error), v.chunk, v.scale, v.packed,
+                                                nullptr, nullptr, 0, v.workspace, blockIdx.x - p.first[j],
+                                                p.first[j + 1] - p.first[j]);
+}
+
+template <int kType, bool kVec, bool kVecS>
+__global__ void __launch_bounds__(kThreads) commit_many_kernel(const __grid_constant__ Pack<CommitJob> p, int world) {
+  const int j = job_of(p, blockIdx.x);
+  const CommitJob& c = p.job[j];
+  commit_all_body<kType, kVec, kVecS>(c.signs, c.scales, c.scale_stride, c.server_error, c.server_scale, c.m, c.n,
+                                      c.error, c.padded, c.scale, c.out_scales, c.out_scale_stride, c.out_signs,
+                                      c.out_sign_stride, world, c.guard, c.guard_stride, blockIdx.x - p.first[j],
+                                      p.first[j + 1] - p.first[j]);
+}
+
+// One thread, as commit_gate_kernel: the flag is read once for every job.
+__global__ void commit_gate_many_kernel(const int* abort_flag, const __grid_constant__ Pack<GateJob> p, int world) {
+  if (*static_cast<const volatile int*>(abort_flag) == 0) return;
+  for (int j = 0; j < p.count; ++j)
+    for (int i = 0; i < world; ++i) p.job[j].scales[i * p.job[j].stride] = __int_as_float(0x7fc00000);
+}
+
+// Launches `launch(pack, blocks)` for the jobs in `idx` (indices into `jobs`), kMax at a time; job i
+// gets blocks_of(jobs[i]) blocks (0: skipped).
+template <class Job, class BlocksOf, class Launch>
+Status launch_packs(const Job* jobs, const std::vector<int64_t>& idx, BlocksOf blocks_of, Launch launch) {
+  Pack<Job> p;
+  size_t i = 0;
+  while (i < idx.size()) {
+    p.count = 0;
+    int32_t total = 0;
+    for (; i < idx.size() && p.count < Pack<Job>::kMax; ++i) {
+      p.job[p.count] = jobs[idx[i]];
+      p.first[p.count++] = total;
+      total += blocks_of(jobs[idx[i]]);
+    }
+    p.first[p.count] = total;
+    if (total == 0) continue;
+    launch(p, total);
+    if (launched() != Status::kSuccess) return Status::kCudaError;
+  }
+  return Status::kSuccess;
+}
+
+// The jobs' indices grouped by a kernel variant key in [0, kinds) (dtype and alignment flags), so
+// each group is one kernel instantiation.
+template <class Job, class KeyOf>
+std::vector<std::vector<int64_t>> group_by(const Job* jobs, int64_t count, int kinds, KeyOf key_of) {
+  std::vector<std::vector<int64_t>> g(static_cast<size_t>(kinds));
+  for (int64_t i = 0; i < count; ++i) g[static_cast<size_t>(key_of(jobs[i]))].push_back(i);
+  return g;
+}
+
+int type_code(InputType t) { return t == InputType::kFloat16 ? kF16 : t == InputType::kBFloat16 ? kBF16 : kF32; }
+
+// Calls f(Tag<type, vec>{}) for a type code (as dispatch, without the launch check).
+template <class F>
+void for_type(int type, bool vec, F&& f) {
+  if (type == kF16) vec ? f(Tag<kF16, true>{}) : f(Tag<kF16, false>{});
+  else if (type == kBF16) vec ? f(Tag<kBF16, true>{}) : f(Tag<kBF16, false>{});
+  else vec ? f(Tag<kF32, true>{}) : f(Tag<kF32, false>{});
+}
+
+}  // namespace
+
+Status batch_copy(const CopyJob* jobs, int64_t count, Stream stream) {
+  if (batch::any_bad(jobs, count)) return Status::kInvalidArgument;
+  std::vector<int64_t> idx;
+  for (int64_t i = 0; i < count; ++i)
+    if (jobs[i].bytes > 0 && jobs[i].src != jobs[i].dst) idx.push_back(i);
+  auto s = static_cast<cudaStream_t>(stream);
+  // A block moves 4 KiB per pass in 16-byte words; at most 512 blocks per copy (a one-bucket step's
+  // signs are megabytes per peer, in narrower words where the two sides are misaligned to each other).
+  return launch_packs(
+      jobs, idx, [](const CopyJob& c) { return static_cast<int32_t>(std::min<int64_t>((c.bytes + 4095) / 4096, 512)); },
+      [&](const Pack<CopyJob>& p, int32_t blocks) { batch_copy_kernel<<<blocks, kThreads, 0, s>>>(p); });
+}
+
+Status worker_scale_pack_header_many(const WorkerJob* jobs, int64_t count, uint32_t magic, Stream stream) {
+  if (batch::any_bad(jobs, count)) return Status::kInvalidArgument;
+  auto s = static_cast<cudaStream_t>(stream);
+  const auto groups = group_by(jobs, count, 6, [](const WorkerJob& w) {
+    return 2 * type_code(w.dtype) + (aligned16(w.m) && aligned16(w.error));
+  });
+  for (int key = 0; key < 6; ++key) {
+    Status st = Status::kSuccess;
+    for_type(key / 2, key % 2, [&](auto tag) {
+      using T = decltype(tag);
+      st = launch_packs(
+          jobs, groups[key], [](const WorkerJob& w) { return grid_for(w.padded / 8, true); },
+          [&](const Pack<WorkerJob>& p, int32_t blocks) {
+            worker_many_kernel<T::kType, T::kVec><<<blocks, kThreads, 0, s>>>(p, magic);
+          });
+    });
+    if (st != Status::kSuccess) return st;
+  }
+  return Status::kSuccess;
+}
+
+Status server_scale_pack_many(const ServerJob* jobs, int64_t count, int world, Stream stream) {
+  if (batch::any_bad(jobs, count, world)) return Status::kInvalidArgument;
+  auto s = static_cast<cudaStream_t>(stream);
+  const auto groups = group_by(jobs, count, 2, [](const ServerJob& v) { return aligned16(v.server_error) ? 1 : 0; });
+  auto blocks = [](const ServerJob& v) { return grid_for(v.chunk / 8, true); };
+  Status st = launch_packs(jobs, groups[0], blocks, [&](const Pack<ServerJob>& p, int32_t b) {
+    server_many_kernel<false><<<b, kThreads, 0, s>>>(p, world);
+  });
+  if (st != Status::kSuccess) return st;
+  return launch_packs(jobs, groups[1], blocks, [&](const Pack<ServerJob>& p, int32_t b) {
+    server_many_kernel<true><<<b, kThreads, 0, s>>>(p, world);
+  });
+}
+
+Status commit_many(const CommitJob* jobs, int64_t count, int world, Stream stream) {
+  if (batch::any_bad(jobs, count, world)) return Status::kInvalidArgument;
+  auto s = static_cast<cudaStream_t>(stream);
+  const auto groups = group_by(jobs, count, 12, [](const CommitJob& c) {
+    return 4 * type_code(c.dtype) + 2 * (aligned16(c.m) && aligned16(c.error)) + aligned16(c.server_error);
+  });
+  // as commit(): nothing to do (no launch) for an empty bucket
+  auto blocks = [](const CommitJob& c) { return c.padded == 0 ? 0 : grid_for(c.padded / 8, false); };
+  for (int key = 0; key < 12; ++key) {
+    Status st = Status::kSuccess;
+    const bool vec_s = key % 2;
+    for_type(key / 4, (key / 2) % 2, [&](auto tag) {
+      using T = decltype(tag);
+      st = launch_packs(jobs, groups[key], blocks, [&](const Pack<CommitJob>& p, int32_t b) {
+        if (vec_s)
+          commit_many_kernel<T::kType, T::kVec, true><<<b, kThreads, 0, s>>>(p, world);
+        else
+          commit_many_kernel<T::kType, T::kVec, false><<<b, kThreads, 0, s>>>(p, world);
+      });
+    });
+    if (st != Status::kSuccess) return st;
+  }
+  return Status::kSuccess;
+}
+
+Status commit_gate_many(const int* abort_flag, const GateJob* jobs, int64_t count, int world, Stream stream) {
+  if (abort_flag == nullptr || world < 0 || batch::any_bad(jobs, count)) return Status::kInvalidArgument;
+  if (count == 0) return Status::kSuccess;
+  // One thread reads the flag once for the whole batch; a batch longer than a pack is gated in
+  // several launches, each reading it (they run in stream order, before every commit).
+  auto s = static_cast<cudaStream_t>(stream);
+  std::vector<int64_t> idx(static_cast<size_t>(count));
+  for (int64_t i = 0; i < count; ++i) idx[static_cast<size_t>(i)] = i;
+  return launch_packs(jobs, idx, [](const GateJob&) { return 1; }, [&](const Pack<GateJob>& p, int32_t) {
+    commit_gate_many_kernel<<<1, 1, 0, s>>>(abort_flag, p, world);
+  });
 }
 
 }  // namespace cuda

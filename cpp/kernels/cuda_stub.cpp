@@ -48,3 +48,12 @@ Status host_alloc_mapped(void**, void**, int64_t) { return Status::kNotBuilt; }
 Status stream_idle(Stream, bool*) { return Status::kNotBuilt; }
 Status stream_capturing(Stream, bool*) { return Status::kNotBuilt; }
 }  // namespace compcomm::kernels
+
+// The batched kernels (kernels.h): kNotBuilt too.
+namespace compcomm::kernels::cuda {
+Status batch_copy(const CopyJob*, int64_t, Stream) { return Status::kNotBuilt; }
+Status worker_scale_pack_header_many(const WorkerJob*, int64_t, uint32_t, Stream) { return Status::kNotBuilt; }
+Status server_scale_pack_many(const ServerJob*, int64_t, int, Stream) { return Status::kNotBuilt; }
+Status commit_many(const CommitJob*, int64_t, int, Stream) { return Status::kNotBuilt; }
+Status commit_gate_many(const int*, const GateJob*, int64_t, int, Stream) { return Status::kNotBuilt; }
+}  // namespace compcomm::kernels::cuda

@@ -48,6 +48,85 @@ static_assert(sizeof(HeaderNotice) == 64, "HeaderNotice is one 64-byte line");
 // nothing. This lets a caller that does not inspect the exchanged scales on the host (CUDA-graph capture)
 // still leave its state untouched when some rank's input was not finite.
 
+// ---- batches: one call (one launch per phase on GPU, a few for very long batches) for the work of
+// many buckets. Each job is exactly what the single call of the same name does, with the same bits
+// (on GPU every bucket keeps the blocks and thread partition its own launch would have, so even its
+// fp64 norm sums in the same order). The job arrays are read on the host before the call returns (on
+// GPU they travel as kernel arguments), so the caller may reuse them at once. Jobs must not overlap
+// each other's outputs (they run concurrently on GPU). ----
+
+// One copy of a batch_copy: `bytes` bytes from src to dst (both device memory on GPU).
+struct CopyJob {
+  const void* src;
+  void* dst;
+  int64_t bytes;
+};
+
+// One bucket of worker_scale_pack_header_many (the arguments of worker_scale_pack_header, no notice).
+struct WorkerJob {
+  const void* m;
+  const float* error;
+  uint8_t* signs;
+  void* workspace;
+  ExchangeHeader* header;
+  int64_t n, padded;
+  InputType dtype;
+  int32_t header_dtype;
+};
+
+// One bucket of server_scale_pack_many (the arguments of server_scale_pack; world is the batch's).
+struct ServerJob {
+  const uint8_t* signs;
+  const float* scales;
+  int64_t scale_stride;
+  const float* server_error;
+  int64_t chunk;
+  float* scale;
+  uint8_t* packed;
+  void* workspace;
+};
+
+// One bucket of commit_many (the arguments of commit; world is the batch's).
+struct CommitJob {
+  const uint8_t* signs;
+  const float* scales;
+  int64_t scale_stride;
+  float* server_error;
+  const float* server_scale;
+  void* m;
+  int64_t n;
+  float* error;
+  int64_t padded;
+  const float* scale;
+  const float* out_scales;
+  int64_t out_scale_stride;
+  const uint8_t* out_signs;
+  int64_t out_sign_stride;
+  const float* guard;
+  int64_t guard_stride;
+  InputType dtype;
+};
+
+// One bucket of commit_gate_many: its `world` scales at scales[i*stride].
+struct GateJob {
+  float* scales;
+  int64_t stride;
+};
+
+#define COMPCOMM_BATCH_DECLS                                                                         \
+  /* memcpy of every job, in any order. */                                                           \
+  Status batch_copy(const CopyJob* jobs, int64_t count, Stream stream);                             \
+  /* worker_scale_pack_header of every job, with `magic`. */                                         \
+  Status worker_scale_pack_header_many(const WorkerJob* jobs, int64_t count, uint32_t magic,        \
+                                       Stream stream);                                              \
+  /* server_scale_pack of every job. */                                                              \
+  Status server_scale_pack_many(const ServerJob* jobs, int64_t count, int world, Stream stream);     \
+  /* commit of every job (each under its own guard). */                                             \
+  Status commit_many(const CommitJob* jobs, int64_t count, int world, Stream stream);               \
+  /* commit_gate of every job under one reading of *abort_flag. */                                   \
+  Status commit_gate_many(const int* abort_flag, const GateJob* jobs, int64_t count, int world,     \
+                          Stream stream);
+
 #define COMPCOMM_KERNEL_DECLS                                                                         \
   /* Scratch bytes the *_scale_pack calls need for P (or C) elements. On GPU the scratch must be           \
      zero-filled before its first use; every call leaves it zero-filled again. */                     \
@@ -109,15 +188,18 @@ static_assert(sizeof(HeaderNotice) == 64, "HeaderNotice is one 64-byte line");
 
 namespace cpu {
 COMPCOMM_KERNEL_DECLS
+COMPCOMM_BATCH_DECLS
 }  // namespace cpu
 
 namespace cuda {
 COMPCOMM_KERNEL_DECLS
+COMPCOMM_BATCH_DECLS
 // Whether the CUDA kernels were compiled into this build.
 bool built();
 }  // namespace cuda
 
 #undef COMPCOMM_KERNEL_DECLS
+#undef COMPCOMM_BATCH_DECLS
 
 // Device-to-device (or host<->device) copy of `bytes` on `stream`; kNotBuilt without CUDA.
 Status device_copy(void* dst, const void* src, int64_t bytes, Stream stream);
