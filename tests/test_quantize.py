@@ -61,6 +61,30 @@ def test_quantize_matches_numpy_bitwise(n, dtype, block):
         assert err <= x.float().abs().max() / 254 * 1.01 + x.float().abs().max() * 2 ** -7
 
 
+@pytest.mark.parametrize("segments", [[0, 5, 0, 300, 1], [256, 256, 3], [1000]])
+def test_segments_start_blocks(segments):
+    """Each segment quantized on its own, payloads' scales then values concatenated."""
+    n = sum(segments)
+    x = _data(n, torch.bfloat16)
+    got = quantize_blockwise(x, 128, segments=segments)
+    assert got.numel() == payload_bytes(n, 128, segments)
+    parts, off = [], 0
+    for s in segments:
+        parts.append(_ref_quantize(x[off:off + s].float().numpy(), 128))
+        off += s
+    nbs = [-(-s // 128) for s in segments]
+    ref = b"".join(p[:4 * k] for p, k in zip(parts, nbs)) + b"".join(p[4 * k:] for p, k in
+                                                                      zip(parts, nbs))
+    assert got.numpy().tobytes() == ref
+    out = torch.empty(2 * n, dtype=torch.bfloat16)
+    dequantize_blockwise(torch.cat([got, got]), n, out, 128, segments)
+    want = np.concatenate([_ref_dequantize(p, s, 128) for p, s in zip(parts, segments)])
+    assert torch.equal(out[:n], torch.from_numpy(want).to(torch.bfloat16))
+    assert torch.equal(out[n:], out[:n])
+    with pytest.raises(ValueError, match="'segments'"):
+        quantize_blockwise(x, 128, segments=[n + 1])
+
+
 def test_dequantize_rows_like_an_allgather():
     """R payloads end to end (what an all-gather delivers) land in R rows of the output."""
     n, rows = 301, 3

@@ -19,8 +19,11 @@ reduce-scatter. :func:`compressed_allgather` installs an ``AllGather``
 * **Quantized all-gather** (``quantized=True``). Each rank quantizes its exact shard blockwise to
   int8 (:mod:`compcomm.quantize`), the payloads are all-gathered as bytes and dequantized into
   FSDP's output buffer, this rank's own slot included: every rank computes with the same weights.
-  The master shards stay exact (no error feedback: each step re-quantizes them). Non-float
-  gathers (e.g. FSDP's uint8 for float8 tensors) go through unquantized.
+  The master shards stay exact (no error feedback: each step re-quantizes them). Blocks start
+  at every parameter's shard within the flat input (read from FSDP's parameter list, the same on
+  every rank; flat blocks when it cannot be read), so a bias never shares a scale with a
+  LayerNorm weight. Non-float gathers (e.g. FSDP's uint8 for float8 tensors) go through
+  unquantized.
 
 The call is synchronous on the caller's stream (FSDP records its event right after it returns);
 torch ops only, so it runs on CPU and CUDA alike. At world size 1 FSDP does not call it.
@@ -101,15 +104,34 @@ class GatherState:
         self.peak_cache_bytes = max(self.peak_cache_bytes, self.cache_bytes())
 
 
+def _param_groups(module: Any) -> List[Any]:
+    st = module._get_fsdp_state()
+    return [g for g in (getattr(st, "_fsdp_param_groups", None)
+                        or [getattr(st, "_fsdp_param_group", None)]) if g is not None]
+
+
 def _reshards_after_forward(module: Any) -> bool:
     """Whether FSDP gathers ``module`` again for its backward (read from FSDP's state, which
     torch does not expose publicly; True when it cannot be read)."""
     try:
-        st = module._get_fsdp_state()
-        groups = getattr(st, "_fsdp_param_groups", None) or [getattr(st, "_fsdp_param_group")]
-        return all(getattr(g, "post_forward_mesh_info", True) is not None for g in groups if g)
+        return all(getattr(g, "post_forward_mesh_info", True) is not None
+                   for g in _param_groups(module))
     except Exception:  # noqa: BLE001 - another torch's internals: cache it, which is safe
         return True
+
+
+def _segments(module: Any, n: int) -> Optional[List[int]]:
+    """Sizes of the parameter shards in FSDP's flat all-gather input of ``module`` (FSDP's
+    parameter order; from shapes only, so the same on every rank), or None (flat blocks) when
+    this torch's internals do not give ``n``."""
+    try:
+        groups = _param_groups(module)
+        if len(groups) != 1:
+            return None
+        segs = [int(fp._sharded_param_data.numel()) for fp in groups[0].fsdp_params]
+    except Exception:  # noqa: BLE001 - another torch's internals: flat blocks are correct too
+        return None
+    return segs if sum(segs) == n else None
 
 
 class CompressedAllGather(AllGather):
@@ -118,6 +140,7 @@ class CompressedAllGather(AllGather):
     def __init__(self, state: GatherState, name: str, module: Any) -> None:
         self.state, self.name = state, name
         self._module = weakref.ref(module)
+        self._segs: Dict[int, Optional[List[int]]] = {}
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(size, dtype=dtype, device=device)
@@ -127,7 +150,12 @@ class CompressedAllGather(AllGather):
         st = self.state
         world, n = group.size(), input_tensor.numel()
         quant = st.quantized and output_tensor.dtype in _FLOATS
-        key = (n, world, output_tensor.dtype, output_tensor.device, quant, st.block)
+        module = self._module()
+        if quant and n not in self._segs:
+            self._segs[n] = _segments(module, n) if module is not None else None
+        segs = self._segs.get(n) if quant else None
+        key = (n, world, output_tensor.dtype, output_tensor.device, quant, st.block,
+               tuple(segs or ()))
         st.logical_bytes += (world - 1) * n * input_tensor.element_size()
         entry = st._entries.pop(self.name, None) if st.cache else None
         if entry is not None and entry[0] == st.generation and entry[1] == key:
@@ -135,23 +163,22 @@ class CompressedAllGather(AllGather):
             if payload.is_cuda:  # read on this stream; freed when done here
                 payload.record_stream(torch.cuda.current_stream(payload.device))
             if quant:
-                dequantize_blockwise(payload, n, output_tensor, st.block)
+                dequantize_blockwise(payload, n, output_tensor, st.block, segs)
             else:
                 output_tensor.copy_(payload)
             st.hits += 1
             return None
         st.gathers += 1
         if quant:
-            local = quantize_blockwise(input_tensor, st.block)
+            local = quantize_blockwise(input_tensor, st.block, segments=segs)
             payload = torch.empty(world * local.numel(), dtype=torch.uint8, device=local.device)
             _all_gather(payload, local, group=group)
-            dequantize_blockwise(payload, n, output_tensor, st.block)
+            dequantize_blockwise(payload, n, output_tensor, st.block, segs)
             st.bytes_sent += (world - 1) * local.numel()
         else:
             _all_gather(output_tensor, input_tensor, group=group)
             st.bytes_sent += (world - 1) * n * input_tensor.element_size()
             payload = output_tensor
-        module = self._module()
         if st.cache and module is not None and _reshards_after_forward(module):
             st._store(self.name, key, payload if quant else payload.clone())
         return None

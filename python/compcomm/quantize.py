@@ -4,7 +4,9 @@ Used by :mod:`compcomm.fsdp_gather` to all-gather FSDP2's parameter shards in ab
 of bf16 (a quarter of fp32). The payload of ``n`` elements with block size ``B`` is
 ``nb = ceil(n / B)`` blocks laid out as ``[nb fp32 scales][nb * B int8 values]`` (``nb * (4 + B)``
 bytes), so a gathered ``(W, payload)`` buffer is W payloads end to end and each row is dequantized
-the same way on every rank.
+the same way on every rank. With ``segments`` (sizes summing to ``n``, e.g. the parameters of a
+flat shard) every segment starts a block of its own: a small-valued bias then never shares a
+block, and so a scale, with a LayerNorm weight of ~1; ``nb = sum(ceil(s / B))``.
 
 Numerics (fp32; the input is first cast to fp32, exactly for bf16/fp16), for each block ``x``
 (zero-padded to ``B``): ``amax = max |x|``, ``scale = amax / 127`` (fp32 division),
@@ -20,7 +22,7 @@ compcomm C++/CUDA kernel: a fused kernel pair is future work (docs/fsdp.md).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -37,16 +39,38 @@ def _check_block(block: int) -> None:
                          f"multiple of 4 (the scales stay 4-byte aligned), got {block!r}")
 
 
-def payload_bytes(n: int, block: int = DEFAULT_BLOCK) -> int:
-    """Bytes of the payload of ``n`` elements: ``ceil(n / block) * (4 + block)``."""
+def _blocks(n: int, block: int, segments: Optional[Sequence[int]]) -> int:
+    if segments is None:
+        return -(-n // block)
+    if sum(segments) != n or any(s < 0 for s in segments):
+        raise ValueError(f"compcomm.quantize: argument 'segments' must be sizes >= 0 summing to "
+                         f"{n}, got sum {sum(segments)}")
+    return sum(-(-s // block) for s in segments)
+
+
+def payload_bytes(n: int, block: int = DEFAULT_BLOCK,
+                  segments: Optional[Sequence[int]] = None) -> int:
+    """Bytes of the payload of ``n`` elements: ``ceil(n / block) * (4 + block)`` (with
+    ``segments``: ``sum(ceil(s / block)) * (4 + block)``)."""
     _check_block(block)
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"compcomm.quantize: argument 'n' must be an integer >= 0, got {n!r}")
-    return -(-n // block) * (4 + block)
+    return _blocks(n, block, segments) * (4 + block)
+
+
+def _pieces(segments: Optional[Sequence[int]], n: int, block: int) -> List[Tuple[int, int, int]]:
+    """(source offset, block-aligned offset, size) of each non-empty segment."""
+    out, src, dst = [], 0, 0
+    for s in (segments if segments is not None else [n]):
+        if s:
+            out.append((src, dst, s))
+        src, dst = src + s, dst + -(-s // block) * block
+    return out
 
 
 def quantize_blockwise(x: torch.Tensor, block: int = DEFAULT_BLOCK,
-                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                       out: Optional[torch.Tensor] = None,
+                       segments: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Quantize ``x`` (any shape, fp32/bf16/fp16, read flat) to the payload described above.
 
     Parameters
@@ -56,7 +80,10 @@ def quantize_blockwise(x: torch.Tensor, block: int = DEFAULT_BLOCK,
     block : int, default 256
         Elements per block (a multiple of 4).
     out : torch.Tensor, optional
-        A contiguous uint8 tensor of ``payload_bytes(x.numel(), block)`` elements on ``x``'s device.
+        A contiguous uint8 tensor of ``payload_bytes(x.numel(), block, segments)`` elements on
+        ``x``'s device.
+    segments : sequence of int, optional
+        Sizes summing to ``x.numel()``; each starts a new block.
 
     Returns
     -------
@@ -68,7 +95,7 @@ def quantize_blockwise(x: torch.Tensor, block: int = DEFAULT_BLOCK,
         raise TypeError(f"compcomm.quantize: argument 'x' must be a float32/bfloat16/float16 "
                         f"tensor, got {getattr(x, 'dtype', type(x).__name__)}")
     n = x.numel()
-    nb = -(-n // block)
+    nb = _blocks(n, block, segments)
     size = nb * (4 + block)
     if out is None:
         out = torch.empty(size, dtype=torch.uint8, device=x.device)
@@ -79,7 +106,9 @@ def quantize_blockwise(x: torch.Tensor, block: int = DEFAULT_BLOCK,
     if nb == 0:
         return out
     xf = torch.zeros(nb * block, dtype=torch.float32, device=x.device)
-    xf[:n].copy_(x.reshape(-1))
+    flat = x.reshape(-1)
+    for src, dst, sz in _pieces(segments, n, block):
+        xf[dst:dst + sz].copy_(flat[src:src + sz])
     xb = xf.view(nb, block)
     scales = out[:4 * nb].view(torch.float32)
     torch.div(xb.abs().amax(dim=1), 127.0, out=scales)
@@ -90,7 +119,8 @@ def quantize_blockwise(x: torch.Tensor, block: int = DEFAULT_BLOCK,
 
 
 def dequantize_blockwise(payload: torch.Tensor, n: int, out: torch.Tensor,
-                         block: int = DEFAULT_BLOCK) -> torch.Tensor:
+                         block: int = DEFAULT_BLOCK,
+                         segments: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Dequantize ``R`` payloads of ``n`` elements each into ``out``.
 
     Parameters
@@ -103,6 +133,8 @@ def dequantize_blockwise(payload: torch.Tensor, n: int, out: torch.Tensor,
     out : torch.Tensor
         ``R * n`` elements (fp32/bf16/fp16), contiguous; row r receives payload r.
     block : int, default 256
+    segments : sequence of int, optional
+        As given to :func:`quantize_blockwise`.
 
     Returns
     -------
@@ -110,7 +142,7 @@ def dequantize_blockwise(payload: torch.Tensor, n: int, out: torch.Tensor,
         ``out``.
     """
     _check_block(block)
-    per = payload_bytes(n, block)
+    per = payload_bytes(n, block, segments)
     if out.dtype not in _FLOATS or not out.is_contiguous():
         raise TypeError("compcomm.quantize: argument 'out' must be a contiguous "
                         "float32/bfloat16/float16 tensor")
@@ -125,5 +157,7 @@ def dequantize_blockwise(payload: torch.Tensor, n: int, out: torch.Tensor,
     scales = p[:, :4 * nb].view(torch.float32)
     q = p[:, 4 * nb:].view(torch.int8).view(rows, nb, block)
     deq = q.to(torch.float32).mul_(scales.unsqueeze(2)).view(rows, nb * block)
-    out.view(rows, n).copy_(deq[:, :n])
+    rows_out = out.view(rows, n)
+    for src, dst, sz in _pieces(segments, n, block):
+        rows_out[:, src:src + sz].copy_(deq[:, dst:dst + sz])
     return out
