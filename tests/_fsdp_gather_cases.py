@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 
-def _model(world: int, ag: Optional[Dict[str, Any]] = None, onebit: Optional[Dict[str, Any]] = None):
+def _model(world: int, ag: Optional[Dict[str, Any]] = None,
+           onebit: Optional[Dict[str, Any]] = None):
     """Two resharding blocks and a root that owns the last Linear (the root is not resharded
     after forward: FSDP gathers it once a step)."""
     from torch.distributed.device_mesh import init_device_mesh

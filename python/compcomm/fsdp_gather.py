@@ -10,7 +10,8 @@ reduce-scatter. :func:`compressed_allgather` installs an ``AllGather``
   change, so a module's second gather is served from what its first one received, with no
   communication. An entry is kept per module that reshards after forward (what FSDP's root does
   not), compactly (the int8 payload when ``quantized``, else the gathered buffer), and released
-  when it is served. Every entry is dropped, on every rank in lockstep, by :meth:`GatherState.invalidate`:
+  when it is served. Every entry is dropped, on every rank in lockstep, by
+  :meth:`GatherState.invalidate`:
   called after every optimizer step (torch's global optimizer step post hook, or the hooks of the
   optimizers passed), after ``load_state_dict`` of any FSDP module, and by the user after changing
   parameters any other way. Whether a call is served from the cache depends only on the call
