@@ -4,7 +4,9 @@ For compcomm-bench train's model (``fully_shard`` per block and the root, fp32 o
 training step per mode after a first one, rank 0: the all-gather bytes this rank sent per step
 (ring convention), the gathers and cache hits, the cache's peak bytes (held from a module's forward
 gather to its backward one) against the model's parameter bytes, and the bytes FSDP's own
-all-gather sends for the same step. No timing.
+all-gather sends for the same step. ``--kernels N``: also the time of this process's int8
+quantize of an N-element fp32 shard and dequantize of W such shards, as ratios to copying the same
+fp32 data (one run, median of 7; run it under the benchmark lock).
 
 Run: python bench/bench_fsdp_gather.py --world 2 --model tiny --out bench/results/fsdp_gather_cpu.md
 """
@@ -61,11 +63,46 @@ def _rank(rank: int, world: int, model_name: str) -> List[Dict[str, Any]]:
     return out
 
 
+def _kernel_lines(n: int, world: int) -> List[str]:
+    import statistics
+    import time
+
+    import torch
+
+    from compcomm.quantize import dequantize_blockwise, quantize_blockwise
+
+    torch.set_num_threads(1)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    out = torch.empty(world * n)
+    payload = torch.cat([quantize_blockwise(x)] * world)
+    src = torch.randn(world * n)
+
+    def med(fn: Any) -> float:
+        fn()
+        ts = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    copy_one = med(lambda: x.clone())
+    copy_all = med(lambda: out.copy_(src))
+    q = med(lambda: quantize_blockwise(x))
+    d = med(lambda: dequantize_blockwise(payload, n, out))
+    return ["", f"Kernels (torch ops, one thread, fp32, n = {n}, W = {world}; median of 7):", "",
+            f"- quantize one shard: {q * 1e3:.2f} ms = {q / copy_one:.1f}x a copy of the shard "
+            f"({copy_one * 1e3:.2f} ms)",
+            f"- dequantize W shards: {d * 1e3:.2f} ms = {d / copy_all:.1f}x a copy of the W shards "
+            f"({copy_all * 1e3:.2f} ms)"]
+
+
 def main(argv: List[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--kernels", type=int, default=0, help="also time the int8 kernels on N elements")
     a = ap.parse_args(argv)
     from compcomm.testing import run_ranks
 
@@ -79,6 +116,8 @@ def main(argv: List[str]) -> int:
         lines.append(f"| {r['mode']} | {r['gathers']} | {r['hits']} | {r['bytes_sent']} | "
                      f"{base / r['bytes_sent']:.2f}x fewer | {r['peak_cache_bytes']} | "
                      f"{r['peak_cache_bytes'] / r['param_bytes']:.3f} |")
+    if a.kernels:
+        lines += _kernel_lines(a.kernels, a.world)
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:
