@@ -16,6 +16,10 @@ of a rank must be whole bytes), so chunk r of the compressed reduce-scatter is e
 The result is the 1-bit *average*; FSDP's ``op`` says what it wants: AVG as it is, SUM times W,
 ``PREMUL_SUM(f)`` times W * f. FSDP records an event right after the call returns, so the call is
 stream-ordered on the caller's stream (CUDA) and writes only ``output_tensor``.
+
+The parameter all-gathers (FSDP's bf16 gathers before each forward and backward) are
+:mod:`compcomm.fsdp_gather`'s: ``onebit(..., quantized_allgather=True, regather_cache=True)`` or
+:func:`compressed_allgather` on its own.
 """
 
 from __future__ import annotations
