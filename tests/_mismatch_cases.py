@@ -263,3 +263,71 @@ def _rank_allreduce(rank: int, world: int) -> Dict[str, Any]:
     comp.close()
     assert _in_step(world)
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# the per-bucket exchange path (OneBitCompressor(batched=False)): each bucket's exchange is queued
+# behind the last, so ranks with different buckets used to wait in a collective until its timeout
+# --------------------------------------------------------------------------------------------
+UNBATCHED_TIMEOUT = 10.0  # a regression times out here (then the ranks are out of step)
+
+#: what each per-bucket case's message must name
+UNBATCHED_EXPECT = {"count": "number of buckets", "sizes": "bucket sizes", "one_sided": "layout",
+                    "compressed_one_sided": "layout", "compressed_grads": "which parameters"}
+
+
+def _unbatched(comm: Any) -> Any:
+    from compcomm.compress import OneBitCompressor
+
+    return OneBitCompressor(comm, timeout=UNBATCHED_TIMEOUT, batched=False)
+
+
+def _rank_unbatched(rank: int, world: int, name: str) -> Dict[str, Any]:
+    """``name``: "compressor" (OneBitCompressor.average_, the compressed allreduce of a set of
+    buckets) or a 1-bit optimizer class, both per bucket."""
+    odd = rank == world - 1
+    out: Dict[str, Any] = {}
+    if name == "compressor":
+        comp = _unbatched(compcomm.get_communicator(None))
+
+        def average(numels: List[int]) -> Result:
+            bufs = [torch.randn(n) for n in numels]
+            return _outcome(lambda: comp.average_(list(range(len(numels))), numels,
+                                                  lambda i: bufs[i], torch.device("cpu")),
+                            lambda: (bufs, comp.state_dict()))
+
+        # the first exchange has the same size on every rank: only the count differs
+        out["count"] = average([64, 64] if odd else [64])
+        assert _in_step(world)
+        out["sizes"] = average([64, 48] if odd else [64, 32])
+        assert _in_step(world)
+        # agreed once; then one rank alone changes: it checks, the others' first exchange meets
+        # its check's record, and their second exchange must not go out
+        assert average([64, 64])[0] == "no error"
+        out["one_sided"] = average([64] if odd else [64, 64])
+        assert _in_step(world)
+        comp.close()
+        return out
+    cls = getattr(compcomm.optim, name)
+    params = _params([64, 32, 16])  # three buckets of reduce_bucket_size=40
+    opt = cls(params, lr=1e-3, reduce_bucket_size=40, compressor=_unbatched, **_WARM[name])
+    seen = 0
+    for t in range(1, 40):  # to the compressed phase, and one compressed step (layouts agreed)
+        compressed = opt.schedule.next_kind() in _COMPRESSED_KINDS
+        if compressed and seen:
+            break
+        seen += compressed
+        _grads(params, rank, t)
+        opt.step()
+    assert seen and opt.schedule.next_kind() in _COMPRESSED_KINDS
+    _grads(params, rank, 99)
+    params[1 if odd else 2].grad = None
+    out["compressed_grads"] = _outcome(opt.step, lambda: _optimizer_state(opt, params))
+    assert _in_step(world)
+    _grads(params, rank, 100)
+    if odd:
+        params[1].grad = None
+    out["compressed_one_sided"] = _outcome(opt.step, lambda: _optimizer_state(opt, params))
+    assert _in_step(world)
+    opt.compressor.close()
+    return out

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from _mismatch_cases import (ALLREDUCE_EXPECT, DDP_EXPECT, OPTIMIZER_EXPECT, ZERO_EXPECT,
-                             _rank_allreduce, _rank_ddp, _rank_optimizer, _rank_zero)
+from _mismatch_cases import (ALLREDUCE_EXPECT, DDP_EXPECT, OPTIMIZER_EXPECT, UNBATCHED_EXPECT,
+                             ZERO_EXPECT, _rank_allreduce, _rank_ddp, _rank_optimizer,
+                             _rank_unbatched, _rank_zero)
 from compcomm.testing import run_ranks
 
 TIMEOUT = 150  # seconds for a whole body: spawning the ranks takes most of it on a busy machine
@@ -51,3 +52,12 @@ def test_zero_raises_rank_mismatch_when_built():
 
 def test_compressed_allreduce_sizes_and_dtypes():
     _check(run_ranks(2, _rank_allreduce, timeout=TIMEOUT), ALLREDUCE_EXPECT.__getitem__, 2)
+
+
+@pytest.mark.parametrize("name", ["compressor", "OneBitAdam", "ZeroOneAdam"])
+def test_unbatched_exchanges_raise_rank_mismatch(name):
+    """OneBitCompressor(batched=False), alone and under the optimizers: every case raises
+    RankMismatchError on both ranks within seconds (a regression: CommTimeoutError after the
+    bodies' 10 s, or a hang until run_ranks gives up)."""
+    results = run_ranks(2, _rank_unbatched, name, timeout=90)
+    _check(results, UNBATCHED_EXPECT.__getitem__, 2)
