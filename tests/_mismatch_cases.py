@@ -331,3 +331,29 @@ def _rank_unbatched(rank: int, world: int, name: str) -> Dict[str, Any]:
     assert _in_step(world)
     opt.compressor.close()
     return out
+
+
+def _rank_ddp_loaded(rank: int, world: int) -> Dict[str, Any]:
+    """compcomm.ddp_comm_hook after load_state_dict: the last rank resumed at step 0 (warm-up: its
+    hook would average), the others at step 3 (compressed: theirs would not). The hook checks the
+    schedule again after a load, so backward raises on every rank, instead of one rank waiting in
+    its all-reduce."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    odd = rank == world - 1
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
+    model = _model()
+    ddp = DDP(model)
+    opt = compcomm.optim.OneBitAdam(ddp.parameters(), lr=1e-3, freeze_step=2)
+    ddp.register_comm_hook(None, compcomm.ddp_comm_hook(opt))
+    fresh = opt.state_dict()
+    for _ in range(3):  # the hook agreed on the buckets at the first step
+        ddp(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.load_state_dict(fresh if odd else opt.state_dict())
+    params = list(model.parameters())
+    out = {"hook_after_load": _outcome(lambda: (ddp(x).sum().backward(), opt.step()),
+                                       lambda: _optimizer_state(opt, params))}
+    assert _in_step(world)
+    return out

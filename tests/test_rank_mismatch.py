@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from _mismatch_cases import (ALLREDUCE_EXPECT, DDP_EXPECT, OPTIMIZER_EXPECT, UNBATCHED_EXPECT,
-                             ZERO_EXPECT, _rank_allreduce, _rank_ddp, _rank_optimizer,
-                             _rank_unbatched, _rank_zero)
+                             ZERO_EXPECT, _rank_allreduce, _rank_ddp, _rank_ddp_loaded,
+                             _rank_optimizer, _rank_unbatched, _rank_zero)
 from compcomm.testing import run_ranks
 
 TIMEOUT = 150  # seconds for a whole body: spawning the ranks takes most of it on a busy machine
@@ -42,6 +42,12 @@ def test_optimizers_raise_rank_mismatch(name, world):
 
 def test_ddp_hooks_raise_rank_mismatch():
     _check(run_ranks(2, _rank_ddp, timeout=TIMEOUT), DDP_EXPECT.__getitem__, 2)
+
+
+def test_ddp_hook_checks_the_schedule_again_after_a_load():
+    """Ranks resumed at different steps: RankMismatchError from backward on both (a regression:
+    one rank waits in the hook's all-reduce until run_ranks gives up)."""
+    _check(run_ranks(2, _rank_ddp_loaded, timeout=90), {"hook_after_load": "step"}.__getitem__, 2)
 
 
 def test_zero_raises_rank_mismatch_when_built():
