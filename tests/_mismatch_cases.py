@@ -357,3 +357,29 @@ def _rank_ddp_loaded(rank: int, world: int) -> Dict[str, Any]:
                                        lambda: _optimizer_state(opt, params))}
     assert _in_step(world)
     return out
+
+
+def _rank_zero_loaded(rank: int, world: int) -> Dict[str, Any]:
+    """ZeroOptimizer.load_state_dict of shards from different steps (the last rank's from step 0,
+    the others' from step 3, past OneBitAdam's freeze_step): RankMismatchError on every rank and
+    nothing loaded, instead of ranks that then run different phases' collectives."""
+    from compcomm.zero import ZeroOptimizer
+
+    odd = rank == world - 1
+    out: Dict[str, Any] = {}
+    for stage in (1, 2):
+        params = _params([64, 32, 16])
+        z = ZeroOptimizer(params, compcomm.optim.OneBitAdam, stage=stage, timeout=TIMEOUT,
+                          optimizer_kwargs={"lr": 1e-3, "freeze_step": 2})
+        fresh = torch.load(io.BytesIO(_snapshot(z.state_dict())), weights_only=False)
+        for t in range(1, 4):
+            loss = sum((p.float() * (1 + rank + t)).sum() for p in params)
+            loss.backward()
+            z.step()
+            z.zero_grad()
+        now = z.state_dict()
+        out[f"stage{stage}"] = _outcome(lambda: z.load_state_dict(fresh if odd else now),
+                                        lambda: (z.state_dict(), [p.detach().clone() for p in params]))
+        assert _in_step(world)
+        z.close()
+    return out

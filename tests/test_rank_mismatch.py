@@ -12,7 +12,7 @@ import pytest
 
 from _mismatch_cases import (ALLREDUCE_EXPECT, DDP_EXPECT, OPTIMIZER_EXPECT, UNBATCHED_EXPECT,
                              ZERO_EXPECT, _rank_allreduce, _rank_ddp, _rank_ddp_loaded,
-                             _rank_optimizer, _rank_unbatched, _rank_zero)
+                             _rank_optimizer, _rank_unbatched, _rank_zero, _rank_zero_loaded)
 from compcomm.testing import run_ranks
 
 TIMEOUT = 150  # seconds for a whole body: spawning the ranks takes most of it on a busy machine
@@ -54,6 +54,13 @@ def test_zero_raises_rank_mismatch_when_built():
     results = run_ranks(2, _rank_zero, timeout=TIMEOUT)
     _check(results, lambda case: ZERO_EXPECT[case.rsplit("_", 1)[1]], 2)
     assert len(results[0]) == 20
+
+
+def test_zero_load_of_shards_from_different_steps():
+    """RankMismatchError on every rank, nothing loaded (a regression: the load succeeds)."""
+    results = run_ranks(2, _rank_zero_loaded, timeout=TIMEOUT)
+    _check(results, lambda case: "global_steps", 2)
+    assert set(results[0]) == {"stage1", "stage2"}
 
 
 def test_compressed_allreduce_sizes_and_dtypes():
