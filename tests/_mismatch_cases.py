@@ -378,8 +378,9 @@ def _rank_zero_loaded(rank: int, world: int) -> Dict[str, Any]:
             z.step()
             z.zero_grad()
         now = z.state_dict()
-        out[f"stage{stage}"] = _outcome(lambda: z.load_state_dict(fresh if odd else now),
-                                        lambda: (z.state_dict(), [p.detach().clone() for p in params]))
+        out[f"stage{stage}"] = _outcome(
+            lambda: z.load_state_dict(fresh if odd else now),
+            lambda: (z.state_dict(), [p.detach().clone() for p in params]))
         assert _in_step(world)
         z.close()
     return out
