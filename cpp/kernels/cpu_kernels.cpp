@@ -12,6 +12,7 @@
 
 #include "half.h"
 #include "kernels.h"
+#include "notice.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define COMPCOMM_X86 1
@@ -499,9 +500,7 @@ Status worker_scale_pack_header(const void* m, InputType dtype, int64_t n, const
   Status s = worker_scale_pack(m, dtype, n, error, padded, &header->scale, signs, workspace, stream);
   if (s == Status::kSuccess) s = write_header(header, n, padded, header_dtype, magic, stream);
   if (s != Status::kSuccess || notice == nullptr) return s;
-  notice->header = *header;
-  std::atomic_thread_fence(std::memory_order_release);  // as the device twin: the header, then the tag
-  *static_cast<volatile uint64_t*>(&notice->tag) = seq;
+  post_notice_host(notice, *header, seq);  // as the device twin
   return s;
 }
 
