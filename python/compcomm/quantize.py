@@ -111,7 +111,9 @@ def quantize_blockwise(x: torch.Tensor, block: int = DEFAULT_BLOCK,
         xf[dst:dst + sz].copy_(flat[src:src + sz])
     xb = xf.view(nb, block)
     scales = out[:4 * nb].view(torch.float32)
-    torch.div(xb.abs().amax(dim=1), 127.0, out=scales)
+    # a tensor divisor: CUDA divides by a Python scalar as a multiply by its reciprocal, which
+    # rounds differently from the CPU's true division
+    torch.div(xb.abs().amax(dim=1), torch.full((1,), 127.0, device=x.device), out=scales)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     q = xb.div_(safe.unsqueeze(1)).round_().clamp_(-127, 127)
     out[4 * nb:].view(torch.int8).view(nb, block).copy_(q)
