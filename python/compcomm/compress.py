@@ -41,11 +41,14 @@ __all__ = ["DEFAULT_BUCKET_ELEMENTS", "Compressor", "IdentityCompressor", "OneBi
            "all_finite", "plan_buckets"]
 
 #: Elements per compressed bucket when the optimizer is not told otherwise (``reduce_bucket_size``):
-#: DeepSpeed's default, 5e8. Each bucket costs three collectives, and every collective pays the
-#: link's latency: measured on the H200 with 4 emulated hosts (121M parameters, NCCL over sockets),
-#: 2^24-element buckets (8 buckets, 24 collectives) made the compressed step 346 ms against 125 ms
-#: for one bucket, even on unshaped links. Models larger than a bucket still pipeline.
-DEFAULT_BUCKET_ELEMENTS = 500_000_000
+#: tensor-aligned buckets. Every tensor of more than 16384 elements is a bucket of its own, with its
+#: own scales; smaller ones (biases, norms) share buckets. One scale shared by tensors of very
+#: different magnitudes costs convergence: on the H200 (121M-parameter GPT, W=4, 600 steps) OneBitAdam
+#: ended 1.87% below its uncompressed twin with this plan and 2.42% above it with one bucket for all
+#: tensors (bench/results/gpu_1202b/README.md). All buckets still travel in one batched exchange of
+#: three collectives, and the batched kernels launch once per phase, so the step stayed within 1.03x
+#: of the one-bucket step there (52.9 vs 53.3 ms at 10 Gbit).
+DEFAULT_BUCKET_ELEMENTS = 16384
 
 def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether every element of ``tensors`` is finite (one host synchronisation per device).

@@ -72,12 +72,15 @@ class OneBitAdam(OneBitBase):
         ``state_dict()`` also holds this rank's error buffers and ``load_state_dict`` restores them
         when rank and world size match (save one file per rank, see
         :func:`compcomm.optim.save_rank_checkpoint`); otherwise they are reset, as DeepSpeed does.
-    reduce_bucket_size : int, default 500_000_000
+    reduce_bucket_size : int, default 16384
         Elements per compressed bucket (DeepSpeed's ``reduce_bucket_size`` meaning): the momenta
         of a param group's parameters are packed in order into buckets of at most this many
-        elements (a larger tensor is a bucket of its own), one compressed allreduce and one pair of
-        error buffers per bucket; each bucket is on the wire while the next is staged. Few, large
-        collectives: a slow link's latency is paid a few times per step, not once per tensor.
+        elements (a larger tensor is a bucket of its own), one compressed allreduce (its own
+        scales) and one pair of error buffers per bucket. The default makes every tensor of more
+        than 16384 elements a bucket of its own: tensors of different magnitudes do not share a
+        scale, which converges like exact averaging (docs/optimizers.md); all buckets travel in
+        one batched exchange of three collectives, so a slow link's latency is paid a few times
+        per step, not once per bucket. DeepSpeed's 5e8 packs a whole model in one bucket.
     per_parameter : bool, default False
         One compressed allreduce per parameter instead (DeepSpeed's fp32 layout, for its exact
         per-parameter numerics). Latency-bound: with ~150 tensors it made a GPU step 6x slower than
