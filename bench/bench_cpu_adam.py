@@ -174,6 +174,9 @@ def bench_workload(name: str, sizes: List[int], threads: int, repeats: int) -> L
     steps["piece: momentum staged in fresh buffers, torch ops"] = staged_momentum
     steps["piece: finiteness check, torch aminmax"] = aminmax_check
     steps["piece: finiteness check, compcomm all_finite"] = lambda: all_finite(grads)
+    # whether the gradients stay cached after one read (then a fold of the check into the step's
+    # pass, reading them a second time, would be nearly free): twice the row above if they do not
+    steps["piece: all_finite twice in a row"] = lambda: (all_finite(grads), all_finite(grads))
     steps["OneBitAdam.step, compressed phase, W=1 (kernels)"] = onebitadam_step(sizes, True)
     steps["OneBitAdam.step, compressed phase, W=1 (COMPCOMM_FUSED_OPTIM=0)"] = \
         onebitadam_step(sizes, False)

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "kernels/kernels.h"
+#include "kernels/notice.h"
 #include "poll.h"
 
 namespace compcomm {
@@ -142,22 +143,33 @@ inline void cpu_relax() {
 // The notice a whole call alone waits on for its verdict (kernels.h, HeaderNotice): one per thread, so
 // concurrent calls never share one. On a GPU it is page-locked host memory mapped into the devices,
 // allocated once; on the host, plain memory (the same code path, so the CPU tests cover it). A call
-// that timed out abandons its notice (its worker kernel may still post there later) and the thread
-// allocates a fresh one. Notices are never freed (a kernel may still write one; 64 bytes per thread).
+// that launched its worker with a notice but did not read its verdict there (a timeout, a failure in
+// between) abandons it (NoticeClaim): its worker kernel may still post there later, and the next
+// call on this thread gets a fresh notice. Notices are never freed (a kernel may still write one; 64
+// bytes per abandoned call).
 struct NoticeSlot {
   kernels::HeaderNotice* host = nullptr;    // read by this thread
   kernels::HeaderNotice* device = nullptr;  // written by the worker kernel
-  uint64_t seq = 0;                         // the last call's tag; tags start at 1, the memory at 0
 };
+
+// Tags are unique per call in the process (not per notice), so no notice can hold a tag of a later
+// call; they start at 1, the memory at 0.
+std::atomic<uint64_t> notice_seq{0};
 
 // nullptr where mapped memory cannot be had (a context without host mapping): the call then checks
 // at its end with a stream sync, as before notices existed.
 NoticeSlot* notice_slot(bool cuda) {
   thread_local kernels::HeaderNotice on_host{};
-  thread_local NoticeSlot host_slot{&on_host, &on_host, 0};
+  thread_local NoticeSlot host_slot{&on_host, &on_host};
   thread_local NoticeSlot mapped;
   thread_local bool unavailable = false;
-  if (!cuda) return &host_slot;
+  if (!cuda) {
+    if (host_slot.host == nullptr) {
+      auto* fresh = new kernels::HeaderNotice{};  // the abandoned one is left as it is (see above)
+      host_slot = NoticeSlot{fresh, fresh};
+    }
+    return &host_slot;
+  }
   if (mapped.host == nullptr && !unavailable) {
     void *h = nullptr, *d = nullptr;
     if (kernels::host_alloc_mapped(&h, &d, sizeof(kernels::HeaderNotice)) != kernels::Status::kSuccess) {
@@ -165,10 +177,26 @@ NoticeSlot* notice_slot(bool cuda) {
       return nullptr;
     }
     std::memset(h, 0, sizeof(kernels::HeaderNotice));
-    mapped = NoticeSlot{static_cast<kernels::HeaderNotice*>(h), static_cast<kernels::HeaderNotice*>(d), 0};
+    mapped = NoticeSlot{static_cast<kernels::HeaderNotice*>(h), static_cast<kernels::HeaderNotice*>(d)};
   }
   return unavailable ? nullptr : &mapped;
 }
+
+// Held from the worker launch until the call has read its verdict from the notice: a call that
+// leaves earlier (an exception) or could not trust what it read abandons the notice, so a kernel
+// of this call that posts late never writes where a later call waits.
+struct NoticeClaim {
+  NoticeSlot* slot;
+  explicit NoticeClaim(NoticeSlot* s) : slot(s) {}
+  NoticeClaim(const NoticeClaim&) = delete;
+  NoticeClaim& operator=(const NoticeClaim&) = delete;
+  ~NoticeClaim() { abandon(); }
+  void read() { slot = nullptr; }  // the worker posted and this call read it: nothing more comes
+  void abandon() {
+    if (slot != nullptr) *slot = NoticeSlot{};
+    slot = nullptr;
+  }
+};
 
 // memset/memcpy on host memory, their stream-ordered CUDA counterparts on device memory.
 void fill(bool cuda, void* dst, int value, int64_t bytes, void* stream, int rank) {
@@ -287,6 +315,11 @@ void fault_point(const char* point, bool cuda, void* stream) {
 }
 
 }  // namespace
+
+uint64_t notice_address(bool cuda) {
+  const NoticeSlot* slot = notice_slot(cuda);
+  return slot != nullptr ? reinterpret_cast<uint64_t>(slot->host) : 0;
+}
 
 CompressedAllreduceLayout compressed_allreduce_layout(int64_t padded, int world, bool cuda) {
   COMPCOMM_CHECK(world >= 1 && padded >= 0, "compressed_allreduce_layout: bad padded/world");
@@ -465,18 +498,19 @@ struct Call {
     return kernels::WorkerJob{m, e, signs_send, scratch, header, n, padded, itype, dtype};
   }
 
-  // 2, alone. The header as the worker kernel posted it in `slot` under tag `seq`, validated as
-  // check() does. Only the worker's verdict is waited for, not the stream: the server kernel queued
-  // behind it keeps running, and the caller queues the commit only after this returned, so a call
-  // that raises here (NaN/Inf, a timeout) never writes tensor or errors. The stream is polled now and
-  // then, so that a failed kernel raises rather than being waited for until the deadline.
-  void wait_notice(NoticeSlot& slot, uint64_t seq, double timeout_s) {
+  // 2, alone. Waits for the header the worker kernel posted in `slot` under tag `seq` and copies it to
+  // `*h`; false if what it read cannot be trusted (torn by another writer, or not this call's sizes):
+  // the caller then checks the header in the workspace after a stream sync (check()). Only the
+  // worker's verdict is waited for, not the stream: the server kernel queued behind it keeps
+  // running, and the caller queues the commit only after the verdict, so a call that raises
+  // (NaN/Inf, a timeout) never writes tensor or errors. The stream is polled now and then, so that a
+  // failed kernel raises rather than being waited for until the deadline.
+  bool wait_notice(const NoticeSlot& slot, uint64_t seq, double timeout_s, Header* h) {
     fault_point("exit_after_header", cuda, stream);  // tests: as check()
-    const volatile uint64_t* tag = &slot.host->tag;
+    kernels::NoticeState state = kernels::read_notice(slot.host, seq, h);
     auto arrived = [&] {
-      if (*tag != seq) return false;
-      std::atomic_thread_fence(std::memory_order_acquire);  // the header was written before the tag
-      return true;
+      if (state == kernels::NoticeState::kPending) state = kernels::read_notice(slot.host, seq, h);
+      return state != kernels::NoticeState::kPending;
     };
     if (!arrived()) {
       COMPCOMM_CHECK(cuda, "[rank ", rank, "] ", name, ": the worker pass posted no header");  // host: a bug
@@ -505,16 +539,15 @@ struct Call {
             return idle;
           },
           [&] {
-            slot = NoticeSlot{};  // abandoned: the worker kernel may still post there
             throw TimeoutError(detail::concat("[rank ", rank, "] ", name, ": the worker kernel did not finish "
                                               "within ", timeout_s, " s (is the stream blocked by earlier "
                                               "work?); nothing was changed"),
                                name, "cuda", 0, rank);
           });
     }
-    Header h;
-    std::memcpy(&h, const_cast<const kernels::HeaderNotice*>(slot.host), sizeof(Header));
-    check_host(&h);
+    // Alone, the only header is this call's own: sizes, dtype and magic are known.
+    return state == kernels::NoticeState::kReady && h->numel == n && h->padded == padded &&
+           h->dtype == dtype && h->magic == kHeaderMagic;
   }
 
   // 2. Validate every rank's header (in `headers`) before any variable-sized exchange and before
@@ -632,10 +665,14 @@ void run_compressed(const char* name, Communicator& comm, const Buffer& tensor, 
   // the server scale non-finite too, so the guarded commit writes nothing.
   const bool defer = c.alone && phase == kWhole;
   NoticeSlot* slot = defer && c.can_notify() ? notice_slot(c.cuda) : nullptr;
-  const uint64_t seq = slot != nullptr ? ++slot->seq : 0;
+  const uint64_t seq = slot != nullptr ? ++notice_seq : 0;
+  NoticeClaim claim(slot);
   if (phase & kExchange) {
     if (c.alone) comm.check_open(name);  // a closed communicator still raises
     c.worker(slot != nullptr ? slot->device : nullptr, seq);
+    if (slot != nullptr && test_fault("raise_after_worker"))  // tests: a failure after the launch
+      throw BackendError(detail::concat("[rank ", c.rank, "] ", name, ": test fault raise_after_worker"),
+                         name, "", 0, c.rank);
     if (!c.alone)
       comm.all_gather(c.ws_buf.reinterpret(DType::kUInt8, l.header_send, sizeof(Header)),
                       c.ws_buf.reinterpret(DType::kUInt8, l.header_recv, sizeof(Header) * c.world), opts);
@@ -653,7 +690,16 @@ void run_compressed(const char* name, Communicator& comm, const Buffer& tensor, 
                         c.ws_buf.reinterpret(DType::kUInt8, l.record_recv, l.record_bytes * c.world), opts);
     }
   }
-  if (slot != nullptr) c.wait_notice(*slot, seq, opts.timeout_s);
+  if (slot != nullptr) {
+    Header h;
+    if (c.wait_notice(*slot, seq, opts.timeout_s, &h)) {
+      claim.read();
+      c.check_host(&h);
+    } else {
+      claim.abandon();  // another writer was there: this thread's next call takes a fresh notice
+      c.check();
+    }
+  }
   if (phase & kCommit) c.commit();  // nothing to write when padded == 0
   if (defer && slot == nullptr) c.check();
 }

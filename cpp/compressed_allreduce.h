@@ -23,6 +23,10 @@ struct CompressedAllreduceLayout {
 
 CompressedAllreduceLayout compressed_allreduce_layout(int64_t padded, int world, bool cuda);
 
+// Tests: the host address of this thread's notice (compressed_allreduce.cpp, NoticeSlot) for host
+// (cuda = false) or device calls, made if there is none; 0 where mapped memory cannot be had.
+uint64_t notice_address(bool cuda);
+
 // Bytes one rank sends in one call (the same count Communicator::bytes_sent accumulates).
 int64_t compressed_allreduce_wire_bytes(int64_t padded, int world);
 

@@ -263,3 +263,124 @@ def _rank_allreduce(rank: int, world: int) -> Dict[str, Any]:
     comp.close()
     assert _in_step(world)
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# the per-bucket exchange path (OneBitCompressor(batched=False)): each bucket's exchange is queued
+# behind the last, so ranks with different buckets used to wait in a collective until its timeout
+# --------------------------------------------------------------------------------------------
+UNBATCHED_TIMEOUT = 10.0  # a regression times out here (then the ranks are out of step)
+
+#: what each per-bucket case's message must name
+UNBATCHED_EXPECT = {"count": "number of buckets", "sizes": "bucket sizes", "one_sided": "layout",
+                    "compressed_one_sided": "layout", "compressed_grads": "which parameters"}
+
+
+def _unbatched(comm: Any) -> Any:
+    from compcomm.compress import OneBitCompressor
+
+    return OneBitCompressor(comm, timeout=UNBATCHED_TIMEOUT, batched=False)
+
+
+def _rank_unbatched(rank: int, world: int, name: str) -> Dict[str, Any]:
+    """``name``: "compressor" (OneBitCompressor.average_, the compressed allreduce of a set of
+    buckets) or a 1-bit optimizer class, both per bucket."""
+    odd = rank == world - 1
+    out: Dict[str, Any] = {}
+    if name == "compressor":
+        comp = _unbatched(compcomm.get_communicator(None))
+
+        def average(numels: List[int]) -> Result:
+            bufs = [torch.randn(n) for n in numels]
+            return _outcome(lambda: comp.average_(list(range(len(numels))), numels,
+                                                  lambda i: bufs[i], torch.device("cpu")),
+                            lambda: (bufs, comp.state_dict()))
+
+        # the first exchange has the same size on every rank: only the count differs
+        out["count"] = average([64, 64] if odd else [64])
+        assert _in_step(world)
+        out["sizes"] = average([64, 48] if odd else [64, 32])
+        assert _in_step(world)
+        # agreed once; then one rank alone changes: it checks, the others' first exchange meets
+        # its check's record, and their second exchange must not go out
+        assert average([64, 64])[0] == "no error"
+        out["one_sided"] = average([64] if odd else [64, 64])
+        assert _in_step(world)
+        comp.close()
+        return out
+    cls = getattr(compcomm.optim, name)
+    params = _params([64, 32, 16])  # three buckets of reduce_bucket_size=40
+    opt = cls(params, lr=1e-3, reduce_bucket_size=40, compressor=_unbatched, **_WARM[name])
+    seen = 0
+    for t in range(1, 40):  # to the compressed phase, and one compressed step (layouts agreed)
+        compressed = opt.schedule.next_kind() in _COMPRESSED_KINDS
+        if compressed and seen:
+            break
+        seen += compressed
+        _grads(params, rank, t)
+        opt.step()
+    assert seen and opt.schedule.next_kind() in _COMPRESSED_KINDS
+    _grads(params, rank, 99)
+    params[1 if odd else 2].grad = None
+    out["compressed_grads"] = _outcome(opt.step, lambda: _optimizer_state(opt, params))
+    assert _in_step(world)
+    _grads(params, rank, 100)
+    if odd:
+        params[1].grad = None
+    out["compressed_one_sided"] = _outcome(opt.step, lambda: _optimizer_state(opt, params))
+    assert _in_step(world)
+    opt.compressor.close()
+    return out
+
+
+def _rank_ddp_loaded(rank: int, world: int) -> Dict[str, Any]:
+    """compcomm.ddp_comm_hook after load_state_dict: the last rank resumed at step 0 (warm-up: its
+    hook would average), the others at step 3 (compressed: theirs would not). The hook checks the
+    schedule again after a load, so backward raises on every rank, instead of one rank waiting in
+    its all-reduce."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    odd = rank == world - 1
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
+    model = _model()
+    ddp = DDP(model)
+    opt = compcomm.optim.OneBitAdam(ddp.parameters(), lr=1e-3, freeze_step=2)
+    ddp.register_comm_hook(None, compcomm.ddp_comm_hook(opt))
+    fresh = opt.state_dict()
+    for _ in range(3):  # the hook agreed on the buckets at the first step
+        ddp(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.load_state_dict(fresh if odd else opt.state_dict())
+    params = list(model.parameters())
+    out = {"hook_after_load": _outcome(lambda: (ddp(x).sum().backward(), opt.step()),
+                                       lambda: _optimizer_state(opt, params))}
+    assert _in_step(world)
+    return out
+
+
+def _rank_zero_loaded(rank: int, world: int) -> Dict[str, Any]:
+    """ZeroOptimizer.load_state_dict of shards from different steps (the last rank's from step 0,
+    the others' from step 3, past OneBitAdam's freeze_step): RankMismatchError on every rank and
+    nothing loaded, instead of ranks that then run different phases' collectives."""
+    from compcomm.zero import ZeroOptimizer
+
+    odd = rank == world - 1
+    out: Dict[str, Any] = {}
+    for stage in (1, 2):
+        params = _params([64, 32, 16])
+        z = ZeroOptimizer(params, compcomm.optim.OneBitAdam, stage=stage, timeout=TIMEOUT,
+                          optimizer_kwargs={"lr": 1e-3, "freeze_step": 2})
+        fresh = torch.load(io.BytesIO(_snapshot(z.state_dict())), weights_only=False)
+        for t in range(1, 4):
+            loss = sum((p.float() * (1 + rank + t)).sum() for p in params)
+            loss.backward()
+            z.step()
+            z.zero_grad()
+        now = z.state_dict()
+        out[f"stage{stage}"] = _outcome(
+            lambda: z.load_state_dict(fresh if odd else now),
+            lambda: (z.state_dict(), [p.detach().clone() for p in params]))
+        assert _in_step(world)
+        z.close()
+    return out

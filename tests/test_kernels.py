@@ -97,6 +97,36 @@ def test_server_kernels(world):
     assert not torch.equal(before, serr)
 
 
+@pytest.mark.parametrize("world,blocks", [(1, 1), (2, 3), (3, 513), (4, 4099), (7, 64), (300, 5)])
+def test_server_kernels_bit_exact(world, blocks):
+    """The server passes equal, bit for bit, the fp32 sum of ONEBIT_SPEC.md a.2 step 3 in its
+    order: +0, then +-scale_i * fl32(1/W) rank by rank, then the server error; the new server error
+    is c - tau * sign(c). Block counts that leave 1-3 blocks past the kernels' 4-block groups; 300
+    ranks take the path without cached weights."""
+    rng = np.random.default_rng(world * 1000 + blocks)
+    chunk = 8 * blocks
+    signs = torch.from_numpy(rng.integers(0, 256, world * chunk // 8, dtype=np.uint8))
+    stride = 3
+    scales = torch.zeros(world * stride)
+    scales[::stride] = torch.from_numpy(rng.uniform(0.1, 2.0, world).astype(np.float32))
+    serr = torch.from_numpy(rng.normal(0, 0.1, chunk).astype(np.float32))
+    bits = np.unpackbits(signs.numpy(), bitorder="big").reshape(world, chunk)
+    inv_w = np.float32(1) / np.float32(world)
+    c = np.zeros(chunk, np.float32)
+    for i in range(world):
+        a = np.float32(scales[i * stride].item()) * inv_w
+        c = c + np.where(bits[i] == 1, a, -a).astype(np.float32)
+    c = c + serr.numpy()
+    tau, packed = torch.zeros(1), torch.zeros(chunk // 8, dtype=torch.uint8)
+    ws = torch.zeros(1, dtype=torch.uint8)
+    K.server_scale_pack(buffer_of(signs), buffer_of(scales), stride, world, buffer_of(serr), buffer_of(tau),
+                        buffer_of(packed), buffer_of(ws))
+    np.testing.assert_array_equal(packed.numpy(), np.packbits(~(c < 0), bitorder="big"))
+    K.server_update(buffer_of(signs), buffer_of(scales), stride, world, buffer_of(serr), buffer_of(tau))
+    t = np.float32(tau.item())
+    np.testing.assert_array_equal(serr.numpy().view(np.uint32), (c - np.where(c < 0, -t, t)).view(np.uint32))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("world", [1, 3, 4])
 def test_worker_update_decompress(dtype, world):

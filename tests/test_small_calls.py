@@ -356,8 +356,8 @@ def test_worker_scale_pack_header_flags_nonfinite() -> None:
 
 @pytest.mark.parametrize("n", [0, 7, 4099])
 def test_worker_scale_pack_header_posts_notice(n: int) -> None:
-    """With a notice, the header goes there too, then the tag (the CPU twin of what a whole call
-    alone waits on); without one, the notice is not touched."""
+    """With a notice, the header goes there too, between begin and tag (the CPU twin of what a
+    whole call alone waits on); without one, the notice is not touched."""
     m = torch.randn(n)
     m[n // 2:] = float("nan") if n else 0.0
     P = compcomm.padded_numel(n, 1)
@@ -373,7 +373,8 @@ def test_worker_scale_pack_header_posts_notice(n: int) -> None:
                                buffer_of(ws), magic=9, notice=buffer_of(notice), seq=seq)
     assert torch.equal(notice[:32], header) and notice[32:40].view(torch.int64).item() == seq
     assert header.view(torch.int32)[1].item() == (1 if n > 1 else 0)  # the flag travels with it
-    assert bool((notice[40:] == 0xEE).all())
+    assert notice[40:48].view(torch.int64).item() == seq  # begin: the seqlock's first word
+    assert bool((notice[48:] == 0xEE).all())
     with pytest.raises(ValueError, match="notice needs 64 bytes"):
         K.worker_scale_pack_header(buffer_of(m), buffer_of(e), buffer_of(header), buffer_of(signs),
                                    buffer_of(ws), notice=buffer_of(notice[:40]), seq=1)

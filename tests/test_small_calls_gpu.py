@@ -192,7 +192,7 @@ def test_nccl_one_rank_alone() -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
 @pytest.mark.parametrize("n", [0, 7, 2**20 + 3])
 def test_worker_notice_matches_header(n: int, dtype: torch.dtype) -> None:
-    """The device twin posts what it wrote to the header, then the tag; as the CPU twin does."""
+    """The device twin posts begin, what it wrote to the header, then the tag; as the CPU twin."""
     g = torch.Generator().manual_seed(n + 2)
     P = compcomm.padded_numel(n, 1)
     m, e = torch.randn(n, generator=g).to(dtype), 0.1 * torch.randn(P, generator=g)
@@ -210,7 +210,8 @@ def test_worker_notice_matches_header(n: int, dtype: torch.dtype) -> None:
                                    buffer_of(ws), magic=5, notice=buffer_of(nd), seq=2**33 + n)
         torch.cuda.synchronize()
         assert torch.equal(nd[:32], hd) and nd[32:40].view(torch.int64).item() == 2**33 + n
-        assert bool((nd[40:] == 0xEE).all())
+        assert nd[40:48].view(torch.int64).item() == 2**33 + n  # begin, the seqlock's first word
+        assert bool((nd[48:] == 0xEE).all())
         notices[dev] = nd.cpu()
     assert torch.equal(notices[DEV][4:], notices["cpu"][4:])  # flags, sizes, magic, tag
     scales = [notices[d][:4].view(torch.float32) for d in (DEV, "cpu")]

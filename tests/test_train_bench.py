@@ -107,6 +107,37 @@ def _check_fsdp(plain: dict, onebit: dict, doc: dict) -> None:
     assert len(row) == 1 and row[0]["bytes_ratio"] >= 12, row
 
 
+FSDP_AG_OPTS = "fsdp2_adamw,fsdp2_onebit,fsdp2_onebit_ag,fsdp2_onebit_cache,fsdp2_adamw_qag"
+
+
+def test_train_cpu_fsdp_allgather_variants(tmp_path):
+    """compcomm's FSDP2 all-gather in the benchmark (fp32 on the CPU, W=2): the re-gather cache
+    gathers every parameter once a step (the reduce-scatter's bytes) and changes no loss; int8
+    gathers ~4x fewer bytes than fp32; the reduce-scatters are fsdp2_onebit's. The last step is
+    compared: the one after a validation pass gathers less (FSDP keeps the root unsharded)."""
+    doc = _run(tmp_path, "loopback", FSDP_AG_OPTS)
+    rows = {r["optimizer"]: r for r in doc["rows"]}
+    assert sorted(rows) == sorted(FSDP_AG_OPTS.split(","))
+    for r in rows.values():
+        assert not r.get("error"), r["error"]
+        assert all(math.isfinite(x) for x in r["loss"]) and r["loss"][-1] < r["loss"][0]
+
+    def gather(name: str) -> int:
+        return rows[name]["bytes"][-1] - rows[name]["reduce_bytes"][-1]
+
+    plain, cache = gather("fsdp2_adamw"), gather("fsdp2_onebit_cache")
+    ag = gather("fsdp2_onebit_ag")
+    assert cache == rows["fsdp2_adamw"]["reduce_bytes"][-1] and plain > 1.5 * cache
+    assert 3.5 * ag < cache and gather("fsdp2_adamw_qag") == ag
+    for name in ("fsdp2_onebit_ag", "fsdp2_onebit_cache"):
+        assert rows[name]["reduce_bytes"] == rows["fsdp2_onebit"]["reduce_bytes"]
+        assert rows[name]["phase"] == rows["fsdp2_onebit"]["phase"]
+    assert rows["fsdp2_onebit_cache"]["loss"] == rows["fsdp2_onebit"]["loss"]  # exact
+    qag, ref = rows["fsdp2_adamw_qag"]["loss"], rows["fsdp2_adamw"]["loss"]
+    assert qag != ref and all(abs(a - b) < 0.02 * b for a, b in zip(qag, ref))
+    assert [t for t in doc["targets"] if t["fast"] == "fsdp2_onebit_ag"]
+
+
 def test_train_cpu_twin_loopback(tmp_path):
     doc = _run(tmp_path, "loopback", LOOPBACK_OPTS)
     _check(doc, LOOPBACK_OPTS, "loopback")

@@ -13,6 +13,7 @@
 #include "../compressed_allreduce.h"
 #include "../kernels/kernels.h"
 #include "../kernels/norms.h"
+#include "../kernels/notice.h"
 #include "../kernels/packed_momentum.h"
 #include "../local/local_comm.h"
 #include "build_info.h"
@@ -434,6 +435,24 @@ PYBIND11_MODULE(_C, m) {
       "worker_scale_pack and the 32-byte exchange header (scale, flags, numel, padded, dtype code, "
       "magic) in one launch; with `notice` (64 bytes the kernel can write) the header is also posted "
       "there, then the 8-byte tag `seq` at byte 32.");
+  k.def(
+      "read_notice",
+      [](const Buffer& notice, uint64_t seq) {
+        COMPCOMM_CHECK(notice.on_host() && notice.bytes() >= static_cast<int64_t>(sizeof(kernels::HeaderNotice)),
+                       "read_notice: notice must be 64 bytes of host memory");
+        COMPCOMM_CHECK(reinterpret_cast<uintptr_t>(notice.data) % 8 == 0, "read_notice: notice must be 8-byte aligned");
+        kernels::ExchangeHeader h{};
+        const auto state = kernels::read_notice(static_cast<const kernels::HeaderNotice*>(notice.data), seq, &h);
+        return state == kernels::NoticeState::kReady ? "ready"
+               : state == kernels::NoticeState::kTorn ? "torn"
+                                                       : "pending";
+      },
+      py::arg("notice"), py::arg("seq"),
+      "How a call waiting on tag `seq` reads a (host copy of a) 64-byte notice: 'pending' (not posted), "
+      "'ready' (its header, whole) or 'torn' (another writer overwrote it: not to be trusted).");
+  k.def("notice_address", &notice_address, py::arg("cuda"),
+        "Tests: the host address of this thread's notice for host (cuda=False) or device calls; 0 where "
+        "mapped memory cannot be had. It changes after a call abandoned its notice.");
   k.def(
       "commit",
       [](const Buffer& signs, const Buffer& scales, int64_t stride, const Buffer& serr, const Buffer& server_scale,

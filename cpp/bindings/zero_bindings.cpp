@@ -87,7 +87,8 @@ void bind_zero(py::module_& parent) {
   py::class_<Work, std::shared_ptr<Work>>(m, "Work", "Handle on a collective submitted to an AsyncComm.")
       .def("wait", &Work::wait, py::arg("timeout_s") = 600.0, py::call_guard<py::gil_scoped_release>(),
            "Block until done (GIL released); re-raise its error; CommTimeoutError after timeout_s.")
-      .def("done", &Work::done);
+      .def("done", &Work::done)
+      .def("failed", &Work::failed, "Whether it finished with an error.");
 
   py::class_<AsyncComm, std::shared_ptr<AsyncComm>>(
       m, "AsyncComm",
@@ -145,27 +146,33 @@ void bind_zero(py::module_& parent) {
       .def(
           "compressed_reduce_scatter_exchange",
           [](AsyncComm& a, const Buffer& tensor, const Buffer& worker_error, const Buffer& server_error,
-             const Buffer& out, const Buffer& workspace, double timeout_s) {
+             const Buffer& out, const Buffer& workspace, double timeout_s, std::shared_ptr<Work> after) {
             const CallOptions o = opts_of(timeout_s);
-            return a.submit([tensor, worker_error, server_error, out, workspace, o](Communicator& c) {
+            return a.submit([tensor, worker_error, server_error, out, workspace, o, after](Communicator& c) {
+              skip_after(after, c, "compressed_reduce_scatter_exchange");
               compressed_reduce_scatter_exchange(c, tensor, worker_error, server_error, out, workspace, o);
             });
           },
           py::arg("tensor"), py::arg("worker_error"), py::arg("server_error"), py::arg("out"),
-          py::arg("workspace"), py::arg("timeout_s") = 600.0)
+          py::arg("workspace"), py::arg("timeout_s") = 600.0, py::arg("after") = std::shared_ptr<Work>(),
+          "Queue the exchange half of a compressed reduce-scatter. With `after` (an earlier Work of the "
+          "same call), it raises instead of communicating if `after` failed.")
       .def(
           "compressed_allreduce_exchange",
           [](AsyncComm& a, const Buffer& tensor, const Buffer& worker_error, const Buffer& server_error,
-             const Buffer& workspace, double timeout_s, uintptr_t stream) {
+             const Buffer& workspace, double timeout_s, uintptr_t stream, std::shared_ptr<Work> after) {
             const CallOptions o = opts_of(timeout_s, stream);
-            return a.submit([tensor, worker_error, server_error, workspace, o](Communicator& c) {
+            return a.submit([tensor, worker_error, server_error, workspace, o, after](Communicator& c) {
+              skip_after(after, c, "compressed_allreduce_exchange");
               compressed_allreduce_exchange(c, tensor, worker_error, server_error, workspace, o);
             });
           },
           py::arg("tensor"), py::arg("worker_error"), py::arg("server_error"), py::arg("workspace"),
-          py::arg("timeout_s") = 600.0, py::arg("stream") = 0,
+          py::arg("timeout_s") = 600.0, py::arg("stream") = 0, py::arg("after") = std::shared_ptr<Work>(),
           "Queue the exchange half of a compressed allreduce (all collectives and checks; writes only the "
-          "workspace); compressed_allreduce_commit does the local writes.")
+          "workspace); compressed_allreduce_commit does the local writes. With `after` (the Work of an "
+          "earlier bucket of the same call) it raises instead of communicating if `after` failed: an error "
+          "every rank raised there leaves no later collective waiting for peers.")
       .def(
           "compressed_allreduce_exchange_many",
           [](AsyncComm& a, const std::vector<Buffer>& tensors, const std::vector<Buffer>& worker_errors,

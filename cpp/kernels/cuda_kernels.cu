@@ -260,9 +260,12 @@ __device__ bool guard_trips(const float* guard, int64_t stride, int world) {
 
 // ---- kernels -------------------------------------------------------------------------------------
 
-// Posts *h to a notice in (mapped host) memory: the header, a system-wide fence, then the tag, so a
-// host thread that reads its tag there also reads this header (kernels.h, HeaderNotice).
+// Posts *h to a notice in (mapped host) memory: begin, the header, then the tag, each after a
+// system-wide fence, so a host thread that reads its tag there, then the header, then its tag again
+// in begin has read this header whole (kernels.h, HeaderNotice; notice.h, read_notice).
 __device__ void post_notice(const ExchangeHeader& h, HeaderNotice* notice, uint64_t seq) {
+  *reinterpret_cast<volatile unsigned long long*>(&notice->begin) = seq;  // seqlock: begin first
+  __threadfence_system();
   volatile uint32_t* dst = reinterpret_cast<volatile uint32_t*>(&notice->header);
   const uint32_t* src = reinterpret_cast<const uint32_t*>(&h);
 #pragma unroll

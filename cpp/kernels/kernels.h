@@ -33,13 +33,16 @@ struct ExchangeHeader {
 static_assert(sizeof(ExchangeHeader) == 32, "ExchangeHeader is exchanged as 32 raw bytes");
 
 // Where a worker kernel also posts its header for a host thread that waits on it without syncing the
-// stream (on GPU: page-locked host memory mapped into the device, host_alloc_mapped). The header is
-// written first, then, after a system-wide fence, tag = the caller's sequence number: a reader that
-// sees its own sequence number in tag (an acquire load) sees that call's header.
+// stream (on GPU: page-locked host memory mapped into the device, host_alloc_mapped). A seqlock with
+// the caller's sequence number (unique per call): begin = seq, then (after a system-wide fence) the
+// header, then tag = seq. A reader that sees its own number in tag, then copies the header, then
+// still sees it in begin, has that call's header whole; a late writer of an earlier call that
+// overwrote part of it has left its own number in begin (notice.h, read_notice).
 struct HeaderNotice {
   ExchangeHeader header;
   uint64_t tag;
-  uint64_t reserved[3];
+  uint64_t begin;
+  uint64_t reserved[2];
 };
 static_assert(sizeof(HeaderNotice) == 64, "HeaderNotice is one 64-byte line");
 

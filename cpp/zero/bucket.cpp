@@ -119,6 +119,18 @@ bool Work::done() {
   return done_;
 }
 
+bool Work::failed() {
+  std::lock_guard<std::mutex> lk(mu_);
+  return done_ && error_ != nullptr;
+}
+
+void skip_after(const std::shared_ptr<Work>& after, const Communicator& comm, const char* call) {
+  if (after == nullptr || !after->failed()) return;
+  throw BackendError(detail::concat("[rank ", comm.rank(), "] ", call, ": skipped, the exchange queued "
+                                    "before it failed (that error is raised by its wait)"),
+                     call, "", 0, comm.rank());
+}
+
 void Work::wait(double timeout_s) {
   std::unique_lock<std::mutex> lk(mu_);
   const auto deadline = std::chrono::steady_clock::now() +

@@ -85,6 +85,8 @@ class Work {
   // restored into Python once, and a second rethrow of it would terminate the process.
   void wait(double timeout_s);
   bool done();
+  // Whether it finished with an error (a later queued work can then skip itself: see skip_after).
+  bool failed();
 
  private:
   friend class AsyncComm;
@@ -120,5 +122,11 @@ class AsyncComm {
   bool stop_ = false;
   std::thread thread_;
 };
+
+// Throws (BackendError naming `call` and the rank) when `after` failed: for a work queued behind
+// another of the same logical call (one bucket of several), so that an error every rank raised in
+// `after` (ranks that disagree, a non-finite input) does not leave the later works' collectives
+// waiting for peers that already gave up. AsyncComm runs in order, so `after` is done by then.
+void skip_after(const std::shared_ptr<Work>& after, const Communicator& comm, const char* call);
 
 }  // namespace compcomm::zero

@@ -28,6 +28,7 @@ from typing import (Any, Callable, Dict, Hashable, List, Mapping, Optional, Sequ
 import torch
 
 from . import _C
+from ._agree import LayoutCheck, digest
 from ._bucket_views import PreparedBuckets
 from ._buffers import buffer_of
 from ._compressor import Compressor
@@ -135,6 +136,7 @@ class OneBitCompressor:
         self._broken = ""  # why this compressor refuses further calls ("" while usable)
         # the last call's buckets as the core takes them (see _prepared); None when stale
         self._prep: Optional[PreparedBuckets] = None
+        self._layout = LayoutCheck()  # the bucket layouts the ranks agreed on (batched=False)
 
     @property
     def stages_ahead(self) -> bool:
@@ -186,6 +188,8 @@ class OneBitCompressor:
             for i in range(len(keys)):
                 stage(i)
             return
+        if not self.batched:  # before any buffer is made: a mismatch leaves no trace
+            self._agree_buckets(numels, device)
         if self._async is None:
             self._async = _C.zero.AsyncComm(self.comm)
         try:
@@ -198,6 +202,16 @@ class OneBitCompressor:
         finally:
             prep.release()
 
+    def _agree_buckets(self, numels: Sequence[int], device: torch.device) -> None:
+        """RankMismatchError on every rank if the ranks' bucket counts or sizes differ. Per-bucket
+        exchanges follow each other, so a rank with more buckets would wait in a collective until
+        its timeout (a batch sends its count first); one small all-gather per new layout."""
+        self._layout.agree(self.comm, "OneBitCompressor.average_ (batched=False)",
+                           (tuple(numels), device.type),
+                           lambda: [("number of buckets", len(numels), False),
+                                    ("bucket sizes", digest(list(numels)), True)],
+                           device, self.timeout)
+
     def _average_prepared(self, prep: "PreparedBuckets", stage: Callable[[int], torch.Tensor],
                           device: torch.device) -> None:
         """:meth:`average_`'s staging, exchange and commit over prepared buckets."""
@@ -209,9 +223,9 @@ class OneBitCompressor:
         try:
             for i in range(len(keys)):
                 args = (prep.tensor_buffer(i, stage(i)),) + prep.error_args[i]
-                if not batched:
-                    works.append(self._async.compressed_allreduce_exchange(*args, self.timeout,
-                                                                           stream))
+                if not batched:  # chained: a bucket that failed everywhere skips the rest
+                    works.append(self._async.compressed_allreduce_exchange(
+                        *args, self.timeout, stream, works[-1] if works else None))
                 calls.append(args)
             if batched:  # every bucket staged: one exchange of three collectives
                 works.append(self._async.compressed_allreduce_exchange_many(

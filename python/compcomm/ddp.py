@@ -53,8 +53,11 @@ def ddp_comm_hook(optimizer: Any) -> Callable[[Any, Any], torch.futures.Future]:
         buf = bucket.buffer()
         averages = optimizer.next_step_averages()
         if world > 1:  # a bucket seen for the first time: the ranks agree on it before sending
+            # (again after the optimizer loaded a state: a rank resumed at another step would
+            # average here while its peers do not, and wait in that all-reduce)
             _agree_bucket(check, group, "ddp_comm_hook", bucket, buf,
-                          schedule_fields(optimizer.schedule))
+                          schedule_fields(optimizer.schedule),
+                          getattr(optimizer, "state_loads", 0))
         optimizer.mark_grads_averaged(averages)  # world 1: local == average
         if averages and world > 1:
             buf.div_(world)
@@ -68,10 +71,11 @@ def ddp_comm_hook(optimizer: Any) -> Callable[[Any, Any], torch.futures.Future]:
 
 
 def _agree_bucket(check: LayoutCheck, group: Any, call: str, bucket: Any, buf: torch.Tensor,
-                  extra: Any) -> None:
+                  extra: Any, epoch: int = 0) -> None:
     """RankMismatchError on every rank if the ranks' DDP bucket ``bucket.index()`` differs (size,
     dtype; different ``bucket_cap_mb`` or parameters) or the ``extra`` fields do, checked the first
-    time this rank sees the bucket (DDP hands buckets to the hook in index order on every rank).
+    time this rank sees the bucket in this ``epoch`` (DDP hands buckets to the hook in index order
+    on every rank).
 
     The check runs over the torch process group ``group`` itself (the torch adapter), not over
     compcomm's native NCCL communicator: torch orders it after the group's earlier all-reduces and
@@ -79,7 +83,7 @@ def _agree_bucket(check: LayoutCheck, group: Any, call: str, bucket: Any, buf: t
     if check.torch_comm is None:
         check.torch_comm = TorchCommunicator(group)
     check.agree(check.torch_comm, f"{call} (DDP bucket {bucket.index()})",
-                (bucket.index(), buf.numel(), buf.dtype, buf.device),
+                (bucket.index(), buf.numel(), buf.dtype, buf.device, epoch),
                 lambda: [("bucket index", bucket.index(), False),
                          ("bucket elements", buf.numel(), False),
                          ("bucket dtype", digest(str(buf.dtype)), True),

@@ -16,6 +16,10 @@ of a rank must be whole bytes), so chunk r of the compressed reduce-scatter is e
 The result is the 1-bit *average*; FSDP's ``op`` says what it wants: AVG as it is, SUM times W,
 ``PREMUL_SUM(f)`` times W * f. FSDP records an event right after the call returns, so the call is
 stream-ordered on the caller's stream (CUDA) and writes only ``output_tensor``.
+
+The parameter all-gathers (FSDP's bf16 gathers before each forward and backward) are
+:mod:`compcomm.fsdp_gather`'s: ``onebit(..., quantized_allgather=True, regather_cache=True)`` or
+:func:`compressed_allgather` on its own.
 """
 
 from __future__ import annotations
@@ -30,9 +34,11 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from .collectives import compressed_allreduce, compressed_reduce_scatter, padded_numel
 from .errors import UnsupportedError
+from .fsdp_gather import GatherState, compressed_allgather
+from .quantize import DEFAULT_BLOCK
 
 
-__all__ = ["OneBitFSDP", "OneBitReduceScatter", "onebit"]
+__all__ = ["OneBitFSDP", "OneBitReduceScatter", "onebit", "compressed_allgather", "GatherState"]
 
 # torch 2.13 renamed the tensor form of reduce_scatter; older releases have only this one.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -63,6 +69,9 @@ class OneBitFSDP:
     warmup_steps : int
     steps : dict
         Reductions done per module name.
+    allgather : GatherState or None
+        The all-gather's state when :func:`onebit` installed one (``quantized_allgather`` or
+        ``regather_cache``): its counters and ``invalidate()``.
     """
 
     def __init__(self, warmup_steps: int, replicate_group: Optional[Any] = None) -> None:
@@ -76,6 +85,13 @@ class OneBitFSDP:
         # name -> (worker, server) error-buffer sizes, known from the parameters when installed
         # (so that state_dict() is a complete template for torch.distributed.checkpoint.load)
         self._sizes: Dict[str, Tuple[int, int]] = {}
+        self.allgather: Optional[GatherState] = None
+
+    def invalidate(self) -> None:
+        """Drop the all-gather's re-gather cache (on every rank), e.g. after changing parameters
+        outside an optimizer step; nothing to do without one."""
+        if self.allgather is not None:
+            self.allgather.invalidate()
 
     def compressing(self, name: str) -> bool:
         """Whether module ``name``'s next reduction is 1-bit."""
@@ -185,7 +201,9 @@ def _shard_numel(m: torch.nn.Module) -> int:
 
 
 def onebit(model: torch.nn.Module, warmup_steps: int = 100,
-           replicate_group: Optional[Any] = None) -> OneBitFSDP:
+           replicate_group: Optional[Any] = None, *, quantized_allgather: bool = False,
+           regather_cache: bool = False, allgather_block: int = DEFAULT_BLOCK,
+           optimizer: Any = None) -> OneBitFSDP:
     """Install 1-bit compressed gradient reduction on every FSDP2 module of ``model``.
 
     Parameters
@@ -201,6 +219,15 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
         shard is then done by compcomm in FSDP's all-reduce hook (full precision during the
         warm-up, 1-bit after) while the reduce-scatter within a replica stays FSDP's own. Without
         it the reduce-scatter itself is compressed.
+    quantized_allgather : bool, default False
+        Also all-gather the parameters blockwise int8 (:func:`compressed_allgather`).
+    regather_cache : bool, default False
+        Also serve the backward's parameter re-gather from the forward's (exact; memory: the
+        gathered payloads of the resharding modules until their backward).
+    allgather_block : int, default 256
+        Elements per int8 block of ``quantized_allgather``.
+    optimizer : torch.optim.Optimizer or list, optional
+        Whose steps invalidate the re-gather cache (default: any optimizer's step).
 
     Returns
     -------
@@ -210,13 +237,19 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
     Raises
     ------
     ValueError
-        ``model`` has no FSDP module, or a bad ``warmup_steps``.
+        ``model`` has no FSDP module, or a bad ``warmup_steps`` or ``allgather_block``.
+    UnsupportedError
+        An all-gather part was asked for on a torch without ``set_custom_all_gather``.
     """
     state = OneBitFSDP(warmup_steps, replicate_group)
     mods = [(n or "<root>", m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not mods:
         raise ValueError("compcomm.fsdp.onebit: argument 'model' has no FSDP module "
                          "(wrap it with torch.distributed.fsdp.fully_shard first)")
+    if quantized_allgather or regather_cache:  # first: it checks everything before installing
+        state.allgather = compressed_allgather(model, quantized=quantized_allgather,
+                                               cache=regather_cache, block=allgather_block,
+                                               optimizer=optimizer)
     for name, m in mods:
         shard = _shard_numel(m)
         if replicate_group is None:

@@ -176,6 +176,8 @@ def _train_one(name: str, cfg: Dict[str, Any], rank: int, world: int, dev: Any, 
             diverged = not math.isfinite(rec["loss"][-1]) or rec["loss"][-1] > 3 * rec["loss"][0]
             if cfg["eval_every"] and (t % cfg["eval_every"] == 0 or t == steps or diverged):
                 evals.append([t, evaluate(module), wall, float(sum(rec["bytes"]))])
+                if objs.get("after_eval"):  # FSDP2 re-gather cache: a step's bytes its own
+                    objs["after_eval"]()
             if rank == 0 and cfg.get("progress"):
                 print(f"PROGRESS {name} step {t}/{steps} {rec['phase'][-1]} loss "
                       f"{rec['loss'][-1]:.4f} {t2 - t0:.3f} s {sent} B", file=out, flush=True)

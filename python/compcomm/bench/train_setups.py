@@ -29,6 +29,11 @@ fsdp2_onebit           the same model with ``compcomm.fsdp.onebit(model, warmup_
                        (FSDP's own reduce-scatter for --warmup steps, then compcomm's 1-bit
                        reduce-scatter with error feedback) and torch.optim.AdamW, the pairing
                        docs/fsdp.md recommends (an adaptive optimizer)
+fsdp2_onebit_ag        fsdp2_onebit plus compcomm's parameter all-gather: blockwise int8
+                       (``quantized_allgather``) and the re-gather cache (``regather_cache``)
+fsdp2_onebit_cache     fsdp2_onebit plus the re-gather cache alone (exact all-gathers)
+fsdp2_adamw_qag        fsdp2_adamw plus the int8 all-gather and the cache, FSDP's own
+                       reduce-scatter: what the int8 weights alone cost in loss
 =====================  ========================================================================
 
 Two twins per 1-bit optimizer. ``TWIN``, the loss comparison with the 2 % target: the same optimizer
@@ -44,7 +49,10 @@ Bytes of the FSDP2 rows: FSDP2 talks to torch, so each FSDP module's all-gather 
 convention of the other rows: a rank sends ``(W-1)`` shards per all-gather and per reduce-scatter,
 in the dtype FSDP hands over). ``fsdp2_onebit``'s warm-up reduce-scatters (FSDP's own, inside
 compcomm's ``ReduceScatter``) are counted by the same formula from the module's all-gather shard
-size, its 1-bit reduce-scatters by compcomm's communicator (``bytes_sent``). The rows also carry
+size, its 1-bit reduce-scatters by compcomm's communicator (``bytes_sent``). The rows with
+compcomm's all-gather count it by its own ``bytes_sent`` (ring convention, the int8 payload; a
+re-gather served from the cache sends nothing); the benchmark drops that cache after each
+validation pass so that every step's bytes are a training step's. The rows also carry
 ``reduce_bytes`` (the gradient reduce-scatters alone: what issue 16's 12x bytes target compares).
 """
 
@@ -73,6 +81,9 @@ OPTIMIZERS = (
     "onebitlamb_identity",
     "fsdp2_adamw",
     "fsdp2_onebit",
+    "fsdp2_onebit_ag",
+    "fsdp2_onebit_cache",
+    "fsdp2_adamw_qag",
 )
 #: the uncompressed twin of each compressed optimizer (loss comparison) and its fp32 baseline
 TWIN = {
@@ -82,6 +93,9 @@ TWIN = {
     "zero2_onebitadam": "zero2_adamw",
     "zero2_onebitadam_noag": "zero2_adamw",
     "fsdp2_onebit": "fsdp2_adamw",
+    "fsdp2_onebit_ag": "fsdp2_adamw",
+    "fsdp2_onebit_cache": "fsdp2_adamw",
+    "fsdp2_adamw_qag": "fsdp2_adamw",
 }
 #: the identity twin of each 1-bit optimizer (an extra loss comparison, no target)
 IDENTITY_TWIN = {
@@ -93,10 +107,11 @@ IDENTITY_TWIN = {
 #: the rows that set the time-to-target loss (a frozen variance may diverge)
 IDENTITY = tuple(IDENTITY_TWIN.values())
 COMPRESSED = ("onebitadam", "zerooneadam", "zero2_onebitadam", "zero2_onebitadam_noag",
-              "onebitlamb", "fsdp2_onebit")
+              "onebitlamb", "fsdp2_onebit", "fsdp2_onebit_ag", "fsdp2_onebit_cache")
 #: steps 1..--warmup are "warmup", the later ones "compressed"
 _FREEZING = ("onebitadam", "onebitlamb", "zero2_onebitadam", "zero2_onebitadam_noag",
-             "fsdp2_onebit", "onebitadam_identity", "onebitlamb_identity")
+             "fsdp2_onebit", "fsdp2_onebit_ag", "fsdp2_onebit_cache", "onebitadam_identity",
+             "onebitlamb_identity")
 
 
 def phase(name: str, opt: Any, t: int, warm: int) -> str:
@@ -200,9 +215,10 @@ class FSDPBytes:
         #: module name -> (elements of its all-gather shard, world size)
         self.shard: Dict[str, Tuple[int, int]] = {}
 
-    def gathered(self, name: str, shard: Any, world: int) -> None:
+    def gathered(self, name: str, shard: Any, world: int, count: bool = True) -> None:
         self.shard[name] = (shard.numel(), world)
-        self.gather += (world - 1) * shard.numel() * shard.element_size()
+        if count:
+            self.gather += (world - 1) * shard.numel() * shard.element_size()
 
     def reduced(self, full: Any, world: int) -> None:
         self.reduce += (world - 1) * full.numel() * full.element_size() // world
@@ -215,19 +231,21 @@ class FSDPBytes:
 
 
 class _CountedGather:
-    """FSDP2's default all-gather (the same call), counting what this rank sends."""
+    """FSDP2's default all-gather (the same call), counting what this rank sends; or ``inner``
+    (compcomm's, which counts its own bytes), recording only the shard sizes."""
 
-    def __init__(self, tally: FSDPBytes, name: str) -> None:
+    def __init__(self, tally: FSDPBytes, name: str, inner: Any = None) -> None:
         from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
 
-        self.inner, self.tally, self.name = DefaultAllGather(), tally, name
+        self.inner, self.tally, self.name = inner or DefaultAllGather(), tally, name
+        self.count = inner is None
 
     def allocate(self, size: Any, *, dtype: Any, device: Any) -> Any:
         return self.inner.allocate(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: Any, input_tensor: Any, group: Any,
                  async_op: bool = False) -> Any:
-        self.tally.gathered(self.name, input_tensor, group.size())
+        self.tally.gathered(self.name, input_tensor, group.size(), self.count)
         return self.inner(output_tensor, input_tensor, group, async_op)
 
 
@@ -255,6 +273,7 @@ def _fsdp2(name: str, model: Any, cfg: Dict[str, Any], world: int, dev: Any) -> 
 
     import compcomm
     import compcomm.fsdp
+    import compcomm.fsdp_gather
 
     bf16 = dev.type == "cuda" and cfg.get("amp") == "bf16"
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 \
@@ -270,7 +289,17 @@ def _fsdp2(name: str, model: Any, cfg: Dict[str, Any], world: int, dev: Any) -> 
     for n, m in mods:
         m.set_custom_all_gather(_CountedGather(tally, n))
     reduce_sent: Callable[[], int]
-    if name == "fsdp2_onebit":
+    ag = {"fsdp2_onebit_ag": dict(quantized_allgather=True, regather_cache=True),
+          "fsdp2_onebit_cache": dict(regather_cache=True),
+          "fsdp2_adamw_qag": dict(quantized_allgather=True, regather_cache=True)}.get(name)
+    gstate = None
+    if ag is not None:  # compcomm's all-gather, wrapped to record the shard sizes
+        gstate = compcomm.fsdp.compressed_allgather(
+            model, quantized=ag.get("quantized_allgather", False), cache=ag["regather_cache"])
+        for n, m in mods:
+            inner = compcomm.fsdp_gather.CompressedAllGather(gstate, n, m)
+            m.set_custom_all_gather(_CountedGather(tally, n, inner))
+    if name.startswith("fsdp2_onebit"):
         state = compcomm.fsdp.onebit(model, warmup_steps=cfg["warmup"])
         comm = compcomm.get_communicator(mesh.get_group())
         esize = 2 if bf16 else 4
@@ -290,5 +319,8 @@ def _fsdp2(name: str, model: Any, cfg: Dict[str, Any], world: int, dev: Any) -> 
             return tally.reduce
 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
+    gathered: Callable[[], int] = (lambda: tally.gather) if gstate is None else \
+        (lambda: gstate.bytes_sent)
     return {"module": model, "opt": opt, "kind": "fsdp", "reduce_sent": reduce_sent,
-            "sent": lambda: tally.gather + reduce_sent()}
+            "sent": lambda: gathered() + reduce_sent(), "gather_state": gstate,
+            "after_eval": gstate.invalidate if gstate is not None else None}

@@ -94,6 +94,8 @@ class OneBitBase(torch.optim.Optimizer):
         #: False where the caller did (ZeroOptimizer, when it is built)
         self.check_layout = True
         self._layout_check = LayoutCheck()
+        #: load_state_dict calls so far (compcomm.ddp_comm_hook agrees on the schedule after each)
+        self.state_loads = 0
 
     # -- phase queries ---------------------------------------------------------------------
     @property
@@ -464,6 +466,7 @@ class OneBitBase(torch.optim.Optimizer):
         self.compressor.reset()
         self._plan_key = None
         self._layout_check.forget()  # a step or schedule loaded: agree on them again
+        self.state_loads += 1
         self._loaded_errors = None
         if exact and saved is not None:
             layout, errors = saved

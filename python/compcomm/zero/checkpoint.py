@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .. import _C
+from .._agree import agree_layout, digest
 from .._checkpoint import (
     atomic_save,
     check_optimizer_state,
@@ -203,7 +204,17 @@ def _load_agreed(opt: Any, sd: Any, error: Optional[BaseException]) -> None:
         except Exception as e:  # any failure, so that the peers learn of it and do not hang
             error = e
     _agree(opt, error)
-    # validated on every rank: nothing below raises on bad input
+    # Every rank's shard is valid; they must also come from the same step: the phase decides the
+    # collectives (a rank in the local phase alone would skip the all-gather below, and ranks at
+    # other steps would run other phases' collectives), so RankMismatchError on every rank here.
+    inner = sd["optimizer"].get("compcomm", {}) if isinstance(sd["optimizer"], dict) else {}
+    agree_layout(opt.comm, "ZeroOptimizer.load_state_dict",
+                 [("local_phase", int(bool(sd.get("local_phase"))), False),
+                  ("global_steps", int(sd["global_steps"]), False),
+                  ("skipped_steps", int(sd["skipped_steps"]), False),
+                  ("wrapped optimizer's schedule", digest(inner.get("sched")), True)],
+                 opt.device, opt.timeout)
+    # validated and agreed on every rank: nothing below raises on bad input
     local = bool(sd.get("local_phase"))
     opt.import_state({
         "masters": [g["master"] for g in sd["groups"]],

@@ -1,0 +1,125 @@
+"""compcomm.quantize (blockwise int8, absmax per block, fp32 scales) against a numpy reference,
+bit for bit: payload bytes and dequantized values, fp32/bf16/fp16, counts that do not fill a
+block; CUDA against CPU where a GPU is present."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from compcomm.quantize import dequantize_blockwise, payload_bytes, quantize_blockwise
+
+COUNTS = [0, 1, 7, 255, 256, 257, 1000, 4099]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _ref_quantize(x: np.ndarray, block: int) -> bytes:
+    n = x.size
+    nb = -(-n // block)
+    xb = np.zeros(nb * block, np.float32)
+    xb[:n] = x
+    xb = xb.reshape(nb, block)
+    scales = (np.abs(xb).max(axis=1) if nb else np.zeros(0, np.float32)) / np.float32(127)
+    scales = scales.astype(np.float32)
+    safe = np.where(scales > 0, scales, np.float32(1)).astype(np.float32)
+    q = np.clip(np.rint(xb / safe[:, None]), -127, 127).astype(np.int8)
+    return scales.tobytes() + q.tobytes()
+
+
+def _ref_dequantize(payload: bytes, n: int, block: int) -> np.ndarray:
+    nb = -(-n // block)
+    scales = np.frombuffer(payload[:4 * nb], np.float32)
+    q = np.frombuffer(payload[4 * nb:], np.int8).reshape(nb, block).astype(np.float32)
+    return (q * scales[:, None]).reshape(-1)[:n]
+
+
+def _data(n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.logspace(-3, 2, max(n, 1))[:n]
+    if n > 300:
+        x[256:512] = 0.0  # an all-zero block: scale 0, values 0
+        x[5] = -x[:256].abs().max() * 2  # a negative absmax
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", COUNTS)
+@pytest.mark.parametrize("block", [128, 256])
+def test_quantize_matches_numpy_bitwise(n, dtype, block):
+    x = _data(n, dtype)
+    got = quantize_blockwise(x, block)
+    assert got.dtype == torch.uint8 and got.numel() == payload_bytes(n, block)
+    ref = _ref_quantize(x.float().numpy(), block)
+    assert got.numpy().tobytes() == ref
+    out = torch.empty(n, dtype=dtype)
+    dequantize_blockwise(got, n, out, block)
+    want = torch.from_numpy(_ref_dequantize(ref, n, block).copy()).to(dtype)
+    assert torch.equal(out.view(-1), want)
+    if n:  # the error bound: half a step of the block's absmax / 127 (plus the output rounding)
+        err = (out.float() - x.float()).abs().max()
+        assert err <= x.float().abs().max() / 254 * 1.01 + x.float().abs().max() * 2 ** -7
+
+
+@pytest.mark.parametrize("segments", [[0, 5, 0, 300, 1], [256, 256, 3], [1000]])
+def test_segments_start_blocks(segments):
+    """Each segment quantized on its own, payloads' scales then values concatenated."""
+    n = sum(segments)
+    x = _data(n, torch.bfloat16)
+    got = quantize_blockwise(x, 128, segments=segments)
+    assert got.numel() == payload_bytes(n, 128, segments)
+    parts, off = [], 0
+    for s in segments:
+        parts.append(_ref_quantize(x[off:off + s].float().numpy(), 128))
+        off += s
+    nbs = [-(-s // 128) for s in segments]
+    ref = b"".join(p[:4 * k] for p, k in zip(parts, nbs)) + b"".join(p[4 * k:] for p, k in
+                                                                      zip(parts, nbs))
+    assert got.numpy().tobytes() == ref
+    out = torch.empty(2 * n, dtype=torch.bfloat16)
+    dequantize_blockwise(torch.cat([got, got]), n, out, 128, segments)
+    want = np.concatenate([_ref_dequantize(p, s, 128) for p, s in zip(parts, segments)])
+    assert torch.equal(out[:n], torch.from_numpy(want).to(torch.bfloat16))
+    assert torch.equal(out[n:], out[:n])
+    with pytest.raises(ValueError, match="'segments'"):
+        quantize_blockwise(x, 128, segments=[n + 1])
+
+
+def test_dequantize_rows_like_an_allgather():
+    """R payloads end to end (what an all-gather delivers) land in R rows of the output."""
+    n, rows = 301, 3
+    xs = [_data(n, torch.float32, seed=r) for r in range(rows)]
+    payload = torch.cat([quantize_blockwise(x, 128) for x in xs])
+    out = torch.empty(rows * n)
+    dequantize_blockwise(payload, n, out, 128)
+    for r, x in enumerate(xs):
+        single = torch.empty(n)
+        dequantize_blockwise(quantize_blockwise(x, 128), n, single, 128)
+        assert torch.equal(out[r * n:(r + 1) * n], single)
+
+
+def test_argument_errors():
+    with pytest.raises(ValueError, match="'block'"):
+        quantize_blockwise(torch.zeros(4), 6)
+    with pytest.raises(TypeError, match="'x'"):
+        quantize_blockwise(torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="'out'"):
+        quantize_blockwise(torch.zeros(4), 128, out=torch.empty(3, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="'payload'"):
+        dequantize_blockwise(torch.zeros(10, dtype=torch.uint8), 4, torch.empty(4), 128)
+    with pytest.raises(ValueError, match="'n'"):
+        payload_bytes(-1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_equals_cpu(dtype):
+    x = _data(4099, dtype)
+    cpu = quantize_blockwise(x)
+    gpu = quantize_blockwise(x.cuda())
+    assert torch.equal(gpu.cpu(), cpu)
+    out = torch.empty(4099, dtype=dtype, device="cuda")
+    dequantize_blockwise(gpu, 4099, out)
+    ref = torch.empty(4099, dtype=dtype)
+    dequantize_blockwise(cpu, 4099, ref)
+    assert torch.equal(out.cpu(), ref)
