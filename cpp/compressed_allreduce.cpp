@@ -789,7 +789,10 @@ int64_t compressed_allreduce_batch_bytes(const std::vector<int64_t>& paddeds, in
 // compressed_allreduce_commit are bit for bit those of per-call exchanges); only the three exchanges
 // are batched: the headers of all calls in one all_gather, the signs in one all_to_all (per peer: each
 // call's chunk for it, in call order), the server records in one all_gather. The staging copies move
-// P/8 bytes per call each way, a small fraction of the kernels' passes over the fp32 data.
+// P/8 bytes per call each way, a small fraction of the kernels' passes over the fp32 data. The local
+// steps and copies of all calls are batched too (kernels.h, "batches": on a GPU one launch per phase,
+// each call on the blocks of its own launch, so the same bits), as the commits are in
+// compressed_allreduce_commit_many.
 void compressed_allreduce_exchange_many(Communicator& comm, const std::vector<Buffer>& tensors,
                                         const std::vector<Buffer>& worker_errors,
                                         const std::vector<Buffer>& server_errors,
