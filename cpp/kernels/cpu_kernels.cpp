@@ -294,7 +294,8 @@ inline const float* cache_weights(const float* scales, int64_t stride, int world
 // c for the kServerBlocks bytes b0.. at once: the same per-element sum as server_c8_avx2 (+-weight
 // added rank by rank in rank order from +0, then the server error), but with independent chains in
 // flight and the lane signs from the flip table. One block at a time, each block waits on its chain
-// of W dependent adds: 2^22-element chunks at W = 4 took 6.4 ms per server pass, ~1.5 ms like this.
+// of W dependent adds: a 2^22-element chunk at W = 4 took 5.9-6.3 ms per server pass on one core of
+// the 2-core VM, 2.8-3.4 ms like this (bench/bench_cpu_phases.py).
 constexpr int64_t kServerBlocks = 4;
 COMPCOMM_AVX2 inline void server_c32_avx2(const uint8_t* signs, const float* weights, const float* scales,
                                           int64_t stride, int world, const float* serr, int64_t chunk,
@@ -306,9 +307,11 @@ COMPCOMM_AVX2 inline void server_c32_avx2(const uint8_t* signs, const float* wei
     const __m256 a = _mm256_set1_ps(weights ? weights[i] : scales[i * stride] * inv_w);
     const uint8_t* s = signs + i * (chunk / 8) + b0;
     for (int64_t u = 0; u < kServerBlocks; ++u)
-      acc[u] = _mm256_add_ps(acc[u], _mm256_xor_ps(a, _mm256_load_ps(reinterpret_cast<const float*>(t.flip[s[u]]))));
+      acc[u] = _mm256_add_ps(acc[u], _mm256_xor_ps(a, _mm256_load_ps(
+                                                         reinterpret_cast<const float*>(t.flip[s[u]]))));
   }
-  for (int64_t u = 0; u < kServerBlocks; ++u) c[u] = _mm256_add_ps(acc[u], _mm256_loadu_ps(serr + 8 * (b0 + u)));
+  for (int64_t u = 0; u < kServerBlocks; ++u)
+    c[u] = _mm256_add_ps(acc[u], _mm256_loadu_ps(serr + 8 * (b0 + u)));
 }
 
 // The norm's fp64 sums (in block order, as ever) and the packed signs of one block c.
@@ -335,7 +338,8 @@ COMPCOMM_AVX2 void server_scale_pack_avx2(const uint8_t* signs, const float* sca
     for (int64_t u = 0; u < kServerBlocks; ++u) server_norm_pack(c[u], acc0, acc1, packed + b + u, t);
   }
   for (; b < blocks; ++b)
-    server_norm_pack(server_c8_avx2(signs, w, scales, stride, world, serr, chunk, b), acc0, acc1, packed + b, t);
+    server_norm_pack(server_c8_avx2(signs, w, scales, stride, world, serr, chunk, b), acc0, acc1,
+                     packed + b, t);
   *scale = norm_scale(hsum(acc0) + hsum(acc1), chunk);
 }
 
@@ -349,7 +353,8 @@ COMPCOMM_AVX2 void server_update_avx2(const uint8_t* signs, const float* scales,
   for (; b + kServerBlocks <= blocks; b += kServerBlocks) {
     __m256 c[kServerBlocks];
     server_c32_avx2(signs, w, scales, stride, world, serr, chunk, b, c, t);
-    for (int64_t u = 0; u < kServerBlocks; ++u) _mm256_storeu_ps(serr + 8 * (b + u), minus_signed(c[u], ts));
+    for (int64_t u = 0; u < kServerBlocks; ++u)
+      _mm256_storeu_ps(serr + 8 * (b + u), minus_signed(c[u], ts));
   }
   for (; b < blocks; ++b) {
     const __m256 c = server_c8_avx2(signs, w, scales, stride, world, serr, chunk, b);
