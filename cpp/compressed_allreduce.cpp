@@ -145,8 +145,8 @@ inline void cpu_relax() {
 // allocated once; on the host, plain memory (the same code path, so the CPU tests cover it). A call
 // that launched its worker with a notice but did not read its verdict there (a timeout, a failure in
 // between) abandons it (NoticeClaim): its worker kernel may still post there later, and the next
-// call on this thread gets a fresh notice. Notices are never freed (a kernel may still write one; 64
-// bytes per abandoned call).
+// call on this thread gets a fresh notice. Notices are never freed (a kernel may still write one): an
+// abandoned call leaks 64 bytes on the host and a pinned mapped allocation (at least a page) with CUDA.
 struct NoticeSlot {
   kernels::HeaderNotice* host = nullptr;    // read by this thread
   kernels::HeaderNotice* device = nullptr;  // written by the worker kernel

@@ -146,6 +146,13 @@ def invalidation_cases(rank: int, world: int) -> Dict[str, Any]:
     res["scoped_hits"] = st2.hits
     opt2.step()
     res["scoped_step"] = st2.generation
+    with torch.no_grad():  # an eval forward (weights may be swapped in for it) keeps nothing
+        model2(x)
+    res["eval_forward"] = (st2.cache_bytes(), st2.storing)
+    loss = model2(x).sum()  # a training forward keeps its re-gathers again
+    res["train_forward_kept"] = st2.cache_bytes() > 0
+    loss.backward()
+    res["train_hits"] = st2.hits
     return res
 
 

@@ -66,6 +66,8 @@ def test_cache_invalidation(world):
         assert res["removed"] == 6 and res["removed_hooks"] == 6
         assert "'optimizer'" in res["bad_optimizer"]
         assert res["scoped_hits"] == 2 and res["scoped_step"] == 1
+        assert res["eval_forward"] == (0, False)
+        assert res["train_forward_kept"] and res["train_hits"] == 4
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -519,6 +519,7 @@ PYBIND11_MODULE(_C, m) {
           jobs.push_back(kernels::CopyJob{srcs[i].data, dsts[i].data, srcs[i].bytes()});
         }
         if (jobs.empty()) return;
+        const kernels::ScopedDevice on(dsts[0].device);  // the stream and the launch of that device
         auto f = dsts[0].on_host() ? kernels::cpu::batch_copy : kernels::cuda::batch_copy;
         check(f(jobs.data(), static_cast<int64_t>(jobs.size()), reinterpret_cast<void*>(stream)), "batch_copy");
       },

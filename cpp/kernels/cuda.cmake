@@ -3,7 +3,8 @@
 # Sets COMPCOMM_CUDA (ON/OFF) for cpp/kernels/CMakeLists.txt.
 #
 #   -DCOMPCOMM_WITH_CUDA=OFF                     never build the kernels (the stub is used)
-#   -DCOMPCOMM_CUDA_ARCHITECTURES="80-real;90"   targets (default: sm_90 machine code + PTX)
+#   -DCOMPCOMM_CUDA_ARCHITECTURES="80-real;90"   targets (default: sm_90 machine code + PTX; sm_70 or
+#                                                 newer: the batched kernels take __grid_constant__ packs)
 #   CUDACXX=/path/to/nvcc or -DCMAKE_CUDA_COMPILER=...   which nvcc (default: PATH, then CUDA_HOME,
 #                                                        CUDA_PATH, /usr/local/cuda)
 option(COMPCOMM_WITH_CUDA "Build the CUDA kernels when a CUDA toolkit is found" ON)

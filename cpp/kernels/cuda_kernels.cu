@@ -711,9 +711,15 @@ __global__ void __launch_bounds__(kThreads) commit_many_kernel(const __grid_cons
                                       p.first[j + 1] - p.first[j]);
 }
 
-// One thread, as commit_gate_kernel: the flag is read once for every job.
-__global__ void commit_gate_many_kernel(const int* abort_flag, const __grid_constant__ Pack<GateJob> p, int world) {
-  if (*static_cast<const volatile int*>(abort_flag) == 0) return;
+// One thread, as commit_gate_kernel: the flag is read once for every job of the batch. The first pack
+// reads it (decided == nullptr); later packs read the first pack's verdict instead (its first job's
+// scale 0, NaN once gated: a committed scale is never NaN), so a flag raised between two launches
+// cannot gate half a batch.
+__global__ void commit_gate_many_kernel(const int* abort_flag, const float* decided,
+                                        const __grid_constant__ Pack<GateJob> p, int world) {
+  const bool abort = decided == nullptr ? *static_cast<const volatile int*>(abort_flag) != 0
+                                        : isnan(*static_cast<const volatile float*>(decided));
+  if (!abort) return;
   for (int j = 0; j < p.count; ++j)
     for (int i = 0; i < world; ++i) p.job[j].scales[i * p.job[j].stride] = __int_as_float(0x7fc00000);
 }
@@ -838,12 +844,15 @@ Status commit_gate_many(const int* abort_flag, const GateJob* jobs, int64_t coun
   if (abort_flag == nullptr || world < 0 || batch::any_bad(jobs, count)) return Status::kInvalidArgument;
   if (count == 0) return Status::kSuccess;
   // One thread reads the flag once for the whole batch; a batch longer than a pack is gated in
-  // several launches, each reading it (they run in stream order, before every commit).
+  // several launches (in stream order, before every commit), the later ones following the first's
+  // verdict.
   auto s = static_cast<cudaStream_t>(stream);
   std::vector<int64_t> idx(static_cast<size_t>(count));
   for (int64_t i = 0; i < count; ++i) idx[static_cast<size_t>(i)] = i;
+  const float* decided = nullptr;
   return launch_packs(jobs, idx, [](const GateJob&) { return 1; }, [&](const Pack<GateJob>& p, int32_t) {
-    commit_gate_many_kernel<<<1, 1, 0, s>>>(abort_flag, p, world);
+    commit_gate_many_kernel<<<1, 1, 0, s>>>(abort_flag, decided, p, world);
+    if (decided == nullptr && world > 0) decided = p.job[0].scales;
   });
 }
 

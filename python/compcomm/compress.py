@@ -46,8 +46,8 @@ __all__ = ["DEFAULT_BUCKET_ELEMENTS", "Compressor", "IdentityCompressor", "OneBi
 #: different magnitudes costs convergence: on the H200 (121M-parameter GPT, W=4, 600 steps) OneBitAdam
 #: ended 1.87% below its uncompressed twin with this plan and 2.42% above it with one bucket for all
 #: tensors (bench/results/gpu_1202b/README.md). All buckets still travel in one batched exchange of
-#: three collectives, and the batched kernels launch once per phase, so the step stayed within 1.03x
-#: of the one-bucket step there (52.9 vs 53.3 ms at 10 Gbit).
+#: three collectives, and the batched kernels launch once per phase, so the step stayed within 1.01x
+#: of the one-bucket step at 10 Gbit there (53.3 against 52.9 ms) and 1.06x at 1 Gbit.
 DEFAULT_BUCKET_ELEMENTS = 16384
 
 def all_finite(tensors: Sequence[torch.Tensor]) -> bool:

@@ -75,6 +75,7 @@ class GatherState:
         self.generation = 0
         self.gathers = self.hits = self.bytes_sent = self.logical_bytes = 0
         self.peak_cache_bytes = 0
+        self.storing = True  # the model's last forward ran with grad enabled (set by a hook)
         self._entries: Dict[str, Tuple[int, Tuple[Any, ...], torch.Tensor]] = {}
         self._handles: List[Any] = []
 
@@ -180,7 +181,9 @@ class CompressedAllGather(AllGather):
             _all_gather(output_tensor, input_tensor, group=group)
             st.bytes_sent += (world - 1) * n * input_tensor.element_size()
             payload = output_tensor
-        if st.cache and module is not None and _reshards_after_forward(module):
+        # a forward without grad (eval) has no backward to serve: its gathers are not kept, or
+        # weights swapped in for it (EMA) would be served to the next training forward
+        if st.cache and st.storing and module is not None and _reshards_after_forward(module):
             st._store(self.name, key, payload if quant else payload.clone())
         return None
 
@@ -194,7 +197,8 @@ def _optimizers(optimizer: Any) -> List[torch.optim.Optimizer]:
     return opts
 
 
-def _install_hooks(state: GatherState, modules: Iterable[Any], optimizer: Any) -> None:
+def _install_hooks(state: GatherState, modules: Iterable[Any], optimizer: Any,
+                   root: Any = None) -> None:
     ref = weakref.ref(state)  # the global hook must not keep the state alive
 
     def invalidate(*_: Any) -> None:
@@ -208,6 +212,14 @@ def _install_hooks(state: GatherState, modules: Iterable[Any], optimizer: Any) -
         state._handles.extend(o.register_step_post_hook(invalidate) for o in _optimizers(optimizer))
     for m in modules:
         state._handles.append(m.register_load_state_dict_post_hook(invalidate))
+
+    def grad_mode(*_: Any) -> None:
+        s = ref()
+        if s is not None:
+            s.storing = torch.is_grad_enabled()
+
+    if root is not None:  # before FSDP's own pre-forward, which gathers
+        state._handles.append(root.register_forward_pre_hook(grad_mode, prepend=True))
 
 
 def compressed_allgather(model: torch.nn.Module, *, quantized: bool = True, cache: bool = True,
@@ -259,5 +271,5 @@ def compressed_allgather(model: torch.nn.Module, *, quantized: bool = True, cach
     for name, m in mods:
         m.set_custom_all_gather(CompressedAllGather(state, name, m))
     if cache:
-        _install_hooks(state, [m for _, m in mods], optimizer)
+        _install_hooks(state, [m for _, m in mods], optimizer, root=model)
     return state
