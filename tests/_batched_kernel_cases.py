@@ -11,7 +11,7 @@ import torch
 from compcomm import _C
 from compcomm._buffers import buffer_of
 from compcomm.collectives import padded_numel
-from compcomm.testing import mirrored_peers
+from compcomm.testing import cancelling_peer, mirrored_peers
 
 # sizes (0 and 1 included) and dtypes of the buckets; `shift` starts a bucket one element into its
 # storage, so the kernels' unaligned variants run too
@@ -120,41 +120,8 @@ def cancelled_commit_many(cancel_at: int) -> Tuple[bool, bool]:
     an aborted NCCL collective is (abort flag set, finite garbage received, no error): the gated
     commit_many writes nothing. cancel_at = 0: never cancelled, and the same bits as per-call calls.
     Returns (unchanged, equal to per-call calls). Host buffers (the flag is host memory)."""
-    from compcomm._buffers import tensor_of
 
-    class Cancelling(_C.Communicator):
-        def __init__(self) -> None:
-            _C.Communicator.__init__(self)
-            self.flag = torch.zeros(1, dtype=torch.int32)
-            self.calls = 0
-
-        def rank(self) -> int:
-            return 0
-
-        def size(self) -> int:
-            return 1
-
-        def backend_name(self) -> str:
-            return "test:cancelling"
-
-        def do_abort_flag(self) -> int:
-            return self.flag.data_ptr()
-
-        def _collective(self, send, recv) -> None:
-            if send.data != recv.data:
-                tensor_of(recv).copy_(tensor_of(send))
-            self.calls += 1
-            if self.calls == cancel_at:
-                self.flag.fill_(1)
-                tensor_of(recv).view(torch.uint8).fill_(0x3F)
-
-        def do_all_to_all(self, send, recv, opts) -> None:
-            self._collective(send, recv)
-
-        def do_all_gather(self, send, recv, opts) -> None:
-            self._collective(send, recv)
-
-    comm = Cancelling()
+    comm = cancelling_peer(cancel_at)
     bufs, xs = buffers(1, "cpu"), inputs(0, "cpu")
     for b in bufs:
         b[0].normal_(0, 0.1)

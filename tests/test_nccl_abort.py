@@ -28,8 +28,9 @@ import pytest
 import torch
 from _backends import no_gpu, skip_unless
 from compcomm import _C
-from compcomm._buffers import buffer_of, tensor_of
+from compcomm._buffers import buffer_of
 from compcomm.collectives import compressed_reduce_scatter
+from compcomm.testing import cancelling_peer
 from test_nccl_faults import _no_native_nccl
 
 # ---------------------------------------------------------------------------------------------
@@ -125,44 +126,6 @@ def test_host_communicators_have_no_abort_flag():
 # The gate inside compressed_allreduce / compressed_reduce_scatter, on the CPU.
 
 
-class _CancellingComm(_C.Communicator):
-    """A world of one rank whose ``cancel_at``-th collective is "cancelled" the way an aborted
-    NCCL collective is, seen from the stream that runs on behind it: the abort flag is set first,
-    then the collective returns (no error) with garbage in its receive buffer -- finite garbage,
-    so no other check catches it."""
-
-    def __init__(self, cancel_at: int) -> None:
-        _C.Communicator.__init__(self)
-        self.flag = torch.zeros(1, dtype=torch.int32)
-        self.cancel_at, self.calls = cancel_at, 0
-
-    def rank(self) -> int:
-        return 0
-
-    def size(self) -> int:
-        return 1
-
-    def backend_name(self) -> str:
-        return "test:cancelling"
-
-    def do_abort_flag(self) -> int:
-        return self.flag.data_ptr()
-
-    def _collective(self, send, recv) -> None:
-        if send.data != recv.data:
-            tensor_of(recv).copy_(tensor_of(send))
-        self.calls += 1
-        if self.calls == self.cancel_at:
-            self.flag.fill_(1)
-            tensor_of(recv).view(torch.uint8).fill_(0x3F)  # 0x3F3F3F3F: 0.747 as a float
-
-    def do_all_to_all(self, send, recv, opts) -> None:
-        self._collective(send, recv)
-
-    def do_all_gather(self, send, recv, opts) -> None:
-        self._collective(send, recv)
-
-
 def _run(op: str, comm, seed: int = 3):
     import compcomm
 
@@ -188,7 +151,7 @@ CANCELLED = [("allreduce", 2), ("allreduce", 3), ("reduce_scatter", 2)]
 
 @pytest.mark.parametrize("op,cancel_at", CANCELLED)
 def test_cancelled_exchange_commits_nothing(op, cancel_at):
-    comm = _CancellingComm(cancel_at)
+    comm = cancelling_peer(cancel_at)
     assert comm.abort_flag == comm.flag.data_ptr()
     before, after = _run(op, comm)
     assert comm.flag.item() == 1  # the cancellation happened, inside the call
@@ -201,7 +164,7 @@ def test_cancelled_exchange_without_gate_changes_state(op, cancel_at, monkeypatc
     """COMPCOMM_TEST_FAULT=no_commit_gate: the same cancellation then writes garbage-derived
     values, which the test above would catch."""
     monkeypatch.setenv("COMPCOMM_TEST_FAULT", "no_commit_gate")
-    before, after = _run(op, _CancellingComm(cancel_at))
+    before, after = _run(op, cancelling_peer(cancel_at))
     assert not all(torch.equal(a, b) for a, b in zip(before, after))
 
 
@@ -209,7 +172,7 @@ def test_cancelled_exchange_without_gate_changes_state(op, cancel_at, monkeypatc
 def test_uncancelled_calls_match_the_local_communicator(op):
     """With the flag never set, the gate changes nothing: the results are those of a plain world
     of one rank, bit for bit."""
-    _, got = _run(op, _CancellingComm(cancel_at=0))
+    _, got = _run(op, cancelling_peer(0))
     _, want = _run(op, _C.LocalCommunicator())
     for a, b in zip(got, want):
         assert torch.equal(a, b)

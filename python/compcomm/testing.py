@@ -224,3 +224,49 @@ def mirrored_peers(world: int) -> Any:
             pass
 
     return MirroredPeers()
+
+
+def cancelling_peer(cancel_at: int) -> Any:
+    """A Communicator for a world of one rank whose ``cancel_at``-th collective (all-to-all or
+    all-gather; 0: none) is "cancelled" the way an aborted NCCL collective is, seen from the stream
+    that runs on behind it: the abort flag (host memory, ``.flag``) is set first, then the
+    collective returns with no error and finite garbage (0x3F bytes) in its receive buffer, so only
+    the commit gate can catch it (the gate tests)."""
+    import torch
+
+    from . import _C
+    from ._buffers import tensor_of
+
+    class CancellingPeer(_C.Communicator):
+        def __init__(self) -> None:
+            _C.Communicator.__init__(self)
+            self.flag = torch.zeros(1, dtype=torch.int32)
+            self.cancel_at, self.calls = cancel_at, 0
+
+        def rank(self) -> int:
+            return 0
+
+        def size(self) -> int:
+            return 1
+
+        def backend_name(self) -> str:
+            return "test:cancelling"
+
+        def do_abort_flag(self) -> int:
+            return self.flag.data_ptr()
+
+        def _collective(self, send, recv) -> None:  # type: ignore[no-untyped-def]
+            if send.data != recv.data:
+                tensor_of(recv).copy_(tensor_of(send))
+            self.calls += 1
+            if self.calls == self.cancel_at:
+                self.flag.fill_(1)
+                tensor_of(recv).view(torch.uint8).fill_(0x3F)  # 0x3F3F3F3F: 0.747 as a float
+
+        def do_all_to_all(self, send, recv, opts) -> None:  # type: ignore[no-untyped-def]
+            self._collective(send, recv)
+
+        def do_all_gather(self, send, recv, opts) -> None:  # type: ignore[no-untyped-def]
+            self._collective(send, recv)
+
+    return CancellingPeer()
