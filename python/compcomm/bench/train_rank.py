@@ -6,9 +6,11 @@ Each rank process runs :func:`rank_main` on the config the driver wrote: a compu
 ``RESULT`` lines (JSON, rank 0 only) that the driver collects; ``PROGRESS`` lines with
 ``--progress``.
 
-Profiling: with ``COMPCOMM_PROFILE_DIR`` set, rank 0 records the optimizer step of each optimizer's
-last three steps with ``torch.profiler`` (CPU and, on GPU, CUDA activity) and writes the operator
-table, sorted by host time, to ``<dir>/<optimizer>.txt`` (where a step's time goes, e.g. per bucket).
+Profiling: with ``COMPCOMM_PROFILE_DIR`` set, rank 0 records each optimizer's last three steps
+(forward, backward and the optimizer step, labelled ``optimizer.step``) with ``torch.profiler`` (CPU
+and, on GPU, CUDA activity) and writes the operator tables, sorted by host and by device time, to
+``<dir>/<optimizer>.txt`` (where a step's time goes, e.g. launches and copies per bucket). The
+profiler slows the steps it records: use the counts, not the step times, of such a run.
 """
 
 from __future__ import annotations
