@@ -108,6 +108,22 @@ OPTIMIZER_EXPECT = {
 }
 
 
+def _compressed_drops(opt: Any, params: List[torch.nn.Parameter], rank: int, world: int, odd: bool,
+                      out: Dict[str, Any]) -> None:
+    """In the compressed phase, the ranks drop different gradients (``compressed_grads``), then
+    one rank alone drops one: it checks, the others go on to the compressed exchange, whose first
+    record tells them apart (``compressed_one_sided``; RankMismatchError on both sides)."""
+    _grads(params, rank, 99)
+    params[1 if odd else 2].grad = None
+    out["compressed_grads"] = _outcome(opt.step, lambda: _optimizer_state(opt, params))
+    assert _in_step(world)
+    _grads(params, rank, 100)
+    if odd:
+        params[1].grad = None
+    out["compressed_one_sided"] = _outcome(opt.step, lambda: _optimizer_state(opt, params))
+    assert _in_step(world)
+
+
 def _rank_optimizer(rank: int, world: int, name: str) -> Dict[str, Any]:
     cls = getattr(compcomm.optim, name)
     odd = rank == world - 1
@@ -127,17 +143,7 @@ def _rank_optimizer(rank: int, world: int, name: str) -> Dict[str, Any]:
         _grads(params, rank, t)
         opt.step()
     assert opt.schedule.next_kind() in _COMPRESSED_KINDS
-    _grads(params, rank, 99)
-    params[1 if odd else 2].grad = None
-    out["compressed_grads"] = _outcome(opt.step, lambda: _optimizer_state(opt, params))
-    assert _in_step(world)
-    # ... or one rank alone drops a gradient: it checks, the others go on to the compressed
-    # exchange, whose first record tells them apart (RankMismatchError on both sides)
-    _grads(params, rank, 100)
-    if odd:
-        params[1].grad = None
-    out["compressed_one_sided"] = _outcome(opt.step, lambda: _optimizer_state(opt, params))
-    assert _in_step(world)
+    _compressed_drops(opt, params, rank, world, odd, out)
     return out
 
 
@@ -320,15 +326,7 @@ def _rank_unbatched(rank: int, world: int, name: str) -> Dict[str, Any]:
         _grads(params, rank, t)
         opt.step()
     assert seen and opt.schedule.next_kind() in _COMPRESSED_KINDS
-    _grads(params, rank, 99)
-    params[1 if odd else 2].grad = None
-    out["compressed_grads"] = _outcome(opt.step, lambda: _optimizer_state(opt, params))
-    assert _in_step(world)
-    _grads(params, rank, 100)
-    if odd:
-        params[1].grad = None
-    out["compressed_one_sided"] = _outcome(opt.step, lambda: _optimizer_state(opt, params))
-    assert _in_step(world)
+    _compressed_drops(opt, params, rank, world, odd, out)
     opt.compressor.close()
     return out
 
