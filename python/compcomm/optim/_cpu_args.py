@@ -34,6 +34,10 @@ def torch_sqrt_mode() -> Optional[str]:
         scale = torch.pow(4.0, torch.arange(-70, 60, dtype=torch.float64)).to(torch.float32)
         x = (1.0 + 3.0 * torch.rand(64, scale.numel(), generator=gen)) * scale
         x = torch.cat([x.flatten(), torch.tensor([0.0, -0.0, 1.0, 2.0, float("inf"), 1e-45])])
+        # the first multi-threaded sqrt of a process sometimes gives other bits near the
+        # subnormal range in its second half (torch's pool starting up, seen on the 2-core VM):
+        # probe on a later call
+        x.sqrt()
         want = x.sqrt()
         found = None
         for mode in ("ieee", "rsqrt14"):
