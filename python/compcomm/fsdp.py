@@ -35,10 +35,12 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from .collectives import compressed_allreduce, compressed_reduce_scatter, padded_numel
 from .errors import UnsupportedError
 from .fsdp_gather import GatherState, compressed_allgather
+from .fsdp_optim import FrozenVarianceAdam
 from .quantize import DEFAULT_BLOCK
 
 
-__all__ = ["OneBitFSDP", "OneBitReduceScatter", "onebit", "compressed_allgather", "GatherState"]
+__all__ = ["OneBitFSDP", "OneBitReduceScatter", "onebit", "compressed_allgather", "GatherState",
+           "FrozenVarianceAdam"]
 
 # torch 2.13 renamed the tensor form of reduce_scatter; older releases have only this one.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -27,8 +27,10 @@ fsdp2_adamw            torch FSDP2: ``fully_shard`` on every transformer block a
                        autocast on GPUs (fp32 otherwise), torch.optim.AdamW on the DTensor shards
 fsdp2_onebit           the same model with ``compcomm.fsdp.onebit(model, warmup_steps=--warmup)``
                        (FSDP's own reduce-scatter for --warmup steps, then compcomm's 1-bit
-                       reduce-scatter with error feedback) and torch.optim.AdamW, the pairing
-                       docs/fsdp.md recommends (an adaptive optimizer)
+                       reduce-scatter with error feedback) and compcomm.fsdp.FrozenVarianceAdam
+                       (AdamW's arguments; variance frozen at the switch: the 1-bit Adam recipe)
+fsdp2_onebit_adamw     fsdp2_onebit with torch.optim.AdamW instead (variance keeps following the
+                       1-bit gradients: the earlier pairing, for comparison)
 fsdp2_onebit_ag        fsdp2_onebit plus compcomm's parameter all-gather: blockwise int8
                        (``quantized_allgather``) and the re-gather cache (``regather_cache``)
 fsdp2_onebit_cache     fsdp2_onebit plus the re-gather cache alone (exact all-gathers)
@@ -84,6 +86,7 @@ OPTIMIZERS = (
     "fsdp2_onebit_ag",
     "fsdp2_onebit_cache",
     "fsdp2_adamw_qag",
+    "fsdp2_onebit_adamw",
 )
 #: the uncompressed twin of each compressed optimizer (loss comparison) and its fp32 baseline
 TWIN = {
@@ -96,6 +99,7 @@ TWIN = {
     "fsdp2_onebit_ag": "fsdp2_adamw",
     "fsdp2_onebit_cache": "fsdp2_adamw",
     "fsdp2_adamw_qag": "fsdp2_adamw",
+    "fsdp2_onebit_adamw": "fsdp2_adamw",
 }
 #: the identity twin of each 1-bit optimizer (an extra loss comparison, no target)
 IDENTITY_TWIN = {
@@ -107,10 +111,12 @@ IDENTITY_TWIN = {
 #: the rows that set the time-to-target loss (a frozen variance may diverge)
 IDENTITY = tuple(IDENTITY_TWIN.values())
 COMPRESSED = ("onebitadam", "zerooneadam", "zero2_onebitadam", "zero2_onebitadam_noag",
-              "onebitlamb", "fsdp2_onebit", "fsdp2_onebit_ag", "fsdp2_onebit_cache")
+              "onebitlamb", "fsdp2_onebit", "fsdp2_onebit_ag", "fsdp2_onebit_cache",
+              "fsdp2_onebit_adamw")
 #: steps 1..--warmup are "warmup", the later ones "compressed"
 _FREEZING = ("onebitadam", "onebitlamb", "zero2_onebitadam", "zero2_onebitadam_noag",
-             "fsdp2_onebit", "fsdp2_onebit_ag", "fsdp2_onebit_cache", "onebitadam_identity",
+             "fsdp2_onebit", "fsdp2_onebit_ag", "fsdp2_onebit_cache", "fsdp2_onebit_adamw",
+             "onebitadam_identity",
              "onebitlamb_identity")
 
 
@@ -318,7 +324,10 @@ def _fsdp2(name: str, model: Any, cfg: Dict[str, Any], world: int, dev: Any) -> 
         def reduce_sent() -> int:
             return tally.reduce
 
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
+    if name.startswith("fsdp2_onebit") and name != "fsdp2_onebit_adamw":
+        opt = compcomm.fsdp.FrozenVarianceAdam(model.parameters(), lr=cfg["lr"], freeze_step=state)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
     gathered: Callable[[], int] = (lambda: tally.gather) if gstate is None else \
         (lambda: gstate.bytes_sent)
     return {"module": model, "opt": opt, "kind": "fsdp", "reduce_sent": reduce_sent,

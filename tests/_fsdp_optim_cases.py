@@ -1,0 +1,122 @@
+"""Rank bodies for tests/test_fsdp_optim.py (module level, so run_ranks can pickle them)."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import numpy as np
+import torch
+
+from _fsdp_cases import _mlp
+
+
+def _model(world: int, dtype: torch.dtype = torch.float32, onebit_warmup=None):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import compcomm.fsdp as cf
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = _mlp().to(dtype)
+    for m in (model[0], model[2], model):
+        fully_shard(m, mesh=mesh)
+    state = cf.onebit(model, warmup_steps=onebit_warmup) if onebit_warmup is not None else None
+    return model, state
+
+
+def _train(model, opt, rank: int, steps, dtype=torch.float32) -> List[List[torch.Tensor]]:
+    out = []
+    for t in steps:
+        x = torch.randn(4, 13, generator=torch.Generator().manual_seed(100 * t + rank)).to(dtype)
+        opt.zero_grad()
+        model(x).float().pow(2).sum().backward()
+        opt.step()
+        out.append([p.detach().to_local().clone() for p in model.parameters()])
+    return out
+
+
+def _reference(p0, grads, lr, b1, b2, eps, wd, freeze):
+    """float64 numpy AdamW with the variance frozen after ``freeze`` steps."""
+    p, m, v = p0.astype(np.float64), np.zeros(p0.shape), np.zeros(p0.shape)
+    for t, g in enumerate(grads, 1):
+        g = g.astype(np.float64)
+        p = p * (1 - lr * wd)
+        m = b1 * m + (1 - b1) * g
+        if t <= freeze:
+            v = b2 * v + (1 - b2) * g * g
+        tv = min(t, freeze)
+        p = p - lr / (1 - b1 ** t) * m / (np.sqrt(v) / np.sqrt(1 - b2 ** tv) + eps)
+    return p
+
+
+def optim_cases(rank: int, world: int, dtype_name: str) -> Dict[str, Any]:
+    """AdamW and FrozenVarianceAdam(freeze_step=3) on the same FSDP2 model and data (FSDP's own
+    reduce-scatter): steps 1-3 bit for bit; after them the variance is frozen bit for bit and
+    each shard follows a float64 reference fed with the same gradients."""
+    import compcomm.fsdp as cf
+
+    dtype = getattr(torch, dtype_name)
+    kw = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.1)
+    model_a, _ = _model(world, dtype)
+    ref = _train(model_a, torch.optim.AdamW(model_a.parameters(), **kw), rank, range(5), dtype)
+    model, _ = _model(world, dtype)
+    opt = cf.FrozenVarianceAdam(model.parameters(), freeze_step=3, **kw)
+    p0 = [p.detach().to_local().clone() for p in model.parameters()]
+    grads, vs, got = [], [], []
+    for t in range(6):
+        x = torch.randn(4, 13, generator=torch.Generator().manual_seed(100 * t + rank)).to(dtype)
+        opt.zero_grad()
+        model(x).float().pow(2).sum().backward()
+        grads.append([p.grad.to_local().clone() for p in model.parameters()])
+        frozen_before = [opt.variance_frozen(p) for p in model.parameters()]
+        opt.step()
+        got.append([p.detach().to_local().clone() for p in model.parameters()])
+        vs.append([opt.state[p]["exp_avg_sq"].to_local().clone() for p in model.parameters()])
+        assert all(f == (t >= 3) for f in frozen_before), (t, frozen_before)
+    res: Dict[str, Any] = {}
+    res["warmup_bitwise"] = all(torch.equal(a, b) for t in range(3) for a, b in zip(ref[t], got[t]))
+    res["then_differs"] = any(not torch.equal(a, b) for a, b in zip(ref[4], got[4]))
+    res["v_frozen"] = all(torch.equal(a, b) for t in (3, 4, 5) for a, b in zip(vs[2], vs[t]))
+    res["v_moved"] = any(not torch.equal(a, b) for a, b in zip(vs[0], vs[2]))
+    errs = []
+    for i in range(len(p0)):
+        want = _reference(p0[i].float().numpy(), [g[i].float().numpy() for g in grads], 1e-2,
+                          0.9, 0.99, 1e-6, 0.1, 3)
+        have = got[-1][i].double().numpy()
+        errs.append(float(np.abs(have - want).max() / max(np.abs(want).max(), 1e-30)))
+    res["ref_err"] = max(errs)
+    res["states_are_dtensors"] = all(type(opt.state[p]["exp_avg"]).__name__ == "DTensor"
+                                     for p in model.parameters())
+    return res
+
+
+def onebit_dcp_cases(rank: int, world: int, path: str) -> Dict[str, Any]:
+    """compcomm.fsdp.onebit (warm-up 2) + FrozenVarianceAdam(freeze_step=state): 4 steps,
+    torch.distributed.checkpoint of model, optimizer and the 1-bit state, 3 more steps; a fresh
+    model/optimizer/state loaded from it runs the same 3 steps bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import compcomm.fsdp as cf
+
+    key = f"onebit_rank{rank}"
+    model, state = _model(world, onebit_warmup=2)
+    opt = cf.FrozenVarianceAdam(model.parameters(), lr=1e-2, freeze_step=state)
+    _train(model, opt, rank, range(4))
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd, key: state.state_dict()}, checkpoint_id=path)
+    cont = _train(model, opt, rank, range(4, 7))
+
+    model2, state2 = _model(world, onebit_warmup=2)
+    opt2 = cf.FrozenVarianceAdam(model2.parameters(), lr=1e-2, freeze_step=5)  # the saved 2 wins
+    _train(model2, opt2, rank, range(1))  # (a state to load into)
+    msd2, osd2 = get_state_dict(model2, opt2)
+    sd = {"model": msd2, "optim": osd2, key: state2.state_dict()}
+    dcp.load(sd, checkpoint_id=path)
+    set_state_dict(model2, opt2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    state2.load_state_dict(sd[key])
+    resumed = _train(model2, opt2, rank, range(4, 7))
+    return {"freeze_step": opt.param_groups[0]["freeze_step"],
+            "loaded_freeze_step": opt2.param_groups[0]["freeze_step"],
+            "bitwise": all(torch.equal(a, b) for t in range(3) for a, b in zip(cont[t], resumed[t])),
+            "moved": any(not torch.equal(a, b) for a, b in zip(cont[0], cont[-1]))}

@@ -1,0 +1,83 @@
+"""compcomm.fsdp.FrozenVarianceAdam: AdamW on FSDP2's DTensor shards with the variance frozen from
+``freeze_step`` (the optimizer of compcomm.fsdp.onebit's 1-bit phase)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import _fsdp_optim_cases as C
+from compcomm.fsdp import FrozenVarianceAdam
+from compcomm.testing import run_ranks
+
+
+@pytest.mark.parametrize("world,dtype", [(2, "float32"), (3, "float32"), (2, "bfloat16")])
+def test_warmup_is_adamw_then_variance_frozen(world, dtype):
+    for res in run_ranks(world, C.optim_cases, dtype, timeout=300):
+        assert res["warmup_bitwise"] and res["then_differs"], res
+        assert res["v_frozen"] and res["v_moved"] and res["states_are_dtensors"], res
+        # float64 reference fed with the same gradients: fp32 (bf16) rounding over 6 steps
+        assert res["ref_err"] < (1e-5 if dtype == "float32" else 3e-2), res
+
+
+def test_onebit_pairing_dcp_round_trip(tmp_path):
+    for res in run_ranks(2, C.onebit_dcp_cases, str(tmp_path / "ckpt"), timeout=300):
+        assert res == {"freeze_step": 2, "loaded_freeze_step": 2, "bitwise": True,
+                       "moved": True}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_plain_tensors_warmup_equals_adamw(dtype):
+    """Without FSDP (plain tensors, one process): the warm-up is torch.optim.AdamW bit for bit,
+    including a parameter that skips a step (no gradient)."""
+    torch.manual_seed(0)
+    ps = [torch.randn(37, 5).to(dtype), torch.randn(11).to(dtype)]
+    qs = [p.clone() for p in ps]
+    kw = dict(lr=3e-3, betas=(0.8, 0.95), eps=1e-7, weight_decay=0.05)
+    ref = torch.optim.AdamW(ps, **kw)
+    opt = FrozenVarianceAdam(qs, freeze_step=4, **kw)
+    for t in range(4):
+        for i, (p, q) in enumerate(zip(ps, qs)):
+            g = torch.randn(p.shape).to(dtype) if not (i == 1 and t == 2) else None
+            p.grad, q.grad = g, (None if g is None else g.clone())
+        ref.step()
+        opt.step()
+        for p, q in zip(ps, qs):
+            assert torch.equal(p, q)
+    assert float(opt.state[qs[0]]["step"]) == 4 and float(opt.state[qs[1]]["step"]) == 3
+    assert opt.variance_frozen(qs[0]) and not opt.variance_frozen(qs[1])
+    v = opt.state[qs[0]]["exp_avg_sq"].clone()
+    qs[0].grad = torch.randn(qs[0].shape).to(dtype)
+    qs[1].grad = None
+    opt.step()
+    assert torch.equal(v, opt.state[qs[0]]["exp_avg_sq"])
+
+
+def test_bad_arguments():
+    p = [torch.zeros(3, requires_grad=True)]
+    with pytest.raises(TypeError, match="freeze_step"):
+        FrozenVarianceAdam(p, freeze_step=None)
+    with pytest.raises(ValueError, match="freeze_step"):
+        FrozenVarianceAdam(p, freeze_step=0)
+    with pytest.raises(TypeError, match="freeze_step"):
+        FrozenVarianceAdam(p, freeze_step=True)
+    with pytest.raises(ValueError, match="'lr'"):
+        FrozenVarianceAdam(p, lr=-1.0, freeze_step=1)
+    with pytest.raises(ValueError, match=r"betas\[1\]"):
+        FrozenVarianceAdam(p, betas=(0.9, 1.0), freeze_step=1)
+    with pytest.raises(TypeError, match="betas"):
+        FrozenVarianceAdam(p, betas=0.9, freeze_step=1)
+    with pytest.raises(ValueError, match="weight_decay"):
+        FrozenVarianceAdam(p, weight_decay=-0.1, freeze_step=1)
+    with pytest.raises(TypeError, match="'eps'"):
+        FrozenVarianceAdam(p, eps=float("nan"), freeze_step=1)
+    with pytest.raises(TypeError, match="params"):
+        FrozenVarianceAdam([torch.zeros(3, dtype=torch.int64)], freeze_step=1)
+    with pytest.raises(ValueError, match="freeze_step"):
+        FrozenVarianceAdam([{"params": p, "freeze_step": -2}], freeze_step=1)
+    with pytest.raises(ValueError, match="'p'"):
+        FrozenVarianceAdam(p, freeze_step=1).variance_frozen(torch.zeros(1))
+
+    class State:  # what compcomm.fsdp.onebit returns, as far as the optimizer reads it
+        warmup_steps = 7
+    assert FrozenVarianceAdam(p, freeze_step=State()).param_groups[0]["freeze_step"] == 7
