@@ -120,3 +120,77 @@ def onebit_dcp_cases(rank: int, world: int, path: str) -> Dict[str, Any]:
             "loaded_freeze_step": opt2.param_groups[0]["freeze_step"],
             "bitwise": all(torch.equal(a, b) for t in range(3) for a, b in zip(cont[t], resumed[t])),
             "moved": any(not torch.equal(a, b) for a, b in zip(cont[0], cont[-1]))}
+
+
+class _Recorder:
+    """Wraps a module's ReduceScatter: keeps each call's input and output (copies)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls = inner, []
+
+    def allocate(self, size, *, dtype, device):
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        inp = input_tensor.clone()
+        work = self.inner(output_tensor, input_tensor, group, op, async_op)
+        self.calls.append((inp, output_tensor.clone()))
+        return work
+
+
+def _wide_mlp(dtype):
+    torch.manual_seed(1)  # dims that do not divide by 2 or 3; a bias, a LayerNorm
+    return torch.nn.Sequential(torch.nn.Linear(13, 7), torch.nn.LayerNorm(7), torch.nn.Tanh(),
+                               torch.nn.Linear(7, 5, bias=False)).to(dtype)
+
+
+def segment_cases(rank: int, world: int, dtype_name: str, limit) -> Dict[str, Any]:
+    """compcomm.fsdp.onebit(warmup 0, segment_elements=limit) on a real FSDP2 backward, twice:
+    every rank's output shard equals a numpy reference of the segmented 1-bit reduce-scatter
+    (each segment's rank pieces in rows of ceil(S/8)*8, its own errors carried over both calls),
+    and each segment of the output carries one scale."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import compcomm.fsdp as cf
+    import reference as R
+
+    dtype = getattr(torch, dtype_name)
+    mesh = init_device_mesh("cpu", (world,))
+    model = _wide_mlp(dtype)
+    fully_shard(model, mesh=mesh)
+    state = cf.onebit(model, warmup_steps=0, segment_elements=limit)
+    rec = _Recorder(cf.OneBitReduceScatter(state, "<root>"))
+    model.set_custom_reduce_scatter(rec)
+    for t in range(2):
+        x = torch.randn(4, 13, generator=torch.Generator().manual_seed(10 * t + rank)).to(dtype)
+        model.zero_grad()
+        model(x).float().pow(2).sum().backward()
+    segs = state.segments["<root>"]
+    wes = {k: [np.zeros(world * (-(-n // 8) * 8), np.float32) for _ in range(world)]
+           for k, n in enumerate(segs)}
+    ses = {k: [np.zeros(-(-n // 8) * 8, np.float32) for _ in range(world)]
+           for k, n in enumerate(segs)}
+    err, scales_per_segment = 0.0, []
+    for inp, out in rec.calls:
+        everyone = [torch.zeros_like(inp) for _ in range(world)]
+        dist.all_gather(everyone, inp)
+        s = out.numel()
+        o = 0
+        for k, n in enumerate(segs):
+            r8 = -(-n // 8) * 8
+            xs = []
+            for r in range(world):
+                rows = np.zeros((world, r8), np.float32)
+                rows[:, :n] = everyone[r].float().view(world, s)[:, o:o + n].numpy()
+                xs.append(rows.reshape(-1))
+            ref = R.compressed_allreduce_padded(xs, wes[k], ses[k], "fp32")
+            want = torch.from_numpy(ref[rank * r8: rank * r8 + n].copy()).to(dtype).float()
+            have = out[o:o + n].float()
+            err = max(err, float((have - want).abs().max() / want.abs().max()))
+            scales_per_segment.append(len(set(have.abs().tolist())))
+            o += n
+        assert o == s
+    return {"segments": segs, "err": err, "one_scale_each": set(scales_per_segment) == {1},
+            "keys": sorted(state.state_dict()["errors"])}

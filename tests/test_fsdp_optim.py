@@ -81,3 +81,22 @@ def test_bad_arguments():
     class State:  # what compcomm.fsdp.onebit returns, as far as the optimizer reads it
         warmup_steps = 7
     assert FrozenVarianceAdam(p, freeze_step=State()).param_groups[0]["freeze_step"] == 7
+
+
+@pytest.mark.parametrize("world,dtype,limit", [(2, "float32", 0), (3, "float32", 0),
+                                               (2, "bfloat16", 0), (3, "float32", 100),
+                                               (2, "float32", None)])
+def test_segments_are_the_chunk_layout(world, dtype, limit):
+    """FSDP2's real reduce-scatter input through compcomm.fsdp.onebit's segments: each rank's
+    shard equals the numpy reference segment by segment (own scales, own carried errors)."""
+    # the parameters in FSDP's order: weight 7x13, bias 7, LayerNorm weight 7 and bias 7, 5x7
+    piece = lambda n0, rest: -(-n0 // world) * rest  # noqa: E731
+    pieces = [piece(7, 13), piece(7, 1), piece(7, 1), piece(7, 1), piece(5, 7)]
+    want = {0: pieces, None: [sum(pieces)],
+            100: [pieces[0], sum(pieces[1:])]}[limit]  # 117 > 100 alone; 9+9+9+42 <= 100
+    for res in run_ranks(world, C.segment_cases, dtype, limit, timeout=300):
+        assert res["segments"] == want, res
+        assert res["err"] < (1e-5 if dtype == "float32" else 1e-2), res
+        assert res["one_scale_each"], res
+        n = len(want)
+        assert res["keys"] == (["<root>"] if n == 1 else sorted(f"<root>#{k}" for k in range(n)))

@@ -10,9 +10,16 @@ all-reduce (the slow inter-node link) with :func:`compcomm.compressed_allreduce`
 intra-replica reduce-scatter (fast links) stays full precision.
 
 How the 1-bit reduce-scatter meets FSDP's contract: FSDP hands a flat rank-major input of W shards of
-``s`` elements each (every parameter dim-0 padded to a multiple of W) and expects the reduced shard of
-this rank. Each shard is copied into a row of ``s8 = ceil(s / 8) * 8`` fp32 elements (the 1-bit chunk
-of a rank must be whole bytes), so chunk r of the compressed reduce-scatter is exactly FSDP's shard r.
+``s`` elements each (every parameter dim-0 padded to a multiple of W; shard r is every parameter's
+piece r, in FSDP's parameter order) and expects the reduced shard of this rank. The module's
+parameters are cut into tensor-aligned *segments* (:func:`compcomm.compress.plan_buckets` with
+``segment_elements``, 16384 by default, as OneBitAdam's buckets: every parameter of more elements is
+a segment of its own, smaller neighbours share one), and each segment is its own compressed
+reduce-scatter with its own error buffers and scales -- a LayerNorm weight never shares a 1-bit
+scale with a weight matrix. Segment k covers the same columns ``[o_k, o_k + S_k)`` of every shard;
+each rank's piece is copied into a row of ``ceil(S_k / 8) * 8`` fp32 elements (the 1-bit chunk of a
+rank must be whole bytes), so chunk r of the segment's reduce-scatter is exactly rank r's part of
+FSDP's shard.
 The result is the 1-bit *average*; FSDP's ``op`` says what it wants: AVG as it is, SUM times W,
 ``PREMUL_SUM(f)`` times W * f. FSDP records an event right after the call returns, so the call is
 stream-ordered on the caller's stream (CUDA) and writes only ``output_tensor``.
@@ -33,6 +40,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from .collectives import compressed_allreduce, compressed_reduce_scatter, padded_numel
+from .compress import DEFAULT_BUCKET_ELEMENTS, plan_buckets
 from .errors import UnsupportedError
 from .fsdp_gather import GatherState, compressed_allgather
 from .fsdp_optim import FrozenVarianceAdam
@@ -58,33 +66,59 @@ def _scale_of(op: Any, world: int) -> float:
                            "reduce_scatter", "fsdp")
 
 
+#: The state format of :meth:`OneBitFSDP.state_dict` (2: error buffers per segment)
+STATE_FORMAT = "compcomm.fsdp/2"
+_OLD_FORMAT = "compcomm.fsdp/1"  # one pair of error buffers per module (before segments)
+
+
+def _check_segment_elements(value: Any) -> Optional[int]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError("compcomm.fsdp.onebit: argument 'segment_elements' must be an integer "
+                         f">= 0 or None, got {value!r}")
+    return value
+
+
 class OneBitFSDP:
     """The state of :func:`onebit` for one model: step counts and error buffers per FSDP module.
 
     A module is in its 1-bit phase once it has reduced ``warmup_steps`` times (one reduce-scatter
-    per module per backward). ``state_dict()``/``load_state_dict()`` hold this rank's error buffers
-    (they differ per rank: save one file per rank, e.g. ``torch.save(ctrl.state_dict(),
-    f"onebit_rank{r}.pt")``); loading on another world size resets them, as DeepSpeed does.
+    per module per backward). Each module's reduction is cut into tensor-aligned segments (see the
+    module docstring), each with its own pair of error buffers, keyed ``"<module>#<k>"`` (one
+    segment, ``segment_elements=None``: keyed by the module's name, as format 1 was).
+    ``state_dict()``/``load_state_dict()`` hold this rank's error buffers (they differ per rank:
+    save one file per rank, e.g. ``torch.save(ctrl.state_dict(), f"onebit_rank{r}.pt")``); loading
+    on another world size resets them, as DeepSpeed does.
 
     Attributes
     ----------
     warmup_steps : int
+    segment_elements : int or None
+        The segment plan's limit (``plan_buckets``): parameters of more elements are segments of
+        their own, smaller neighbours are grouped up to it; ``0`` one segment per parameter,
+        ``None`` one segment per module.
     steps : dict
         Reductions done per module name.
+    segments : dict
+        Per module name, the planned segments' element counts per shard (``S_k``).
     allgather : GatherState or None
         The all-gather's state when :func:`onebit` installed one (``quantized_allgather`` or
         ``regather_cache``): its counters and ``invalidate()``.
     """
 
-    def __init__(self, warmup_steps: int, replicate_group: Optional[Any] = None) -> None:
+    def __init__(self, warmup_steps: int, replicate_group: Optional[Any] = None,
+                 segment_elements: Optional[int] = DEFAULT_BUCKET_ELEMENTS) -> None:
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ValueError(f"compcomm.fsdp.onebit: argument 'warmup_steps' must be an integer >= 0, "
                              f"got {warmup_steps!r}")
         self.warmup_steps = warmup_steps
         self.replicate_group = replicate_group
+        self.segment_elements = _check_segment_elements(segment_elements)
         self.steps: Dict[str, int] = {}
-        self._errors: Dict[str, List[torch.Tensor]] = {}  # name -> [worker_error, server_error]
-        # name -> (worker, server) error-buffer sizes, known from the parameters when installed
+        self.segments: Dict[str, List[int]] = {}
+        self._errors: Dict[str, List[torch.Tensor]] = {}  # key -> [worker_error, server_error]
+        # key -> (worker, server) error-buffer sizes, known from the parameters when installed
         # (so that state_dict() is a complete template for torch.distributed.checkpoint.load)
         self._sizes: Dict[str, Tuple[int, int]] = {}
         self.allgather: Optional[GatherState] = None
@@ -99,8 +133,17 @@ class OneBitFSDP:
         """Whether module ``name``'s next reduction is 1-bit."""
         return self.steps.get(name, 0) >= self.warmup_steps
 
+    def segments_for(self, name: str, s: int) -> Tuple[List[int], List[str]]:
+        """Module ``name``'s segments for a shard of ``s`` elements and their error-buffer keys:
+        the planned ones, or, when FSDP reduces fewer parameters than planned (some had no
+        gradient this step), one segment for the whole shard under a key of that size."""
+        segs = self.segments.get(name)
+        if segs is not None and sum(segs) == s:
+            return segs, [name] if len(segs) == 1 else [f"{name}#{k}" for k in range(len(segs))]
+        return [s], [name if segs is None else f"{name}#flat{s}"]
+
     def errors(self, name: str, padded: int, world: int, device: torch.device) -> List[torch.Tensor]:
-        """Module ``name``'s error buffers for ``padded`` elements (zero when new or resized)."""
+        """Error buffers ``name`` for ``padded`` elements (zero when new or resized)."""
         bufs = self._errors.get(name)
         if bufs is None or bufs[0].numel() != padded or bufs[0].device != device:
             if bufs is not None and bufs[0].numel() == padded:  # loaded on another device
@@ -112,33 +155,54 @@ class OneBitFSDP:
         return bufs
 
     def state_dict(self) -> Dict[str, Any]:
-        """Step counts and this rank's error buffers (CPU copies), for every module from the start
-        (zeros and 0 before its first 1-bit reduction): a fresh state's ``state_dict()`` is the
-        template ``torch.distributed.checkpoint.load`` fills in place."""
+        """Step counts and this rank's error buffers (CPU copies), for every segment from the
+        start (zeros and 0 before its first 1-bit reduction): a fresh state's ``state_dict()`` is
+        the template ``torch.distributed.checkpoint.load`` fills in place."""
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
         errors = {k: [torch.zeros(w), torch.zeros(sv)] for k, (w, sv) in self._sizes.items()}
         errors.update({k: [b.detach().cpu().clone() for b in v] for k, v in self._errors.items()})
-        return {"format": "compcomm.fsdp/1", "rank": rank, "world": world,
-                "steps": {**{k: 0 for k in self._sizes}, **self.steps}, "errors": errors}
+        modules = {k.split("#")[0] for k in self._sizes} | set(self.steps)
+        return {"format": STATE_FORMAT, "rank": rank, "world": world,
+                "segment_elements": -1 if self.segment_elements is None else self.segment_elements,
+                "steps": {**{k: 0 for k in modules}, **self.steps}, "errors": errors}
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; error buffers only when rank and world size match."""
-        if not isinstance(sd, dict) or sd.get("format") != "compcomm.fsdp/1":
+        """Restore :meth:`state_dict`; error buffers only when rank and world size match.
+
+        Raises
+        ------
+        ValueError
+            ``sd`` is not such a state, or its segment plan differs from this state's (a format-1
+            state, one pair of buffers per module, loads only with ``segment_elements=None``).
+            Nothing is changed then.
+        """
+        fmt = sd.get("format") if isinstance(sd, dict) else None
+        if fmt not in (STATE_FORMAT, _OLD_FORMAT):
             raise ValueError("compcomm.fsdp: load_state_dict: argument 'sd' is not a state dict of "
-                             "OneBitFSDP (format 'compcomm.fsdp/1')")
+                             f"OneBitFSDP (format {STATE_FORMAT!r})")
+        mine = -1 if self.segment_elements is None else self.segment_elements
+        theirs = sd.get("segment_elements", -1)  # format 1: one segment per module
+        if theirs != mine:
+            raise ValueError(
+                f"compcomm.fsdp: load_state_dict: argument 'sd' was saved with segment_elements="
+                f"{None if theirs == -1 else theirs} (format {fmt!r}), this state has "
+                f"segment_elements={self.segment_elements}: its error buffers do not fit; call "
+                f"onebit(..., segment_elements={None if theirs == -1 else theirs}) to resume it")
         steps = sd["steps"]
         if not all(isinstance(k, str) and isinstance(v, int) and v >= 0 for k, v in steps.items()):
             raise ValueError("compcomm.fsdp: load_state_dict: 'steps' must map names to counts")
-        mine = self.state_dict()
-        same = sd["rank"] == mine["rank"] and sd["world"] == mine["world"]
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        same = sd["rank"] == rank and sd["world"] == world
         self.steps = dict(steps)
         self._errors = {k: [b.clone() for b in v] for k, v in sd["errors"].items()} if same else {}
 
 
 class OneBitReduceScatter(ReduceScatter):
     """FSDP2 ``ReduceScatter`` of one module: FSDP's own reduce-scatter during the warm-up, then the
-    1-bit compressed reduce-scatter with this module's error buffers (see the module docstring)."""
+    1-bit compressed reduce-scatter, one per segment with its own error buffers (see the module
+    docstring)."""
 
     def __init__(self, state: OneBitFSDP, name: str) -> None:
         self.state = state
@@ -154,14 +218,23 @@ class OneBitReduceScatter(ReduceScatter):
             state.steps[name] = state.steps.get(name, 0) + 1
             return _reduce_scatter(output_tensor, input_tensor, op=op, group=group,
                                    async_op=async_op)
+        scale = _scale_of(op, group.size())  # before anything runs: an unsupported op raises
         world = group.size()
         s = output_tensor.numel()
-        s8 = -(-s // 8) * 8
-        staged = torch.zeros(world, s8, dtype=torch.float32, device=input_tensor.device)
-        staged[:, :s].copy_(input_tensor.view(world, s))
-        we, se = state.errors(name, world * s8, world, staged.device)
-        out = compressed_reduce_scatter(staged.view(-1), we, se, group=group)
-        output_tensor.copy_(out[:s].mul_(_scale_of(op, world)))
+        segs, keys = state.segments_for(name, s)
+        rows = [-(-n // 8) * 8 for n in segs]  # each rank's piece of a segment, whole bytes
+        dev = input_tensor.device
+        staged = torch.zeros(world * sum(rows), dtype=torch.float32, device=dev)
+        out = torch.empty(sum(rows), dtype=torch.float32, device=dev)
+        src = input_tensor.view(world, s)
+        bufs = [state.errors(k, world * r8, world, dev) for k, r8 in zip(keys, rows)]
+        o = o8 = 0
+        for n, r8, (we, se) in zip(segs, rows, bufs):
+            seg = staged[world * o8: world * (o8 + r8)]
+            seg.view(world, r8)[:, :n].copy_(src[:, o: o + n])
+            compressed_reduce_scatter(seg, we, se, out=out[o8: o8 + r8], group=group)
+            output_tensor[o: o + n].copy_(out[o8: o8 + n].mul_(scale))
+            o, o8 = o + n, o8 + r8
         state.steps[name] = state.steps.get(name, 0) + 1
         return None
 
@@ -176,36 +249,84 @@ def _all_reduce_hook(state: OneBitFSDP, name: str):
             reduce_output.div_(dist.get_world_size(group))
         else:
             world = dist.get_world_size(group)
-            we, se = state.errors(key, padded_numel(reduce_output.numel(), world), world,
-                                  reduce_output.device)
             flat = reduce_output.view(-1)
-            compressed_allreduce(flat, we, se, group)
+            segs, keys = state.segments_for(key, flat.numel())
+            o = 0
+            for n, k in zip(segs, keys):  # the same tensor-aligned segments, each its own scales
+                we, se = state.errors(k, padded_numel(n, world), world, reduce_output.device)
+                compressed_allreduce(flat[o: o + n], we, se, group)
+                o += n
         state.steps[key] = state.steps.get(key, 0) + 1
 
     return hook
 
 
-def _shard_numel(m: torch.nn.Module) -> int:
-    """Elements of FSDP module ``m``'s reduced gradient shard: its own parameters (not those of
-    nested FSDP modules) that take gradients, each dim-0 padded to a multiple of the mesh size."""
-    total, stack = 0, [m]
-    while stack:
-        mod = stack.pop()
-        stack.extend(c for c in mod.children() if not isinstance(c, FSDPModule))
-        for p in mod.parameters(recurse=False):
-            if not p.requires_grad or p.numel() == 0:
-                continue
-            mesh = getattr(p, "device_mesh", None)
-            world = mesh.size() if mesh is not None else 1
-            dim0 = p.shape[0] if p.dim() else 1
-            total += math.ceil(dim0 / world) * (p.numel() // dim0)
-    return total
+def _fsdp_params(m: torch.nn.Module) -> Optional[List[Any]]:
+    """FSDP's own parameter list of module ``m`` (its reduce-scatter order), or None when this
+    torch's internals do not give one group of them."""
+    try:
+        st = m._get_fsdp_state()
+        groups = [g for g in (getattr(st, "_fsdp_param_groups", None)
+                              or [getattr(st, "_fsdp_param_group", None)]) if g is not None]
+        return list(groups[0].fsdp_params) if len(groups) == 1 else None
+    except Exception:  # noqa: BLE001 - another torch's internals: one segment per module
+        return None
+
+
+def _piece(p: torch.Tensor) -> int:
+    """Elements of one rank's piece of parameter ``p``'s gradient in FSDP's reduce-scatter
+    (dim 0 padded to a multiple of the mesh size)."""
+    mesh = getattr(p, "device_mesh", None)
+    world = mesh.size() if mesh is not None else 1
+    dim0 = p.shape[0] if p.dim() else 1
+    return math.ceil(dim0 / world) * (p.numel() // dim0)
+
+
+def _shard_pieces(m: torch.nn.Module) -> List[Tuple[int, int]]:
+    """(piece, whole parameter's padded numel) of every parameter of FSDP module ``m`` that takes
+    gradients, in FSDP's order (its parameters, not those of nested FSDP modules)."""
+    fps = _fsdp_params(m)
+    if fps is not None:
+        params = [fp.sharded_param for fp in fps]
+    else:  # FSDP's order is a post-order walk of the managed modules
+        params, stack = [], []
+
+        def walk(mod: torch.nn.Module) -> None:
+            for c in mod.children():
+                if not isinstance(c, FSDPModule):
+                    walk(c)
+            stack.append(mod)
+        walk(m)
+        seen: set = set()
+        for mod in stack:
+            for p in mod.parameters(recurse=False):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+    out = []
+    for p in params:
+        if not p.requires_grad or p.numel() == 0:
+            continue
+        mesh = getattr(p, "device_mesh", None)
+        piece = _piece(p)
+        out.append((piece, piece * (mesh.size() if mesh is not None else 1)))
+    return out
+
+
+def _plan(pieces: List[Tuple[int, int]], limit: Optional[int]) -> List[int]:
+    """Segment sizes (elements per shard) of a module whose parameters have ``pieces``."""
+    if not pieces:
+        return []
+    if limit is None:
+        return [sum(p for p, _ in pieces)]
+    return [sum(pieces[i][0] for i in b) for b in plan_buckets([(0, n) for _, n in pieces], limit)]
 
 
 def onebit(model: torch.nn.Module, warmup_steps: int = 100,
            replicate_group: Optional[Any] = None, *, quantized_allgather: bool = False,
            regather_cache: bool = False, allgather_block: int = DEFAULT_BLOCK,
-           optimizer: Any = None) -> OneBitFSDP:
+           optimizer: Any = None,
+           segment_elements: Optional[int] = DEFAULT_BUCKET_ELEMENTS) -> OneBitFSDP:
     """Install 1-bit compressed gradient reduction on every FSDP2 module of ``model``.
 
     Parameters
@@ -230,6 +351,12 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
         Elements per int8 block of ``quantized_allgather``.
     optimizer : torch.optim.Optimizer or list, optional
         Whose steps invalidate the re-gather cache (default: any optimizer's step).
+    segment_elements : int or None, default 16384
+        Tensor-aligned segments of each module's reduction (``compress.plan_buckets`` over the
+        parameters' padded sizes, as OneBitAdam's buckets): a parameter of more elements is a
+        segment of its own, smaller neighbours share one; each segment is its own 1-bit
+        reduce-scatter (two collectives) with its own scales and error buffers. ``0``: one
+        segment per parameter; ``None``: one per module (the layout before segments).
 
     Returns
     -------
@@ -239,11 +366,12 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
     Raises
     ------
     ValueError
-        ``model`` has no FSDP module, or a bad ``warmup_steps`` or ``allgather_block``.
+        ``model`` has no FSDP module, or a bad ``warmup_steps``, ``allgather_block`` or
+        ``segment_elements``.
     UnsupportedError
         An all-gather part was asked for on a torch without ``set_custom_all_gather``.
     """
-    state = OneBitFSDP(warmup_steps, replicate_group)
+    state = OneBitFSDP(warmup_steps, replicate_group, segment_elements)
     mods = [(n or "<root>", m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not mods:
         raise ValueError("compcomm.fsdp.onebit: argument 'model' has no FSDP module "
@@ -253,17 +381,20 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
                                                cache=regather_cache, block=allgather_block,
                                                optimizer=optimizer)
     for name, m in mods:
-        shard = _shard_numel(m)
+        pieces = _shard_pieces(m)
         if replicate_group is None:
             m.set_custom_reduce_scatter(OneBitReduceScatter(state, name))
-            s8 = -(-shard // 8) * 8
-            world = shard and next(p for p in m.parameters() if p.requires_grad).device_mesh.size()
-            size = (world * s8, s8)
+            world = pieces[0][1] // pieces[0][0] if pieces else 1
+            sizes = [(world * r8, r8) for r8 in (-(-n // 8) * 8 for n in
+                                                 _plan(pieces, segment_elements))]
         else:
             m.set_all_reduce_hook(_all_reduce_hook(state, name))
             name += "/replicas"
             world = dist.get_world_size(replicate_group)
-            size = (padded_numel(shard, world), padded_numel(shard, world) // world)
-        if shard:
-            state._sizes[name] = size
+            sizes = [(padded_numel(n, world), padded_numel(n, world) // world)
+                     for n in _plan(pieces, segment_elements)]
+        if pieces:
+            state.segments[name] = _plan(pieces, segment_elements)
+            _, keys = state.segments_for(name, sum(state.segments[name]))
+            state._sizes.update(zip(keys, sizes))
     return state
