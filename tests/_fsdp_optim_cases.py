@@ -194,3 +194,48 @@ def segment_cases(rank: int, world: int, dtype_name: str, limit) -> Dict[str, An
         assert o == s
     return {"segments": segs, "err": err, "one_scale_each": set(scales_per_segment) == {1},
             "keys": sorted(state.state_dict()["errors"])}
+
+
+def replica_cases(rank: int, world: int) -> Dict[str, Any]:
+    """HSDP by hand (compcomm.fsdp.onebit's replicate_group): FSDP over a 1-rank shard mesh, two
+    replicas. Step 1 (warm-up): each gradient is the replicas' exact average; step 2 (1-bit):
+    each segment (one per parameter here) equals the numpy reference of the compressed
+    allreduce of the replicas' local gradients, segment by segment."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import compcomm.fsdp as cf
+    import reference as R
+
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("rep", "shard"))
+    model, plain = _wide_mlp(torch.float32), _wide_mlp(torch.float32)
+    fully_shard(model, mesh=mesh["shard"])
+    state = cf.onebit(model, warmup_steps=1, replicate_group=mesh["rep"].get_group(),
+                      segment_elements=0)
+    segs = state.segments["<root>/replicas"]
+    wes = [[np.zeros(R.padded_numel(n, world), np.float32) for _ in range(world)] for n in segs]
+    ses = [[np.zeros(R.padded_numel(n, world) // world, np.float32) for _ in range(world)]
+           for n in segs]
+    errs = []
+    for t in range(2):
+        x = torch.randn(4, 13, generator=torch.Generator().manual_seed(10 * t + rank))
+        for m in (model, plain):
+            m.zero_grad()
+            m(x).pow(2).sum().backward()
+        mine = torch.cat([p.grad.reshape(-1) for p in plain.parameters()])
+        everyone = [torch.zeros_like(mine) for _ in range(world)]
+        dist.all_gather(everyone, mine)
+        got = torch.cat([p.grad.to_local().reshape(-1) for p in model.parameters()])
+        if t == 0:
+            want = (everyone[0] + everyone[1]) / 2
+        else:
+            parts, o = [], 0
+            for k, n in enumerate(segs):
+                xs = [e[o:o + n].numpy() for e in everyone]
+                parts.append(torch.from_numpy(R.compressed_allreduce(xs, wes[k], ses[k], "fp32")))
+                o += n
+            want = torch.cat(parts)
+        errs.append(float((got - want).abs().max() / want.abs().max()))
+    return {"segments": len(segs), "warmup_err": errs[0], "onebit_err": errs[1],
+            "steps": dict(state.steps)}

@@ -100,3 +100,11 @@ def test_segments_are_the_chunk_layout(world, dtype, limit):
         assert res["one_scale_each"], res
         n = len(want)
         assert res["keys"] == (["<root>"] if n == 1 else sorted(f"<root>#{k}" for k in range(n)))
+
+
+def test_hsdp_replica_hook_segments():
+    """The cross-replica all-reduce hook: exact average in the warm-up, then the 1-bit
+    compressed allreduce of each segment (W=2 replicas of a 1-rank FSDP shard)."""
+    for res in run_ranks(2, C.replica_cases, timeout=300):
+        assert res["segments"] == 5 and res["steps"] == {"<root>/replicas": 2}, res
+        assert res["warmup_err"] < 1e-6 and res["onebit_err"] < 1e-5, res
