@@ -108,3 +108,50 @@ def test_hsdp_replica_hook_segments():
     for res in run_ranks(2, C.replica_cases, timeout=300):
         assert res["segments"] == 5 and res["steps"] == {"<root>/replicas": 2}, res
         assert res["warmup_err"] < 1e-6 and res["onebit_err"] < 1e-5, res
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_warmup_equals_adamw_and_frozen_phase_matches_cpu():
+    """On a GPU: the warm-up is torch's AdamW (its foreach path) bit for bit; the frozen phase
+    (foreach ops there, per-tensor ops on the CPU) agrees with the CPU run to fp32 rounding."""
+    torch.manual_seed(0)
+    cpu = [torch.randn(300, 7), torch.randn(5)]
+    gpu, ref = [p.cuda() for p in cpu], [p.cuda() for p in cpu]
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    opts = [FrozenVarianceAdam(cpu, freeze_step=3, **kw), FrozenVarianceAdam(gpu, freeze_step=3, **kw),
+            torch.optim.AdamW(ref, **kw)]
+    for t in range(7):
+        gs = [torch.randn(p.shape) for p in cpu]
+        for ps in (cpu, gpu, ref):
+            for p, g in zip(ps, gs):
+                p.grad = g.to(p.device)
+        for o in opts[:2] + (opts[2:] if t < 3 else []):
+            o.step()
+        if t < 3:
+            assert all(torch.equal(a, b) for a, b in zip(gpu, ref))
+    for a, b in zip(gpu, cpu):
+        assert float((a.cpu() - b).abs().max()) <= 1e-5 * float(b.abs().max())
+
+
+def test_state_format_2_and_format_1_loading():
+    """Error buffers per segment are format 2; a format-1 state (one pair per module) loads only
+    into a state with one segment per module, else a ValueError that says so (nothing changed)."""
+    from compcomm.fsdp import STATE_FORMAT, OneBitFSDP
+
+    old = {"format": "compcomm.fsdp/1", "rank": 0, "world": 1, "steps": {"m": 3},
+           "errors": {"m": [torch.ones(16), torch.ones(16)]}}
+    seg = OneBitFSDP(2)
+    with pytest.raises(ValueError, match="segment_elements=None"):
+        seg.load_state_dict(old)
+    assert seg.steps == {} and seg.state_dict()["format"] == STATE_FORMAT == "compcomm.fsdp/2"
+    flat = OneBitFSDP(2, segment_elements=None)
+    flat.load_state_dict(old)
+    assert flat.steps == {"m": 3} and torch.equal(flat.state_dict()["errors"]["m"][0], torch.ones(16))
+    with pytest.raises(ValueError, match="segment_elements=None"):  # and the other way round
+        seg.load_state_dict(flat.state_dict())
+    with pytest.raises(ValueError, match="'sd'"):
+        seg.load_state_dict({"format": "something else"})
+    with pytest.raises(ValueError, match="segment_elements"):
+        OneBitFSDP(2, segment_elements=-1)
+    with pytest.raises(ValueError, match="segment_elements"):
+        OneBitFSDP(2, segment_elements=1.5)

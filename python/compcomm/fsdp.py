@@ -24,6 +24,9 @@ The result is the 1-bit *average*; FSDP's ``op`` says what it wants: AVG as it i
 ``PREMUL_SUM(f)`` times W * f. FSDP records an event right after the call returns, so the call is
 stream-ordered on the caller's stream (CUDA) and writes only ``output_tensor``.
 
+The optimizer of the 1-bit phase: :class:`FrozenVarianceAdam` (:mod:`compcomm.fsdp_optim`), AdamW on
+the shards with the variance frozen at the switch (``freeze_step=`` the state :func:`onebit` returns).
+
 The parameter all-gathers (FSDP's bf16 gathers before each forward and backward) are
 :mod:`compcomm.fsdp_gather`'s: ``onebit(..., quantized_allgather=True, regather_cache=True)`` or
 :func:`compressed_allgather` on its own.
@@ -48,7 +51,7 @@ from .quantize import DEFAULT_BLOCK
 
 
 __all__ = ["OneBitFSDP", "OneBitReduceScatter", "onebit", "compressed_allgather", "GatherState",
-           "FrozenVarianceAdam"]
+           "FrozenVarianceAdam", "STATE_FORMAT"]
 
 # torch 2.13 renamed the tensor form of reduce_scatter; older releases have only this one.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -335,7 +338,8 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
         A model whose submodules (and/or itself) were wrapped with ``fully_shard``.
     warmup_steps : int, default 100
         Reductions per module in full precision before 1-bit compression starts (the 1-bit Adam
-        recipe: pair with an optimizer whose variance is frozen from then on, see docs/fsdp.md).
+        recipe: pair with an optimizer whose variance is frozen from then on,
+        ``FrozenVarianceAdam(params, freeze_step=state)``; measurements in docs/fsdp.md).
     replicate_group : ProcessGroup, optional
         HSDP by hand: shard ``model`` with ``fully_shard`` over the intra-replica mesh only (1-D,
         fast links) and pass the cross-replica group here; the replica all-reduce of each reduced

@@ -31,6 +31,11 @@ fsdp2_onebit           the same model with ``compcomm.fsdp.onebit(model, warmup_
                        (AdamW's arguments; variance frozen at the switch: the 1-bit Adam recipe)
 fsdp2_onebit_adamw     fsdp2_onebit with torch.optim.AdamW instead (variance keeps following the
                        1-bit gradients: the earlier pairing, for comparison)
+fsdp2_onebit_flat      fsdp2_onebit with one 1-bit segment per FSDP module
+                       (``segment_elements=None``: the layout before tensor-aligned segments)
+fsdp2_onebit_adamw_flat  both earlier choices: one segment per module and AdamW
+fsdp2_frozen_identity  FSDP's own reduce-scatter (exact) with FrozenVarianceAdam(freeze_step=
+                       --warmup): what freezing the variance costs without compression
 fsdp2_onebit_ag        fsdp2_onebit plus compcomm's parameter all-gather: blockwise int8
                        (``quantized_allgather``) and the re-gather cache (``regather_cache``)
 fsdp2_onebit_cache     fsdp2_onebit plus the re-gather cache alone (exact all-gathers)
@@ -87,6 +92,9 @@ OPTIMIZERS = (
     "fsdp2_onebit_cache",
     "fsdp2_adamw_qag",
     "fsdp2_onebit_adamw",
+    "fsdp2_onebit_flat",
+    "fsdp2_onebit_adamw_flat",
+    "fsdp2_frozen_identity",
 )
 #: the uncompressed twin of each compressed optimizer (loss comparison) and its fp32 baseline
 TWIN = {
@@ -100,22 +108,29 @@ TWIN = {
     "fsdp2_onebit_cache": "fsdp2_adamw",
     "fsdp2_adamw_qag": "fsdp2_adamw",
     "fsdp2_onebit_adamw": "fsdp2_adamw",
+    "fsdp2_onebit_flat": "fsdp2_adamw",
+    "fsdp2_onebit_adamw_flat": "fsdp2_adamw",
+    "fsdp2_frozen_identity": "fsdp2_adamw",
 }
 #: the identity twin of each 1-bit optimizer (an extra loss comparison, no target)
 IDENTITY_TWIN = {
     "onebitadam": "onebitadam_identity",
     "zerooneadam": "zerooneadam_identity",
     "onebitlamb": "onebitlamb_identity",
+    "fsdp2_onebit": "fsdp2_frozen_identity",
+    "fsdp2_onebit_ag": "fsdp2_frozen_identity",
+    "fsdp2_onebit_flat": "fsdp2_frozen_identity",
 }
 #: uncompressed, but on the 1-bit schedule: as many steps as the compressed rows, and not among
 #: the rows that set the time-to-target loss (a frozen variance may diverge)
 IDENTITY = tuple(IDENTITY_TWIN.values())
 COMPRESSED = ("onebitadam", "zerooneadam", "zero2_onebitadam", "zero2_onebitadam_noag",
               "onebitlamb", "fsdp2_onebit", "fsdp2_onebit_ag", "fsdp2_onebit_cache",
-              "fsdp2_onebit_adamw")
+              "fsdp2_onebit_adamw", "fsdp2_onebit_flat", "fsdp2_onebit_adamw_flat")
 #: steps 1..--warmup are "warmup", the later ones "compressed"
 _FREEZING = ("onebitadam", "onebitlamb", "zero2_onebitadam", "zero2_onebitadam_noag",
              "fsdp2_onebit", "fsdp2_onebit_ag", "fsdp2_onebit_cache", "fsdp2_onebit_adamw",
+             "fsdp2_onebit_flat", "fsdp2_onebit_adamw_flat", "fsdp2_frozen_identity",
              "onebitadam_identity",
              "onebitlamb_identity")
 
@@ -306,7 +321,9 @@ def _fsdp2(name: str, model: Any, cfg: Dict[str, Any], world: int, dev: Any) -> 
             inner = compcomm.fsdp_gather.CompressedAllGather(gstate, n, m)
             m.set_custom_all_gather(_CountedGather(tally, n, inner))
     if name.startswith("fsdp2_onebit"):
-        state = compcomm.fsdp.onebit(model, warmup_steps=cfg["warmup"])
+        flat = name.endswith("_flat")  # one segment per module, as before segments
+        state = compcomm.fsdp.onebit(model, warmup_steps=cfg["warmup"],
+                                     **(dict(segment_elements=None) if flat else {}))
         comm = compcomm.get_communicator(mesh.get_group())
         esize = 2 if bf16 else 4
         warm = cfg["warmup"]
@@ -324,8 +341,11 @@ def _fsdp2(name: str, model: Any, cfg: Dict[str, Any], world: int, dev: Any) -> 
         def reduce_sent() -> int:
             return tally.reduce
 
-    if name.startswith("fsdp2_onebit") and name != "fsdp2_onebit_adamw":
+    if name.startswith("fsdp2_onebit") and "_adamw" not in name:
         opt = compcomm.fsdp.FrozenVarianceAdam(model.parameters(), lr=cfg["lr"], freeze_step=state)
+    elif name == "fsdp2_frozen_identity":
+        opt = compcomm.fsdp.FrozenVarianceAdam(model.parameters(), lr=cfg["lr"],
+                                               freeze_step=cfg["warmup"])
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
     gathered: Callable[[], int] = (lambda: tally.gather) if gstate is None else \
