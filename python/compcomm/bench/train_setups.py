@@ -165,6 +165,8 @@ def make(name: str, model: Any, cfg: Dict[str, Any], world: int, dev: Any) -> Di
     if fused and "fused" not in inspect.signature(OneBitAdam).parameters:
         fused = {}  # this compcomm's optimizers no longer take it (bucketed by default)
     bc = {"bias_correction": True} if cfg.get("bias_correction") else {}
+    if name.startswith("fsdp2_"):  # (fsdp2_frozen_identity is its own set-up)
+        return _fsdp2(name, model, cfg, world, dev)
     if name in IDENTITY:  # the same optimizer, exact averages
         extra["compressor"] = IdentityCompressor
         name = name[:-len("_identity")]
@@ -178,8 +180,6 @@ def make(name: str, model: Any, cfg: Dict[str, Any], world: int, dev: Any) -> Di
             hook = bf16_compress_hook if dev.type == "cuda" else bf16_hook_cpu
             ddp.register_comm_hook(dist.group.WORLD, hook)
         return {"module": ddp, "opt": torch.optim.AdamW(ddp.parameters(), lr=lr), "kind": "ddp"}
-    if name.startswith("fsdp2_"):
-        return _fsdp2(name, model, cfg, world, dev)
     if name.startswith("zero2_"):
         from compcomm.zero import ZeroOptimizer
 
@@ -346,8 +346,11 @@ def _fsdp2(name: str, model: Any, cfg: Dict[str, Any], world: int, dev: Any) -> 
     elif name == "fsdp2_frozen_identity":
         opt = compcomm.fsdp.FrozenVarianceAdam(model.parameters(), lr=cfg["lr"],
                                                freeze_step=cfg["warmup"])
-    else:
+    elif name in ("fsdp2_adamw", "fsdp2_adamw_qag", "fsdp2_onebit_adamw",
+                  "fsdp2_onebit_adamw_flat"):
         opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
+    else:
+        raise ValueError(f"train: unknown FSDP2 set-up {name!r}")
     gathered: Callable[[], int] = (lambda: tally.gather) if gstate is None else \
         (lambda: gstate.bytes_sent)
     return {"module": model, "opt": opt, "kind": "fsdp", "reduce_sent": reduce_sent,
