@@ -3,10 +3,11 @@
 For compcomm-bench train's model (``fully_shard`` per block and the root, fp32), rank 0 times the
 1-bit reduce-scatter of one transformer block (``OneBitReduceScatter.__call__`` on a random input
 of that block's FSDP layout) with one segment per module (``segment_elements=None``, the layout
-before segments) and with the default tensor-aligned segments (16384), interleaved, median of
-``--reps`` each, in one run; and the whole model's reductions per step (all modules). Every
-segment is one compressed reduce-scatter (two collectives), so the extra cost is per-collective
-latency. Run it under the benchmark lock.
+before segments), with the default tensor-aligned segments (16384) in one batched exchange, and
+with one exchange per segment (``batch_segments=False``), interleaved, median of ``--reps`` each,
+in one run; and the whole model's reductions per step (all modules). Every
+segment has its own worker, server and commit passes (and, unbatched, two collectives). Run it
+under the benchmark lock.
 
 Run: flock /tmp/compcomm-bench.lock python bench/bench_fsdp_segments.py --world 2 \
          --out bench/results/fsdp_segments_cpu.md
@@ -39,8 +40,10 @@ def _rank(rank: int, world: int, model_name: str, reps: int) -> Dict[str, Any]:
     group = mesh.get_group()
     mods = [(n or "<root>", m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
     layouts = {}
-    for limit in (None, 16384):
-        st = cf.onebit(model, warmup_steps=0, segment_elements=limit)
+    for limit in (None, 16384, "unbatched"):
+        st = cf.onebit(model, warmup_steps=0,
+                       segment_elements=None if limit is None else 16384)
+        st.batch_segments = limit != "unbatched"
         layouts[limit] = (st, {n: sum(st.segments[n]) for n, _ in mods if n in st.segments})
     name = "blocks.0"
     s = layouts[None][1][name]
@@ -49,10 +52,11 @@ def _rank(rank: int, world: int, model_name: str, reps: int) -> Dict[str, Any]:
     out = torch.empty(s)
     inputs = {n: torch.randn(world * sz, generator=gen) for n, sz in layouts[None][1].items()}
     outs = {n: torch.empty(sz) for n, sz in layouts[None][1].items()}
-    times: Dict[Any, list] = {None: [], 16384: []}
-    whole: Dict[Any, list] = {None: [], 16384: []}
+    modes = (None, 16384, "unbatched")
+    times: Dict[Any, list] = {m: [] for m in modes}
+    whole: Dict[Any, list] = {m: [] for m in modes}
     for i in range(reps + 1):
-        for limit in (None, 16384):
+        for limit in modes:
             st, sizes = layouts[limit]
             rs = cf.OneBitReduceScatter(st, name)
             t0 = time.perf_counter()
@@ -90,11 +94,14 @@ def main() -> None:
             f"median of {a.reps}; `python bench/bench_fsdp_segments.py --world {a.world} --model "
             f"{a.model}`. Model `{a.model}` (compcomm-bench train's), fp32, {r['modules']} FSDP "
             f"modules, {r['all_segments']} segments in all with the default 16384.\n\n"
-            "| what | one segment per module | tensor-aligned (16384) | ratio |\n|---|---:|---:|---:|\n"
+            "| what | one segment per module | segments, batched (default) | ratio | "
+            "segments, one exchange each | ratio |\n|---|---:|---:|---:|---:|---:|\n"
             f"| one block ({r['block_elems']} elements, {r['block_segments']} segments) | "
-            f"{b['None']:.2f} ms | {b['16384']:.2f} ms | {b['16384'] / b['None']:.2f}x |\n"
+            f"{b['None']:.2f} ms | {b['16384']:.2f} ms | {b['16384'] / b['None']:.2f}x | "
+            f"{b['unbatched']:.2f} ms | {b['unbatched'] / b['None']:.2f}x |\n"
             f"| every module once (one step's reductions) | {st['None']:.2f} ms | "
-            f"{st['16384']:.2f} ms | {st['16384'] / st['None']:.2f}x |\n")
+            f"{st['16384']:.2f} ms | {st['16384'] / st['None']:.2f}x | {st['unbatched']:.2f} ms | "
+            f"{st['unbatched'] / st['None']:.2f}x |\n")
     print(text)
     if a.out:
         with open(a.out, "w") as f:

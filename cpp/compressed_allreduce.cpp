@@ -793,26 +793,29 @@ int64_t compressed_allreduce_batch_bytes(const std::vector<int64_t>& paddeds, in
 // steps and copies of all calls are batched too (kernels.h, "batches": on a GPU one launch per phase,
 // each call on the blocks of its own launch, so the same bits), as the commits are in
 // compressed_allreduce_commit_many.
-void compressed_allreduce_exchange_many(Communicator& comm, const std::vector<Buffer>& tensors,
-                                        const std::vector<Buffer>& worker_errors,
-                                        const std::vector<Buffer>& server_errors,
-                                        const std::vector<Buffer>& workspaces, const Buffer& staging,
-                                        const CallOptions& opts) {
-  const char* name = "compressed_allreduce_exchange_many";
+namespace {
+// The batched exchange of compressed_allreduce_exchange_many, and of
+// compressed_reduce_scatter_exchange_many when `outs` is given (then no record all_gather: every
+// call's records are filled locally, as a single reduce-scatter's are).
+void exchange_many(const char* name, Communicator& comm, const std::vector<Buffer>& tensors,
+                   const std::vector<Buffer>& worker_errors, const std::vector<Buffer>& server_errors,
+                   const std::vector<Buffer>* outs, const std::vector<Buffer>& workspaces,
+                   const Buffer& staging, const CallOptions& opts) {
   const int world = comm.size(), rank = comm.rank();
   const size_t calls = tensors.size();
-  COMPCOMM_CHECK(worker_errors.size() == calls && server_errors.size() == calls && workspaces.size() == calls,
-                 "[rank ", rank, "] ", name, ": tensors, worker_errors, server_errors and workspaces must have "
-                 "the same length (", calls, ", ", worker_errors.size(), ", ", server_errors.size(), ", ",
-                 workspaces.size(), ")");
+  COMPCOMM_CHECK(worker_errors.size() == calls && server_errors.size() == calls && workspaces.size() == calls &&
+                     (outs == nullptr || outs->size() == calls),
+                 "[rank ", rank, "] ", name, ": tensors, worker_errors, server_errors, workspaces (and outs) "
+                 "must have the same length (", calls, ", ", worker_errors.size(), ", ", server_errors.size(),
+                 ", ", workspaces.size(), ")");
   std::vector<Call> cs;
   cs.reserve(calls);
   std::vector<int64_t> paddeds;
   for (size_t i = 0; i < calls; ++i) {
     COMPCOMM_CHECK(tensors[i].device == tensors[0].device, "[rank ", rank, "] ", name, ": tensors[", i,
                    "] is on another device than tensors[0]");
-    cs.emplace_back(name, comm, tensors[i], worker_errors[i], server_errors[i], nullptr, workspaces[i], opts,
-                    kExchange);
+    cs.emplace_back(name, comm, tensors[i], worker_errors[i], server_errors[i],
+                    outs != nullptr ? &(*outs)[i] : nullptr, workspaces[i], opts, kExchange);
     paddeds.push_back(cs.back().padded);
   }
   const bool cuda = calls > 0 ? cs[0].cuda : !staging.on_host();
@@ -936,6 +939,11 @@ void compressed_allreduce_exchange_many(Communicator& comm, const std::vector<Bu
     check_status(k.server_many(jobs.data(), static_cast<int64_t>(jobs.size()), world, stream), "server_scale_pack_many",
                  rank);
   }
+  if (outs != nullptr) {  // reduce-scatter: no records travel
+    for (Call& c : cs)
+      if (c.padded != 0) c.local_records();
+    return;
+  }
   off = 0;
   for (Call& c : cs) {
     if (c.padded == 0) continue;
@@ -953,6 +961,27 @@ void compressed_allreduce_exchange_many(Communicator& comm, const std::vector<Bu
     off += c.l.record_bytes;
   }
   flush();
+}
+
+}  // namespace
+
+void compressed_allreduce_exchange_many(Communicator& comm, const std::vector<Buffer>& tensors,
+                                        const std::vector<Buffer>& worker_errors,
+                                        const std::vector<Buffer>& server_errors,
+                                        const std::vector<Buffer>& workspaces, const Buffer& staging,
+                                        const CallOptions& opts) {
+  exchange_many("compressed_allreduce_exchange_many", comm, tensors, worker_errors, server_errors, nullptr,
+                workspaces, staging, opts);
+}
+
+void compressed_reduce_scatter_exchange_many(Communicator& comm, const std::vector<Buffer>& tensors,
+                                             const std::vector<Buffer>& worker_errors,
+                                             const std::vector<Buffer>& server_errors,
+                                             const std::vector<Buffer>& outs,
+                                             const std::vector<Buffer>& workspaces, const Buffer& staging,
+                                             const CallOptions& opts) {
+  exchange_many("compressed_reduce_scatter_exchange_many", comm, tensors, worker_errors, server_errors, &outs,
+                workspaces, staging, opts);
 }
 
 // Every call's commit() in three launches at most (the gates, then the commits; more only past a

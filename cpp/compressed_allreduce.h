@@ -100,6 +100,17 @@ void compressed_allreduce_exchange_many(Communicator& comm, const std::vector<Bu
                                         const std::vector<Buffer>& workspaces, const Buffer& staging,
                                         const CallOptions& opts);
 
+// The same batching for compressed reduce-scatters (FSDP2's tensor-aligned segments): the headers
+// and the signs of every call in one collective each (three with the call count), no records
+// travel; each call is then committed with compressed_reduce_scatter_commit (its `outs[i]`), bit
+// for bit as after per-call exchanges. Staging: compressed_allreduce_batch_bytes.
+void compressed_reduce_scatter_exchange_many(Communicator& comm, const std::vector<Buffer>& tensors,
+                                             const std::vector<Buffer>& worker_errors,
+                                             const std::vector<Buffer>& server_errors,
+                                             const std::vector<Buffer>& outs,
+                                             const std::vector<Buffer>& workspaces, const Buffer& staging,
+                                             const CallOptions& opts);
+
 // compressed_allreduce_commit of every call of one compressed_allreduce_exchange_many (or of
 // per-call exchanges), in order, bit for bit; on a GPU in O(1) launches instead of two per call. All
 // arguments are validated before anything is written (a bad one raises as compressed_allreduce_commit

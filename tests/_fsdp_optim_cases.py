@@ -158,15 +158,21 @@ def segment_cases(rank: int, world: int, dtype_name: str, limit) -> Dict[str, An
 
     dtype = getattr(torch, dtype_name)
     mesh = init_device_mesh("cpu", (world,))
-    model = _wide_mlp(dtype)
-    fully_shard(model, mesh=mesh)
-    state = cf.onebit(model, warmup_steps=0, segment_elements=limit)
-    rec = _Recorder(cf.OneBitReduceScatter(state, "<root>"))
-    model.set_custom_reduce_scatter(rec)
-    for t in range(2):
-        x = torch.randn(4, 13, generator=torch.Generator().manual_seed(10 * t + rank)).to(dtype)
-        model.zero_grad()
-        model(x).float().pow(2).sum().backward()
+    recs = []
+    for batched in (True, False):  # one batched exchange, or one per segment: the same bits
+        model = _wide_mlp(dtype)
+        fully_shard(model, mesh=mesh)
+        state = cf.onebit(model, warmup_steps=0, segment_elements=limit)
+        state.batch_segments = batched
+        rec = _Recorder(cf.OneBitReduceScatter(state, "<root>"))
+        model.set_custom_reduce_scatter(rec)
+        for t in range(2):
+            x = torch.randn(4, 13, generator=torch.Generator().manual_seed(10 * t + rank)).to(dtype)
+            model.zero_grad()
+            model(x).float().pow(2).sum().backward()
+        recs.append(rec)
+    same = all(torch.equal(a[1], b[1]) for a, b in zip(recs[0].calls, recs[1].calls))
+    rec = recs[0]
     segs = state.segments["<root>"]
     wes = {k: [np.zeros(world * (-(-n // 8) * 8), np.float32) for _ in range(world)]
            for k, n in enumerate(segs)}
@@ -193,6 +199,7 @@ def segment_cases(rank: int, world: int, dtype_name: str, limit) -> Dict[str, An
             o += n
         assert o == s
     return {"segments": segs, "err": err, "one_scale_each": set(scales_per_segment) == {1},
+            "batched_equals_unbatched": same and len(recs[1].calls) == 2,
             "keys": sorted(state.state_dict()["errors"])}
 
 

@@ -97,7 +97,7 @@ def test_segments_are_the_chunk_layout(world, dtype, limit):
     for res in run_ranks(world, C.segment_cases, dtype, limit, timeout=300):
         assert res["segments"] == want, res
         assert res["err"] < (1e-5 if dtype == "float32" else 1e-2), res
-        assert res["one_scale_each"], res
+        assert res["one_scale_each"] and res["batched_equals_unbatched"], res
         n = len(want)
         assert res["keys"] == (["<root>"] if n == 1 else sorted(f"<root>#{k}" for k in range(n)))
 

@@ -202,15 +202,18 @@ void bind_zero(py::module_& parent) {
   m.def(
       "compressed_reduce_scatter_commit",
       [](Communicator& comm, const Buffer& tensor, const Buffer& worker_error, const Buffer& server_error,
-         const Buffer& out, const Buffer& workspace, bool gate) {
+         const Buffer& out, const Buffer& workspace, bool gate, uintptr_t stream) {
         CallOptions opts;
         opts.gate = gate;
+        opts.stream = reinterpret_cast<void*>(stream);
         compressed_reduce_scatter_commit(comm, tensor, worker_error, server_error, out, workspace, opts);
       },
       py::arg("comm"), py::arg("tensor"), py::arg("worker_error"), py::arg("server_error"), py::arg("out"),
-      py::arg("workspace"), py::arg("gate") = true, py::call_guard<py::gil_scoped_release>(),
+      py::arg("workspace"), py::arg("gate") = true, py::arg("stream") = 0,
+      py::call_guard<py::gil_scoped_release>(),
       "The local writes of a compressed reduce-scatter whose exchange (AsyncComm."
-      "compressed_reduce_scatter_exchange) ran on the same arguments and workspace.");
+      "compressed_reduce_scatter_exchange or compressed_reduce_scatter_exchange_many) ran on the same "
+      "arguments and workspace; on `stream` (a CUDA stream handle, 0: the default stream).");
   m.def(
       "compressed_allreduce_commit",
       [](Communicator& comm, const Buffer& tensor, const Buffer& worker_error, const Buffer& server_error,
@@ -258,6 +261,19 @@ void bind_zero(py::module_& parent) {
       py::call_guard<py::gil_scoped_release>(),
       "The exchange halves of several compressed allreduces in three collectives (headers, signs, records "
       "of every call batched); commit each with compressed_allreduce_commit.");
+  m.def(
+      "compressed_reduce_scatter_exchange_many",
+      [](Communicator& comm, const std::vector<Buffer>& tensors, const std::vector<Buffer>& worker_errors,
+         const std::vector<Buffer>& server_errors, const std::vector<Buffer>& outs,
+         const std::vector<Buffer>& workspaces, const Buffer& staging, double timeout_s, uintptr_t stream) {
+        compressed_reduce_scatter_exchange_many(comm, tensors, worker_errors, server_errors, outs, workspaces,
+                                                staging, opts_of(timeout_s, stream));
+      },
+      py::arg("comm"), py::arg("tensors"), py::arg("worker_errors"), py::arg("server_errors"), py::arg("outs"),
+      py::arg("workspaces"), py::arg("staging"), py::arg("timeout_s") = 600.0, py::arg("stream") = 0,
+      py::call_guard<py::gil_scoped_release>(),
+      "The exchange halves of several compressed reduce-scatters in three collectives (call counts, "
+      "headers, signs); commit each with compressed_reduce_scatter_commit.");
   m.def(
       "compressed_allreduce_batch_bytes",
       [](const std::vector<int64_t>& paddeds, int world) { return compressed_allreduce_batch_bytes(paddeds, world); },

@@ -191,5 +191,6 @@ class _Optim:
 optim: _Optim
 zero: Any  # BucketPlan, plan_buckets, bucketed_reduce_scatter/all_gather, AsyncComm, Work, compressed_reduce_scatter,
 #           compressed_allreduce_exchange_many, compressed_allreduce_commit_many,
+#           compressed_reduce_scatter_exchange_many, compressed_reduce_scatter_commit,
 #           compressed_allreduce_batch_bytes
 nccl: Any  # load, loaded, runtime_version, unique_id (when built with NCCL)

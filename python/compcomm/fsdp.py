@@ -42,7 +42,12 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-from .collectives import compressed_allreduce, compressed_reduce_scatter, padded_numel
+from . import _C
+from ._buffers import buffer_of
+from ._comm import resolve
+from ._defaults import DEFAULT_TIMEOUT
+from .collectives import (compressed_allreduce, compressed_reduce_scatter, padded_numel,
+                          workspace_bytes)
 from .compress import DEFAULT_BUCKET_ELEMENTS, plan_buckets
 from .errors import UnsupportedError
 from .fsdp_gather import GatherState, compressed_allgather
@@ -105,6 +110,10 @@ class OneBitFSDP:
         Reductions done per module name.
     segments : dict
         Per module name, the planned segments' element counts per shard (``S_k``).
+    batch_segments : bool
+        True (default): a module's segments travel in one batched exchange (three collectives,
+        ``compressed_reduce_scatter_exchange_many``), then each is committed; False: one
+        compressed reduce-scatter (two collectives) per segment. The same bits either way.
     allgather : GatherState or None
         The all-gather's state when :func:`onebit` installed one (``quantized_allgather`` or
         ``regather_cache``): its counters and ``invalidate()``.
@@ -124,6 +133,11 @@ class OneBitFSDP:
         # key -> (worker, server) error-buffer sizes, known from the parameters when installed
         # (so that state_dict() is a complete template for torch.distributed.checkpoint.load)
         self._sizes: Dict[str, Tuple[int, int]] = {}
+        # the batched exchange's scratch: a workspace per segment (zeroed when made: the GPU
+        # kernels need that on first use) and one staging buffer; not state
+        self._workspaces: Dict[str, torch.Tensor] = {}
+        self._staging = torch.zeros(0, dtype=torch.uint8)
+        self.batch_segments = True  # False: one exchange per segment (the same bits; benchmarks)
         self.allgather: Optional[GatherState] = None
 
     def invalidate(self) -> None:
@@ -156,6 +170,22 @@ class OneBitFSDP:
                         torch.zeros(padded // world, dtype=torch.float32, device=device)]
             self._errors[name] = bufs
         return bufs
+
+    def scratch(self, keys: List[str], paddeds: List[int], world: int,
+                device: torch.device) -> Tuple[List[torch.Tensor], torch.Tensor]:
+        """The batched exchange's workspaces of segments ``keys`` and its staging buffer."""
+        cuda = device.type == "cuda"
+        wss = []
+        for k, p in zip(keys, paddeds):
+            nbytes = workspace_bytes(p, world, cuda)
+            ws = self._workspaces.get(k)
+            if ws is None or ws.numel() != nbytes or ws.device != device:
+                ws = self._workspaces[k] = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+            wss.append(ws)
+        nbytes = _C.zero.compressed_allreduce_batch_bytes(paddeds, world)
+        if self._staging.numel() < nbytes or self._staging.device != device:
+            self._staging = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return wss, self._staging
 
     def state_dict(self) -> Dict[str, Any]:
         """Step counts and this rank's error buffers (CPU copies), for every segment from the
@@ -231,11 +261,28 @@ class OneBitReduceScatter(ReduceScatter):
         out = torch.empty(sum(rows), dtype=torch.float32, device=dev)
         src = input_tensor.view(world, s)
         bufs = [state.errors(k, world * r8, world, dev) for k, r8 in zip(keys, rows)]
+        segments, outs = [], []
         o = o8 = 0
-        for n, r8, (we, se) in zip(segs, rows, bufs):
-            seg = staged[world * o8: world * (o8 + r8)]
-            seg.view(world, r8)[:, :n].copy_(src[:, o: o + n])
-            compressed_reduce_scatter(seg, we, se, out=out[o8: o8 + r8], group=group)
+        for n, r8 in zip(segs, rows):
+            segments.append(staged[world * o8: world * (o8 + r8)])
+            segments[-1].view(world, r8)[:, :n].copy_(src[:, o: o + n])
+            outs.append(out[o8: o8 + r8])
+            o, o8 = o + n, o8 + r8
+        if len(segs) == 1 or not state.batch_segments:
+            for seg, (we, se), o_ in zip(segments, bufs, outs):
+                compressed_reduce_scatter(seg, we, se, out=o_, group=group)
+        else:  # every segment in one exchange (three collectives), then each committed
+            comm = resolve(group)
+            wss, staging = state.scratch(keys, [world * r8 for r8 in rows], world, dev)
+            stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
+            args = [[buffer_of(t) for t in ts] for ts in
+                    (segments, [b[0] for b in bufs], [b[1] for b in bufs], outs, wss)]
+            _C.zero.compressed_reduce_scatter_exchange_many(
+                comm, *args, buffer_of(staging), DEFAULT_TIMEOUT, stream)
+            for call in zip(*args):
+                _C.zero.compressed_reduce_scatter_commit(comm, *call, gate=True, stream=stream)
+        o = o8 = 0
+        for n, r8 in zip(segs, rows):
             output_tensor[o: o + n].copy_(out[o8: o8 + n].mul_(scale))
             o, o8 = o + n, o8 + r8
         state.steps[name] = state.steps.get(name, 0) + 1
