@@ -31,6 +31,7 @@ fsdp2_onebit           the same model with ``compcomm.fsdp.onebit(model, warmup_
                        (AdamW's arguments; variance frozen at the switch: the 1-bit Adam recipe)
 fsdp2_onebit_adamw     fsdp2_onebit with torch.optim.AdamW instead (variance keeps following the
                        1-bit gradients: the earlier pairing, for comparison)
+fsdp2_onebit_ag_adamw  fsdp2_onebit_ag with torch.optim.AdamW
 fsdp2_onebit_flat      fsdp2_onebit with one 1-bit segment per FSDP module
                        (``segment_elements=None``: the layout before tensor-aligned segments)
 fsdp2_onebit_adamw_flat  both earlier choices: one segment per module and AdamW
@@ -92,6 +93,7 @@ OPTIMIZERS = (
     "fsdp2_onebit_cache",
     "fsdp2_adamw_qag",
     "fsdp2_onebit_adamw",
+    "fsdp2_onebit_ag_adamw",
     "fsdp2_onebit_flat",
     "fsdp2_onebit_adamw_flat",
     "fsdp2_frozen_identity",
@@ -108,6 +110,7 @@ TWIN = {
     "fsdp2_onebit_cache": "fsdp2_adamw",
     "fsdp2_adamw_qag": "fsdp2_adamw",
     "fsdp2_onebit_adamw": "fsdp2_adamw",
+    "fsdp2_onebit_ag_adamw": "fsdp2_adamw",
     "fsdp2_onebit_flat": "fsdp2_adamw",
     "fsdp2_onebit_adamw_flat": "fsdp2_adamw",
     "fsdp2_frozen_identity": "fsdp2_adamw",
@@ -126,11 +129,13 @@ IDENTITY_TWIN = {
 IDENTITY = tuple(IDENTITY_TWIN.values())
 COMPRESSED = ("onebitadam", "zerooneadam", "zero2_onebitadam", "zero2_onebitadam_noag",
               "onebitlamb", "fsdp2_onebit", "fsdp2_onebit_ag", "fsdp2_onebit_cache",
-              "fsdp2_onebit_adamw", "fsdp2_onebit_flat", "fsdp2_onebit_adamw_flat")
+              "fsdp2_onebit_adamw", "fsdp2_onebit_ag_adamw", "fsdp2_onebit_flat",
+              "fsdp2_onebit_adamw_flat")
 #: steps 1..--warmup are "warmup", the later ones "compressed"
 _FREEZING = ("onebitadam", "onebitlamb", "zero2_onebitadam", "zero2_onebitadam_noag",
              "fsdp2_onebit", "fsdp2_onebit_ag", "fsdp2_onebit_cache", "fsdp2_onebit_adamw",
-             "fsdp2_onebit_flat", "fsdp2_onebit_adamw_flat", "fsdp2_frozen_identity",
+             "fsdp2_onebit_ag_adamw", "fsdp2_onebit_flat", "fsdp2_onebit_adamw_flat",
+             "fsdp2_frozen_identity",
              "onebitadam_identity",
              "onebitlamb_identity")
 
@@ -311,6 +316,7 @@ def _fsdp2(name: str, model: Any, cfg: Dict[str, Any], world: int, dev: Any) -> 
         m.set_custom_all_gather(_CountedGather(tally, n))
     reduce_sent: Callable[[], int]
     ag = {"fsdp2_onebit_ag": dict(quantized_allgather=True, regather_cache=True),
+          "fsdp2_onebit_ag_adamw": dict(quantized_allgather=True, regather_cache=True),
           "fsdp2_onebit_cache": dict(regather_cache=True),
           "fsdp2_adamw_qag": dict(quantized_allgather=True, regather_cache=True)}.get(name)
     gstate = None
@@ -346,7 +352,7 @@ def _fsdp2(name: str, model: Any, cfg: Dict[str, Any], world: int, dev: Any) -> 
     elif name == "fsdp2_frozen_identity":
         opt = compcomm.fsdp.FrozenVarianceAdam(model.parameters(), lr=cfg["lr"],
                                                freeze_step=cfg["warmup"])
-    elif name in ("fsdp2_adamw", "fsdp2_adamw_qag", "fsdp2_onebit_adamw",
+    elif name in ("fsdp2_adamw", "fsdp2_adamw_qag", "fsdp2_onebit_adamw", "fsdp2_onebit_ag_adamw",
                   "fsdp2_onebit_adamw_flat"):
         opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
     else:
