@@ -44,7 +44,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from . import _C
 from ._buffers import buffer_of
-from ._comm import resolve
+from ._comm import resolve, wait_cancellable
 from ._defaults import DEFAULT_TIMEOUT
 from .collectives import (compressed_allreduce, compressed_reduce_scatter, padded_numel,
                           workspace_bytes)
@@ -279,8 +279,12 @@ class OneBitReduceScatter(ReduceScatter):
                     (segments, [b[0] for b in bufs], [b[1] for b in bufs], outs, wss)]
             _C.zero.compressed_reduce_scatter_exchange_many(
                 comm, *args, buffer_of(staging), DEFAULT_TIMEOUT, stream)
+            # NCCL: a peer lost in the exchange raises here, before any commit (a gated commit
+            # would skip silently and leave this shard unreduced); then no commit skips
+            synced = wait_cancellable(comm, DEFAULT_TIMEOUT)
             for call in zip(*args):
-                _C.zero.compressed_reduce_scatter_commit(comm, *call, gate=True, stream=stream)
+                _C.zero.compressed_reduce_scatter_commit(comm, *call, gate=not synced,
+                                                         stream=stream)
         o = o8 = 0
         for n, r8 in zip(segs, rows):
             output_tensor[o: o + n].copy_(out[o8: o8 + n].mul_(scale))
