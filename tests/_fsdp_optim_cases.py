@@ -246,3 +246,54 @@ def replica_cases(rank: int, world: int) -> Dict[str, Any]:
         errs.append(float((got - want).abs().max() / want.abs().max()))
     return {"segments": len(segs), "warmup_err": errs[0], "onebit_err": errs[1],
             "steps": dict(state.steps)}
+
+
+def batch_rs_cases(rank: int, world: int) -> Dict[str, Any]:
+    """compcomm's batched 1-bit reduce-scatter exchange (_C.zero.compressed_reduce_scatter_exchange_many
+    + one compressed_reduce_scatter_commit per call) against compcomm.compressed_reduce_scatter per
+    call, twice (errors carried): the same bits, sizes that do not divide, an empty call included;
+    then ranks passing different numbers of calls raise RankMismatchError on every rank and write
+    nothing."""
+    import compcomm
+    from compcomm import _C
+    from compcomm._buffers import buffer_of
+    from compcomm.collectives import compressed_reduce_scatter, workspace_bytes
+    from compcomm.errors import RankMismatchError
+
+    comm = compcomm.get_communicator(None)
+    sizes = [8 * world * k for k in (1, 5, 0, 13)]  # padded sizes (multiples of 8 W)
+    gen = torch.Generator().manual_seed(7 + rank)
+    xs = [[torch.randn(p, generator=gen) for p in sizes] for _ in range(2)]
+
+    def fresh():
+        return ([torch.zeros(p) for p in sizes], [torch.zeros(p // world) for p in sizes])
+
+    we1, se1 = fresh()
+    single = []
+    for x in xs:
+        single.append([compressed_reduce_scatter(t.clone(), w, s) for t, w, s in zip(x, we1, se1)])
+    we2, se2 = fresh()
+    wss = [torch.zeros(workspace_bytes(p, world, False), dtype=torch.uint8) for p in sizes]
+    staging = torch.empty(_C.zero.compressed_allreduce_batch_bytes(sizes, world), dtype=torch.uint8)
+    batched = []
+    for x in xs:
+        ts = [t.clone() for t in x]
+        outs = [torch.empty(p // world) for p in sizes]
+        args = [[buffer_of(t) for t in lst] for lst in (ts, we2, se2, outs, wss)]
+        _C.zero.compressed_reduce_scatter_exchange_many(comm, *args, buffer_of(staging))
+        for call in zip(*args):
+            _C.zero.compressed_reduce_scatter_commit(comm, *call)
+        batched.append(outs)
+    same = all(torch.equal(a, b) for t in range(2) for a, b in zip(single[t], batched[t]))
+    same = same and all(torch.equal(a, b) for a, b in zip(we1 + se1, we2 + se2))
+    n = 2 if rank == 0 else 1  # a count that differs
+    before = [w.clone() for w in we2[:n]]
+    args = [[buffer_of(t) for t in lst[:n]] for lst in
+            ([t.clone() for t in xs[0]], we2, se2, [torch.empty(p // world) for p in sizes], wss)]
+    try:
+        _C.zero.compressed_reduce_scatter_exchange_many(comm, *args, buffer_of(staging))
+        mismatch = "no error"
+    except RankMismatchError as e:
+        mismatch = "numbers of calls" in str(e) or "batch of" in str(e)
+    untouched = all(torch.equal(a, b) for a, b in zip(before, we2[:n]))
+    return {"same": same, "mismatch": mismatch, "untouched": untouched}

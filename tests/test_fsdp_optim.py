@@ -155,3 +155,11 @@ def test_state_format_2_and_format_1_loading():
         OneBitFSDP(2, segment_elements=-1)
     with pytest.raises(ValueError, match="segment_elements"):
         OneBitFSDP(2, segment_elements=1.5)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_batched_reduce_scatter_exchange(world):
+    """The C++ batched reduce-scatter exchange equals one compressed_reduce_scatter per call, bit
+    for bit (outputs and both errors, two rounds); a count mismatch raises on every rank."""
+    for res in run_ranks(world, C.batch_rs_cases, timeout=300):
+        assert res == {"same": True, "mismatch": True, "untouched": True}, res
