@@ -320,11 +320,12 @@ void bind_optim(py::module_& parent) {
   def_steps("onebit_local_steps", K::AdamRule::kOneBitLocal,
             "onebit_local_step over a list of tensors given as data pointers (fp32 w, m, v; g of "
             "g_types: fp32, fp16 or bf16, empty for all fp32; outs: optional parameter copies of "
-            "out_types, 0 for none) in one call, the GIL released once. The pointers are not checked beyond null: the caller validates the "
-            "tensors (compcomm.optim.cpu_adam.onebit_local_steps_).");
+            "out_types, 0 for none) in one call, the GIL released once. The pointers are not "
+            "checked beyond null: the caller validates the tensors "
+            "(compcomm.optim.cpu_adam.onebit_local_steps_).");
   def_steps("onebit_warmup_steps", K::AdamRule::kOneBitWarmup,
-            "onebit_warmup_step over a list of tensors given as data pointers (fp32 w, m, v, g; "
-            "outs as onebit_local_steps) in one call, the GIL released once. The pointers are not "
+            "onebit_warmup_step over a list of tensors given as data pointers (fp32 w, m, v; g "
+            "and outs as onebit_local_steps) in one call, the GIL released once. The pointers are not "
             "checked beyond null: the caller validates the tensors "
             "(compcomm.optim.cpu_multi.onebit_warmup_steps_).");
   def_steps("onebit_compressed_steps", K::AdamRule::kOneBitCompressed,
