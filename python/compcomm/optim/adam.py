@@ -219,9 +219,12 @@ class OneBitAdam(OneBitBase):
                 m, v = st.get("exp_avg"), st.get("exp_avg_sq")
                 if not (_fits(w, n) and _fits(m, n) and _fits(v, n)):
                     return None  # before any gradient copy (a CUDA run never gets this far)
-                if local is None and (scale is not None or g.dtype != f32 or not g.is_contiguous()):
+                # a bf16/fp16 gradient goes down as is: checked and read in its own dtype (2
+                # bytes per element, converted exactly in registers), not copied to fp32 first
+                if local is None and (scale is not None or g.dtype not in _GRAD_DTYPES
+                                      or not g.is_contiguous()):
                     g = fp32_grad(p, copy=scale is not None)  # as _grads does
-                if not _fits(g, n):
+                if not _fits(g, n, _GRAD_DTYPES):
                     return None
                 if out is not None and not (out.is_cpu and out.is_contiguous()):
                     return None
@@ -247,7 +250,8 @@ class OneBitAdam(OneBitBase):
         average is the rank's own momentum, so momentum and step are one C++ pass per tensor
         (``onebit_local_steps_``, one call per param group; 24 bytes of memory traffic per
         parameter), bit for bit the staged momentum then the compressed step. The finiteness
-        check of every gradient (one C++ pass) runs before anything is written."""
+        check of every gradient (one C++ pass; a bf16/fp16 gradient in its own dtype) runs before
+        anything is written."""
         self._check_finite([g for _, cols in runs for g in cols[3]], agree=False)
         bc2_t = min(t, self.freeze_step)  # the variance (and its correction) frozen after warm-up
         for group, (ws, ms, vs, gs, outs, sts) in runs:
@@ -256,10 +260,15 @@ class OneBitAdam(OneBitBase):
             cpu_adam.onebit_local_steps_(ws, ms, vs, gs, group, t, bc2_t, outs, check=False)
 
 
-def _fits(x: Optional[torch.Tensor], n: int) -> bool:
-    """Whether ``x`` is an fp32 contiguous CPU tensor of ``n`` elements (what the C++ passes take
-    on trust)."""
-    return (x is not None and x.dtype == torch.float32 and x.is_cpu and x.is_contiguous()
+# the gradients the W=1 C++ step reads as they are
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _fits(x: Optional[torch.Tensor], n: int, dtypes: Tuple[torch.dtype, ...] = (torch.float32,)
+          ) -> bool:
+    """Whether ``x`` is a contiguous CPU tensor of ``n`` elements of one of ``dtypes`` (what the
+    C++ passes take on trust)."""
+    return (x is not None and x.dtype in dtypes and x.is_cpu and x.is_contiguous()
             and x.numel() == n)
 
 
