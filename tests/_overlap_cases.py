@@ -1,0 +1,183 @@
+"""Rank bodies for tests/test_overlap.py (module level, so run_ranks can pickle them).
+
+Every scenario trains the same small model twice on each rank, with ``overlap_backward`` False
+and True, and returns both trajectories (parameters after every step, error buffers at the end),
+so the parent can check that they are bit-identical."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Dict, List
+
+import torch
+
+FREEZE = 3
+STEPS = 8
+SCENARIOS = ["plain", "accumulate", "clip", "no_grad_param", "keep_grads", "no_backward",
+             "load_state", "scaler"]
+
+
+def _small_groups() -> None:
+    # groups of a few buckets (the defaults make groups of MB; these models are tiny)
+    from compcomm.optim import overlap
+    overlap.GROUP_ELEMENTS = 150
+    overlap.MAX_GROUPS = 8
+
+
+class Net(torch.nn.Module):
+    """Sizes that divide nothing evenly; ``extra`` is used only when asked (a parameter that may
+    get no gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(11, 37)
+        self.b = torch.nn.Linear(37, 23)
+        self.c = torch.nn.Linear(23, 5)
+        self.extra = torch.nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor, use_extra: bool = True) -> torch.Tensor:
+        y = self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+        return self.extra(y).sum(-1) if use_extra else y.sum(-1)
+
+
+def _model(dtype: torch.dtype) -> Net:
+    torch.manual_seed(0)
+    return Net().to(dtype)
+
+
+def _loss(model: Net, rank: int, step: int, k: int = 0, use_extra: bool = True) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + 10 * step + k)
+    x = torch.randn(6, 11, generator=g).to(next(model.parameters()).dtype)
+    return model(x, use_extra).float().pow(2).mean()
+
+
+def _snapshot(model: Net) -> List[torch.Tensor]:
+    return [p.detach().float().clone() for p in model.parameters()]
+
+
+def trajectory(rank: int, overlap: bool, scenario: str, dtype: torch.dtype) -> Dict[str, Any]:
+    """One run of ``scenario``; what the parent compares."""
+    from compcomm.optim import OneBitAdam
+
+    model = _model(dtype)
+    opt = OneBitAdam(model.parameters(), lr=0.01, freeze_step=FREEZE, weight_decay=0.01,
+                     reduce_bucket_size=100, overlap_backward=overlap)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0) if scenario == "scaler" else None
+    traj, caught = [], []
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for t in range(1, STEPS + 1):
+            opt.zero_grad(set_to_none=scenario != "keep_grads")
+            if scenario == "no_backward" and t > FREEZE + 1:
+                # gradients written by hand: no hook fires, step() sends every group itself
+                ref = _model(dtype)
+                ref.load_state_dict(model.state_dict())
+                _loss(ref, rank, t).backward()
+                for p, q in zip(model.parameters(), ref.parameters()):
+                    p.grad = q.grad.clone()
+            else:
+                loss = _loss(model, rank, t, use_extra=not (scenario == "no_grad_param" and t == 6))
+                (scaler.scale(loss) if scaler else loss).backward()
+            if scenario == "accumulate" and t > FREEZE:
+                _loss(model, rank, t, k=1).backward()  # a second micro-batch: hooks fire again
+            if scenario == "clip" and t > FREEZE:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            if scenario == "load_state" and t == FREEZE + 3:
+                # a state loaded between backward and step: what the backward sent is dropped
+                opt.load_state_dict(opt.state_dict())
+            if scaler:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            traj.append(_snapshot(model))
+        caught = [str(x.message) for x in w if "overlap_backward" in str(x.message)]
+    ov = opt._overlap
+    return {"traj": traj, "errors": opt.compressor.state_dict(),
+            "overlapped": 0 if ov is None else ov.steps_overlapped,
+            "from_backward": 0 if ov is None else ov.groups_from_backward,
+            "enabled": None if ov is None else ov.enabled, "warnings": caught}
+
+
+def scenarios(rank: int, world: int, which: List[str]) -> Dict[str, Any]:
+    _small_groups()
+    out: Dict[str, Any] = {}
+    for scenario in which:
+        for dtype in ([torch.float32, torch.bfloat16] if scenario == "plain" else [torch.float32]):
+            key = f"{scenario}_{str(dtype)[6:]}"
+            out[key] = {o: trajectory(rank, o, scenario, dtype) for o in (False, True)}
+    out["hook_error"] = hook_error(rank, world)
+    return out
+
+
+def hook_error(rank: int, world: int) -> Dict[str, Any]:
+    """A hook that fails on the last rank: step() raises on every rank (that rank's own error,
+    RankMismatchError elsewhere), nothing changes, and a retried step gives the bits of a run
+    that never failed."""
+    import inspect
+
+    from compcomm.optim import OneBitAdam
+
+    _small_groups()
+    final, raised, unchanged = {}, None, None
+    for overlap in (False, True):
+        model = _model(torch.float32)
+        opt = OneBitAdam(model.parameters(), lr=0.01, freeze_step=FREEZE, reduce_bucket_size=100,
+                         overlap_backward=overlap)
+        for t in range(1, STEPS + 1):
+            opt.zero_grad()
+            _loss(model, rank, t).backward()
+            if overlap and t == FREEZE + 1 and rank == world - 1:
+                orig = opt._momentum_fill
+
+                def boom(grads, _opt=opt, _orig=orig):  # fails once, in the hook only
+                    if any(f.function == "_launch" for f in inspect.stack()[1:4]):
+                        del _opt._momentum_fill
+                        raise RuntimeError("boom in the hook")
+                    return _orig(grads)
+                opt._momentum_fill = boom  # captured when step() arms the next backward
+            if overlap and t == FREEZE + 2:
+                state = lambda: _snapshot(model) + [  # noqa: E731
+                    v.clone() for e in opt.compressor.state_dict().values() for v in e.values()
+                ] + [s["exp_avg"].clone() for s in opt.state.values()]
+                before = state()
+                try:
+                    opt.step()
+                except Exception as e:  # noqa: BLE001 -- reported to the parent
+                    raised = f"{type(e).__name__}: {e}"
+                after = state()
+                unchanged = len(before) == len(after) and all(
+                    torch.equal(a, b) for a, b in zip(before, after))
+            opt.step()  # (at FREEZE + 2: the retry, the gradients are still there)
+        final[overlap] = _snapshot(model)
+    return {"same": all(torch.equal(a, b) for a, b in zip(final[False], final[True])),
+            "raised": raised, "unchanged": unchanged}
+
+
+def ddp(rank: int, world: int, bucket_view: bool = False) -> Dict[str, Any]:
+    """DDP with compcomm.ddp_comm_hook, with and without overlap: the same bits."""
+    import compcomm
+    from compcomm.optim import OneBitAdam
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    _small_groups()
+    out = {}
+    for overlap in (False, True):
+        model = DDP(_model(torch.float32), gradient_as_bucket_view=bucket_view)
+        opt = OneBitAdam(model.parameters(), lr=0.01, freeze_step=FREEZE, reduce_bucket_size=100,
+                         overlap_backward=overlap)
+        model.register_comm_hook(None, compcomm.ddp_comm_hook(opt))
+        traj = []
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            for t in range(1, STEPS + 1):
+                opt.zero_grad()
+                g = torch.Generator().manual_seed(1000 * rank + 10 * t)
+                model(torch.randn(6, 11, generator=g)).pow(2).mean().backward()
+                opt.step()
+                traj.append([p.detach().clone() for p in model.parameters()])
+        ov = opt._overlap
+        out[overlap] = {"traj": traj, "overlapped": 0 if ov is None else ov.steps_overlapped,
+                        "warnings": [str(x.message) for x in w
+                                     if "overlap_backward" in str(x.message)]}
+    return out

@@ -1,0 +1,115 @@
+"""compcomm.optim.overlap: OneBitAdam(overlap_backward=True) sends its compressed phase's groups
+of buckets from the backward. Every scenario runs with and without overlap on each rank (gloo,
+W = 2 and 3, across the freeze step) and the parameters and error buffers must be bit-identical;
+the safety cases (gradient accumulation, clipping, a parameter without gradient, kept gradients,
+a step without backward, a state loaded between backward and step, GradScaler, a failing hook,
+DDP's comm hook) must stay correct. Rank bodies: tests/_overlap_cases.py."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import _overlap_cases as C
+from compcomm.testing import run_ranks
+
+WORLDS = [2, 3]
+
+
+@functools.lru_cache(maxsize=None)
+def results(world: int):
+    return run_ranks(world, C.scenarios, C.SCENARIOS, timeout=400)
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b)) and len(a) == len(b)
+
+
+def _identical(run) -> bool:
+    off, on = run[False], run[True]
+    traj = len(off["traj"]) == len(on["traj"]) and all(
+        _same(a, b) for a, b in zip(off["traj"], on["traj"]))
+    errs = off["errors"].keys() == on["errors"].keys() and all(
+        torch.equal(off["errors"][k][n], on["errors"][k][n])
+        for k in off["errors"] for n in off["errors"][k])
+    return traj and errs
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bit_identical(world, dtype):
+    for rank, out in enumerate(results(world)):
+        run = out[f"plain_{dtype}"]
+        assert _identical(run), f"rank {rank}"
+        # every compressed step went through the overlap, which stayed on, silently
+        assert run[True]["overlapped"] == C.STEPS - C.FREEZE
+        assert run[True]["from_backward"] >= 2 * (C.STEPS - C.FREEZE)  # sent from the hooks
+        assert run[True]["enabled"] and not run[True]["warnings"]
+        assert len(run[True]["errors"]) > 1  # several buckets (and groups)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("scenario", ["accumulate", "clip", "scaler"])
+def test_switches_itself_off(world, scenario):
+    """Gradients accumulated again, changed after their group was sent, or scaled by GradScaler:
+    the launched exchanges are dropped, the step runs on the full gradients, and the overlap
+    switches itself off with one warning, on every rank alike."""
+    for rank, out in enumerate(results(world)):
+        run = out[f"{scenario}_float32"]
+        assert _identical(run), f"rank {rank}"
+        assert run[True]["enabled"] is False
+        assert len(run[True]["warnings"]) == 1, run[True]["warnings"]
+        assert run[True]["overlapped"] == 0
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("scenario", ["no_grad_param", "keep_grads", "no_backward", "load_state"])
+def test_stays_correct(world, scenario):
+    """A parameter without gradient in one step (the plan changes, as without overlap),
+    zero_grad(set_to_none=False), gradients written by hand (no hook fires: step() sends every
+    group), a state dict loaded between backward and step."""
+    for rank, out in enumerate(results(world)):
+        run = out[f"{scenario}_float32"]
+        assert _identical(run), f"rank {rank}"
+        assert run[True]["enabled"] and not run[True]["warnings"]
+    if scenario == "keep_grads":
+        assert run[True]["overlapped"] == C.STEPS - C.FREEZE
+    if scenario == "no_backward":  # the first compressed step's backward sent; later, step()
+        assert run[True]["overlapped"] == C.STEPS - C.FREEZE
+        assert 0 < run[True]["from_backward"] <= 6
+    if scenario in ("no_grad_param", "load_state"):  # the steps after it overlap again
+        assert 0 < run[True]["overlapped"] < C.STEPS - C.FREEZE
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_hook_error_raises_everywhere(world):
+    outs = results(world)
+    for rank, out in enumerate(outs):
+        h = out["hook_error"]
+        assert h["unchanged"] and h["same"], (rank, h)
+        if rank == world - 1:
+            assert h["raised"].startswith("RuntimeError: boom in the hook")
+        else:
+            assert h["raised"].startswith("RankMismatchError") and "hook failed" in h["raised"]
+
+
+@pytest.mark.parametrize("bucket_view", [False, True])
+def test_ddp_comm_hook(bucket_view):
+    """DDP with compcomm.ddp_comm_hook: DDP copies its buckets back into the gradients after the
+    backward (the same values in the compressed phase; the hook announces it), so the overlap
+    stays on; with gradient_as_bucket_view the gradients become other tensors and the overlap
+    switches itself off. The same bits either way."""
+    for rank, out in enumerate(run_ranks(2, C.ddp, bucket_view, timeout=200)):
+        assert _identical({k: dict(v, errors={}) for k, v in out.items()}), f"rank {rank}"
+        assert out[True]["overlapped"] == (0 if bucket_view else C.STEPS - C.FREEZE)
+        assert len(out[True]["warnings"]) == (1 if bucket_view else 0)
+
+
+def test_single_rank_and_defaults():
+    from compcomm.optim import OneBitAdam
+    model = C.Net()
+    assert OneBitAdam(model.parameters()).overlap_backward is False
+    # one rank sends nothing: no hooks
+    assert OneBitAdam(model.parameters(), overlap_backward=True)._overlap is None
