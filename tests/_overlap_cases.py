@@ -47,7 +47,8 @@ def _model(dtype: torch.dtype) -> Net:
 
 def _loss(model: Net, rank: int, step: int, k: int = 0, use_extra: bool = True) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * rank + 10 * step + k)
-    x = torch.randn(6, 11, generator=g).to(next(model.parameters()).dtype)
+    p = next(model.parameters())
+    x = torch.randn(6, 11, generator=g).to(p.device, p.dtype)
     return model(x, use_extra).float().pow(2).mean()
 
 
@@ -55,13 +56,29 @@ def _snapshot(model: Net) -> List[torch.Tensor]:
     return [p.detach().float().clone() for p in model.parameters()]
 
 
-def trajectory(rank: int, overlap: bool, scenario: str, dtype: torch.dtype) -> Dict[str, Any]:
+def identical(run: Dict[bool, Dict[str, Any]]) -> bool:
+    """Whether the runs without (``run[False]``) and with overlap (``run[True]``) have the same
+    parameters after every step and the same error buffers, bit for bit."""
+    def same(a: List[torch.Tensor], b: List[torch.Tensor]) -> bool:
+        return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+    off, on = run[False], run[True]
+    traj = len(off["traj"]) == len(on["traj"]) and all(
+        same(a, b) for a, b in zip(off["traj"], on["traj"]))
+    errs = off["errors"].keys() == on["errors"].keys() and all(
+        torch.equal(off["errors"][k][n], on["errors"][k][n])
+        for k in off["errors"] for n in off["errors"][k])
+    return traj and errs
+
+
+def trajectory(rank: int, overlap: bool, scenario: str, dtype: torch.dtype,
+               device: str = "cpu", group: Any = None) -> Dict[str, Any]:
     """One run of ``scenario``; what the parent compares."""
     from compcomm.optim import OneBitAdam
 
-    model = _model(dtype)
+    model = _model(dtype).to(device)
     opt = OneBitAdam(model.parameters(), lr=0.01, freeze_step=FREEZE, weight_decay=0.01,
-                     reduce_bucket_size=100, overlap_backward=overlap)
+                     reduce_bucket_size=100, overlap_backward=overlap, process_group=group)
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0) if scenario == "scaler" else None
     traj, caught = [], []
     with warnings.catch_warnings(record=True) as w:
@@ -70,7 +87,7 @@ def trajectory(rank: int, overlap: bool, scenario: str, dtype: torch.dtype) -> D
             opt.zero_grad(set_to_none=scenario != "keep_grads")
             if scenario == "no_backward" and t > FREEZE + 1:
                 # gradients written by hand: no hook fires, step() sends every group itself
-                ref = _model(dtype)
+                ref = _model(dtype).to(device)
                 ref.load_state_dict(model.state_dict())
                 _loss(ref, rank, t).backward()
                 for p, q in zip(model.parameters(), ref.parameters()):
@@ -93,7 +110,8 @@ def trajectory(rank: int, overlap: bool, scenario: str, dtype: torch.dtype) -> D
             traj.append(_snapshot(model))
         caught = [str(x.message) for x in w if "overlap_backward" in str(x.message)]
     ov = opt._overlap
-    return {"traj": traj, "errors": opt.compressor.state_dict(),
+    errors = {k: {n: t.cpu() for n, t in e.items()} for k, e in opt.compressor.state_dict().items()}
+    return {"traj": [[p.cpu() for p in ps] for ps in traj], "errors": errors,
             "overlapped": 0 if ov is None else ov.steps_overlapped,
             "from_backward": 0 if ov is None else ov.groups_from_backward,
             "enabled": None if ov is None else ov.enabled, "warnings": caught}
@@ -180,4 +198,23 @@ def ddp(rank: int, world: int, bucket_view: bool = False) -> Dict[str, Any]:
         out[overlap] = {"traj": traj, "overlapped": 0 if ov is None else ov.steps_overlapped,
                         "warnings": [str(x.message) for x in w
                                      if "overlap_backward" in str(x.message)]}
+    return out
+
+
+def gpu_scenarios(rank: int, world: int) -> Dict[str, Any]:
+    """The GPU twin (tests/test_overlap_gpu.py): ranks sharing the GPU(s) as emulated hosts of a
+    torch NCCL group (compcomm's native NCCL communicator where the build has it)."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ["NCCL_HOSTID"] = f"compcomm-overlap-{os.getppid()}-host{rank}"
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    group = dist.new_group(backend="nccl")
+    _small_groups()
+    out: Dict[str, Any] = {}
+    for scenario, dtype in (("plain", torch.float32), ("plain", torch.bfloat16),
+                            ("accumulate", torch.float32), ("no_backward", torch.float32)):
+        out[f"{scenario}_{str(dtype)[6:]}"] = {
+            o: trajectory(rank, o, scenario, dtype, "cuda", group) for o in (False, True)}
     return out

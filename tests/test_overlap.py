@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
 
 import _overlap_cases as C
 from compcomm.testing import run_ranks
@@ -23,18 +22,7 @@ def results(world: int):
     return run_ranks(world, C.scenarios, C.SCENARIOS, timeout=400)
 
 
-def _same(a, b) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b)) and len(a) == len(b)
-
-
-def _identical(run) -> bool:
-    off, on = run[False], run[True]
-    traj = len(off["traj"]) == len(on["traj"]) and all(
-        _same(a, b) for a, b in zip(off["traj"], on["traj"]))
-    errs = off["errors"].keys() == on["errors"].keys() and all(
-        torch.equal(off["errors"][k][n], on["errors"][k][n])
-        for k in off["errors"] for n in off["errors"][k])
-    return traj and errs
+_identical = C.identical
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -116,6 +116,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument("--reduce-bucket-size", type=float, default=None,
                     help="the 1-bit optimizers' reduce_bucket_size in elements, e.g. 16777216 or 1.6e7 "
                          "(default: the optimizer's default)")
+    ap.add_argument("--overlap-backward", action="store_true",
+                    help="also run onebitadam_overlap, OneBitAdam(overlap_backward=True), right "
+                         "after onebitadam (both are added if onebitadam is not listed)")
     ap.add_argument("--bias-correction", action="store_true",
                     help="bias_correction=True for the 1-bit optimizers (default: their default)")
     ap.add_argument("--local-step-scaler", type=int, default=None,
@@ -142,6 +145,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         ap.error("argument --world-size: need at least 2 ranks")
     a.opt_list = list(OPTIMIZERS) if a.optimizers.strip() == "all" else \
         [o.strip() for o in a.optimizers.split(",") if o.strip()]
+    if a.overlap_backward and "onebitadam_overlap" not in a.opt_list:
+        if "onebitadam" not in a.opt_list:
+            a.opt_list.append("onebitadam")
+        a.opt_list.insert(a.opt_list.index("onebitadam") + 1, "onebitadam_overlap")
     for o in a.opt_list:
         if o not in OPTIMIZERS:
             ap.error(f"argument --optimizers: unknown optimizer {o!r}; choose from "
