@@ -14,7 +14,7 @@ import torch
 FREEZE = 3
 STEPS = 8
 SCENARIOS = ["plain", "accumulate", "clip", "no_grad_param", "keep_grads", "no_backward",
-             "load_state", "scaler"]
+             "load_state", "scaler", "nonfinite"]
 
 
 def _small_groups() -> None:
@@ -94,6 +94,8 @@ def trajectory(rank: int, overlap: bool, scenario: str, dtype: torch.dtype,
                     p.grad = q.grad.clone()
             else:
                 loss = _loss(model, rank, t, use_extra=not (scenario == "no_grad_param" and t == 6))
+                if scenario == "nonfinite" and t == FREEZE + 2 and rank == 0:
+                    loss = loss * float("nan")  # every rank skips this step
                 (scaler.scale(loss) if scaler else loss).backward()
             if scenario == "accumulate" and t > FREEZE:
                 _loss(model, rank, t, k=1).backward()  # a second micro-batch: hooks fire again
@@ -114,7 +116,8 @@ def trajectory(rank: int, overlap: bool, scenario: str, dtype: torch.dtype,
     return {"traj": [[p.cpu() for p in ps] for ps in traj], "errors": errors,
             "overlapped": 0 if ov is None else ov.steps_overlapped,
             "from_backward": 0 if ov is None else ov.groups_from_backward,
-            "enabled": None if ov is None else ov.enabled, "warnings": caught}
+            "enabled": None if ov is None else ov.enabled, "warnings": caught,
+            "skipped": opt.skipped_steps}
 
 
 def scenarios(rank: int, world: int, which: List[str]) -> Dict[str, Any]:

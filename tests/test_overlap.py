@@ -53,11 +53,13 @@ def test_switches_itself_off(world, scenario):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("scenario", ["no_grad_param", "keep_grads", "no_backward", "load_state"])
+@pytest.mark.parametrize("scenario", ["no_grad_param", "keep_grads", "no_backward", "load_state",
+                                      "nonfinite"])
 def test_stays_correct(world, scenario):
     """A parameter without gradient in one step (the plan changes, as without overlap),
     zero_grad(set_to_none=False), gradients written by hand (no hook fires: step() sends every
-    group), a state dict loaded between backward and step."""
+    group), a state dict loaded between backward and step, a step skipped on every rank for a
+    non-finite gradient on one (the exchange sent from the backward raises; nothing committed)."""
     for rank, out in enumerate(results(world)):
         run = out[f"{scenario}_float32"]
         assert _identical(run), f"rank {rank}"
@@ -67,6 +69,9 @@ def test_stays_correct(world, scenario):
     if scenario == "no_backward":  # the first compressed step's backward sent; later, step()
         assert run[True]["overlapped"] == C.STEPS - C.FREEZE
         assert 0 < run[True]["from_backward"] <= 6
+    if scenario == "nonfinite":
+        assert run[False]["skipped"] == run[True]["skipped"] == 1
+        assert run[True]["overlapped"] == C.STEPS - C.FREEZE - 1
     if scenario in ("no_grad_param", "load_state"):  # the steps after it overlap again
         assert 0 < run[True]["overlapped"] < C.STEPS - C.FREEZE
 

@@ -239,15 +239,18 @@ class OneBitCompressor:
 
     def launch_(self, keys: Sequence[Hashable], numels: Sequence[int],
                 tensors: Optional[Sequence[torch.Tensor]], device: torch.device,
-                stream: int = 0) -> Tuple[Any, PreparedBuckets]:
+                stream: int = 0, before: Optional[Callable[[], None]] = None
+                ) -> Tuple[Any, PreparedBuckets]:
         """Queue the batched exchange of one group of staged buckets on the worker thread
         (``tensors[i]``: bucket ``keys[i]``, ``numels[i]`` fp32 elements on ``device``, left
         unchanged until :meth:`wait_launched`); it writes only the buckets' workspaces, after the
         work queued on ``stream``. Error buffers are made where missing (zero; dropped again unless
         committed). ``tensors=None`` queues an empty batch instead, so that every rank's exchange
         of this group raises RankMismatchError: how a rank that could not stage a group keeps the
-        ranks' collectives in step. Returns the handle :meth:`wait_launched`,
-        :meth:`commit_launched` and :meth:`drop_launched` take."""
+        ranks' collectives in step. ``before()`` runs after the buffers are made and before the
+        exchange is queued (a side ``stream`` waits there for the caller's, which made them).
+        Returns the handle :meth:`wait_launched`, :meth:`commit_launched` and
+        :meth:`drop_launched` take."""
         if self._broken:
             raise CommError(f"OneBitCompressor: {self._broken}", "compressed_allreduce", "compress")
         if self._async is None:
@@ -265,6 +268,8 @@ class OneBitCompressor:
             prep = self._groups[gkey] = PreparedBuckets(keys, numels, device, bufs, staging, created)
         for i, t in enumerate(tensors or ()):
             prep.tensor_buffer(i, t)
+        if before is not None:
+            before()
         work = self._async.compressed_allreduce_exchange_many(
             prep.tensors, prep.wes, prep.ses, prep.wss, prep.staging, self.timeout, stream)
         return work, prep
@@ -305,9 +310,10 @@ class OneBitCompressor:
         """Forget waited-for ``launches`` without writing anything: the error buffers they made
         are dropped again, so the compressor is as before the first :meth:`launch_`."""
         for _, prep in launches:
-            for k in prep.created:
-                self._buffers.pop(k, None)
-                self._prep = None
+            for k in prep.created:  # unless a reset replaced them meanwhile
+                if self._buffers.get(k) is prep.bufs[prep.keys.index(k)]:
+                    del self._buffers[k]
+                    self._prep = None
             prep.created = []
             prep.release()
 

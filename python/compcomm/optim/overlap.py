@@ -44,6 +44,7 @@ eighth of the backward.
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 import weakref
@@ -176,18 +177,20 @@ class BackwardOverlap:
         try:
             if r.error is not None:
                 raise r.error
-            stream = 0
+            stream, before = 0, None
             with torch.no_grad():
                 grads = {p: fp32_grad(p, copy=False) for _, p, _ in g.entries}
                 r.make_fill(grads)(g.entries)
-                if g.device.type == "cuda":  # NCCL's kernels must not hold up the backward's
-                    side = self._streams.get(g.device)
-                    if side is None:
-                        side = self._streams[g.device] = torch.cuda.Stream(g.device)
-                    side.wait_stream(torch.cuda.current_stream(g.device))
-                    r.streams[g.device] = side
-                    stream = side.cuda_stream
-            handle = self.compressor.launch_(g.buckets, g.numels, g.flats, g.device, stream)
+            if g.device.type == "cuda":  # NCCL's kernels must not hold up the backward's
+                side = self._streams.get(g.device)
+                if side is None:
+                    side = self._streams[g.device] = torch.cuda.Stream(g.device)
+                r.streams[g.device] = side
+                stream = side.cuda_stream
+                cur = torch.cuda.current_stream(g.device)
+                before = functools.partial(side.wait_stream, cur)  # after the staging, new buffers
+            handle = self.compressor.launch_(g.buckets, g.numels, g.flats, g.device, stream,
+                                             before)
             self.groups_from_backward += 1
         except Exception as e:  # noqa: BLE001 -- raised at step(), on every rank
             if r.error is None:
