@@ -135,6 +135,10 @@ class BackwardOverlap:
         self._ready: Optional[Tuple[_Round, Optional[BaseException]]] = None  # settled launches
         self._groups: Tuple[Any, List[_Group]] = (None, [])
         self._streams: Dict[torch.device, Any] = {}
+        # a side stream only for the core's communicators (native NCCL, MPI), which run on the
+        # stream they are given; the torch adapter runs torch's collectives, which order
+        # themselves after the worker thread's current stream, so it gets the backward's
+        self._side = type(comm).__module__ == "compcomm._C" and type(comm).__name__ != "Communicator"
         ref = weakref.ref(self)  # the parameters must not keep the optimizer alive
 
         def hook(p: torch.Tensor) -> None:
@@ -142,8 +146,9 @@ class BackwardOverlap:
             if me is not None:
                 me._on_grad(p)
 
-        self._handles = [p.register_post_accumulate_grad_hook(hook)
-                         for p in params if p.requires_grad]
+        handles = [p.register_post_accumulate_grad_hook(hook) for p in params if p.requires_grad]
+        # the hooks go with this object (or when it switches itself off), not with the parameters
+        self._unhook = weakref.finalize(self, _remove, handles)
 
     # -- the backward side ----------------------------------------------------------------
     def arm(self, plan: Any, make_fill: Callable[[Dict[torch.Tensor, torch.Tensor]], Any]) -> None:
@@ -177,18 +182,19 @@ class BackwardOverlap:
         try:
             if r.error is not None:
                 raise r.error
-            stream, before = 0, None
+            stream, before = _current(g.device), None
             with torch.no_grad():
                 grads = {p: fp32_grad(p, copy=False) for _, p, _ in g.entries}
                 r.make_fill(grads)(g.entries)
-            if g.device.type == "cuda":  # NCCL's kernels must not hold up the backward's
+            if g.device.type == "cuda" and self._side:  # NCCL's kernels must not hold up the
+                # backward's: on a side stream, after the staging and the buffers launch_ makes
                 side = self._streams.get(g.device)
                 if side is None:
                     side = self._streams[g.device] = torch.cuda.Stream(g.device)
                 r.streams[g.device] = side
                 stream = side.cuda_stream
                 cur = torch.cuda.current_stream(g.device)
-                before = functools.partial(side.wait_stream, cur)  # after the staging, new buffers
+                before = functools.partial(side.wait_stream, cur)
             handle = self.compressor.launch_(g.buckets, g.numels, g.flats, g.device, stream,
                                              before)
             self.groups_from_backward += 1
@@ -314,9 +320,7 @@ class BackwardOverlap:
         if not self.enabled:
             return
         self.enabled = False
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        self._unhook()
         warnings.warn(f"{self.name}: overlap_backward switched off: {why}; every later step "
                       "exchanges its buckets in step() (the results are the same)", RuntimeWarning,
                       stacklevel=4)
@@ -325,6 +329,11 @@ class BackwardOverlap:
     def _join_streams(r: _Round) -> None:
         for dev, side in r.streams.items():  # later work (commit, frees) after the exchanges
             torch.cuda.current_stream(dev).wait_stream(side)
+
+
+def _remove(handles: List[Any]) -> None:
+    for h in handles:
+        h.remove()
 
 
 def _current(device: torch.device) -> int:
