@@ -265,7 +265,8 @@ class OneBitCompressor:
                     for k, n in zip(keys, numels)]
             nbytes = _C.zero.compressed_allreduce_batch_bytes([b[0].numel() for b in bufs], world)
             staging = buffer_of(torch.empty(nbytes, dtype=torch.uint8, device=device))
-            prep = self._groups[gkey] = PreparedBuckets(keys, numels, device, bufs, staging, created)
+            prep = PreparedBuckets(keys, numels, device, bufs, staging, created)
+            self._groups[gkey] = prep
         for i, t in enumerate(tensors or ()):
             prep.tensor_buffer(i, t)
         if before is not None:

@@ -110,10 +110,12 @@ IDENTITY_TWIN = {
 #: uncompressed, but on the 1-bit schedule: as many steps as the compressed rows, and not among
 #: the rows that set the time-to-target loss (a frozen variance may diverge)
 IDENTITY = tuple(IDENTITY_TWIN.values())
-COMPRESSED = ("onebitadam", "onebitadam_overlap", "zerooneadam", "zero2_onebitadam", "zero2_onebitadam_noag",
+COMPRESSED = ("onebitadam", "onebitadam_overlap", "zerooneadam", "zero2_onebitadam",
+              "zero2_onebitadam_noag",
               "onebitlamb", "fsdp2_onebit", "fsdp2_onebit_ag", "fsdp2_onebit_cache")
 #: steps 1..--warmup are "warmup", the later ones "compressed"
-_FREEZING = ("onebitadam", "onebitadam_overlap", "onebitlamb", "zero2_onebitadam", "zero2_onebitadam_noag",
+_FREEZING = ("onebitadam", "onebitadam_overlap", "onebitlamb", "zero2_onebitadam",
+             "zero2_onebitadam_noag",
              "fsdp2_onebit", "fsdp2_onebit_ag", "fsdp2_onebit_cache", "onebitadam_identity",
              "onebitlamb_identity")
 

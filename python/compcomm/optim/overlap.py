@@ -138,7 +138,8 @@ class BackwardOverlap:
         # a side stream only for the core's communicators (native NCCL, MPI), which run on the
         # stream they are given; the torch adapter runs torch's collectives, which order
         # themselves after the worker thread's current stream, so it gets the backward's
-        self._side = type(comm).__module__ == "compcomm._C" and type(comm).__name__ != "Communicator"
+        self._side = (type(comm).__module__ == "compcomm._C"
+                      and type(comm).__name__ != "Communicator")
         ref = weakref.ref(self)  # the parameters must not keep the optimizer alive
 
         def hook(p: torch.Tensor) -> None:
