@@ -80,7 +80,7 @@ def trajectory(rank: int, overlap: bool, scenario: str, dtype: torch.dtype,
     opt = OneBitAdam(model.parameters(), lr=0.01, freeze_step=FREEZE, weight_decay=0.01,
                      reduce_bucket_size=100, overlap_backward=overlap, process_group=group)
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0) if scenario == "scaler" else None
-    traj, caught = [], []
+    traj, caught, warm_sent = [], [], 0
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         for t in range(1, STEPS + 1):
@@ -110,6 +110,8 @@ def trajectory(rank: int, overlap: bool, scenario: str, dtype: torch.dtype,
             else:
                 opt.step()
             traj.append(_snapshot(model))
+            if t == FREEZE and opt._overlap is not None:  # nothing is sent in the warm-up
+                warm_sent = opt._overlap.groups_from_backward
         caught = [str(x.message) for x in w if "overlap_backward" in str(x.message)]
     ov = opt._overlap
     errors = {k: {n: t.cpu() for n, t in e.items()} for k, e in opt.compressor.state_dict().items()}
@@ -117,7 +119,7 @@ def trajectory(rank: int, overlap: bool, scenario: str, dtype: torch.dtype,
             "overlapped": 0 if ov is None else ov.steps_overlapped,
             "from_backward": 0 if ov is None else ov.groups_from_backward,
             "enabled": None if ov is None else ov.enabled, "warnings": caught,
-            "skipped": opt.skipped_steps}
+            "skipped": opt.skipped_steps, "warm_sent": warm_sent}
 
 
 def scenarios(rank: int, world: int, which: List[str]) -> Dict[str, Any]:
@@ -128,7 +130,36 @@ def scenarios(rank: int, world: int, which: List[str]) -> Dict[str, Any]:
             key = f"{scenario}_{str(dtype)[6:]}"
             out[key] = {o: trajectory(rank, o, scenario, dtype) for o in (False, True)}
     out["hook_error"] = hook_error(rank, world)
+    out["diverged"] = diverged(rank, world)
     return out
+
+
+def diverged(rank: int, world: int) -> Dict[str, Any]:
+    """Ranks that are not SPMD: rank 0 accumulates two backward passes, the others run one.
+    The agreement in step() sees it: RankMismatchError on every rank, nothing written."""
+    from compcomm.optim import OneBitAdam
+
+    _small_groups()
+    model = _model(torch.float32)
+    opt = OneBitAdam(model.parameters(), lr=0.01, freeze_step=FREEZE, reduce_bucket_size=100,
+                     overlap_backward=True)
+    raised, unchanged = None, None
+    for t in range(1, FREEZE + 3):
+        opt.zero_grad()
+        _loss(model, rank, t).backward()
+        if t == FREEZE + 2:
+            if rank == 0:
+                _loss(model, rank, t, k=1).backward()
+            before = _snapshot(model) + [s["exp_avg"].clone() for s in opt.state.values()]
+            try:
+                opt.step()
+            except Exception as e:  # noqa: BLE001 -- reported to the parent
+                raised = f"{type(e).__name__}: {e}"
+            after = _snapshot(model) + [s["exp_avg"].clone() for s in opt.state.values()]
+            unchanged = all(torch.equal(a, b) for a, b in zip(before, after))
+        else:
+            opt.step()
+    return {"raised": raised, "unchanged": unchanged}
 
 
 def hook_error(rank: int, world: int) -> Dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 
 import _overlap_cases as C
 from compcomm.testing import run_ranks
@@ -34,6 +35,7 @@ def test_bit_identical(world, dtype):
         # every compressed step went through the overlap, which stayed on, silently
         assert run[True]["overlapped"] == C.STEPS - C.FREEZE
         assert run[True]["from_backward"] >= 2 * (C.STEPS - C.FREEZE)  # sent from the hooks
+        assert run[True]["warm_sent"] == 0  # warm-up steps average in step(), nothing sent before
         assert run[True]["enabled"] and not run[True]["warnings"]
         assert len(run[True]["errors"]) > 1  # several buckets (and groups)
 
@@ -86,6 +88,44 @@ def test_hook_error_raises_everywhere(world):
             assert h["raised"].startswith("RuntimeError: boom in the hook")
         else:
             assert h["raised"].startswith("RankMismatchError") and "hook failed" in h["raised"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_ranks_that_diverge_raise_everywhere(world):
+    """Rank 0 accumulates a second backward, the others do not: RankMismatchError naming the
+    field on every rank, nothing written (never a silent result)."""
+    for rank, out in enumerate(results(world)):
+        d = out["diverged"]
+        assert d["unchanged"], rank
+        assert d["raised"].startswith("RankMismatchError") and "changed after" in d["raised"], d
+
+
+def test_groups_walk_the_plan_backwards():
+    """Groups of consecutive buckets from the last to the first, each of at least the target
+    size (the last one may be smaller), cut where the device changes."""
+    from types import SimpleNamespace
+
+    from compcomm.optim import overlap
+
+    sizes = [5, 3, 9, 1, 1, 7, 2]
+    devs = [torch.device("cpu")] * 5 + [torch.device("meta")] * 2
+    plan = SimpleNamespace(flats=[torch.empty(n) for n in sizes], devices=devs,
+                           entries=[[] for _ in sizes])
+    saved = overlap.GROUP_ELEMENTS, overlap.MAX_GROUPS
+    overlap.GROUP_ELEMENTS, overlap.MAX_GROUPS = 4, 100
+    try:
+        groups = overlap.plan_groups(plan)
+    finally:
+        overlap.GROUP_ELEMENTS, overlap.MAX_GROUPS = saved
+    assert [g.buckets for g in groups] == [[6, 5], [4, 3, 2], [1, 0]]
+    assert [g.numels for g in groups] == [[2, 7], [1, 1, 9], [3, 5]]
+    overlap.GROUP_ELEMENTS, overlap.MAX_GROUPS = 1, 2  # at most about MAX_GROUPS groups
+    try:
+        assert len(overlap.plan_groups(SimpleNamespace(
+            flats=[torch.empty(1)] * 10, devices=[torch.device("cpu")] * 10,
+            entries=[[]] * 10))) == 2
+    finally:
+        overlap.GROUP_ELEMENTS, overlap.MAX_GROUPS = saved
 
 
 @pytest.mark.parametrize("bucket_view", [False, True])
