@@ -130,6 +130,7 @@ def scenarios(rank: int, world: int, which: List[str]) -> Dict[str, Any]:
             key = f"{scenario}_{str(dtype)[6:]}"
             out[key] = {o: trajectory(rank, o, scenario, dtype) for o in (False, True)}
     out["hook_error"] = hook_error(rank, world)
+    out["step_fill_error"] = hook_error(rank, world, "complete")
     out["diverged"] = diverged(rank, world)
     return out
 
@@ -162,10 +163,11 @@ def diverged(rank: int, world: int) -> Dict[str, Any]:
     return {"raised": raised, "unchanged": unchanged}
 
 
-def hook_error(rank: int, world: int) -> Dict[str, Any]:
-    """A hook that fails on the last rank: step() raises on every rank (that rank's own error,
-    RankMismatchError elsewhere), nothing changes, and a retried step gives the bits of a run
-    that never failed."""
+def hook_error(rank: int, world: int, where: str = "_launch") -> Dict[str, Any]:
+    """The staging fails on the last rank, in a backward hook (``where="_launch"``) or in step()
+    for groups no hook sent (``"complete"``: gradients written by hand): step() raises on every
+    rank (that rank's own error, RankMismatchError elsewhere), nothing changes, and a retried
+    step gives the bits of a run that never failed."""
     import inspect
 
     from compcomm.optim import OneBitAdam
@@ -178,15 +180,26 @@ def hook_error(rank: int, world: int) -> Dict[str, Any]:
                          overlap_backward=overlap)
         for t in range(1, STEPS + 1):
             opt.zero_grad()
-            _loss(model, rank, t).backward()
+            if where == "complete" and t == FREEZE + 2:  # no hook fires: step() sends all
+                ref = _model(torch.float32)
+                ref.load_state_dict(model.state_dict())
+                _loss(ref, rank, t).backward()
+                for p, q in zip(model.parameters(), ref.parameters()):
+                    p.grad = q.grad.clone()
+            else:
+                _loss(model, rank, t).backward()
             if overlap and t == FREEZE + 1 and rank == world - 1:
                 orig = opt._momentum_fill
 
-                def boom(grads, _opt=opt, _orig=orig):  # fails once, in the hook only
-                    if any(f.function == "_launch" for f in inspect.stack()[1:4]):
-                        del _opt._momentum_fill
-                        raise RuntimeError("boom in the hook")
-                    return _orig(grads)
+                def boom(grads, _opt=opt, _orig=orig):  # fails once, in `where` only
+                    fill = _orig(grads)
+
+                    def failing(entries):
+                        if any(f.function == where for f in inspect.stack()[1:4]):
+                            del _opt._momentum_fill
+                            raise RuntimeError("boom in the hook")
+                        return fill(entries)
+                    return failing
                 opt._momentum_fill = boom  # captured when step() arms the next backward
             if overlap and t == FREEZE + 2:
                 state = lambda: _snapshot(model) + [  # noqa: E731

@@ -79,15 +79,20 @@ def test_stays_correct(world, scenario):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_hook_error_raises_everywhere(world):
-    outs = results(world)
-    for rank, out in enumerate(outs):
-        h = out["hook_error"]
+@pytest.mark.parametrize("where", ["hook_error", "step_fill_error"])
+def test_staging_error_raises_everywhere(world, where):
+    """The staging fails on one rank, in a backward hook or in step() (groups no hook sent):
+    that rank raises its error, the others RankMismatchError, nothing is written anywhere, and
+    the retried step gives the bits of a run that never failed."""
+    for rank, out in enumerate(results(world)):
+        h = out[where]
         assert h["unchanged"] and h["same"], (rank, h)
         if rank == world - 1:
             assert h["raised"].startswith("RuntimeError: boom in the hook")
         else:
-            assert h["raised"].startswith("RankMismatchError") and "hook failed" in h["raised"]
+            assert h["raised"].startswith("RankMismatchError"), h
+            if where == "hook_error":
+                assert "hook failed" in h["raised"], h
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -278,15 +278,28 @@ class BackwardOverlap:
             self.compressor.drop_launched(handles)
             raise error
         launched = {gi for gi, _ in r.launches}
+        failed: Optional[BaseException] = None
         for gi, g in enumerate(r.groups):
             if gi in launched:
                 continue
-            fill(g.entries)
-            stream = _current(g.device)
-            r.launches.append((gi, self.compressor.launch_(g.buckets, g.numels, g.flats, g.device,
-                                                           stream)))
+            h = None
+            if failed is None:  # a failure here is this rank's alone
+                try:
+                    fill(g.entries)
+                    h = self.compressor.launch_(g.buckets, g.numels, g.flats, g.device,
+                                                _current(g.device))
+                except Exception as e:  # noqa: BLE001 -- raised below, after the exchanges
+                    failed = e
+            if h is None:  # empty batches: every rank's exchanges fail alike, in step
+                try:
+                    h = self.compressor.launch_(g.buckets, g.numels, None, g.device, 0)
+                except Exception:  # noqa: BLE001 -- the peers will time out
+                    continue
+            r.launches.append((gi, h))
         handles = [h for _, h in r.launches]
-        error = self.compressor.wait_launched(handles)
+        error = failed or self.compressor.wait_launched(handles)
+        if failed is not None:
+            self.compressor.wait_launched(handles)
         if error is not None:
             self.compressor.drop_launched(handles)
             raise error
