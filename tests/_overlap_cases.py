@@ -132,7 +132,47 @@ def scenarios(rank: int, world: int, which: List[str]) -> Dict[str, Any]:
     out["hook_error"] = hook_error(rank, world)
     out["step_fill_error"] = hook_error(rank, world, "complete")
     out["diverged"] = diverged(rank, world)
+    out["compressor"] = compressor_groups(rank, world)
     return out
+
+
+def compressor_groups(rank: int, world: int) -> Dict[str, Any]:
+    """OneBitCompressor's group exchange directly: buckets sent in groups (launch_) and committed
+    together equal one average_ of all of them, bit for bit, over three rounds (the error buffers
+    carry over); drop_launched writes nothing and leaves no buffers it made; an empty batch
+    against a full one raises RankMismatchError on every rank."""
+    from compcomm._comm import resolve
+    from compcomm.compress import OneBitCompressor
+    from compcomm.errors import RankMismatchError
+
+    comm = resolve(None)
+    numels = [7, 1000, 4099, 1]
+    g = torch.Generator().manual_seed(rank)
+    a, b = OneBitCompressor(comm), OneBitCompressor(comm)
+    same = True
+    for _ in range(3):
+        xs = [torch.randn(n, generator=g) for n in numels]
+        ta, tb = [x.clone() for x in xs], [x.clone() for x in xs]
+        a.average_(list(range(4)), numels, lambda i: ta[i], torch.device("cpu"))
+        hs = [b.launch_([3, 1], [numels[3], numels[1]], [tb[3], tb[1]], torch.device("cpu")),
+              b.launch_([0, 2], [numels[0], numels[2]], [tb[0], tb[2]], torch.device("cpu"))]
+        same &= b.wait_launched(hs) is None
+        b.commit_launched(hs)
+        same &= all(torch.equal(x, y) for x, y in zip(ta, tb))
+    ea, eb = a.state_dict(), b.state_dict()
+    same &= all(torch.equal(ea[k][n], eb[k][n]) for k in ea for n in ea[k])
+    c = OneBitCompressor(comm)
+    t = torch.randn(100, generator=g)
+    before = t.clone()
+    h = c.launch_([0], [100], [t], torch.device("cpu"))
+    dropped_ok = c.wait_launched([h]) is None
+    c.drop_launched([h])
+    dropped_ok &= torch.equal(t, before) and c.keys() == []
+    h = c.launch_([0], [100], None if rank == 0 else [t], torch.device("cpu"))
+    err = c.wait_launched([h])
+    c.drop_launched([h])
+    return {"same": bool(same), "dropped_ok": bool(dropped_ok),
+            "empty_batch": isinstance(err, RankMismatchError), "keys_after": c.keys()}
 
 
 def diverged(rank: int, world: int) -> Dict[str, Any]:

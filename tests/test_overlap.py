@@ -133,6 +133,13 @@ def test_groups_walk_the_plan_backwards():
         overlap.GROUP_ELEMENTS, overlap.MAX_GROUPS = saved
 
 
+@pytest.mark.parametrize("world", WORLDS)
+def test_compressor_group_exchange(world):
+    for out in results(world):
+        assert out["compressor"] == {"same": True, "dropped_ok": True, "empty_batch": True,
+                                     "keys_after": []}, out["compressor"]
+
+
 @pytest.mark.parametrize("bucket_view", [False, True])
 def test_ddp_comm_hook(bucket_view):
     """DDP with compcomm.ddp_comm_hook: DDP copies its buckets back into the gradients after the
