@@ -131,6 +131,13 @@ class OneBitAdam(OneBitBase):
         self.schedule = FreezeSchedule(self.freeze_step)
 
     @property
+    def overlap(self) -> Any:
+        """The backward overlap (:class:`compcomm.optim.overlap.BackwardOverlap`: its
+        ``enabled``, ``steps_overlapped``, ``groups_from_backward``), or None where it is off
+        (``overlap_backward=False``, one rank, or a compressor without group exchanges)."""
+        return self._overlap
+
+    @property
     def adam_freeze_key(self) -> bool:
         """True once the compressed phase has started (DeepSpeed's name)."""
         return self.schedule.frozen
