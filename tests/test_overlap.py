@@ -157,4 +157,8 @@ def test_single_rank_and_defaults():
     model = C.Net()
     assert OneBitAdam(model.parameters()).overlap_backward is False
     # one rank sends nothing: no hooks
-    assert OneBitAdam(model.parameters(), overlap_backward=True)._overlap is None
+    assert OneBitAdam(model.parameters(), overlap_backward=True).overlap is None
+    # 'auto': on CUDA parameters only
+    assert OneBitAdam(model.parameters(), overlap_backward="auto").overlap_backward is False
+    with pytest.raises(ValueError, match="argument 'overlap_backward'"):
+        OneBitAdam(model.parameters(), overlap_backward="yes")

@@ -276,7 +276,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     print(f"[train] {prof} W={w} {row['optimizer']:>20}: {s['main_phase']} step "
                           f"{s['step_s'] * 1e3:9.1f} ms, compute {row['compute_s'] * 1e3:8.1f} ms, "
                           f"{fmt_bytes(s['bytes_per_step'])}/step, val loss "
-                          f"{row['final_val_loss']:.4f}", flush=True)
+                          f"{row['final_val_loss']:.4f}" + _overlap_note(row), flush=True)
                     write_outputs(doc, a.out, a.name)  # partial results survive a later kill
                 elif line.startswith("PROGRESS "):
                     print(line.rstrip(), flush=True)
@@ -305,6 +305,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(fh.read())
     print("wrote " + ", ".join(paths.values()))
     return status
+
+
+def _overlap_note(row: Dict[str, Any]) -> str:
+    """onebitadam_overlap's rank 0 counts: steps committed from the backward's exchanges."""
+    ov = row.get("overlap")
+    if not ov:
+        return ""
+    return (f", overlap: {ov['steps_overlapped']} steps, {ov['groups_from_backward']} groups"
+            + ("" if ov["enabled"] else " (switched itself off)"))
 
 
 def _rank_entry(path: str) -> None:

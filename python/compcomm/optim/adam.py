@@ -15,6 +15,7 @@ from ._grads import fp32_grad
 from ._params import group_chunks, mask_, master, moments, write_back_multi
 from ._validation import check_common, check_int
 from .base import OneBitBase
+from .overlap import resolve_overlap
 
 
 class OneBitAdam(OneBitBase):
@@ -97,8 +98,9 @@ class OneBitAdam(OneBitBase):
         compressed phase and its error-feedback state. Default
         :class:`compcomm.compress.OneBitCompressor`; :class:`compcomm.compress.IdentityCompressor`
         averages in full precision (the uncompressed twin, for comparisons).
-    overlap_backward : bool, default False
-        In the compressed phase, send each group of buckets (a few groups of several MB) while
+    overlap_backward : bool or 'auto', default False
+        ``'auto'``: True where the parameters are on a CUDA device (on CPUs the backward and the
+        exchange share the cores, and it measured 0.92x-1.03x). In the compressed phase, send each group of buckets (a few groups of several MB) while
         the backward still runs: a hook per parameter stages a group's momenta and queues its
         exchange as soon as all of its gradients are complete, and ``step()`` waits, commits and
         applies the update. Results are bit for bit those without overlap. It helps where the wire
@@ -119,12 +121,13 @@ class OneBitAdam(OneBitBase):
                  grads_averaged: bool = False, exact_resume: bool = False,
                  reduce_bucket_size: Optional[int] = None, per_parameter: bool = False,
                  fused: Optional[bool] = None, check_finite: bool = True,
-                 compressor: Any = None, overlap_backward: bool = False) -> None:
+                 compressor: Any = None, overlap_backward: Any = False) -> None:
         check_common(self._name, lr, betas, eps, weight_decay, amsgrad)
         self.freeze_step = check_int(self._name, "freeze_step", freeze_step, 0)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bool(bias_correction))
         super().__init__(params, defaults)
+        overlap_backward = resolve_overlap(self._name, overlap_backward, self.param_groups)
         self._init_common(comm_backend_name, process_group, cuda_aware, grads_averaged,
                           exact_resume, fused, reduce_bucket_size, per_parameter,
                           check_finite, compressor, overlap_backward)

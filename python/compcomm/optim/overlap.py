@@ -56,7 +56,7 @@ from .._agree import agree_layout, digest
 from ..errors import NonFiniteError, RankMismatchError
 from ._grads import fp32_grad
 
-__all__ = ["BackwardOverlap", "GROUP_ELEMENTS", "MAX_GROUPS"]
+__all__ = ["BackwardOverlap", "GROUP_ELEMENTS", "MAX_GROUPS", "plan_groups", "resolve_overlap"]
 
 #: Fewest elements in a group of buckets sent from the backward (the last group may have fewer).
 GROUP_ELEMENTS = 1 << 22
@@ -73,6 +73,18 @@ class _Group:
         self.device = plan.devices[buckets[0]]
         self.flats = [plan.flats[b] for b in buckets]
         self.entries = [e for b in buckets for e in plan.entries[b]]
+
+
+def resolve_overlap(name: str, value: Any, param_groups: List[Dict[str, Any]]) -> bool:
+    """An optimizer's ``overlap_backward`` argument as a bool: True, False, or ``'auto'`` (True
+    where the first parameter is on a CUDA device). Anything else raises, naming the argument."""
+    if isinstance(value, bool):
+        return value
+    if value == "auto":
+        first = next((p for g in param_groups for p in g["params"]), None)
+        return first is not None and first.device.type == "cuda"
+    raise ValueError(f"{name}: argument 'overlap_backward' must be True, False or 'auto', got "
+                     f"{value!r}")
 
 
 def plan_groups(plan: Any) -> List[_Group]:
