@@ -100,12 +100,16 @@ W1_DEFAULT = ("OneBitAdam.step, compressed phase, W=1, bias_correction=False (th
 
 
 def onebitadam_step(sizes: List[int], kernels: bool, bias_correction: bool = True,
-                    check_finite: bool = True) -> Callable[[], None]:
+                    check_finite: bool = True,
+                    dtype: torch.dtype = torch.float32) -> Callable[[], None]:
     """The whole ``OneBitAdam.step()`` of its compressed phase at world size 1 (no communication):
-    with the C++ kernels, or with the torch ops (``COMPCOMM_FUSED_OPTIM=0`` while it runs)."""
+    with the C++ kernels, or with the torch ops (``COMPCOMM_FUSED_OPTIM=0`` while it runs).
+    ``dtype``: the parameters' and gradients' (bf16: an fp32 master copy in the state)."""
     from compcomm.optim import OneBitAdam
 
     params = make_params(sizes, seed=2)
+    if dtype != torch.float32:
+        params = [torch.nn.Parameter(p.detach().to(dtype)) for p in params]
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
     opt = OneBitAdam(params, lr=1e-3, freeze_step=1, weight_decay=0.01,
@@ -184,6 +188,11 @@ def bench_workload(name: str, sizes: List[int], threads: int, repeats: int) -> L
     # the bound without the gradients' finiteness pass (24 instead of 28 bytes per parameter)
     steps[W1_DEFAULT + ", check_finite=False"] = onebitadam_step(
         sizes, True, bias_correction=False, check_finite=False)
+    # a bf16 model (fp32 master, bf16 gradients; not torch AdamW's workload: compare installs)
+    steps[W1_DEFAULT + ", bf16 parameters"] = onebitadam_step(
+        sizes, True, bias_correction=False, dtype=torch.bfloat16)
+    steps[W1_DEFAULT + ", bf16 parameters, check_finite=False"] = onebitadam_step(
+        sizes, True, bias_correction=False, check_finite=False, dtype=torch.bfloat16)
     med = interleaved_medians({k: f for k, f in steps.items() if f is not None}, repeats)
     rows = []
     for impl in steps:

@@ -45,6 +45,13 @@ def test_interop(np: int) -> None:
     run_body(np, "mpi.interop:run", timeout=150)
 
 
+@pytest.mark.parametrize("np", [2, 3])
+def test_overlap_backward(np: int) -> None:
+    """OneBitAdam(overlap_backward=True) on the MPI communicator: the bits of the run without
+    overlap (tests/test_overlap.py checks the same over gloo, with every safety case)."""
+    run_body(np, "mpi.overlap:run", timeout=200)
+
+
 @pytest.mark.parametrize("np", [1, 2, 3])
 def test_exchange_pieces(np: int) -> None:
     """all_to_all/all_gather as piecewise point-to-point exchanges: odd sizes, tiny and MiB pieces,

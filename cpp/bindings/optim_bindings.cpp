@@ -153,8 +153,11 @@ void run_steps(const char* fn, K::AdamRule rule, const std::vector<int64_t>& num
                const std::vector<uintptr_t>& vs, const std::vector<uintptr_t>& gs,
                const std::vector<uintptr_t>& outs, const std::vector<DType>& out_types, double lr,
                double b1, double b2, double eps, double wd, bool bias_correction, int64_t bc1_t,
-               int64_t bc2_t, int num_threads, const std::string& isa, const std::string& sqrt) {
+               int64_t bc2_t, int num_threads, const std::string& isa, const std::string& sqrt,
+               const std::vector<DType>& g_types) {
   const size_t k = numels.size();
+  if (!g_types.empty() && g_types.size() != k)
+    value_error(concat(fn, ": g_types must be empty (all float32) or hold ", k, " entries"));
   if (ws.size() != k || ms.size() != k || vs.size() != k || gs.size() != k)
     value_error(concat(fn, ": ws, ms, vs and gs must hold ", k, " pointers (one per numel)"));
   if (!(outs.empty() && out_types.empty()) && (outs.size() != k || out_types.size() != k))
@@ -177,6 +180,16 @@ void run_steps(const char* fn, K::AdamRule rule, const std::vector<int64_t>& num
     t.m = reinterpret_cast<float*>(ms[i]);
     t.v = reinterpret_cast<float*>(vs[i]);
     t.g = reinterpret_cast<const void*>(gs[i]);
+    if (!g_types.empty() && g_types[i] != DType::kFloat32) {
+      // a 16-bit gradient is read as is (converted in registers, exactly); the compressed rule's
+      // averaged momentum is fp32 only
+      if (rule == K::AdamRule::kOneBitCompressed ||
+          (g_types[i] != DType::kFloat16 && g_types[i] != DType::kBFloat16))
+        type_error(concat(fn, ": g_types[", i, "] must be float32",
+                          rule == K::AdamRule::kOneBitCompressed ? "" : ", float16 or bfloat16"));
+      t.g_type = g_types[i] == DType::kFloat16 ? kernels::InputType::kFloat16
+                                               : kernels::InputType::kBFloat16;
+    }
     if (!outs.empty() && outs[i] != 0) {
       t.param_out = reinterpret_cast<void*>(outs[i]);
       if (out_types[i] == DType::kFloat16)
@@ -293,24 +306,26 @@ void bind_optim(py::module_& parent) {
                      const std::vector<uintptr_t>& gs, const std::vector<uintptr_t>& outs,
                      const std::vector<DType>& out_types, double lr, double b1, double b2,
                      double eps, double wd, bool bias_correction, int64_t bc1_t, int64_t bc2_t,
-                     int num_threads, const std::string& isa, const std::string& sqrt) {
+                     int num_threads, const std::string& isa, const std::string& sqrt,
+                     const std::vector<DType>& g_types) {
           run_steps(name, rule, numels, ws, ms, vs, gs, outs, out_types, lr, b1, b2, eps, wd,
-                    bias_correction, bc1_t, bc2_t, num_threads, isa, sqrt);
+                    bias_correction, bc1_t, bc2_t, num_threads, isa, sqrt, g_types);
         },
         py::arg("numels"), py::arg("ws"), py::arg("ms"), py::arg("vs"), py::arg("gs"),
         py::arg("outs"), py::arg("out_types"), py::arg("lr"), py::arg("b1"), py::arg("b2"),
         py::arg("eps"), py::arg("wd"), py::arg("bias_correction"), py::arg("bc1_t"),
         py::arg("bc2_t"), py::arg("num_threads") = 0, py::arg("isa") = "auto",
-        py::arg("sqrt") = "ieee", doc);
+        py::arg("sqrt") = "ieee", py::arg("g_types") = std::vector<DType>{}, doc);
   };
   def_steps("onebit_local_steps", K::AdamRule::kOneBitLocal,
-            "onebit_local_step over a list of tensors given as data pointers (fp32 w, m, v, g; "
-            "outs: optional parameter copies of out_types, 0 for none) in one call, the GIL "
-            "released once. The pointers are not checked beyond null: the caller validates the "
-            "tensors (compcomm.optim.cpu_adam.onebit_local_steps_).");
+            "onebit_local_step over a list of tensors given as data pointers (fp32 w, m, v; g of "
+            "g_types: fp32, fp16 or bf16, empty for all fp32; outs: optional parameter copies of "
+            "out_types, 0 for none) in one call, the GIL released once. The pointers are not "
+            "checked beyond null: the caller validates the tensors "
+            "(compcomm.optim.cpu_adam.onebit_local_steps_).");
   def_steps("onebit_warmup_steps", K::AdamRule::kOneBitWarmup,
-            "onebit_warmup_step over a list of tensors given as data pointers (fp32 w, m, v, g; "
-            "outs as onebit_local_steps) in one call, the GIL released once. The pointers are not "
+            "onebit_warmup_step over a list of tensors given as data pointers (fp32 w, m, v; g "
+            "and outs as onebit_local_steps) in one call, the GIL released once. The pointers are not "
             "checked beyond null: the caller validates the tensors "
             "(compcomm.optim.cpu_multi.onebit_warmup_steps_).");
   def_steps("onebit_compressed_steps", K::AdamRule::kOneBitCompressed,
@@ -418,10 +433,22 @@ void bind_optim(py::module_& parent) {
   m.def(
       "all_finite_ptrs",
       [](const std::vector<int64_t>& numels, const std::vector<uintptr_t>& ptrs,
-         const std::string& isa) {
+         const std::string& isa, const std::vector<DType>& dtypes) {
         const char* fn = "all_finite_ptrs";
         if (ptrs.size() != numels.size())
           value_error(concat(fn, ": ptrs must hold ", numels.size(), " pointers (one per numel)"));
+        if (!dtypes.empty() && dtypes.size() != numels.size())
+          value_error(concat(fn, ": dtypes must be empty (all float32) or hold ", numels.size(),
+                             " entries"));
+        std::vector<kernels::InputType> types(numels.size(), kernels::InputType::kFloat32);
+        for (size_t i = 0; i < dtypes.size(); ++i) {
+          if (dtypes[i] == DType::kFloat16)
+            types[i] = kernels::InputType::kFloat16;
+          else if (dtypes[i] == DType::kBFloat16)
+            types[i] = kernels::InputType::kBFloat16;
+          else if (dtypes[i] != DType::kFloat32)
+            type_error(concat(fn, ": dtypes[", i, "] must be float32, float16 or bfloat16"));
+        }
         const K::AdamIsa which = isa_of(isa);
         if (!K::adam_isa_supported(which))
           value_error(
@@ -435,8 +462,11 @@ void bind_optim(py::module_& parent) {
         {
           py::gil_scoped_release release;
           for (size_t i = 0; i < numels.size() && finite && s == kernels::Status::kSuccess; ++i)
-            s = K::adam_all_finite(reinterpret_cast<const float*>(ptrs[i]), numels[i], &finite,
-                                   which);
+            s = types[i] == kernels::InputType::kFloat32
+                    ? K::adam_all_finite(reinterpret_cast<const float*>(ptrs[i]), numels[i],
+                                         &finite, which)
+                    : K::adam_all_finite_16(reinterpret_cast<const uint16_t*>(ptrs[i]), numels[i],
+                                            types[i], &finite);
         }
         // a failed kernel raises: it must not read as "not finite, skip the step"
         if (s != kernels::Status::kSuccess)
@@ -444,9 +474,12 @@ void bind_optim(py::module_& parent) {
         return finite;
       },
       py::arg("numels"), py::arg("ptrs"), py::arg("isa") = "auto",
-      "all_finite over fp32 host arrays given as data pointers and element counts (one call, no "
-      "Buffer per tensor). The pointers are not checked beyond null: the caller validates the "
-      "tensors (compcomm.optim.cpu_adam.all_finite, compcomm.compress.all_finite).");
+      py::arg("dtypes") = std::vector<DType>{},
+      "all_finite over host arrays given as data pointers and element counts (one call, no "
+      "Buffer per tensor); dtypes: one per array (float32, float16, bfloat16; a 16-bit array is "
+      "checked in its own dtype, 2 bytes per element), empty for all float32. The pointers are not "
+      "checked beyond null: the caller validates the tensors (compcomm.optim.cpu_adam.all_finite, "
+      "compcomm.compress.all_finite).");
 
   m.def(
       "sqrt",

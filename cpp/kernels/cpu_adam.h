@@ -140,6 +140,11 @@ Status onebit_momentum(const AdamCoeffs& c, const float* m, const float* g, floa
 // optimizers run on the gradients before a step writes anything. kInvalidArgument as adam_update.
 Status adam_all_finite(const float* x, int64_t n, bool* finite, AdamIsa isa = AdamIsa::kAuto);
 
+// The same check for n 16-bit floats (type kFloat16 or kBFloat16) in their own dtype: 2 bytes read
+// per element, no fp32 copy first (a value is not finite iff its exponent bits are all ones).
+// kInvalidArgument for kFloat32, a null pointer or n < 0.
+Status adam_all_finite_16(const uint16_t* x, int64_t n, InputType type, bool* finite);
+
 // The path kAuto picks on this machine, and whether a given path can run here.
 AdamIsa adam_best_isa();
 bool adam_isa_supported(AdamIsa isa);

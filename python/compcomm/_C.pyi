@@ -161,19 +161,19 @@ class _Optim:
         self, numels: List[int], ws: List[int], ms: List[int], vs: List[int], gs: List[int],
         outs: List[int], out_types: List[DType], lr: float, b1: float, b2: float, eps: float,
         wd: float, bias_correction: bool, bc1_t: int, bc2_t: int, num_threads: int = 0,
-        isa: str = "auto", sqrt: str = "ieee",
+        isa: str = "auto", sqrt: str = "ieee", g_types: List[DType] = ...,
     ) -> None: ...
     def onebit_warmup_steps(
         self, numels: List[int], ws: List[int], ms: List[int], vs: List[int], gs: List[int],
         outs: List[int], out_types: List[DType], lr: float, b1: float, b2: float, eps: float,
         wd: float, bias_correction: bool, bc1_t: int, bc2_t: int, num_threads: int = 0,
-        isa: str = "auto", sqrt: str = "ieee",
+        isa: str = "auto", sqrt: str = "ieee", g_types: List[DType] = ...,
     ) -> None: ...
     def onebit_compressed_steps(
         self, numels: List[int], ws: List[int], ms: List[int], vs: List[int], gs: List[int],
         outs: List[int], out_types: List[DType], lr: float, b1: float, b2: float, eps: float,
         wd: float, bias_correction: bool, bc1_t: int, bc2_t: int, num_threads: int = 0,
-        isa: str = "auto", sqrt: str = "ieee",
+        isa: str = "auto", sqrt: str = "ieee", g_types: List[DType] = ...,
     ) -> None: ...
     def onebit_momentum(
         self, m: Buffer, g: Buffer, out: Buffer, b1: float, num_threads: int = 0, isa: str = "auto",
@@ -183,7 +183,9 @@ class _Optim:
         num_threads: int = 0, isa: str = "auto",
     ) -> None: ...
     def all_finite(self, xs: List[Buffer], isa: str = "auto") -> bool: ...
-    def all_finite_ptrs(self, numels: List[int], ptrs: List[int], isa: str = "auto") -> bool: ...
+    def all_finite_ptrs(
+        self, numels: List[int], ptrs: List[int], isa: str = "auto", dtypes: List[DType] = ...,
+    ) -> bool: ...
     def isa(self) -> str: ...
     def isa_supported(self, isa: str) -> bool: ...
     def threading(self) -> str: ...

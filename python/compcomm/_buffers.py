@@ -17,6 +17,9 @@ DTYPES = {
     torch.float64: _C.DType.float64,
 }
 
+#: The floating-point dtypes the kernels take (fp32; fp16 and bf16 where an input may be 16-bit).
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
 
 def buffer_of(t: torch.Tensor) -> _C.Buffer:
     """A Buffer viewing a contiguous tensor's memory.

@@ -21,21 +21,21 @@ so either every rank commits every bucket or none commits anything.
 
 from __future__ import annotations
 
-import math
-from typing import (Any, Callable, Dict, Hashable, List, Mapping, Optional, Sequence,
-                    Tuple)
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import _C
 from ._agree import LayoutCheck, digest
 from ._bucket_views import PreparedBuckets
+from ._bucketing import all_finite, plan_buckets
 from ._buffers import buffer_of
 from ._compressor import Compressor
 from ._comm import wait_cancellable
 from ._defaults import DEFAULT_TIMEOUT
 from .collectives import compressed_reduce_scatter, padded_numel, workspace_bytes
 from .errors import CommError, NonFiniteError
+from .identity_compressor import IdentityCompressor
 
 __all__ = ["DEFAULT_BUCKET_ELEMENTS", "Compressor", "IdentityCompressor", "OneBitCompressor",
            "all_finite", "plan_buckets"]
@@ -50,64 +50,8 @@ __all__ = ["DEFAULT_BUCKET_ELEMENTS", "Compressor", "IdentityCompressor", "OneBi
 #: of the one-bucket step at 10 Gbit there (53.3 against 52.9 ms) and 1.06x at 1 Gbit.
 DEFAULT_BUCKET_ELEMENTS = 16384
 
-def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether every element of ``tensors`` is finite (one host synchronisation per device).
-
-    On a GPU one multi-tensor max-norm per (device, dtype) (a few launches instead of two per
-    tensor); on the CPU one C++ pass over contiguous fp32 tensors, else each tensor's min and max
-    (torch's CPU max-norm is ~10x slower). NaN and Inf propagate into both, and finite values
-    never overflow them."""
-    ts = [t for t in tensors if t.numel()]
-    if all(t.is_cpu and t.dtype == torch.float32 and t.is_contiguous() for t in ts):
-        # the gradients' check at every CPU step: one C++ pass over raw pointers (a Buffer per
-        # tensor cost ~1.3 us each, 0.13 ms of a 100-tensor step); ts keeps the memory alive
-        return _C.optim.all_finite_ptrs([t.numel() for t in ts], [t.data_ptr() for t in ts])
-    lists: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
-    for t in ts:
-        lists.setdefault((t.device, t.dtype), []).append(t)
-    flags: Dict[torch.device, List[torch.Tensor]] = {}
-    for (dev, dtype), ts in lists.items():
-        if dev.type == "cpu" and dtype == torch.float32 and all(t.is_contiguous() for t in ts):
-            if not _C.optim.all_finite([buffer_of(t) for t in ts]):
-                return False
-            continue
-        if dev.type == "cpu":
-            ends = torch.stack([torch.stack(torch.aminmax(t.reshape(-1))) for t in ts])
-        else:
-            ends = torch.stack(torch._foreach_norm(ts, math.inf))
-        flags.setdefault(dev, []).append(ends.reshape(-1).float())
-    return all(bool(torch.isfinite(torch.cat(f)).all()) for f in flags.values())
-
-
 # Waiting on an exchange: its collectives time out themselves; the buffers they use must outlive it.
 _FOREVER = 1e9
-
-
-def plan_buckets(sizes: Sequence[Tuple[Hashable, int]], limit: int) -> List[List[int]]:
-    """Cut a sequence of tensors into buckets of consecutive tensors.
-
-    Parameters
-    ----------
-    sizes : sequence of (group key, numel)
-        Tensors in order; tensors of different group keys never share a bucket.
-    limit : int
-        Most elements in a bucket; a tensor larger than ``limit`` gets a bucket of its own.
-        ``0`` puts every tensor in its own bucket (per-tensor compression).
-
-    Returns
-    -------
-    list of list of int
-        Indices into ``sizes``, bucket by bucket.
-    """
-    buckets: List[List[int]] = []
-    count, key = 0, object()
-    for i, (k, n) in enumerate(sizes):
-        if not buckets or k != key or limit == 0 or count + n > limit:
-            buckets.append([])
-            count, key = 0, k
-        buckets[-1].append(i)
-        count += n
-    return buckets
 
 
 class OneBitCompressor:
@@ -140,6 +84,7 @@ class OneBitCompressor:
         # the last call's buckets as the core takes them (see _prepared); None when stale
         self._prep: Optional[PreparedBuckets] = None
         self._layout = LayoutCheck()  # the bucket layouts the ranks agreed on (batched=False)
+        self._groups: Dict[Any, PreparedBuckets] = {}  # launch_'s groups, by keys, numels, device
 
     @property
     def stages_ahead(self) -> bool:
@@ -289,6 +234,90 @@ class OneBitCompressor:
             self._prep = None
         return self._staging
 
+    # -- groups of buckets exchanged one at a time as they are staged (the optimizers' backward
+    #    overlap, compcomm.optim.overlap), then committed all together or not at all
+
+    def launch_(self, keys: Sequence[Hashable], numels: Sequence[int],
+                tensors: Optional[Sequence[torch.Tensor]], device: torch.device,
+                stream: int = 0, before: Optional[Callable[[], None]] = None
+                ) -> Tuple[Any, PreparedBuckets]:
+        """Queue the batched exchange of one group of staged buckets on the worker thread
+        (``tensors[i]``: bucket ``keys[i]``, ``numels[i]`` fp32 elements on ``device``, left
+        unchanged until :meth:`wait_launched`); it writes only the buckets' workspaces, after the
+        work queued on ``stream``. Error buffers are made where missing (zero; dropped again unless
+        committed). ``tensors=None`` queues an empty batch instead, so that every rank's exchange
+        of this group raises RankMismatchError: how a rank that could not stage a group keeps the
+        ranks' collectives in step. ``before()`` runs after the buffers are made and before the
+        exchange is queued (a side ``stream`` waits there for the caller's, which made them).
+        Returns the handle :meth:`wait_launched`, :meth:`commit_launched` and
+        :meth:`drop_launched` take."""
+        if self._broken:
+            raise CommError(f"OneBitCompressor: {self._broken}", "compressed_allreduce", "compress")
+        if self._async is None:
+            self._async = _C.zero.AsyncComm(self.comm)
+        keys, numels = (list(keys), list(numels)) if tensors is not None else ([], [])
+        gkey = (tuple(keys), tuple(numels), device)
+        prep = self._groups.get(gkey)
+        if prep is None or not prep.valid(self._buffers):
+            world = self.comm.size()
+            created = [k for k in keys if k not in self._buffers]
+            bufs = [self._buffers_for(k, padded_numel(n, world), device)
+                    for k, n in zip(keys, numels)]
+            nbytes = _C.zero.compressed_allreduce_batch_bytes([b[0].numel() for b in bufs], world)
+            staging = buffer_of(torch.empty(nbytes, dtype=torch.uint8, device=device))
+            prep = PreparedBuckets(keys, numels, device, bufs, staging, created)
+            self._groups[gkey] = prep
+        for i, t in enumerate(tensors or ()):
+            prep.tensor_buffer(i, t)
+        if before is not None:
+            before()
+        work = self._async.compressed_allreduce_exchange_many(
+            prep.tensors, prep.wes, prep.ses, prep.wss, prep.staging, self.timeout, stream)
+        return work, prep
+
+    def wait_launched(self, launches: Sequence[Tuple[Any, PreparedBuckets]]
+                      ) -> Optional[BaseException]:
+        """Wait for every exchange of ``launches`` (even after one failed: each reads our buffers)
+        and return the first failure (None if all succeeded); nothing is written."""
+        error = None
+        for work, _ in launches:
+            try:
+                work.wait(_FOREVER)  # each collective inside has its own timeout
+            except Exception as e:  # noqa: BLE001 -- the caller decides
+                error = error or e
+        return error
+
+    def commit_launched(self, launches: Sequence[Tuple[Any, PreparedBuckets]],
+                        stream: int = 0) -> None:
+        """Write every bucket of ``launches`` (all exchanged without failure: :meth:`wait_launched`
+        returned None) in one commit on ``stream``; a communicator that can still cancel their
+        device work (NCCL) is waited for first, and if it raises, nothing is written."""
+        try:
+            synced = wait_cancellable(self.comm, self.timeout)
+        except BaseException:
+            self.drop_launched(launches)
+            raise
+        preps = [prep for _, prep in launches]
+        for prep in preps:
+            prep.created = []
+        _C.zero.compressed_allreduce_commit_many(
+            self.comm, [t for p in preps for t in p.tensors], [b for p in preps for b in p.wes],
+            [b for p in preps for b in p.ses], [b for p in preps for b in p.wss], stream,
+            gate=not synced)
+        for prep in preps:
+            prep.release()
+
+    def drop_launched(self, launches: Sequence[Tuple[Any, PreparedBuckets]]) -> None:
+        """Forget waited-for ``launches`` without writing anything: the error buffers they made
+        are dropped again, so the compressor is as before the first :meth:`launch_`."""
+        for _, prep in launches:
+            for k in prep.created:  # unless a reset replaced them meanwhile
+                if self._buffers.get(k) is prep.bufs[prep.keys.index(k)]:
+                    del self._buffers[k]
+                    self._prep = None
+            prep.created = []
+            prep.release()
+
     def packed_average(self, keys: Sequence[Hashable], numels: Sequence[int],
                        stage: Callable[[int], torch.Tensor],
                        device: torch.device) -> Optional[List[Tuple[torch.Tensor, torch.Tensor]]]:
@@ -381,7 +410,8 @@ class OneBitCompressor:
     def nbytes(self) -> Tuple[int, int]:
         """(bytes of error buffers, bytes of exchange workspaces) held now."""
         errors = sum((we.numel() + se.numel()) * 4 for we, se, _ in self._buffers.values())
-        return errors, sum(ws.numel() for _, _, ws in self._buffers.values()) + self._staging.numel()
+        staging = self._staging.numel() + sum(p.staging.count for p in self._groups.values())
+        return errors, sum(ws.numel() for _, _, ws in self._buffers.values()) + staging
 
     def keys(self) -> List[Hashable]:
         """The bucket names that have error buffers."""
@@ -391,6 +421,7 @@ class OneBitCompressor:
         """Forget every error buffer (they restart at zero on next use)."""
         self._buffers.clear()
         self._prep = None
+        self._groups.clear()
 
     def zero_(self) -> None:
         """Set every error buffer to zero (keeping the allocations)."""
@@ -413,6 +444,7 @@ class OneBitCompressor:
                                  f"of {we.numel()} / {se.numel()} elements, not a world of {world}")
         self._buffers = {}
         self._prep = None
+        self._groups.clear()
         for k, bufs in state.items():
             we, se = bufs["worker_error"], bufs["server_error"]
             self._buffers[k] = (we.detach().clone(), se.detach().clone(),
@@ -423,96 +455,3 @@ class OneBitCompressor:
         if self._async is not None:
             self._async.close()
             self._async = None
-
-
-class IdentityCompressor:
-    """Full-precision average (fp32 sum all-reduce times ``1/W``), with no error feedback.
-
-    The uncompressed twin of :class:`OneBitCompressor` with the same interface: an optimizer built
-    with ``compressor=IdentityCompressor`` runs its compressed phase on exact averages (1-bit
-    Adam then is Adam with a variance frozen after ``freeze_step``), which separates what the
-    compression does from what the rest of the algorithm does. No state: checkpoints hold no
-    error buffers, and error buffers of a checkpoint are dropped on load.
-
-    Parameters
-    ----------
-    comm : compcomm Communicator
-        The group the average runs over.
-    timeout : float
-        Seconds each all-reduce may wait for peers.
-    """
-
-    #: :meth:`average_` stages every bucket before it sends anything
-    stages_ahead = True
-
-    def __init__(self, comm: _C.Communicator, timeout: float = DEFAULT_TIMEOUT) -> None:
-        self.comm = comm
-        self.timeout = float(timeout)
-        self._recv: Dict[Hashable, torch.Tensor] = {}  # exchanged reduce-scatter chunks, by bucket
-
-    def average_(self, keys: Sequence[Hashable], numels: Sequence[int],
-                 stage: Callable[[int], torch.Tensor], device: torch.device) -> None:
-        """Average the buckets ``stage(0), stage(1), ...`` in place on every rank (see
-        :meth:`OneBitCompressor.average_`; one rank: the buckets keep their values).
-
-        A non-finite value on any rank makes the sums non-finite on every rank, so every rank
-        raises :class:`~compcomm.errors.NonFiniteError` (only the buckets were written).
-        """
-        world = self.comm.size()
-        buckets = [stage(i) for i in range(len(keys))]
-        if world == 1:
-            return
-        for t in buckets:  # synchronous, as the optimizers' warm-up average
-            self.comm.all_reduce(buffer_of(t), _C.ReduceOp.sum, self.timeout)
-        if not all_finite(buckets):
-            raise NonFiniteError(f"[rank {self.comm.rank()}] IdentityCompressor: non-finite "
-                                 "values on some rank", "average_", "", 0, self.comm.rank())
-        inv = 1.0 / world
-        for t in buckets:
-            t.mul_(inv)
-
-    def reduce_scatter_(self, key: Hashable, tensor: torch.Tensor, out: torch.Tensor) -> None:
-        """Full-precision reduce-scatter: this rank's chunk of the average of ``tensor`` (``P``
-        fp32 elements, ``P = world * out.numel()``) into ``out`` (the sum times ``1/W``)."""
-        self.comm.reduce_scatter(buffer_of(tensor), buffer_of(out), _C.ReduceOp.sum, self.timeout)
-        out.mul_(1.0 / self.comm.size())
-
-    def reduce_scatter_exchange(self, key: Hashable, tensor: torch.Tensor, out: torch.Tensor,
-                                async_comm: Any) -> Any:
-        """Queue on ``async_comm`` the reduce-scatter of :meth:`reduce_scatter_` into a scratch
-        chunk of bucket ``key`` (``out`` is written by :meth:`reduce_scatter_commit`)."""
-        recv = self._recv.get(key)
-        if recv is None or recv.numel() != out.numel() or recv.device != out.device:
-            recv = self._recv[key] = torch.empty_like(out)
-        return async_comm.reduce_scatter(buffer_of(tensor), buffer_of(recv),
-                                         timeout_s=self.timeout)
-
-    def reduce_scatter_commit(self, key: Hashable, tensor: torch.Tensor, out: torch.Tensor,
-                              gate: bool = True) -> None:
-        """``out`` = the exchanged chunk times ``1/W`` (``gate``: unused, nothing is cancellable)."""
-        torch.mul(self._recv[key], 1.0 / self.comm.size(), out=out)
-
-    def keys(self) -> List[Hashable]:
-        """No bucket has state."""
-        return []
-
-    def reset(self) -> None:
-        """Nothing to forget (the reduce-scatter scratch is freed)."""
-        self._recv.clear()
-
-    def zero_(self) -> None:
-        """Nothing to zero."""
-
-    def nbytes(self) -> Tuple[int, int]:
-        """(0, scratch bytes of the exchanged reduce-scatters): no error buffers."""
-        return 0, sum(t.numel() * t.element_size() for t in self._recv.values())
-
-    def state_dict(self) -> Dict[Hashable, Dict[str, torch.Tensor]]:
-        """``{}``: nothing to save."""
-        return {}
-
-    def load_state_dict(self, state: Mapping[Hashable, Mapping[str, torch.Tensor]]) -> None:
-        """Drop ``state`` (error buffers of a compressing run mean nothing here)."""
-
-    def close(self) -> None:
-        """Nothing to stop."""

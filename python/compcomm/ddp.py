@@ -63,6 +63,9 @@ def ddp_comm_hook(optimizer: Any) -> Callable[[Any, Any], torch.futures.Future]:
             buf.div_(world)
             work = dist.all_reduce(buf, group=group, async_op=True)
             return work.get_future().then(lambda f: f.value()[0])
+        if not averages and hasattr(optimizer, "expect_grad_copy"):
+            # DDP copies buf back into the gradients: the same values, no change for the overlap
+            optimizer.expect_grad_copy(bucket.parameters())
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         fut.set_result(buf)
         return fut

@@ -116,6 +116,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument("--reduce-bucket-size", type=float, default=None,
                     help="the 1-bit optimizers' reduce_bucket_size in elements, e.g. 16777216 or 1.6e7 "
                          "(default: the optimizer's default)")
+    ap.add_argument("--overlap-backward", action="store_true",
+                    help="also run onebitadam_overlap, OneBitAdam(overlap_backward=True), right "
+                         "after onebitadam (both are added if onebitadam is not listed)")
     ap.add_argument("--bias-correction", action="store_true",
                     help="bias_correction=True for the 1-bit optimizers (default: their default)")
     ap.add_argument("--local-step-scaler", type=int, default=None,
@@ -142,6 +145,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         ap.error("argument --world-size: need at least 2 ranks")
     a.opt_list = list(OPTIMIZERS) if a.optimizers.strip() == "all" else \
         [o.strip() for o in a.optimizers.split(",") if o.strip()]
+    if a.overlap_backward and "onebitadam_overlap" not in a.opt_list:
+        if "onebitadam" not in a.opt_list:
+            a.opt_list.append("onebitadam")
+        a.opt_list.insert(a.opt_list.index("onebitadam") + 1, "onebitadam_overlap")
     for o in a.opt_list:
         if o not in OPTIMIZERS:
             ap.error(f"argument --optimizers: unknown optimizer {o!r}; choose from "
@@ -269,7 +276,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     print(f"[train] {prof} W={w} {row['optimizer']:>20}: {s['main_phase']} step "
                           f"{s['step_s'] * 1e3:9.1f} ms, compute {row['compute_s'] * 1e3:8.1f} ms, "
                           f"{fmt_bytes(s['bytes_per_step'])}/step, val loss "
-                          f"{row['final_val_loss']:.4f}", flush=True)
+                          f"{row['final_val_loss']:.4f}" + _overlap_note(row), flush=True)
                     write_outputs(doc, a.out, a.name)  # partial results survive a later kill
                 elif line.startswith("PROGRESS "):
                     print(line.rstrip(), flush=True)
@@ -298,6 +305,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(fh.read())
     print("wrote " + ", ".join(paths.values()))
     return status
+
+
+def _overlap_note(row: Dict[str, Any]) -> str:
+    """onebitadam_overlap's rank 0 counts: steps committed from the backward's exchanges."""
+    ov = row.get("overlap")
+    if not ov:
+        return ""
+    return (f", overlap: {ov['steps_overlapped']} steps, {ov['groups_from_backward']} groups"
+            + ("" if ov["enabled"] else " (switched itself off)"))
 
 
 def _rank_entry(path: str) -> None:

@@ -197,8 +197,13 @@ def _train_one(name: str, cfg: Dict[str, Any], rank: int, world: int, dev: Any, 
             _stop_profiler(prof, dev, os.path.join(profile_dir, name + ".txt"))
         if hasattr(opt, "close"):
             opt.close()
+    ov = getattr(opt, "overlap", None)  # onebitadam_overlap: what the backward overlap did
+    ov = ov if hasattr(ov, "steps_overlapped") else None  # (ZeroOptimizer.overlap is a flag)
     return {"steps_planned": steps, "stopped_early": stopped_early, "params": nparams,
-            "ddp_ring_bytes": ddp_bytes if kind == "ddp" else None}
+            "ddp_ring_bytes": ddp_bytes if kind == "ddp" else None,
+            **({"overlap": {"steps_overlapped": ov.steps_overlapped, "enabled": ov.enabled,
+                            "groups_from_backward": ov.groups_from_backward}}
+               if ov is not None else {})}
 
 
 def rank_main(cfg: Dict[str, Any]) -> int:

@@ -15,6 +15,7 @@ from ._grads import fp32_grad
 from ._params import group_chunks, mask_, master, moments, write_back_multi
 from ._validation import check_common, check_int
 from .base import OneBitBase
+from .overlap import resolve_overlap
 
 
 class OneBitAdam(OneBitBase):
@@ -97,6 +98,15 @@ class OneBitAdam(OneBitBase):
         compressed phase and its error-feedback state. Default
         :class:`compcomm.compress.OneBitCompressor`; :class:`compcomm.compress.IdentityCompressor`
         averages in full precision (the uncompressed twin, for comparisons).
+    overlap_backward : bool or 'auto', default False
+        ``'auto'``: True where the parameters are on a CUDA device (on CPUs the backward and the
+        exchange share the cores, and it measured 0.92x-1.03x). In the compressed phase, send each group of buckets (a few groups of several MB) while
+        the backward still runs: a hook per parameter stages a group's momenta and queues its
+        exchange as soon as all of its gradients are complete, and ``step()`` waits, commits and
+        applies the update. Results are bit for bit those without overlap. It helps where the wire
+        time of the compressed momenta is comparable to the backward (slow links, large models);
+        gradient accumulation, gradients changed after the backward (clipping) and GradScaler
+        switch it off with a warning (docs/optimizers.md, "Backward overlap").
     eps_inside_sqrt, max_grad_norm :
         Accepted and ignored, as DeepSpeed does.
     """
@@ -111,16 +121,24 @@ class OneBitAdam(OneBitBase):
                  grads_averaged: bool = False, exact_resume: bool = False,
                  reduce_bucket_size: Optional[int] = None, per_parameter: bool = False,
                  fused: Optional[bool] = None, check_finite: bool = True,
-                 compressor: Any = None) -> None:
+                 compressor: Any = None, overlap_backward: Any = False) -> None:
         check_common(self._name, lr, betas, eps, weight_decay, amsgrad)
         self.freeze_step = check_int(self._name, "freeze_step", freeze_step, 0)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bool(bias_correction))
         super().__init__(params, defaults)
+        overlap_backward = resolve_overlap(self._name, overlap_backward, self.param_groups)
         self._init_common(comm_backend_name, process_group, cuda_aware, grads_averaged,
                           exact_resume, fused, reduce_bucket_size, per_parameter,
-                          check_finite, compressor)
+                          check_finite, compressor, overlap_backward)
         self.schedule = FreezeSchedule(self.freeze_step)
+
+    @property
+    def overlap(self) -> Any:
+        """The backward overlap (:class:`compcomm.optim.overlap.BackwardOverlap`: its
+        ``enabled``, ``steps_overlapped``, ``groups_from_backward``), or None where it is off
+        (``overlap_backward=False``, one rank, or a compressor without group exchanges)."""
+        return self._overlap
 
     @property
     def adam_freeze_key(self) -> bool:
@@ -142,22 +160,7 @@ class OneBitAdam(OneBitBase):
         items = list(self._params())
         averaged: Dict[torch.Tensor, torch.Tensor] = {}
         if not warm:
-            def momentum(entries):  # b1 m + (1-b1) g_local, staged: m itself waits
-                for group, run in group_chunks(entries):
-                    # no warm-up step yet: zero momentum (None), made when the step commits
-                    ms = [self.state[p].get("exp_avg") for _, p, _ in run]
-                    gs, outs = [grads[p] for _, p, _ in run], [out for _, _, out in run]
-                    if _fused.usable(group, ms, gs, outs):
-                        _fused.onebit_momentum(ms, gs, group, outs, check=False)
-                        continue
-                    ps = [p for _, p, _ in run]
-                    if None not in ms and cpu_kernels_usable(group, [p.data for p in ps]):
-                        cpu_multi.onebit_momentums_(ms, gs, group, outs)  # one C++ call
-                        continue
-                    ms = [out.zero_() if m is None else m for m, out in zip(ms, outs)]
-                    F.onebit_momentum_multi(ms, gs, group, outs)
-
-            averaged = self._compressed_average(items, momentum)
+            averaged = self._compressed_average(items, self._momentum_fill(grads))
         for group, run in group_chunks(items):
             ps = [p for _, p in run]
             states = [self.state[p] for p in ps]
@@ -193,6 +196,29 @@ class OneBitAdam(OneBitBase):
             write_back_multi(ps, states)
         self.schedule.advance(kind)
 
+    def _momentum_fill(self, grads: Dict[torch.Tensor, torch.Tensor]) -> Any:
+        """The staging of the compressed average: ``fill(entries)`` writes ``b1 m + (1-b1) g``
+        (``g = grads[p]``, the local gradient) into each entry's buffer; ``m`` itself waits for the
+        commit. Elementwise, so staging any subset of the entries gives the same bits (the backward
+        overlap stages one group of buckets at a time)."""
+
+        def momentum(entries: List[Any]) -> None:
+            for group, run in group_chunks(entries):
+                # no warm-up step yet: zero momentum (None), made when the step commits
+                ms = [self.state[p].get("exp_avg") for _, p, _ in run]
+                gs, outs = [grads[p] for _, p, _ in run], [out for _, _, out in run]
+                if _fused.usable(group, ms, gs, outs):
+                    _fused.onebit_momentum(ms, gs, group, outs, check=False)
+                    continue
+                ps = [p for _, p, _ in run]
+                if None not in ms and cpu_kernels_usable(group, [p.data for p in ps]):
+                    cpu_multi.onebit_momentums_(ms, gs, group, outs)  # one C++ call
+                    continue
+                ms = [out.zero_() if m is None else m for m, out in zip(ms, outs)]
+                F.onebit_momentum_multi(ms, gs, group, outs)
+
+        return momentum
+
     def _local_runs(self) -> Optional[List[Tuple[Dict[str, Any], List[List[Any]]]]]:
         """The compressed step where nothing is sent (one rank, or ``step_on``) as the CPU kernels
         take it: per param group, ``(group, [ws, ms, vs, gs, param_outs, states])`` over its
@@ -219,9 +245,12 @@ class OneBitAdam(OneBitBase):
                 m, v = st.get("exp_avg"), st.get("exp_avg_sq")
                 if not (_fits(w, n) and _fits(m, n) and _fits(v, n)):
                     return None  # before any gradient copy (a CUDA run never gets this far)
-                if local is None and (scale is not None or g.dtype != f32 or not g.is_contiguous()):
+                # a bf16/fp16 gradient goes down as is: checked and read in its own dtype (2
+                # bytes per element, converted exactly in registers), not copied to fp32 first
+                if local is None and (scale is not None or g.dtype not in _GRAD_DTYPES
+                                      or not g.is_contiguous()):
                     g = fp32_grad(p, copy=scale is not None)  # as _grads does
-                if not _fits(g, n):
+                if not _fits(g, n, _GRAD_DTYPES):
                     return None
                 if out is not None and not (out.is_cpu and out.is_contiguous()):
                     return None
@@ -247,7 +276,8 @@ class OneBitAdam(OneBitBase):
         average is the rank's own momentum, so momentum and step are one C++ pass per tensor
         (``onebit_local_steps_``, one call per param group; 24 bytes of memory traffic per
         parameter), bit for bit the staged momentum then the compressed step. The finiteness
-        check of every gradient (one C++ pass) runs before anything is written."""
+        check of every gradient (one C++ pass; a bf16/fp16 gradient in its own dtype) runs before
+        anything is written."""
         self._check_finite([g for _, cols in runs for g in cols[3]], agree=False)
         bc2_t = min(t, self.freeze_step)  # the variance (and its correction) frozen after warm-up
         for group, (ws, ms, vs, gs, outs, sts) in runs:
@@ -256,10 +286,15 @@ class OneBitAdam(OneBitBase):
             cpu_adam.onebit_local_steps_(ws, ms, vs, gs, group, t, bc2_t, outs, check=False)
 
 
-def _fits(x: Optional[torch.Tensor], n: int) -> bool:
-    """Whether ``x`` is an fp32 contiguous CPU tensor of ``n`` elements (what the C++ passes take
-    on trust)."""
-    return (x is not None and x.dtype == torch.float32 and x.is_cpu and x.is_contiguous()
+# the gradients the W=1 C++ step reads as they are
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _fits(x: Optional[torch.Tensor], n: int, dtypes: Tuple[torch.dtype, ...] = (torch.float32,)
+          ) -> bool:
+    """Whether ``x`` is a contiguous CPU tensor of ``n`` elements of one of ``dtypes`` (what the
+    C++ passes take on trust)."""
+    return (x is not None and x.dtype in dtypes and x.is_cpu and x.is_contiguous()
             and x.numel() == n)
 
 

@@ -31,6 +31,8 @@ from ..errors import NonFiniteError
 from ..schedule import FreezeSchedule, StepKind
 from ._grads import all_finite, all_max, average_, fp32_grad, resolve_comm
 from ._staging import staged_plan
+from ._step_on import step_on_inputs
+from .overlap import BackwardOverlap
 from ._state import ERROR_KEYS, validate_state_dict
 from ._validation import check_int, check_masks, layout_fields
 
@@ -44,11 +46,15 @@ class OneBitBase(torch.optim.Optimizer):
     #: ranks can agree on skipping a step (see :meth:`_amp_skip`).
     _step_supports_amp_scaling = True
     _name = "OneBitBase"
+    #: ``make_fill(grads)``: the compressed phase's staging over ``{p: fp32 gradient}`` (the
+    #: optimizers that can send it from the backward set it)
+    _momentum_fill: Optional[Callable[..., Any]] = None
 
     def _init_common(self, comm_backend_name: str, process_group: Any, cuda_aware: bool,
                      grads_averaged: bool, exact_resume: bool, fused: Optional[bool] = None,
                      reduce_bucket_size: Optional[int] = None, per_parameter: bool = False,
-                     check_finite: bool = True, compressor: Any = None) -> None:
+                     check_finite: bool = True, compressor: Any = None,
+                     overlap_backward: bool = False) -> None:
         if compressor is None:
             compressor = OneBitCompressor
         if not callable(compressor):
@@ -96,6 +102,12 @@ class OneBitBase(torch.optim.Optimizer):
         self._layout_check = LayoutCheck()
         #: load_state_dict calls so far (compcomm.ddp_comm_hook agrees on the schedule after each)
         self.state_loads = 0
+        self.overlap_backward = bool(overlap_backward)
+        #: sends the compressed phase's groups of buckets from the backward (compcomm.optim.overlap)
+        params = [p for g in self.param_groups for p in g["params"]]
+        self._overlap = (BackwardOverlap(self._name, params, self.compressor, self.comm)
+                         if overlap_backward and self.world_size > 1
+                         and hasattr(self.compressor, "launch_") else None)
 
     # -- phase queries ---------------------------------------------------------------------
     @property
@@ -112,6 +124,13 @@ class OneBitBase(torch.optim.Optimizer):
         """Say that the gradients of the coming ``step()`` are (or are not) already averaged
         across ranks, for that step only (what :func:`compcomm.ddp_comm_hook` calls)."""
         self._hook_averaged = bool(averaged)
+
+    def expect_grad_copy(self, params: Iterable[torch.Tensor]) -> None:
+        """Say that DDP will write each of ``params``' gradients once more in this backward,
+        unchanged (what :func:`compcomm.ddp_comm_hook` calls in the compressed phase), so that
+        ``overlap_backward`` does not take that copy for a change of the gradients."""
+        if self._overlap is not None:
+            self._overlap.expect_copy(params)
 
     def _params(self) -> Iterable[Tuple[Dict[str, Any], torch.Tensor]]:
         local = self._local
@@ -191,6 +210,10 @@ class OneBitBase(torch.optim.Optimizer):
         # views, entries and buffers are worked out once per plan (not per bucket per step)
         plan = self._staged = staged_plan(getattr(self, "_staged", None), self._plan_key, items,
                                           buckets, self._staging)
+        ov = self._overlap  # the groups sent from the backward, if they are this plan's
+        scaled = getattr(self, "_grad_scale", None) is not None
+        if ov is not None and ov.complete(plan, fill, scaled):
+            return dict(plan.views)
         ahead = bool(getattr(self.compressor, "stages_ahead", False))
         # buckets of one device at a time (a model may keep groups on several devices)
         for dev, idx, numels, entries in plan.by_device:
@@ -249,6 +272,8 @@ class OneBitBase(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._overlap is not None:  # before any other collective: the exchanges go first
+            self._overlap.settle(self._device())
         self._agree_layout()
         if self._amp_skip():
             self.skipped_steps += 1
@@ -297,48 +322,12 @@ class OneBitBase(torch.optim.Optimizer):
             With ``check_finite``, a gradient holds Inf/NaN (this rank only: nothing is sent).
             After any of these errors nothing has changed.
         """
-        local = self._step_on_inputs(params, grads, kind)
+        local = step_on_inputs(self, params, grads, kind)
         self._local = local
         try:
             self._step()
         finally:
             self._local = None
-
-    def _step_on_inputs(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                        kind: Any) -> Dict[torch.Tensor, torch.Tensor]:
-        """step_on's checks (before anything changes); ``{p: fp32 gradient}``."""
-        where = f"[rank {self.rank}] {self._name}.step_on"
-        if not isinstance(kind, StepKind):
-            raise TypeError(f"{where}: argument 'kind' must be a compcomm.schedule.StepKind, got "
-                            f"{type(kind).__name__} {kind!r}")
-        coming = self.schedule.next_kind()
-        if kind is not coming:
-            raise ValueError(f"{where}: argument 'kind' is {kind}, but step "
-                             f"{self.schedule.step + 1} of this optimizer's schedule is {coming}")
-        for name, seq in (("params", params), ("grads", grads)):
-            if isinstance(seq, torch.Tensor) or not isinstance(seq, (list, tuple)):
-                raise TypeError(f"{where}: argument '{name}' must be a list or tuple of tensors, "
-                                f"got {type(seq).__name__}")
-        if len(params) != len(grads):
-            raise ValueError(f"{where}: argument 'grads' has {len(grads)} tensors for "
-                             f"{len(params)} params")
-        own = {id(p) for g in self.param_groups for p in g["params"]}
-        local: Dict[torch.Tensor, torch.Tensor] = {}
-        for i, (p, g) in enumerate(zip(params, grads)):
-            if not isinstance(p, torch.Tensor) or id(p) not in own:
-                raise ValueError(f"{where}: argument 'params[{i}]' is not a parameter of this "
-                                 "optimizer")
-            if p in local:
-                raise ValueError(f"{where}: argument 'params[{i}]' appears twice")
-            if not isinstance(g, torch.Tensor) or g.is_sparse or not g.is_floating_point():
-                raise TypeError(f"{where}: argument 'grads[{i}]' must be a dense floating-point "
-                                f"tensor, got {getattr(g, 'dtype', type(g).__name__)}")
-            if g.shape != p.shape or g.device != p.device:
-                raise ValueError(f"{where}: argument 'grads[{i}]' has shape {tuple(g.shape)} on "
-                                 f"{g.device}, its parameter {tuple(p.shape)} on {p.device}")
-            # as step() reads p.grad: the tensor itself when it is fp32 and contiguous
-            local[p] = g.detach().to(torch.float32, memory_format=torch.contiguous_format)
-        return local
 
     def _device(self) -> torch.device:
         """The parameters' device (of the first parameter; the CPU if there is none)."""
@@ -383,6 +372,17 @@ class OneBitBase(torch.optim.Optimizer):
 
     def _finish_step(self) -> None:
         self._hook_averaged = False
+        ov = self._overlap
+        if ov is None:
+            return
+        ov.discard()  # what a skipped step did not use
+        if ov.enabled and self._momentum_fill is not None and not self.next_step_averages():
+            items = list(self._params())  # the coming step's, if the same parameters get gradients
+            if items:
+                self._bucket_plan(items)
+                self._staged = staged_plan(getattr(self, "_staged", None), self._plan_key, items,
+                                           self._buckets, self._staging)
+                ov.arm(self._staged, self._momentum_fill)
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -445,6 +445,8 @@ class OneBitBase(torch.optim.Optimizer):
         local (no communication).
         """
         plan = validate_state_dict(self, state_dict)
+        if self._overlap is not None:  # what the backward sent belongs to the old state
+            self._overlap.cancel()
         # Validated: nothing below raises, so the optimizer is never left half-loaded.
         extra, exact = plan.extra, plan.exact
         if plan.has_errors and not exact and self.exact_resume:

@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 
-from .._buffers import buffer_of
+from .._buffers import DTYPES, buffer_of
 from ._cpu_args import F32 as _F32
 from ._cpu_args import FLOATS as _FLOATS
 from ._cpu_args import K as _K
@@ -246,9 +246,10 @@ def onebit_local_steps_(ws: Sequence[torch.Tensor], ms: Sequence[torch.Tensor],
                         param_outs: Optional[Sequence[Optional[torch.Tensor]]] = None,
                         num_threads: Optional[int] = None, sqrt: Optional[str] = None,
                         check: bool = True) -> None:
-    """:func:`onebit_local_step_` over lists of fp32 tensors in one call (one crossing into C++,
-    not one per tensor); ``param_outs[i]``: None or a copy to write. ``check``: validate every
-    tensor as :func:`onebit_local_step_` does (False: the caller has; raw pointers go down)."""
+    """:func:`onebit_local_step_` over lists of tensors in one call (one crossing into C++, not
+    one per tensor): fp32 ``ws``, ``ms``, ``vs``; ``gs[i]`` fp32, fp16 or bf16 (read as is);
+    ``param_outs[i]``: None or a copy to write. ``check``: validate every tensor as
+    :func:`onebit_local_step_` does (False: the caller has; raw pointers go down)."""
     steps_("onebit_local_steps_", _K.onebit_local_steps, ws, ms, vs, gs, group, bc1_t, bc2_t,
            param_outs, num_threads, sqrt, check)
 
@@ -267,10 +268,13 @@ def onebit_momentum_(m: torch.Tensor, g: torch.Tensor, group: Group, out: torch.
 
 
 def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
-    """Whether every value of contiguous fp32 CPU ``tensors`` is finite: one read-only C++ pass
-    (torch's ``aminmax`` reads as much but costs a call, a stack and a sync per tensor)."""
-    ts = [_check("all_finite", f"tensors[{i}]", t, _F32, None) for i, t in enumerate(tensors)]
-    return bool(_K.all_finite_ptrs([t.numel() for t in ts], [t.data_ptr() for t in ts]))
+    """Whether every value of contiguous fp32, fp16 or bf16 CPU ``tensors`` is finite: one
+    read-only C++ pass, a 16-bit tensor in its own dtype (torch's ``aminmax`` reads as much but
+    costs a call, a stack and a sync per tensor)."""
+    ts = [_check("all_finite", f"tensors[{i}]", t, _FLOATS, None) for i, t in enumerate(tensors)]
+    dtypes = [] if all(t.dtype == torch.float32 for t in ts) else [DTYPES[t.dtype] for t in ts]
+    return bool(_K.all_finite_ptrs([t.numel() for t in ts], [t.data_ptr() for t in ts],
+                                   dtypes=dtypes))
 
 
 class CPUAdam(torch.optim.Optimizer):

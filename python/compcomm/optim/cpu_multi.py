@@ -30,8 +30,8 @@ def onebit_warmup_steps_(ws: Sequence[torch.Tensor], ms: Sequence[torch.Tensor],
                          param_outs: Optional[Sequence[Optional[torch.Tensor]]] = None,
                          num_threads: Optional[int] = None, sqrt: Optional[str] = None,
                          check: bool = True) -> None:
-    """:func:`onebit_warmup_step_` over lists of fp32 tensors (``gs``: fp32 averaged gradients)
-    in one call; arguments as :func:`onebit_local_steps_`."""
+    """:func:`onebit_warmup_step_` over lists of fp32 tensors (``gs``: the averaged gradients,
+    fp32, fp16 or bf16) in one call; arguments as :func:`onebit_local_steps_`."""
     steps_("onebit_warmup_steps_", _K.onebit_warmup_steps, ws, ms, vs, gs, group, bc1_t, bc2_t,
            param_outs, num_threads, sqrt, check)
 
@@ -63,26 +63,31 @@ def steps_(fn: str, kernel: Callable[..., None], ws: Sequence[torch.Tensor],
     outs = list(param_outs) if param_outs is not None else []
     if outs and len(outs) != k:
         raise ValueError(f"{fn}: param_outs must hold {k} entries, got {len(outs)}")
+    # a gradient may be fp16/bf16 (read as is, converted exactly in registers); the compressed
+    # rule's averaged momentum is fp32
+    g_ok = _F32 if kernel is _K.onebit_compressed_steps else _FLOATS
     if check:
         for i in range(k):
             w = ws[i]
             n = w.numel() if isinstance(w, torch.Tensor) else -1
             o = outs[i] if outs else None
-            if not (_ok(w, n) and _ok(ms[i], n) and _ok(vs[i], n) and _ok(gs[i], n)
+            if not (_ok(w, n) and _ok(ms[i], n) and _ok(vs[i], n) and _ok(gs[i], n, g_ok)
                     and (o is None or _ok(o, n, _FLOATS))):  # then say which
                 _state_args(f"{fn}[{i}]", w, ms[i], vs[i], o)
-                _check(f"{fn}[{i}]", "g", gs[i], _F32, n)
+                _check(f"{fn}[{i}]", "g", gs[i], g_ok, n)
     if any(o is not None for o in outs):
         out_ptrs = [0 if o is None else o.data_ptr() for o in outs]
         out_types = [DTYPES[torch.float32 if o is None else o.dtype] for o in outs]
     else:
         out_ptrs, out_types = [], []
+    f32 = torch.float32
+    g_types = [] if all(g.dtype == f32 for g in gs) else [DTYPES[g.dtype] for g in gs]
     b1, b2 = group["betas"]
     kernel([w.numel() for w in ws], [w.data_ptr() for w in ws], [m.data_ptr() for m in ms],
            [v.data_ptr() for v in vs], [g.data_ptr() for g in gs], out_ptrs, out_types,
            float(group["lr"]), float(b1), float(b2), float(group["eps"]),
            float(group["weight_decay"]), bool(group["bias_correction"]), int(bc1_t), int(bc2_t),
-           _threads(num_threads), sqrt=_sqrt_mode(sqrt))
+           _threads(num_threads), sqrt=_sqrt_mode(sqrt), g_types=g_types)
 
 
 def onebit_momentums_(ms: Sequence[torch.Tensor], gs: Sequence[torch.Tensor], group: Group,

@@ -1,0 +1,72 @@
+"""Helpers of the compressors and the optimizers' bucket plans: the finiteness check of a list of
+tensors and the cut of a sequence of tensors into buckets (re-exported by
+:mod:`compcomm.compress`)."""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Hashable, List, Sequence, Tuple
+
+import torch
+
+from . import _C
+from ._buffers import DTYPES, FLOATS, buffer_of
+
+__all__ = ["all_finite", "plan_buckets"]
+
+
+def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether every element of ``tensors`` is finite (one host synchronisation per device).
+
+    On a GPU one multi-tensor max-norm per (device, dtype) (a few launches instead of two per
+    tensor); on the CPU one C++ pass over contiguous fp32, fp16 and bf16 tensors (a 16-bit one in
+    its own dtype), else each tensor's min and max (torch's CPU max-norm is ~10x slower). NaN and
+    Inf propagate into both, and finite values never overflow them."""
+    ts = [t for t in tensors if t.numel()]
+    if all(t.is_cpu and t.dtype in FLOATS and t.is_contiguous() for t in ts):
+        # the gradients' check at every CPU step: one C++ pass over raw pointers (a Buffer per
+        # tensor cost ~1.3 us each, 0.13 ms of a 100-tensor step); ts keeps the memory alive
+        return _C.optim.all_finite_ptrs([t.numel() for t in ts], [t.data_ptr() for t in ts],
+                                        dtypes=[DTYPES[t.dtype] for t in ts])
+    lists: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
+    for t in ts:
+        lists.setdefault((t.device, t.dtype), []).append(t)
+    flags: Dict[torch.device, List[torch.Tensor]] = {}
+    for (dev, dtype), ts in lists.items():
+        if dev.type == "cpu" and dtype == torch.float32 and all(t.is_contiguous() for t in ts):
+            if not _C.optim.all_finite([buffer_of(t) for t in ts]):
+                return False
+            continue
+        if dev.type == "cpu":
+            ends = torch.stack([torch.stack(torch.aminmax(t.reshape(-1))) for t in ts])
+        else:
+            ends = torch.stack(torch._foreach_norm(ts, math.inf))
+        flags.setdefault(dev, []).append(ends.reshape(-1).float())
+    return all(bool(torch.isfinite(torch.cat(f)).all()) for f in flags.values())
+
+
+def plan_buckets(sizes: Sequence[Tuple[Hashable, int]], limit: int) -> List[List[int]]:
+    """Cut a sequence of tensors into buckets of consecutive tensors.
+
+    Parameters
+    ----------
+    sizes : sequence of (group key, numel)
+        Tensors in order; tensors of different group keys never share a bucket.
+    limit : int
+        Most elements in a bucket; a tensor larger than ``limit`` gets a bucket of its own.
+        ``0`` puts every tensor in its own bucket (per-tensor compression).
+
+    Returns
+    -------
+    list of list of int
+        Indices into ``sizes``, bucket by bucket.
+    """
+    buckets: List[List[int]] = []
+    count, key = 0, object()
+    for i, (k, n) in enumerate(sizes):
+        if not buckets or k != key or limit == 0 or count + n > limit:
+            buckets.append([])
+            count, key = 0, k
+        buckets[-1].append(i)
+        count += n
+    return buckets

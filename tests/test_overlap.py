@@ -1,0 +1,164 @@
+"""compcomm.optim.overlap: OneBitAdam(overlap_backward=True) sends its compressed phase's groups
+of buckets from the backward. Every scenario runs with and without overlap on each rank (gloo,
+W = 2 and 3, across the freeze step) and the parameters and error buffers must be bit-identical;
+the safety cases (gradient accumulation, clipping, a parameter without gradient, kept gradients,
+a step without backward, a state loaded between backward and step, GradScaler, a failing hook,
+DDP's comm hook) must stay correct. Rank bodies: tests/_overlap_cases.py."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import _overlap_cases as C
+from compcomm.testing import run_ranks
+
+WORLDS = [2, 3]
+
+
+@functools.lru_cache(maxsize=None)
+def results(world: int):
+    return run_ranks(world, C.scenarios, C.SCENARIOS, timeout=400)
+
+
+_identical = C.identical
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bit_identical(world, dtype):
+    for rank, out in enumerate(results(world)):
+        run = out[f"plain_{dtype}"]
+        assert _identical(run), f"rank {rank}"
+        # every compressed step went through the overlap, which stayed on, silently
+        assert run[True]["overlapped"] == C.STEPS - C.FREEZE
+        assert run[True]["from_backward"] >= 2 * (C.STEPS - C.FREEZE)  # sent from the hooks
+        assert run[True]["warm_sent"] == 0  # warm-up steps average in step(), nothing sent before
+        assert run[True]["enabled"] and not run[True]["warnings"]
+        assert len(run[True]["errors"]) > 1  # several buckets (and groups)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("scenario", ["accumulate", "clip", "scaler"])
+def test_switches_itself_off(world, scenario):
+    """Gradients accumulated again, changed after their group was sent, or scaled by GradScaler:
+    the launched exchanges are dropped, the step runs on the full gradients, and the overlap
+    switches itself off with one warning, on every rank alike."""
+    for rank, out in enumerate(results(world)):
+        run = out[f"{scenario}_float32"]
+        assert _identical(run), f"rank {rank}"
+        assert run[True]["enabled"] is False
+        assert len(run[True]["warnings"]) == 1, run[True]["warnings"]
+        assert run[True]["overlapped"] == 0
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("scenario", ["no_grad_param", "keep_grads", "no_backward", "load_state",
+                                      "nonfinite"])
+def test_stays_correct(world, scenario):
+    """A parameter without gradient in one step (the plan changes, as without overlap),
+    zero_grad(set_to_none=False), gradients written by hand (no hook fires: step() sends every
+    group), a state dict loaded between backward and step, a step skipped on every rank for a
+    non-finite gradient on one (the exchange sent from the backward raises; nothing committed)."""
+    for rank, out in enumerate(results(world)):
+        run = out[f"{scenario}_float32"]
+        assert _identical(run), f"rank {rank}"
+        assert run[True]["enabled"] and not run[True]["warnings"]
+    if scenario == "keep_grads":
+        assert run[True]["overlapped"] == C.STEPS - C.FREEZE
+    if scenario == "no_backward":  # the first compressed step's backward sent; later, step()
+        assert run[True]["overlapped"] == C.STEPS - C.FREEZE
+        assert 0 < run[True]["from_backward"] <= 6
+    if scenario == "nonfinite":
+        assert run[False]["skipped"] == run[True]["skipped"] == 1
+        assert run[True]["overlapped"] == C.STEPS - C.FREEZE - 1
+    if scenario in ("no_grad_param", "load_state"):  # the steps after it overlap again
+        assert 0 < run[True]["overlapped"] < C.STEPS - C.FREEZE
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("where", ["hook_error", "step_fill_error"])
+def test_staging_error_raises_everywhere(world, where):
+    """The staging fails on one rank, in a backward hook or in step() (groups no hook sent):
+    that rank raises its error, the others RankMismatchError, nothing is written anywhere, and
+    the retried step gives the bits of a run that never failed."""
+    for rank, out in enumerate(results(world)):
+        h = out[where]
+        assert h["unchanged"] and h["same"], (rank, h)
+        if rank == world - 1:
+            assert h["raised"].startswith("RuntimeError: boom in the hook")
+        else:
+            assert h["raised"].startswith("RankMismatchError"), h
+            if where == "hook_error":
+                assert "hook failed" in h["raised"], h
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_ranks_that_diverge_raise_everywhere(world):
+    """Rank 0 accumulates a second backward, the others do not: RankMismatchError naming the
+    field on every rank, nothing written (never a silent result)."""
+    for rank, out in enumerate(results(world)):
+        d = out["diverged"]
+        assert d["unchanged"], rank
+        assert d["raised"].startswith("RankMismatchError") and "changed after" in d["raised"], d
+
+
+def test_groups_walk_the_plan_backwards():
+    """Groups of consecutive buckets from the last to the first, each of at least the target
+    size (the last one may be smaller), cut where the device changes."""
+    from types import SimpleNamespace
+
+    from compcomm.optim import overlap
+
+    sizes = [5, 3, 9, 1, 1, 7, 2]
+    devs = [torch.device("cpu")] * 5 + [torch.device("meta")] * 2
+    plan = SimpleNamespace(flats=[torch.empty(n) for n in sizes], devices=devs,
+                           entries=[[] for _ in sizes])
+    saved = overlap.GROUP_ELEMENTS, overlap.MAX_GROUPS
+    overlap.GROUP_ELEMENTS, overlap.MAX_GROUPS = 4, 100
+    try:
+        groups = overlap.plan_groups(plan)
+    finally:
+        overlap.GROUP_ELEMENTS, overlap.MAX_GROUPS = saved
+    assert [g.buckets for g in groups] == [[6, 5], [4, 3, 2], [1, 0]]
+    assert [g.numels for g in groups] == [[2, 7], [1, 1, 9], [3, 5]]
+    overlap.GROUP_ELEMENTS, overlap.MAX_GROUPS = 1, 2  # at most about MAX_GROUPS groups
+    try:
+        assert len(overlap.plan_groups(SimpleNamespace(
+            flats=[torch.empty(1)] * 10, devices=[torch.device("cpu")] * 10,
+            entries=[[]] * 10))) == 2
+    finally:
+        overlap.GROUP_ELEMENTS, overlap.MAX_GROUPS = saved
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_compressor_group_exchange(world):
+    for out in results(world):
+        assert out["compressor"] == {"same": True, "dropped_ok": True, "empty_batch": True,
+                                     "keys_after": []}, out["compressor"]
+
+
+@pytest.mark.parametrize("bucket_view", [False, True])
+def test_ddp_comm_hook(bucket_view):
+    """DDP with compcomm.ddp_comm_hook: DDP copies its buckets back into the gradients after the
+    backward (the same values in the compressed phase; the hook announces it), so the overlap
+    stays on; with gradient_as_bucket_view the gradients become other tensors and the overlap
+    switches itself off. The same bits either way."""
+    for rank, out in enumerate(run_ranks(2, C.ddp, bucket_view, timeout=200)):
+        assert _identical({k: dict(v, errors={}) for k, v in out.items()}), f"rank {rank}"
+        assert out[True]["overlapped"] == (0 if bucket_view else C.STEPS - C.FREEZE)
+        assert len(out[True]["warnings"]) == (1 if bucket_view else 0)
+
+
+def test_single_rank_and_defaults():
+    from compcomm.optim import OneBitAdam
+    model = C.Net()
+    assert OneBitAdam(model.parameters()).overlap_backward is False
+    # one rank sends nothing: no hooks
+    assert OneBitAdam(model.parameters(), overlap_backward=True).overlap is None
+    # 'auto': on CUDA parameters only
+    assert OneBitAdam(model.parameters(), overlap_backward="auto").overlap_backward is False
+    with pytest.raises(ValueError, match="argument 'overlap_backward'"):
+        OneBitAdam(model.parameters(), overlap_backward="yes")
