@@ -119,6 +119,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument("--overlap-backward", action="store_true",
                     help="also run onebitadam_overlap, OneBitAdam(overlap_backward=True), right "
                          "after onebitadam (both are added if onebitadam is not listed)")
+    ap.add_argument("--overlap-groups", type=int, default=None,
+                    help="about how many groups the backward overlap sends per step "
+                         "(compcomm.optim.overlap.MAX_GROUPS in every rank; default: its value)")
     ap.add_argument("--bias-correction", action="store_true",
                     help="bias_correction=True for the 1-bit optimizers (default: their default)")
     ap.add_argument("--local-step-scaler", type=int, default=None,
@@ -188,6 +191,8 @@ def _meta(a: argparse.Namespace, argv: Sequence[str]) -> Dict[str, Any]:
         nd.append(f"fused={a.fused}")
     if a.reduce_bucket_size is not None:
         nd.append(f"reduce_bucket_size={int(a.reduce_bucket_size)}")
+    if a.overlap_groups is not None:
+        nd.append(f"overlap MAX_GROUPS={a.overlap_groups}")
     if a.bias_correction:
         nd.append("bias_correction=True")
     if a.local_step_scaler:
@@ -245,6 +250,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        lamb_lr=a.lamb_lr, lr_schedule=a.lr_schedule, lr_warmup=a.lr_warmup,
                        amp=a.amp, backend=a.backend, fused=a.fused,
                        reduce_bucket_size=a.reduce_bucket_size,
+                       overlap_groups=a.overlap_groups,
                        bias_correction=a.bias_correction,
                        local_step_scaler=a.local_step_scaler,
                        local_step_clipper=a.local_step_clipper, data_bytes=a.data_bytes,

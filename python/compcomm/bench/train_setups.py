@@ -206,6 +206,10 @@ def make(name: str, model: Any, cfg: Dict[str, Any], world: int, dev: Any) -> Di
         fs = never if name == "onebitadam_nofreeze" else warm
         if name == "onebitadam_overlap":
             extra["overlap_backward"] = True
+            if cfg.get("overlap_groups"):  # a tuning run (--overlap-groups): this rank's plans
+                from compcomm.optim import overlap
+
+                overlap.MAX_GROUPS = int(cfg["overlap_groups"])
         opt = OneBitAdam(model.parameters(), lr=lr, freeze_step=fs, **bc, **fused, **extra)
     elif name == "zerooneadam":
         zk = {k: cfg[k] for k in ("local_step_scaler", "local_step_clipper") if cfg.get(k)}

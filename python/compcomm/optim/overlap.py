@@ -38,8 +38,8 @@ Group granularity: each group costs one batched exchange (four collectives, and 
 synchronisations of the worker thread), paid in latency, while the backward can hide a group's
 wire time only if the group is sent early. Groups of at least :data:`GROUP_ELEMENTS` elements
 (16 MiB of fp32 momentum, ~1 MiB on the wire per rank) and at most about :data:`MAX_GROUPS` of them
-keep the added latency to a few collectives per step, and the first group leaves after about an
-eighth of the backward.
+keep the added latency to a few collectives per step, and the first group leaves after about a
+quarter of the backward.
 """
 
 from __future__ import annotations
@@ -60,8 +60,11 @@ __all__ = ["BackwardOverlap", "GROUP_ELEMENTS", "MAX_GROUPS", "plan_groups", "re
 
 #: Fewest elements in a group of buckets sent from the backward (the last group may have fewer).
 GROUP_ELEMENTS = 1 << 22
-#: Groups per plan, about: larger models get larger groups.
-MAX_GROUPS = 8
+#: Groups per plan, about: larger models get larger groups. Measured on the H200 (124M GPT, W=4,
+#: 2026-12-02, bench/results/gpu_1202c): 8 groups 1.14x faster at 1 Gbit but 0.74x at 10 Gbit
+#: (each group's collectives and host synchronisations), 4 groups 1.09x and 1.08x, 2 groups 1.04x
+#: and 1.05x, each against the step without overlap in the same run.
+MAX_GROUPS = 4
 
 
 class _Group:

@@ -120,6 +120,11 @@ def onebit_inner_kwargs(name: str, kwargs: Dict[str, Any], comm: Any = None) -> 
                 f"optimizer_kwargs.{key}={kwargs[key]!r} is not supported with ZeRO: ZeroOptimizer "
                 "does the communication on its own process group"
             )
+    if name == "OneBitAdam":  # ZeroOptimizer reduces the gradients: nothing to send in backward
+        if kwargs.get("overlap_backward", False) not in (False, "auto"):
+            raise ValueError("optimizer_kwargs.overlap_backward=True is not supported with ZeRO: "
+                             "ZeroOptimizer does the communication (see its overlap_comm)")
+        kwargs = dict(kwargs, overlap_backward=False)
     # ZeroOptimizer skips non-finite steps itself (global norm / overflow flag, on every rank)
     return dict(kwargs, comm_backend_name="torch", grads_averaged=True, check_finite=False,
                 process_group=comm)
