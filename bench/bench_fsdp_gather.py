@@ -24,22 +24,19 @@ MODES = {"fsdp": None, "cache": dict(quantized=False, cache=True),
 
 def _rank(rank: int, world: int, model_name: str) -> List[Dict[str, Any]]:
     import torch
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule
 
     import compcomm.fsdp as cf
     import compcomm.fsdp_gather as fg
     from compcomm.bench.train_rank import MODELS, build_model
+    from compcomm.bench.train_setups import shard_blocks
 
     cfg = MODELS[model_name]
     out = []
     for mode, kw in MODES.items():
         torch.manual_seed(0)
         model = build_model(**cfg)
-        mesh = init_device_mesh("cpu", (world,))
-        for blk in model.blocks:
-            fully_shard(blk, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        shard_blocks(model, world)
         nparams = sum(p.numel() for p in model.parameters())
         if kw:
             st = cf.compressed_allgather(model, **kw)

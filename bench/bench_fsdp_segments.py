@@ -24,19 +24,16 @@ from typing import Any, Dict
 
 def _rank(rank: int, world: int, model_name: str, reps: int) -> Dict[str, Any]:
     import torch
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule
 
     import compcomm.fsdp as cf
     from compcomm.bench.train_rank import MODELS, build_model
+    from compcomm.bench.train_setups import shard_blocks
 
     cfg = MODELS[model_name]
     torch.manual_seed(0)
     model = build_model(**cfg)
-    mesh = init_device_mesh("cpu", (world,))
-    for blk in model.blocks:
-        fully_shard(blk, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    mesh = shard_blocks(model, world)
     group = mesh.get_group()
     mods = [(n or "<root>", m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
     layouts = {}

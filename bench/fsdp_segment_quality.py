@@ -13,19 +13,15 @@ from compcomm.testing import run_ranks
 
 def body(rank: int, world: int) -> dict:
     import torch
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     import compcomm.fsdp as cf
     from compcomm.bench.train_rank import MODELS, build_model
+    from compcomm.bench.train_setups import shard_blocks
     cfg = MODELS["tiny"]
     res = {}
     for mode in ("exact", None, 16384):
         torch.manual_seed(0)
         model = build_model(**cfg)
-        mesh = init_device_mesh("cpu", (world,))
-        for blk in model.blocks:
-            fully_shard(blk, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        shard_blocks(model, world)
         if mode != "exact":
             st = cf.onebit(model, warmup_steps=0, segment_elements=mode)
         gs = []

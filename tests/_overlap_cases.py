@@ -14,7 +14,7 @@ import torch
 FREEZE = 3
 STEPS = 8
 SCENARIOS = ["plain", "accumulate", "clip", "no_grad_param", "keep_grads", "no_backward",
-             "load_state", "scaler", "nonfinite"]
+             "load_state", "scaler", "unscale", "nonfinite"]
 
 
 def _small_groups() -> None:
@@ -79,7 +79,8 @@ def trajectory(rank: int, overlap: bool, scenario: str, dtype: torch.dtype,
     model = _model(dtype).to(device)
     opt = OneBitAdam(model.parameters(), lr=0.01, freeze_step=FREEZE, weight_decay=0.01,
                      reduce_bucket_size=100, overlap_backward=overlap, process_group=group)
-    scaler = torch.amp.GradScaler("cpu", init_scale=4.0) if scenario == "scaler" else None
+    scaler = (torch.amp.GradScaler("cpu", init_scale=4.0) if scenario in ("scaler", "unscale")
+              else None)
     traj, caught, warm_sent = [], [], 0
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
@@ -104,6 +105,8 @@ def trajectory(rank: int, overlap: bool, scenario: str, dtype: torch.dtype,
             if scenario == "load_state" and t == FREEZE + 3:
                 # a state loaded between backward and step: what the backward sent is dropped
                 opt.load_state_dict(opt.state_dict())
+            if scenario == "unscale":  # in place, without bumping the gradients' versions
+                scaler.unscale_(opt)
             if scaler:
                 scaler.step(opt)
                 scaler.update()
@@ -122,6 +125,31 @@ def trajectory(rank: int, overlap: bool, scenario: str, dtype: torch.dtype,
             "skipped": opt.skipped_steps, "warm_sent": warm_sent}
 
 
+def abandoned(rank: int, world: int) -> bool:
+    """Whether an optimizer with the overlap is freed as soon as its last reference goes (no
+    reference cycle through the backward hooks: those of a live leftover would still send)."""
+    import gc
+    import weakref
+
+    from compcomm.optim import OneBitAdam
+
+    model = _model(torch.float32)
+    opt = OneBitAdam(model.parameters(), lr=0.01, freeze_step=FREEZE, reduce_bucket_size=100,
+                     overlap_backward=True)
+    for t in range(1, FREEZE + 3):
+        opt.zero_grad()
+        _loss(model, rank, t).backward()
+        opt.step()
+    assert opt._overlap.steps_overlapped > 0
+    ref = weakref.ref(opt)
+    gc.disable()
+    try:
+        del opt
+        return ref() is None
+    finally:
+        gc.enable()
+
+
 def scenarios(rank: int, world: int, which: List[str]) -> Dict[str, Any]:
     _small_groups()
     out: Dict[str, Any] = {}
@@ -133,6 +161,7 @@ def scenarios(rank: int, world: int, which: List[str]) -> Dict[str, Any]:
     out["step_fill_error"] = hook_error(rank, world, "complete")
     out["diverged"] = diverged(rank, world)
     out["compressor"] = compressor_groups(rank, world)
+    out["abandoned"] = abandoned(rank, world)
     return out
 
 

@@ -41,9 +41,10 @@ def test_bit_identical(world, dtype):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("scenario", ["accumulate", "clip", "scaler"])
+@pytest.mark.parametrize("scenario", ["accumulate", "clip", "scaler", "unscale"])
 def test_switches_itself_off(world, scenario):
-    """Gradients accumulated again, changed after their group was sent, or scaled by GradScaler:
+    """Gradients accumulated again, changed after their group was sent, or scaled by GradScaler
+    (unscaled by ``unscale_()`` before ``step()`` or by the step itself):
     the launched exchanges are dropped, the step runs on the full gradients, and the overlap
     switches itself off with one warning, on every rank alike."""
     for rank, out in enumerate(results(world)):
@@ -162,3 +163,10 @@ def test_single_rank_and_defaults():
     assert OneBitAdam(model.parameters(), overlap_backward="auto").overlap_backward is False
     with pytest.raises(ValueError, match="argument 'overlap_backward'"):
         OneBitAdam(model.parameters(), overlap_backward="yes")
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_abandoned_optimizer_is_freed(world):
+    """No reference cycle keeps a dropped optimizer (and its backward hooks) alive."""
+    for rank, out in enumerate(results(world)):
+        assert out["abandoned"] is True, f"rank {rank}"

@@ -72,7 +72,7 @@ import inspect
 from typing import Any, Callable, Dict, List, Tuple
 
 __all__ = ["OPTIMIZERS", "TWIN", "IDENTITY_TWIN", "IDENTITY", "COMPRESSED", "make", "phase",
-           "bf16_hook_cpu", "FSDPBytes"]
+           "bf16_hook_cpu", "FSDPBytes", "shard_blocks"]
 
 OPTIMIZERS = (
     "ddp_adamw",
@@ -304,10 +304,23 @@ class _CountedReduceScatter:
         return self.inner(output_tensor, input_tensor, group, op, async_op)
 
 
+def shard_blocks(model: Any, world: int, device_type: str = "cpu", mp_policy: Any = None) -> Any:
+    """``fully_shard`` on every transformer block of a benchmark model and on its root, over a 1-D
+    mesh of ``world`` ranks (the FSDP2 rows' layout); returns the mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
+    mesh = init_device_mesh(device_type, (world,))
+    for blk in model.blocks:
+        fully_shard(blk, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return mesh
+
+
 def _fsdp2(name: str, model: Any, cfg: Dict[str, Any], world: int, dev: Any) -> Dict[str, Any]:
     import torch
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
     import compcomm
     import compcomm.fsdp
@@ -316,10 +329,7 @@ def _fsdp2(name: str, model: Any, cfg: Dict[str, Any], world: int, dev: Any) -> 
     bf16 = dev.type == "cuda" and cfg.get("amp") == "bf16"
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 \
         else MixedPrecisionPolicy()
-    mesh = init_device_mesh(dev.type, (world,))
-    for blk in model.blocks:
-        fully_shard(blk, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    mesh = shard_blocks(model, world, dev.type, mp)
     # module names as compcomm.fsdp.onebit names them (its step counts are keyed by them)
     mods: List[Tuple[str, Any]] = [(n or "<root>", m) for n, m in model.named_modules()
                                    if isinstance(m, FSDPModule)]

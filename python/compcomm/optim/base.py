@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+import weakref
 from collections import defaultdict
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -211,7 +212,9 @@ class OneBitBase(torch.optim.Optimizer):
         plan = self._staged = staged_plan(getattr(self, "_staged", None), self._plan_key, items,
                                           buckets, self._staging)
         ov = self._overlap  # the groups sent from the backward, if they are this plan's
-        scaled = getattr(self, "_grad_scale", None) is not None
+        # GradScaler drives this step (found_inf is set whether or not unscale_() already ran:
+        # unscale_ divides the gradients in place without bumping their version counters)
+        scaled = getattr(self, "found_inf", None) is not None
         if ov is not None and ov.complete(plan, fill, scaled):
             return dict(plan.views)
         ahead = bool(getattr(self.compressor, "stages_ahead", False))
@@ -382,7 +385,10 @@ class OneBitBase(torch.optim.Optimizer):
                 self._bucket_plan(items)
                 self._staged = staged_plan(getattr(self, "_staged", None), self._plan_key, items,
                                            self._buckets, self._staging)
-                ov.arm(self._staged, self._momentum_fill)
+                # a weak reference: the hooks must not keep an abandoned optimizer alive
+                fill = self._momentum_fill
+                ov.arm(self._staged, weakref.WeakMethod(fill) if hasattr(fill, "__self__")
+                       else (lambda: fill))  # (a plain function put there by a test)
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:

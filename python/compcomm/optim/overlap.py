@@ -169,7 +169,8 @@ class BackwardOverlap:
     # -- the backward side ----------------------------------------------------------------
     def arm(self, plan: Any, make_fill: Callable[[Dict[torch.Tensor, torch.Tensor]], Any]) -> None:
         """Prepare the coming backward to send the groups of ``plan`` (a staged bucket plan);
-        ``make_fill(grads)`` returns the fill of ``_compressed_average`` over ``{p: fp32 grad}``."""
+        ``make_fill()(grads)`` returns the fill of ``_compressed_average`` over ``{p: fp32 grad}``
+        (``make_fill`` is a :class:`weakref.WeakMethod` of the optimizer's)."""
         if not self.enabled:
             return
         if self._groups[0] is not plan:
@@ -201,7 +202,10 @@ class BackwardOverlap:
             stream, before = _current(g.device), None
             with torch.no_grad():
                 grads = {p: fp32_grad(p, copy=False) for _, p, _ in g.entries}
-                r.make_fill(grads)(g.entries)
+                make_fill = r.make_fill()  # a WeakMethod: None once the optimizer is gone
+                if make_fill is None:
+                    raise RuntimeError("overlap_backward: the optimizer was deleted")
+                make_fill(grads)(g.entries)
             if g.device.type == "cuda" and self._side:  # NCCL's kernels must not hold up the
                 # backward's: on a side stream, after the staging and the buffers launch_ makes
                 side = self._streams.get(g.device)
