@@ -248,12 +248,12 @@ def replica_cases(rank: int, world: int) -> Dict[str, Any]:
             "steps": dict(state.steps)}
 
 
-def batch_rs_cases(rank: int, world: int) -> Dict[str, Any]:
+def batch_rs_cases(rank: int, world: int, device: str = "cpu") -> Dict[str, Any]:
     """compcomm's batched 1-bit reduce-scatter exchange (_C.zero.compressed_reduce_scatter_exchange_many
     + one compressed_reduce_scatter_commit per call) against compcomm.compressed_reduce_scatter per
     call, twice (errors carried): the same bits, sizes that do not divide, an empty call included;
     then ranks passing different numbers of calls raise RankMismatchError on every rank and write
-    nothing."""
+    nothing (world > 1). ``device``: where the tensors live; "outs" holds the results on the CPU."""
     import compcomm
     from compcomm import _C
     from compcomm._buffers import buffer_of
@@ -263,22 +263,25 @@ def batch_rs_cases(rank: int, world: int) -> Dict[str, Any]:
     comm = compcomm.get_communicator(None)
     sizes = [8 * world * k for k in (1, 5, 0, 13)]  # padded sizes (multiples of 8 W)
     gen = torch.Generator().manual_seed(7 + rank)
-    xs = [[torch.randn(p, generator=gen) for p in sizes] for _ in range(2)]
+    xs = [[torch.randn(p, generator=gen).to(device) for p in sizes] for _ in range(2)]
 
     def fresh():
-        return ([torch.zeros(p) for p in sizes], [torch.zeros(p // world) for p in sizes])
+        return ([torch.zeros(p, device=device) for p in sizes],
+                [torch.zeros(p // world, device=device) for p in sizes])
 
     we1, se1 = fresh()
     single = []
     for x in xs:
         single.append([compressed_reduce_scatter(t.clone(), w, s) for t, w, s in zip(x, we1, se1)])
     we2, se2 = fresh()
-    wss = [torch.zeros(workspace_bytes(p, world, False), dtype=torch.uint8) for p in sizes]
-    staging = torch.empty(_C.zero.compressed_allreduce_batch_bytes(sizes, world), dtype=torch.uint8)
+    wss = [torch.zeros(workspace_bytes(p, world, False), dtype=torch.uint8, device=device)
+           for p in sizes]
+    staging = torch.empty(_C.zero.compressed_allreduce_batch_bytes(sizes, world), dtype=torch.uint8,
+                          device=device)
     batched = []
     for x in xs:
         ts = [t.clone() for t in x]
-        outs = [torch.empty(p // world) for p in sizes]
+        outs = [torch.empty(p // world, device=device) for p in sizes]
         args = [[buffer_of(t) for t in lst] for lst in (ts, we2, se2, outs, wss)]
         _C.zero.compressed_reduce_scatter_exchange_many(comm, *args, buffer_of(staging))
         for call in zip(*args):
@@ -286,10 +289,14 @@ def batch_rs_cases(rank: int, world: int) -> Dict[str, Any]:
         batched.append(outs)
     same = all(torch.equal(a, b) for t in range(2) for a, b in zip(single[t], batched[t]))
     same = same and all(torch.equal(a, b) for a, b in zip(we1 + se1, we2 + se2))
+    outs = [t.cpu() for t in batched[-1] + we2 + se2]
+    if world == 1:
+        return {"same": same, "outs": outs}
     n = 2 if rank == 0 else 1  # a count that differs
     before = [w.clone() for w in we2[:n]]
     args = [[buffer_of(t) for t in lst[:n]] for lst in
-            ([t.clone() for t in xs[0]], we2, se2, [torch.empty(p // world) for p in sizes], wss)]
+            ([t.clone() for t in xs[0]], we2, se2,
+             [torch.empty(p // world, device=device) for p in sizes], wss)]
     try:
         _C.zero.compressed_reduce_scatter_exchange_many(comm, *args, buffer_of(staging))
         mismatch = "no error"

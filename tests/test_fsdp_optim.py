@@ -163,3 +163,12 @@ def test_batched_reduce_scatter_exchange(world):
     for bit (outputs and both errors, two rounds); a count mismatch raises on every rank."""
     for res in run_ranks(world, C.batch_rs_cases, timeout=300):
         assert res == {"same": True, "mismatch": True, "untouched": True}, res
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_batched_reduce_scatter_exchange_cuda():
+    """On a CUDA device (world size 1, the local communicator): the batched exchange equals one
+    compressed_reduce_scatter per call, and its outputs and errors equal the CPU twin's bit for bit."""
+    gpu, cpu = C.batch_rs_cases(0, 1, "cuda"), C.batch_rs_cases(0, 1, "cpu")
+    assert gpu["same"] and cpu["same"]
+    assert all(torch.equal(a, b) for a, b in zip(gpu["outs"], cpu["outs"]))
