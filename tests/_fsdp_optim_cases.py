@@ -274,8 +274,8 @@ def batch_rs_cases(rank: int, world: int, device: str = "cpu") -> Dict[str, Any]
     for x in xs:
         single.append([compressed_reduce_scatter(t.clone(), w, s) for t, w, s in zip(x, we1, se1)])
     we2, se2 = fresh()
-    wss = [torch.zeros(workspace_bytes(p, world, False), dtype=torch.uint8, device=device)
-           for p in sizes]
+    cuda = device == "cuda"
+    wss = [torch.zeros(workspace_bytes(p, world, cuda), dtype=torch.uint8, device=device) for p in sizes]
     staging = torch.empty(_C.zero.compressed_allreduce_batch_bytes(sizes, world), dtype=torch.uint8,
                           device=device)
     batched = []
