@@ -15,7 +15,6 @@ from ._grads import fp32_grad
 from ._params import group_chunks, mask_, master, moments, write_back_multi
 from ._validation import check_common, check_int
 from .base import OneBitBase
-from .overlap import resolve_overlap
 
 
 class OneBitAdam(OneBitBase):
@@ -129,7 +128,6 @@ class OneBitAdam(OneBitBase):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bool(bias_correction))
         super().__init__(params, defaults)
-        overlap_backward = resolve_overlap(self._name, overlap_backward, self.param_groups)
         self._init_common(comm_backend_name, process_group, cuda_aware, grads_averaged,
                           exact_resume, fused, reduce_bucket_size, per_parameter,
                           check_finite, compressor, overlap_backward)
