@@ -6,6 +6,7 @@ so the parent can check that they are bit-identical."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any, Dict, List
 
@@ -83,38 +84,20 @@ def trajectory(rank: int, overlap: bool, scenario: str, dtype: torch.dtype,
     scaler = (torch.amp.GradScaler("cpu", init_scale=4.0) if scenario in ("scaler", "unscale")
               else None)
     traj, caught, warm_sent = [], [], 0
+    # "user_stream_<scenario>": the backward (and what follows it) on a CUDA stream of the user's,
+    # step() on the current one (the buffers of dropped exchanges are that stream's)
+    stream = None
+    if scenario.startswith("user_stream_"):
+        scenario, stream = scenario[len("user_stream_"):], torch.cuda.Stream(device)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         for t in range(1, STEPS + 1):
-            opt.zero_grad(set_to_none=scenario != "keep_grads")
-            if scenario == "no_backward" and t > FREEZE + 1:
-                # gradients written by hand: no hook fires, step() sends every group itself
-                ref = _model(dtype).to(device)
-                ref.load_state_dict(model.state_dict())
-                _loss(ref, rank, t).backward()
-                for p, q in zip(model.parameters(), ref.parameters()):
-                    p.grad = q.grad.clone()
-            else:
-                loss = _loss(model, rank, t, use_extra=not (scenario == "no_grad_param" and t == 6))
-                if scenario == "nonfinite" and t == FREEZE + 2 and rank == 0:
-                    loss = loss * float("nan")  # every rank skips this step
-                (scaler.scale(loss) if scaler else loss).backward()
-            if scenario == "accumulate" and t > FREEZE or (
-                    scenario == "accumulate_one_rank" and t > FREEZE and rank == 0):
-                _loss(model, rank, t, k=1).backward()  # a second micro-batch: hooks fire again
-            # gradients changed through .data: no version counter moves, only the values
-            if scenario == "data_mul" and t > FREEZE or scenario == "data_once" and t == FREEZE + 2:
-                for p in model.parameters():
-                    p.grad.data.mul_(0.5)
-            if scenario == "foreach_data_one_rank" and t > FREEZE and rank == 0:
-                torch._foreach_mul_([p.grad.data for p in model.parameters()], 0.5)
-            if scenario == "clip" and t > FREEZE:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-            if scenario == "load_state" and t == FREEZE + 3:
-                # a state loaded between backward and step: what the backward sent is dropped
-                opt.load_state_dict(opt.state_dict())
-            if scenario == "unscale":  # in place, without bumping the gradients' versions
-                scaler.unscale_(opt)
+            if stream is not None:
+                stream.wait_stream(torch.cuda.current_stream(device))
+            with contextlib.nullcontext() if stream is None else torch.cuda.stream(stream):
+                _backward(model, opt, scaler, rank, t, scenario, dtype, device)
+            if stream is not None:
+                torch.cuda.current_stream(device).wait_stream(stream)
             if scaler:
                 scaler.step(opt)
                 scaler.update()
@@ -131,6 +114,40 @@ def trajectory(rank: int, overlap: bool, scenario: str, dtype: torch.dtype,
             "from_backward": 0 if ov is None else ov.groups_from_backward,
             "enabled": None if ov is None else ov.enabled, "warnings": caught,
             "skipped": opt.skipped_steps, "warm_sent": warm_sent}
+
+
+def _backward(model: Net, opt: Any, scaler: Any, rank: int, t: int, scenario: str,
+              dtype: torch.dtype, device: str) -> None:
+    """Step ``t``'s gradients of ``scenario``, and what the program does to them before step()."""
+    opt.zero_grad(set_to_none=scenario != "keep_grads")
+    if scenario == "no_backward" and t > FREEZE + 1:
+        # gradients written by hand: no hook fires, step() sends every group itself
+        ref = _model(dtype).to(device)
+        ref.load_state_dict(model.state_dict())
+        _loss(ref, rank, t).backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            p.grad = q.grad.clone()
+    else:
+        loss = _loss(model, rank, t, use_extra=not (scenario == "no_grad_param" and t == 6))
+        if scenario == "nonfinite" and t == FREEZE + 2 and rank == 0:
+            loss = loss * float("nan")  # every rank skips this step
+        (scaler.scale(loss) if scaler else loss).backward()
+    if scenario == "accumulate" and t > FREEZE or (
+            scenario == "accumulate_one_rank" and t > FREEZE and rank == 0):
+        _loss(model, rank, t, k=1).backward()  # a second micro-batch: hooks fire again
+    # gradients changed through .data: no version counter moves, only the values
+    if scenario == "data_mul" and t > FREEZE or scenario == "data_once" and t == FREEZE + 2:
+        for p in model.parameters():
+            p.grad.data.mul_(0.5)
+    if scenario == "foreach_data_one_rank" and t > FREEZE and rank == 0:
+        torch._foreach_mul_([p.grad.data for p in model.parameters()], 0.5)
+    if scenario == "clip" and t > FREEZE:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    if scenario == "load_state" and t == FREEZE + 3:
+        # a state loaded between backward and step: what the backward sent is dropped
+        opt.load_state_dict(opt.state_dict())
+    if scenario == "unscale":  # in place, without bumping the gradients' versions
+        scaler.unscale_(opt)
 
 
 def abandoned(rank: int, world: int) -> bool:
@@ -359,10 +376,21 @@ def gpu_scenarios(rank: int, world: int) -> Dict[str, Any]:
     os.environ["NCCL_HOSTID"] = f"compcomm-overlap-{os.getppid()}-host{rank}"
     torch.cuda.set_device(rank % torch.cuda.device_count())
     group = dist.new_group(backend="nccl")
+    from compcomm._comm import resolve
+    from compcomm.optim.overlap import auto_safe
+
     _small_groups()
-    out: Dict[str, Any] = {}
+    out: Dict[str, Any] = {"native": auto_safe(resolve(group))}
     for scenario, dtype in (("plain", torch.float32), ("plain", torch.bfloat16),
-                            ("accumulate", torch.float32), ("no_backward", torch.float32)):
+                            ("accumulate", torch.float32), ("no_backward", torch.float32),
+                            ("data_mul", torch.float32), ("foreach_data_one_rank", torch.float32),
+                            ("data_once", torch.bfloat16), ("user_stream_plain", torch.float32),
+                            ("user_stream_data_once", torch.float32),
+                            ("user_stream_accumulate", torch.float32)):
         out[f"{scenario}_{str(dtype)[6:]}"] = {
             o: trajectory(rank, o, scenario, dtype, "cuda", group) for o in (False, True)}
+    # the default argument ('auto'): on over compcomm's native NCCL communicator
+    out["auto_float32"] = {o: trajectory(rank, o, "plain", torch.float32, "cuda", group)
+                           for o in (False, "auto")}
+    out["auto_float32"][True] = out["auto_float32"].pop("auto")
     return out
