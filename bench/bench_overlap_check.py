@@ -71,7 +71,8 @@ def main() -> None:
     outs = run_ranks(a.world, _rank, a.params, a.steps, timeout=600)
     med = {k: max(statistics.median(o[k]) for o in outs) for k in ("with", "without", "check")}
     print(f"OneBitAdam(overlap_backward=True), gloo W={a.world}, {int(outs[0]['params'][0]):,} "
-          f"parameters, compressed phase, {a.steps} steps each, interleaved, medians (slowest rank)")
+          f"parameters, compressed phase, {a.steps} steps each, interleaved, medians (slowest "
+          "rank)")
     print(f"  step with the value check    {med['with'] * 1e3:8.1f} ms")
     print(f"  step without it              {med['without'] * 1e3:8.1f} ms")
     print(f"  ratio with / without         {med['with'] / med['without']:8.3f}")
