@@ -295,13 +295,15 @@ def auto_choice() -> Dict[str, Any]:
     return {"safe_comm": auto_safe(resolve(None)), "on": opt.overlap is not None}
 
 
-def ddp_unused(rank: int, world: int, plain: bool) -> Dict[str, Any]:
+def ddp_unused(rank: int, world: int, plain: bool, load_state: bool = False) -> Dict[str, Any]:
     """DDP with ``find_unused_parameters=True`` and a branch (``extra``) that only rank 0 uses:
     on the other ranks DDP writes its gradients without their hooks firing. With
     compcomm.ddp_comm_hook (``plain=False``) or plain DDP averaging the gradients itself (it
     rewrites every gradient after the hooks: the value check discards, then switches off). The
-    optimizer runs on a group of its own (the worker thread must not share DDP's). Returns both
-    trajectories."""
+    optimizer runs on a group of its own (the worker thread must not share DDP's). With
+    ``load_state`` a state dict is loaded between one compressed step's backward and its step:
+    rank 0 sent every group from the backward, the others none, and each sends the rest before
+    dropping them. Returns both trajectories."""
     import compcomm
     import torch.distributed as dist
     from compcomm.optim import OneBitAdam
@@ -323,6 +325,8 @@ def ddp_unused(rank: int, world: int, plain: bool) -> Dict[str, Any]:
                 opt.zero_grad()
                 g = torch.Generator().manual_seed(1000 * rank + 10 * t)
                 model(torch.randn(6, 11, generator=g), rank == 0).pow(2).mean().backward()
+                if load_state and t == FREEZE + 2:
+                    opt.load_state_dict(opt.state_dict())
                 opt.step()
                 traj.append([p.detach().clone() for p in model.parameters()])
         ov = opt._overlap

@@ -179,6 +179,19 @@ def test_ddp_unused_parameters(world, plain):
                 assert on["from_backward"] > 0
 
 
+def test_state_loaded_between_uneven_backward_and_step():
+    """DDP's unused parameters again, and a state dict loaded between a backward and its step:
+    rank 0 sent every group from the backward, rank 1 none (its first group waits for a
+    gradient DDP writes); load_state_dict sends rank 1's groups unstaged so both ranks issued the
+    same exchanges, waits and drops them (no hang); the same bits as without overlap. The next
+    backward is not armed: compcomm.ddp_comm_hook checks its buckets again in it, over the
+    optimizer's group, which the exchanges share over the torch adapter."""
+    for rank, out in enumerate(run_ranks(2, C.ddp_unused, False, True, timeout=300)):
+        assert _identical(out), f"rank {rank}"
+        assert out[True]["enabled"] and not out[True]["warnings"]
+        assert out[True]["overlapped"] == C.STEPS - C.FREEZE - 2
+
+
 @pytest.mark.parametrize("world", WORLDS)
 def test_auto_is_off_over_the_torch_adapter(world):
     """'auto' over gloo (compcomm's torch adapter) with CPU parameters: off."""

@@ -229,6 +229,7 @@ class BackwardOverlap:
         self._groups: Tuple[Any, List[_Group]] = (None, [])
         self._streams: Dict[torch.device, Any] = {}
         self._scratch: Dict[torch.device, torch.Tensor] = {}  # the value check's, per device
+        self._skip_arm = False  # set by cancel()
         # a side stream only for the core's communicators (native NCCL, MPI), which run on the
         # stream they are given; the torch adapter runs torch's collectives, which order
         # themselves after the worker thread's current stream, so it gets the backward's
@@ -251,6 +252,9 @@ class BackwardOverlap:
         ``make_fill()(grads)`` returns the fill of ``_compressed_average`` over ``{p: fp32 grad}``
         (``make_fill`` is a :class:`weakref.WeakMethod` of the optimizer's)."""
         if not self.enabled:
+            return
+        if self._skip_arm:  # the first backward after a state was loaded
+            self._skip_arm = False
             return
         if self._groups[0] is not plan:
             self._groups = (plan, plan_groups(plan))
@@ -449,7 +453,11 @@ class BackwardOverlap:
     def cancel(self) -> None:
         """Send the groups no hook sent (unstaged: every rank issues every group), wait for and
         drop everything, and disarm (a state dict was loaded: the next step runs the ordinary
-        path and arms again)."""
+        path). The backward after that step is not armed either: compcomm.ddp_comm_hook checks
+        its buckets again in it, over the optimizer's process group, where exchanges sent from
+        the backward over the torch adapter would meet that check in a different order on
+        different ranks."""
+        self._skip_arm = True
         self.discard()
         with self._lock:
             r, self._round = self._round, None
