@@ -6,6 +6,7 @@ so the parent can check that they are bit-identical."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any, Dict, List
 
@@ -14,7 +15,8 @@ import torch
 FREEZE = 3
 STEPS = 8
 SCENARIOS = ["plain", "accumulate", "clip", "no_grad_param", "keep_grads", "no_backward",
-             "load_state", "scaler", "unscale", "nonfinite"]
+             "load_state", "scaler", "unscale", "nonfinite", "data_mul", "foreach_data_one_rank",
+             "data_once", "accumulate_one_rank"]
 
 
 def _small_groups() -> None:
@@ -82,31 +84,20 @@ def trajectory(rank: int, overlap: bool, scenario: str, dtype: torch.dtype,
     scaler = (torch.amp.GradScaler("cpu", init_scale=4.0) if scenario in ("scaler", "unscale")
               else None)
     traj, caught, warm_sent = [], [], 0
+    # "user_stream_<scenario>": the backward (and what follows it) on a CUDA stream of the user's,
+    # step() on the current one (the buffers of dropped exchanges are that stream's)
+    stream = None
+    if scenario.startswith("user_stream_"):
+        scenario, stream = scenario[len("user_stream_"):], torch.cuda.Stream(device)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         for t in range(1, STEPS + 1):
-            opt.zero_grad(set_to_none=scenario != "keep_grads")
-            if scenario == "no_backward" and t > FREEZE + 1:
-                # gradients written by hand: no hook fires, step() sends every group itself
-                ref = _model(dtype).to(device)
-                ref.load_state_dict(model.state_dict())
-                _loss(ref, rank, t).backward()
-                for p, q in zip(model.parameters(), ref.parameters()):
-                    p.grad = q.grad.clone()
-            else:
-                loss = _loss(model, rank, t, use_extra=not (scenario == "no_grad_param" and t == 6))
-                if scenario == "nonfinite" and t == FREEZE + 2 and rank == 0:
-                    loss = loss * float("nan")  # every rank skips this step
-                (scaler.scale(loss) if scaler else loss).backward()
-            if scenario == "accumulate" and t > FREEZE:
-                _loss(model, rank, t, k=1).backward()  # a second micro-batch: hooks fire again
-            if scenario == "clip" and t > FREEZE:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-            if scenario == "load_state" and t == FREEZE + 3:
-                # a state loaded between backward and step: what the backward sent is dropped
-                opt.load_state_dict(opt.state_dict())
-            if scenario == "unscale":  # in place, without bumping the gradients' versions
-                scaler.unscale_(opt)
+            if stream is not None:
+                stream.wait_stream(torch.cuda.current_stream(device))
+            with contextlib.nullcontext() if stream is None else torch.cuda.stream(stream):
+                _backward(model, opt, scaler, rank, t, scenario, dtype, device)
+            if stream is not None:
+                torch.cuda.current_stream(device).wait_stream(stream)
             if scaler:
                 scaler.step(opt)
                 scaler.update()
@@ -123,6 +114,40 @@ def trajectory(rank: int, overlap: bool, scenario: str, dtype: torch.dtype,
             "from_backward": 0 if ov is None else ov.groups_from_backward,
             "enabled": None if ov is None else ov.enabled, "warnings": caught,
             "skipped": opt.skipped_steps, "warm_sent": warm_sent}
+
+
+def _backward(model: Net, opt: Any, scaler: Any, rank: int, t: int, scenario: str,
+              dtype: torch.dtype, device: str) -> None:
+    """Step ``t``'s gradients of ``scenario``, and what the program does to them before step()."""
+    opt.zero_grad(set_to_none=scenario != "keep_grads")
+    if scenario == "no_backward" and t > FREEZE + 1:
+        # gradients written by hand: no hook fires, step() sends every group itself
+        ref = _model(dtype).to(device)
+        ref.load_state_dict(model.state_dict())
+        _loss(ref, rank, t).backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            p.grad = q.grad.clone()
+    else:
+        loss = _loss(model, rank, t, use_extra=not (scenario == "no_grad_param" and t == 6))
+        if scenario == "nonfinite" and t == FREEZE + 2 and rank == 0:
+            loss = loss * float("nan")  # every rank skips this step
+        (scaler.scale(loss) if scaler else loss).backward()
+    if scenario == "accumulate" and t > FREEZE or (
+            scenario == "accumulate_one_rank" and t > FREEZE and rank == 0):
+        _loss(model, rank, t, k=1).backward()  # a second micro-batch: hooks fire again
+    # gradients changed through .data: no version counter moves, only the values
+    if scenario == "data_mul" and t > FREEZE or scenario == "data_once" and t == FREEZE + 2:
+        for p in model.parameters():
+            p.grad.data.mul_(0.5)
+    if scenario == "foreach_data_one_rank" and t > FREEZE and rank == 0:
+        torch._foreach_mul_([p.grad.data for p in model.parameters()], 0.5)
+    if scenario == "clip" and t > FREEZE:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    if scenario == "load_state" and t == FREEZE + 3:
+        # a state loaded between backward and step: what the backward sent is dropped
+        opt.load_state_dict(opt.state_dict())
+    if scenario == "unscale":  # in place, without bumping the gradients' versions
+        scaler.unscale_(opt)
 
 
 def abandoned(rank: int, world: int) -> bool:
@@ -158,8 +183,8 @@ def scenarios(rank: int, world: int, which: List[str]) -> Dict[str, Any]:
             key = f"{scenario}_{str(dtype)[6:]}"
             out[key] = {o: trajectory(rank, o, scenario, dtype) for o in (False, True)}
     out["hook_error"] = hook_error(rank, world)
-    out["step_fill_error"] = hook_error(rank, world, "complete")
-    out["diverged"] = diverged(rank, world)
+    out["step_fill_error"] = hook_error(rank, world, "_launch_rest")
+    out["auto"] = auto_choice()
     out["compressor"] = compressor_groups(rank, world)
     out["abandoned"] = abandoned(rank, world)
     return out
@@ -204,37 +229,9 @@ def compressor_groups(rank: int, world: int) -> Dict[str, Any]:
             "empty_batch": isinstance(err, RankMismatchError), "keys_after": c.keys()}
 
 
-def diverged(rank: int, world: int) -> Dict[str, Any]:
-    """Ranks that are not SPMD: rank 0 accumulates two backward passes, the others run one.
-    The agreement in step() sees it: RankMismatchError on every rank, nothing written."""
-    from compcomm.optim import OneBitAdam
-
-    _small_groups()
-    model = _model(torch.float32)
-    opt = OneBitAdam(model.parameters(), lr=0.01, freeze_step=FREEZE, reduce_bucket_size=100,
-                     overlap_backward=True)
-    raised, unchanged = None, None
-    for t in range(1, FREEZE + 3):
-        opt.zero_grad()
-        _loss(model, rank, t).backward()
-        if t == FREEZE + 2:
-            if rank == 0:
-                _loss(model, rank, t, k=1).backward()
-            before = _snapshot(model) + [s["exp_avg"].clone() for s in opt.state.values()]
-            try:
-                opt.step()
-            except Exception as e:  # noqa: BLE001 -- reported to the parent
-                raised = f"{type(e).__name__}: {e}"
-            after = _snapshot(model) + [s["exp_avg"].clone() for s in opt.state.values()]
-            unchanged = all(torch.equal(a, b) for a, b in zip(before, after))
-        else:
-            opt.step()
-    return {"raised": raised, "unchanged": unchanged}
-
-
 def hook_error(rank: int, world: int, where: str = "_launch") -> Dict[str, Any]:
     """The staging fails on the last rank, in a backward hook (``where="_launch"``) or in step()
-    for groups no hook sent (``"complete"``: gradients written by hand): step() raises on every
+    for groups no hook sent (``"_launch_rest"``: gradients written by hand): step() raises on every
     rank (that rank's own error, RankMismatchError elsewhere), nothing changes, and a retried
     step gives the bits of a run that never failed."""
     import inspect
@@ -249,7 +246,7 @@ def hook_error(rank: int, world: int, where: str = "_launch") -> Dict[str, Any]:
                          overlap_backward=overlap)
         for t in range(1, STEPS + 1):
             opt.zero_grad()
-            if where == "complete" and t == FREEZE + 2:  # no hook fires: step() sends all
+            if where == "_launch_rest" and t == FREEZE + 2:  # no hook fires: step() sends all
                 ref = _model(torch.float32)
                 ref.load_state_dict(model.state_dict())
                 _loss(ref, rank, t).backward()
@@ -286,6 +283,62 @@ def hook_error(rank: int, world: int, where: str = "_launch") -> Dict[str, Any]:
         final[overlap] = _snapshot(model)
     return {"same": all(torch.equal(a, b) for a, b in zip(final[False], final[True])),
             "raised": raised, "unchanged": unchanged}
+
+
+def auto_choice() -> Dict[str, Any]:
+    """What ``overlap_backward='auto'`` picks here (CPU parameters, the torch adapter over gloo)."""
+    from compcomm._comm import resolve
+    from compcomm.optim import OneBitAdam
+    from compcomm.optim.overlap import auto_safe
+
+    opt = OneBitAdam(_model(torch.float32).parameters(), overlap_backward="auto")
+    return {"safe_comm": auto_safe(resolve(None)), "on": opt.overlap is not None}
+
+
+def ddp_unused(rank: int, world: int, plain: bool, load_state: bool = False) -> Dict[str, Any]:
+    """DDP with ``find_unused_parameters=True`` and a branch (``extra``) that only rank 0 uses:
+    on the other ranks DDP writes its gradients without their hooks firing. With
+    compcomm.ddp_comm_hook (``plain=False``) or plain DDP averaging the gradients itself (it
+    rewrites every gradient after the hooks: the value check discards, then switches off). The
+    optimizer runs on a group of its own (the worker thread must not share DDP's). With
+    ``load_state`` a state dict is loaded between one compressed step's backward and its step:
+    rank 0 sent every group from the backward, the others none, and each sends the rest before
+    dropping them. Returns both trajectories."""
+    import compcomm
+    import torch.distributed as dist
+    from compcomm.optim import OneBitAdam
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    _small_groups()
+    out = {}
+    for overlap in (False, True):
+        group = dist.new_group(backend="gloo")
+        model = DDP(_model(torch.float32), find_unused_parameters=True)
+        opt = OneBitAdam(model.parameters(), lr=0.01, freeze_step=FREEZE, reduce_bucket_size=100,
+                         overlap_backward=overlap, process_group=group)
+        if not plain:
+            model.register_comm_hook(None, compcomm.ddp_comm_hook(opt))
+        traj = []
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            for t in range(1, STEPS + 1):
+                opt.zero_grad()
+                g = torch.Generator().manual_seed(1000 * rank + 10 * t)
+                model(torch.randn(6, 11, generator=g), rank == 0).pow(2).mean().backward()
+                if load_state and t == FREEZE + 2:
+                    opt.load_state_dict(opt.state_dict())
+                opt.step()
+                traj.append([p.detach().clone() for p in model.parameters()])
+        ov = opt._overlap
+        errors = {k: {n: e.clone() for n, e in v.items()}
+                  for k, v in opt.compressor.state_dict().items()}
+        out[overlap] = {"traj": traj, "errors": errors,
+                        "overlapped": 0 if ov is None else ov.steps_overlapped,
+                        "from_backward": 0 if ov is None else ov.groups_from_backward,
+                        "enabled": None if ov is None else ov.enabled,
+                        "warnings": [str(x.message) for x in w
+                                     if "overlap_backward" in str(x.message)]}
+    return out
 
 
 def ddp(rank: int, world: int, bucket_view: bool = False) -> Dict[str, Any]:
@@ -327,10 +380,21 @@ def gpu_scenarios(rank: int, world: int) -> Dict[str, Any]:
     os.environ["NCCL_HOSTID"] = f"compcomm-overlap-{os.getppid()}-host{rank}"
     torch.cuda.set_device(rank % torch.cuda.device_count())
     group = dist.new_group(backend="nccl")
+    from compcomm._comm import resolve
+    from compcomm.optim.overlap import auto_safe
+
     _small_groups()
-    out: Dict[str, Any] = {}
+    out: Dict[str, Any] = {"native": auto_safe(resolve(group))}
     for scenario, dtype in (("plain", torch.float32), ("plain", torch.bfloat16),
-                            ("accumulate", torch.float32), ("no_backward", torch.float32)):
+                            ("accumulate", torch.float32), ("no_backward", torch.float32),
+                            ("data_mul", torch.float32), ("foreach_data_one_rank", torch.float32),
+                            ("data_once", torch.bfloat16), ("user_stream_plain", torch.float32),
+                            ("user_stream_data_once", torch.float32),
+                            ("user_stream_accumulate", torch.float32)):
         out[f"{scenario}_{str(dtype)[6:]}"] = {
             o: trajectory(rank, o, scenario, dtype, "cuda", group) for o in (False, True)}
+    # the default argument ('auto'): on over compcomm's native NCCL communicator
+    out["auto_float32"] = {o: trajectory(rank, o, "plain", torch.float32, "cuda", group)
+                           for o in (False, "auto")}
+    out["auto_float32"][True] = out["auto_float32"].pop("auto")
     return out

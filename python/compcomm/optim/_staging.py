@@ -30,8 +30,9 @@ class StagedPlan:
     buckets : list of list of int
         Indices into ``items``, bucket by bucket.
     staging : dict
-        Bucket index -> flat fp32 buffer of an earlier plan; a buffer is reused where its size
-        and device still fit (as before this cache), and the dict is updated in place.
+        Bucket index -> flat fp32 buffer of an earlier plan; the buffers are reused where all
+        sizes and devices still fit, else made anew (the buckets of a device are consecutive
+        views of one buffer), and the dict is updated in place.
     """
 
     def __init__(self, plan_key: Any, items: Sequence[Item], buckets: List[List[int]],
@@ -40,10 +41,19 @@ class StagedPlan:
         self.shapes = [p.shape for _, p in items]
         self.devices = [items[idx[0]][1].device for idx in buckets]
         numels = [sum(items[j][1].numel() for j in idx) for idx in buckets]
-        for b, (n, dev) in enumerate(zip(numels, self.devices)):  # all before any exchange
-            flat = staging.get(b)
-            if flat is None or flat.numel() != n or flat.device != dev:
-                staging[b] = torch.empty(n, dtype=torch.float32, device=dev)
+        fit = all(staging.get(b) is not None and staging[b].numel() == n
+                  and staging[b].device == dev
+                  for b, (n, dev) in enumerate(zip(numels, self.devices)))
+        if not fit:  # all before any exchange; one buffer per device, the buckets in plan order
+            # side by side (the backward overlap checks a group of consecutive buckets in one pass)
+            staging.clear()
+            for dev in dict.fromkeys(self.devices):
+                idx = [b for b, d in enumerate(self.devices) if d == dev]
+                buf = torch.empty(sum(numels[b] for b in idx), dtype=torch.float32, device=dev)
+                off = 0
+                for b in idx:
+                    staging[b] = buf[off:off + numels[b]]
+                    off += numels[b]
         self.flats = [staging[b] for b in range(len(buckets))]
         self.views: Dict[torch.Tensor, torch.Tensor] = {}
         self.entries: List[List[Entry]] = []

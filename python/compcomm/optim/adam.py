@@ -15,7 +15,6 @@ from ._grads import fp32_grad
 from ._params import group_chunks, mask_, master, moments, write_back_multi
 from ._validation import check_common, check_int
 from .base import OneBitBase
-from .overlap import resolve_overlap
 
 
 class OneBitAdam(OneBitBase):
@@ -98,16 +97,19 @@ class OneBitAdam(OneBitBase):
         compressed phase and its error-feedback state. Default
         :class:`compcomm.compress.OneBitCompressor`; :class:`compcomm.compress.IdentityCompressor`
         averages in full precision (the uncompressed twin, for comparisons).
-    overlap_backward : bool or 'auto', default False
-        ``'auto'``: True where the parameters are on a CUDA device (on CPUs the backward and the
-        exchange share the cores, and it measured 0.92x-1.03x). In the compressed phase, send each group of buckets (a few groups of several MB) while
+    overlap_backward : bool or 'auto', default 'auto'
+        In the compressed phase, send each group of buckets (a few groups of several MB) while
         the backward still runs: a hook per parameter stages a group's momenta and queues its
-        exchange as soon as all of its gradients are complete, and ``step()`` waits, commits and
-        applies the update. Results are bit for bit those without overlap. It helps where the wire
-        time of the compressed momenta is comparable to the backward (slow links, large models);
-        gradient accumulation, gradients changed after the backward (clipping) and GradScaler
-        switch it off with a warning. Not the default: a gradient changed without a version bump
-        (``p.grad.data``) is not detected, nor DDP's unused parameters (docs/optimizers.md,
+        exchange once its gradients (and the earlier groups') are complete, and ``step()`` sends
+        the rest in the same order, checks by value that the gradients did not change since, and
+        commits. Results are bit for bit those without overlap; gradient accumulation, gradients
+        changed after the backward (clipping, writes through ``.data``: detected by value) and
+        GradScaler drop the exchanges and switch it off with a warning. ``'auto'``: on for CUDA
+        parameters over compcomm's native NCCL communicator (its own NCCL communicator: no torch
+        collective shares its queue), off elsewhere (on CPUs the backward and the exchange share
+        the cores: 0.92x-1.03x measured). ``True``: also over the torch adapter (then give the
+        optimizer a process group of its own). It helps where the wire time of the compressed
+        momenta is comparable to the backward (slow links, large models) (docs/optimizers.md,
         "Backward overlap").
     eps_inside_sqrt, max_grad_norm :
         Accepted and ignored, as DeepSpeed does.
@@ -123,13 +125,12 @@ class OneBitAdam(OneBitBase):
                  grads_averaged: bool = False, exact_resume: bool = False,
                  reduce_bucket_size: Optional[int] = None, per_parameter: bool = False,
                  fused: Optional[bool] = None, check_finite: bool = True,
-                 compressor: Any = None, overlap_backward: Any = False) -> None:
+                 compressor: Any = None, overlap_backward: Any = "auto") -> None:
         check_common(self._name, lr, betas, eps, weight_decay, amsgrad)
         self.freeze_step = check_int(self._name, "freeze_step", freeze_step, 0)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bool(bias_correction))
         super().__init__(params, defaults)
-        overlap_backward = resolve_overlap(self._name, overlap_backward, self.param_groups)
         self._init_common(comm_backend_name, process_group, cuda_aware, grads_averaged,
                           exact_resume, fused, reduce_bucket_size, per_parameter,
                           check_finite, compressor, overlap_backward)

@@ -33,7 +33,7 @@ from ..schedule import FreezeSchedule, StepKind
 from ._grads import all_finite, all_max, average_, fp32_grad, resolve_comm
 from ._staging import staged_plan
 from ._step_on import step_on_inputs
-from .overlap import BackwardOverlap
+from .overlap import BackwardOverlap, resolve_overlap
 from ._state import ERROR_KEYS, validate_state_dict
 from ._validation import check_int, check_masks, layout_fields
 
@@ -55,7 +55,7 @@ class OneBitBase(torch.optim.Optimizer):
                      grads_averaged: bool, exact_resume: bool, fused: Optional[bool] = None,
                      reduce_bucket_size: Optional[int] = None, per_parameter: bool = False,
                      check_finite: bool = True, compressor: Any = None,
-                     overlap_backward: bool = False) -> None:
+                     overlap_backward: Any = False) -> None:
         if compressor is None:
             compressor = OneBitCompressor
         if not callable(compressor):
@@ -103,7 +103,9 @@ class OneBitBase(torch.optim.Optimizer):
         self._layout_check = LayoutCheck()
         #: load_state_dict calls so far (compcomm.ddp_comm_hook agrees on the schedule after each)
         self.state_loads = 0
-        self.overlap_backward = bool(overlap_backward)
+        # 'auto' needs the communicator: on for CUDA parameters over native NCCL only
+        self.overlap_backward = overlap_backward = resolve_overlap(
+            self._name, overlap_backward, self.param_groups, self.comm)
         #: sends the compressed phase's groups of buckets from the backward (compcomm.optim.overlap)
         params = [p for g in self.param_groups for p in g["params"]]
         self._overlap = (BackwardOverlap(self._name, params, self.compressor, self.comm)
@@ -215,7 +217,7 @@ class OneBitBase(torch.optim.Optimizer):
         # GradScaler drives this step (found_inf is set whether or not unscale_() already ran:
         # unscale_ divides the gradients in place without bumping their version counters)
         scaled = getattr(self, "found_inf", None) is not None
-        if ov is not None and ov.complete(plan, fill, scaled):
+        if ov is not None and ov.complete(plan, scaled):
             return dict(plan.views)
         ahead = bool(getattr(self.compressor, "stages_ahead", False))
         # buckets of one device at a time (a model may keep groups on several devices)

@@ -1,4 +1,4 @@
-"""Backward overlap of the 1-bit optimizers' compressed phase (``overlap_backward=True``).
+"""Backward overlap of the 1-bit optimizers' compressed phase (``overlap_backward``).
 
 How it works. Without overlap the optimizer communicates only inside ``step()``: every bucket's
 momentum ``b1 m + (1 - b1) g`` is staged, then all buckets travel in one batched exchange, after
@@ -6,40 +6,51 @@ the backward has finished. With overlap, the buckets of the step's bucket plan (
 same buckets) are cut into a few *groups*, walking the plan from its end, because a backward
 produces the gradients of the last-registered parameters first. A hook on every parameter
 (``Tensor.register_post_accumulate_grad_hook``) counts the parameters of each group whose gradient
-is complete; when a group's count reaches zero, the hook stages that group's momenta and queues
-its batched exchange on the communicator's worker thread (on a CUDA device: on a side stream that
-waits for the backward's current stream), and the backward goes on while the group is on the
-wire. ``step()`` waits for the exchanges, the ranks agree (one 32-byte all-gather) on what was
-sent, and the buckets are committed in one commit -- or, if anything speaks against it, nothing
-is committed and the step runs the ordinary path on the full gradients. The exchanges write only
-their workspaces, so a discarded one leaves no trace; results are bit for bit those of the
-ordinary path (same buckets, same kernels, each bucket's compression independent of the others).
+is complete. Groups leave strictly in plan order: when the next group's count reaches zero, the
+hook stages its momenta and queues its batched exchange on the communicator's worker thread (on a
+CUDA device with compcomm's own communicators: on a side stream that waits for the backward's
+current stream), then the group after it if that one is complete too. ``step()`` stages and
+launches the groups still waiting, in the same order, so every rank issues the same sequence of
+exchanges whichever hooks fired (DDP's ``find_unused_parameters`` writes gradients without them).
+It waits, checks by value that the staged momenta are still those of the current gradients, and
+the ranks agree (one 32-byte all-gather: the groups, a hook's failure, and the OR of every rank's
+verdict); then the buckets are committed in one commit -- or, if any rank's verdict speaks against
+it, nothing is committed on any rank and the step runs the ordinary path on the full gradients.
+The exchanges write only their workspaces, so a discarded one leaves no trace; results are bit
+for bit those of the ordinary path (same buckets, same kernels, each bucket's compression
+independent of the others).
+
+The value check. A gradient can change after its group was sent without a trace in its version
+counter (``p.grad.data.mul_``, ``torch._foreach_mul_`` on ``.data``, raw kernels, GradScaler's
+``unscale_``). ``step()`` stages each group sent from the backward again from the current
+gradients into a scratch buffer and compares it with the momenta sent, bit for bit (integer
+views). Exact by construction: it compares the very bits the ordinary path would send, so it can
+neither miss a change that matters (no checksum collision) nor take a rewrite of the same values
+for a change (DDP's copy back, ``gradient_as_bucket_view``). Its cost is one staging pass and one
+compare of what the backward sent, in ``step()``, nothing in the backward; memory: one scratch
+buffer of the largest group. A gradient fingerprint taken in the hooks would read less, but a
+checksum can collide and a copy costs a gradient's memory.
 
 When the launched exchanges are discarded (the step then exchanges everything itself):
 
-* a parameter's hook fires a second time after its group was sent (gradient accumulation: several
-  backward passes before one step), or a sent gradient changed afterwards (its tensor replaced or
-  written in place, e.g. clipped): the overlap then switches itself off for later steps, with one
-  warning, since it would discard every step;
-* GradScaler's scaled gradients (the scale is known only at ``step()``): switched off likewise;
-* the parameters with gradients changed (the bucket plan changes, as without overlap);
-* the step is skipped (GradScaler found Inf/NaN).
+* a parameter's hook fires a second time (gradient accumulation): switched off for later steps
+  at once, with one warning, since it would discard every step;
+* a staged momentum differs from the current gradients' (clipping, a hook, ``.data`` writes):
+  one warning; the second time it happens the overlap switches itself off;
+* GradScaler's scaled gradients (the scale is known only at ``step()``): switched off;
+* a parameter's gradient is gone (the bucket plan changes, as without overlap);
+* the step is skipped (GradScaler found Inf/NaN, non-finite values).
 
-The ranks decide alike: the hooks fire in the same order on every rank of an SPMD program, and the
-agreement all-gather checks it (groups sent, their order, both flags above). If they differ anyway,
-every rank raises RankMismatchError and nothing is written. A hook that fails (say, out of memory
-while staging) records its error, sends an empty batch in place of its group so that every rank's
-exchange of that group fails alike, and lets the backward finish; ``step()`` then raises the error
-on that rank and RankMismatchError naming it on the others, nothing written. Ranks whose programs
-diverge further (one rank's hooks fire, another's do not) meet collectives of other kinds and raise
-RankMismatchError, or wait until the collective timeout (CommTimeoutError); never a silent result.
+Every rank decides alike: the verdicts are OR-ed in the agreement, so a change on one rank
+discards (and counts) on all. A hook that fails (say, out of memory while staging) records its
+error, sends an empty batch in place of its group so every rank's exchange of it fails alike, and
+lets the backward finish; ``step()`` then raises the error on that rank and RankMismatchError
+naming it on the others, nothing written.
 
 Group granularity: each group costs one batched exchange (four collectives, and on a GPU two host
 synchronisations of the worker thread), paid in latency, while the backward can hide a group's
 wire time only if the group is sent early. Groups of at least :data:`GROUP_ELEMENTS` elements
-(16 MiB of fp32 momentum, ~1 MiB on the wire per rank) and at most about :data:`MAX_GROUPS` of them
-keep the added latency to a few collectives per step, and the first group leaves after about a
-quarter of the backward.
+and at most about :data:`MAX_GROUPS` of them keep the added latency to a few collectives per step.
 """
 
 from __future__ import annotations
@@ -48,15 +59,17 @@ import functools
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
+import numpy as np
 import torch
 
 from .._agree import agree_layout, digest
 from ..errors import NonFiniteError, RankMismatchError
 from ._grads import fp32_grad
 
-__all__ = ["BackwardOverlap", "GROUP_ELEMENTS", "MAX_GROUPS", "plan_groups", "resolve_overlap"]
+__all__ = ["BackwardOverlap", "GROUP_ELEMENTS", "MAX_GROUPS", "plan_groups", "resolve_overlap",
+           "auto_safe", "join_streams"]
 
 #: Fewest elements in a group of buckets sent from the backward (the last group may have fewer).
 GROUP_ELEMENTS = 1 << 22
@@ -65,6 +78,9 @@ GROUP_ELEMENTS = 1 << 22
 #: (each group's collectives and host synchronisations), 4 groups 1.09x and 1.08x, 2 groups 1.04x
 #: and 1.05x, each against the step without overlap in the same run.
 MAX_GROUPS = 4
+
+# the verdict bits the ranks OR in the agreement
+_REFIRED, _CHANGED, _INCOMPLETE = 1, 2, 4
 
 
 class _Group:
@@ -75,17 +91,56 @@ class _Group:
         self.numels = [plan.flats[b].numel() for b in buckets]
         self.device = plan.devices[buckets[0]]
         self.flats = [plan.flats[b] for b in buckets]
+        self.per_bucket = [plan.entries[b] for b in buckets]
         self.entries = [e for b in buckets for e in plan.entries[b]]
+        self.numel = sum(self.numels)
+        self._check: Optional[Tuple[torch.Tensor, int, List[Any]]] = None  # scratch, shift, entries
+
+    def staged(self) -> torch.Tensor:
+        """The group's staged momenta as one tensor, its buckets in plan order: a view where they
+        lie side by side (StagedPlan makes them so), else a copy."""
+        flats = self.flats[::-1]  # the group walks the plan backwards
+        ptr, off = flats[0].untyped_storage().data_ptr(), flats[0].storage_offset()
+        for f in flats:
+            if f.untyped_storage().data_ptr() != ptr or f.storage_offset() != off:
+                return torch.cat(flats)
+            off += f.numel()
+        return torch.as_strided(flats[0], (self.numel,), (1,))
+
+    def scratch_entries(self, scratch: torch.Tensor, shift: int) -> List[Any]:
+        """The group's fill entries with their outputs in ``scratch[shift:]``, laid out as
+        :meth:`staged` (kept while ``scratch`` and ``shift`` are the same)."""
+        if self._check is not None and self._check[0] is scratch and self._check[1] == shift:
+            return self._check[2]
+        entries, off = [], self.numel + shift
+        for f, bucket in zip(self.flats, self.per_bucket):  # from the last bucket of the plan
+            off -= f.numel()  # where this bucket starts in plan order
+            for group, p, view in bucket:
+                o = off + view.storage_offset() - f.storage_offset()
+                entries.append((group, p, scratch[o:o + p.numel()].view(p.shape)))
+        self._check = (scratch, shift, entries)
+        return entries
 
 
-def resolve_overlap(name: str, value: Any, param_groups: List[Dict[str, Any]]) -> bool:
+def auto_safe(comm: Any) -> bool:
+    """Whether ``overlap_backward='auto'`` may turn the overlap on over ``comm``: compcomm's native
+    NCCL communicator only. It is an NCCL communicator of its own, so the worker thread's exchanges
+    never share a queue with torch collectives the user runs on the same process group during the
+    backward (plain DDP); over the torch adapter they would, in an order that may differ by rank."""
+    return (comm is not None and type(comm).__module__ == "compcomm._C"
+            and type(comm).__name__ != "Communicator" and comm.backend_name() == "nccl")
+
+
+def resolve_overlap(name: str, value: Any, param_groups: List[Dict[str, Any]],
+                    comm: Any = None) -> bool:
     """An optimizer's ``overlap_backward`` argument as a bool: True, False, or ``'auto'`` (True
-    where the first parameter is on a CUDA device). Anything else raises, naming the argument."""
+    where the first parameter is on a CUDA device and ``comm`` passes :func:`auto_safe`).
+    Anything else raises, naming the argument."""
     if isinstance(value, bool):
         return value
     if value == "auto":
         first = next((p for g in param_groups for p in g["params"]), None)
-        return first is not None and first.device.type == "cuda"
+        return first is not None and first.device.type == "cuda" and auto_safe(comm)
     raise ValueError(f"{name}: argument 'overlap_backward' must be True, False or 'auto', got "
                      f"{value!r}")
 
@@ -106,6 +161,23 @@ def plan_groups(plan: Any) -> List[_Group]:
     return [_Group(plan, c) for c in cuts]
 
 
+def join_streams(current: Any, users: Iterable[Any], side: Any = None) -> None:
+    """Order the streams of a device after the exchanges (``x.wait_stream(y)`` on
+    ``torch.cuda.Stream``-likes): ``current`` (``step()``'s: the commit, the frees) after every
+    stream that staged and launched in the backward (``users``; over the torch adapter the
+    exchanges ran there) and after ``side``; and each of ``users`` after ``side``, because the
+    workspaces and error buffers were allocated on those streams and read on ``side``: the caching
+    allocator may hand a freed block to its allocating stream at once, so that stream must not
+    run ahead of ``side``'s last read (a backward run on a user stream)."""
+    for s in users:
+        if s != current:
+            current.wait_stream(s)
+        if side is not None:
+            s.wait_stream(side)
+    if side is not None:
+        current.wait_stream(side)
+
+
 class _Round:
     """What one backward (until the coming ``step()``) did: the hooks' counts and the launches."""
 
@@ -113,12 +185,15 @@ class _Round:
         self.plan, self.groups, self.make_fill = plan, groups, make_fill
         self.group_of = {id(p): gi for gi, g in enumerate(groups) for _, p, _ in g.entries}
         self.pending = [len(g.entries) for g in groups]
-        self.fired: Dict[int, Tuple[torch.Tensor, Any, int]] = {}  # id(p) -> (p, grad, version)
-        self.copies: Dict[int, int] = {}  # id(p) -> writes of unchanged values DDP announced
+        self.fired: Set[int] = set()  # id(p) of the parameters whose hook fired
+        self.next = 0  # the next group to launch: groups leave in plan order only
         self.launches: List[Tuple[int, Any]] = []  # (group index, compressor handle), in order
+        self.hooked: List[int] = []  # groups a hook staged (the value check redoes them)
         self.refired = False
+        self.incomplete = False  # a group launched unstaged: a gradient is gone (plan changes)
         self.error: Optional[BaseException] = None
-        self.streams: Dict[torch.device, Any] = {}
+        self.streams: Dict[torch.device, Any] = {}  # side stream per device
+        self.users: Dict[torch.device, Dict[int, Any]] = {}  # launching streams per device
 
 
 class BackwardOverlap:
@@ -145,11 +220,16 @@ class BackwardOverlap:
         self.steps_overlapped = 0
         #: groups whose exchange a backward hook sent (the others were sent by step())
         self.groups_from_backward = 0
+        #: steps whose launches were discarded because a gradient changed after its group was
+        #: sent (on any rank); the second switches the overlap off
+        self.changed_steps = 0
         self._lock = threading.Lock()
         self._round: Optional[_Round] = None  # armed for the coming backward
         self._ready: Optional[Tuple[_Round, Optional[BaseException]]] = None  # settled launches
         self._groups: Tuple[Any, List[_Group]] = (None, [])
         self._streams: Dict[torch.device, Any] = {}
+        self._scratch: Dict[torch.device, torch.Tensor] = {}  # the value check's, per device
+        self._skip_arm = False  # set by cancel()
         # a side stream only for the core's communicators (native NCCL, MPI), which run on the
         # stream they are given; the torch adapter runs torch's collectives, which order
         # themselves after the worker thread's current stream, so it gets the backward's
@@ -173,6 +253,9 @@ class BackwardOverlap:
         (``make_fill`` is a :class:`weakref.WeakMethod` of the optimizer's)."""
         if not self.enabled:
             return
+        if self._skip_arm:  # the first backward after a state was loaded
+            self._skip_arm = False
+            return
         if self._groups[0] is not plan:
             self._groups = (plan, plan_groups(plan))
         with self._lock:
@@ -189,35 +272,44 @@ class BackwardOverlap:
             if id(p) in r.fired:
                 r.refired = True
                 return
-            r.fired[id(p)] = (p, p.grad, p.grad._version)
+            r.fired.add(id(p))
             r.pending[gi] -= 1
-            if r.pending[gi] == 0 and not r.refired:
-                self._launch(r, gi)
+            # strictly in plan order: a group waits for the ones before it (a gradient written
+            # without a hook, e.g. by DDP, holds it and the later ones until step())
+            while not r.refired and r.next < len(r.groups) and r.pending[r.next] == 0:
+                self._launch(r, r.next, hooked=True)
 
-    def _launch(self, r: _Round, gi: int) -> None:
+    def _launch(self, r: _Round, gi: int, hooked: bool = False, stage: bool = True) -> None:
         g = r.groups[gi]
+        r.next = gi + 1
         try:
             if r.error is not None:
                 raise r.error
             stream, before = _current(g.device), None
-            with torch.no_grad():
-                grads = {p: fp32_grad(p, copy=False) for _, p, _ in g.entries}
-                make_fill = r.make_fill()  # a WeakMethod: None once the optimizer is gone
-                if make_fill is None:
-                    raise RuntimeError("overlap_backward: the optimizer was deleted")
-                make_fill(grads)(g.entries)
-            if g.device.type == "cuda" and self._side:  # NCCL's kernels must not hold up the
-                # backward's: on a side stream, after the staging and the buffers launch_ makes
-                side = self._streams.get(g.device)
-                if side is None:
-                    side = self._streams[g.device] = torch.cuda.Stream(g.device)
-                r.streams[g.device] = side
-                stream = side.cuda_stream
+            if stage:
+                with torch.no_grad():
+                    grads = {p: fp32_grad(p, copy=False) for _, p, _ in g.entries}
+                    make_fill = r.make_fill()  # a WeakMethod: None once the optimizer is gone
+                    if make_fill is None:
+                        raise RuntimeError("overlap_backward: the optimizer was deleted")
+                    make_fill(grads)(g.entries)
+            if g.device.type == "cuda":
                 cur = torch.cuda.current_stream(g.device)
-                before = functools.partial(side.wait_stream, cur)
+                r.users.setdefault(g.device, {})[cur.cuda_stream] = cur
+                if self._side:  # NCCL's kernels must not hold up the backward's: on a side
+                    # stream, after the staging and the buffers launch_ makes
+                    side = self._streams.get(g.device)
+                    if side is None:
+                        side = self._streams[g.device] = torch.cuda.Stream(g.device)
+                    r.streams[g.device] = side
+                    stream = side.cuda_stream
+                    before = functools.partial(side.wait_stream, cur)
             handle = self.compressor.launch_(g.buckets, g.numels, g.flats, g.device, stream,
                                              before)
-            self.groups_from_backward += 1
+            if hooked:
+                self.groups_from_backward += 1
+            if hooked and stage:
+                r.hooked.append(gi)
         except Exception as e:  # noqa: BLE001 -- raised at step(), on every rank
             if r.error is None:
                 r.error = e
@@ -227,43 +319,52 @@ class BackwardOverlap:
                 return
         r.launches.append((gi, handle))
 
+    def _launch_rest(self, r: _Round, stage: bool = True) -> None:
+        """Launch the groups no hook sent, in plan order (every rank then has issued all of
+        them): staged from the current gradients, or as they are where a gradient is gone (the
+        plan changes; what they carry is dropped) or ``stage`` is False."""
+        while r.next < len(r.groups):
+            has = all(p.grad is not None for _, p, _ in r.groups[r.next].entries)
+            r.incomplete |= stage and not has
+            # (after an accumulation everything is dropped anyway: no staging)
+            self._launch(r, r.next, stage=stage and has and not r.refired)
+
     def expect_copy(self, params: Iterable[torch.Tensor]) -> None:
-        """Each of ``params``' gradients will be written once more in this backward with the
-        values it has (DDP copies its bucket back after compcomm.ddp_comm_hook handed it back
-        unchanged): not a change. Any other write still is."""
-        with self._lock:
-            r = self._round
-            if r is not None:
-                for p in params:
-                    r.copies[id(p)] = r.copies.get(id(p), 0) + 1
+        """Kept for callers of earlier versions (compcomm.ddp_comm_hook): a write of unchanged
+        values into the gradients needs no notice, the check at ``step()`` compares values."""
 
     # -- the step side -------------------------------------------------------------------
     def settle(self, device: torch.device) -> None:
-        """At the start of ``step()`` (before any other collective): wait for the exchanges sent
-        from the backward and agree with the other ranks on them. Raises a hook's error (on its
-        rank; RankMismatchError on the others) with nothing written; otherwise the launches are
-        kept for :meth:`complete` or discarded."""
+        """At the start of ``step()`` (before any other collective): launch the groups no hook
+        sent, wait for every exchange, check the staged momenta against the current gradients
+        and agree with the other ranks. Raises a hook's error (on its rank; RankMismatchError on
+        the others) with nothing written; otherwise the launches are kept for :meth:`complete` or
+        discarded on every rank alike."""
         self.discard()
         with self._lock:
             r, self._round = self._round, None
         if r is None:
             return
+        self._launch_rest(r)
         handles = [h for _, h in r.launches]
         error = self.compressor.wait_launched(handles)
         self._join_streams(r)
         if error is not None and not isinstance(error, (NonFiniteError, RankMismatchError)):
             self.compressor.drop_launched(handles)
             raise error  # a timeout or a lost peer: every rank raises its own
-        changed = any(p.grad is not g or g._version != v + r.copies.get(i, 0)
-                      for i, (p, g, v) in r.fired.items())
+        flags = _REFIRED * r.refired | _INCOMPLETE * r.incomplete
+        if not flags and r.error is None and error is None:
+            try:
+                flags |= _CHANGED * self._changed(r)
+            except Exception as e:  # noqa: BLE001 -- this rank's failure: raised below, alike
+                r.error = e
         order = [gi for gi, _ in r.launches]
-        fields = [("overlap: groups sent from the backward", len(order), False),
+        fields = [("overlap: groups sent", len(order), False),
                   ("overlap: the order they were sent in", digest(order), True),
-                  ("overlap: a gradient changed after its group was sent",
-                   int(r.refired or changed), False),
                   ("overlap: a backward hook failed", int(r.error is not None), False)]
         try:
-            agree_layout(self.comm, f"{self.name}.step (overlap_backward)", fields, device)
+            verdict = agree_layout(self.comm, f"{self.name}.step (overlap_backward)", fields,
+                                   device, flags=flags)
         except RankMismatchError as mismatch:
             self.compressor.drop_launched(handles)
             if r.error is not None:
@@ -272,17 +373,56 @@ class BackwardOverlap:
         if r.error is not None:  # every rank failed alike (the empty batches)
             self.compressor.drop_launched(handles)
             raise r.error
-        if r.refired or changed:
+        if verdict:
             self.compressor.drop_launched(handles)
-            self.disable("a parameter's gradient was accumulated again or changed after its "
-                         "group was sent (gradient accumulation, clipping or another hook)")
+            if verdict & _REFIRED:
+                self.disable("a parameter's gradient was accumulated again after its group was "
+                             "sent (gradient accumulation)")
+            elif verdict & _CHANGED:
+                self.changed_steps += 1
+                if self.changed_steps == 1:
+                    _warn(f"{self.name}: overlap_backward: a gradient changed after its group was "
+                          "sent (clipping, a hook, a write through .data); this step exchanged "
+                          "its buckets in step() (the same results); the next time the overlap "
+                          "switches itself off")
+                else:
+                    self.disable("gradients changed after their groups were sent", warn=False)
             return
         self._ready = (r, error)
 
-    def complete(self, plan: Any, fill: Callable[[List[Any]], None], scaled: bool) -> bool:
-        """In the compressed average of ``step()``: if launches for ``plan`` are ready, send the
-        groups the backward did not (their gradients came without it), wait, and commit every
-        bucket; True then. False where the ordinary path must run (launches discarded)."""
+    def _changed(self, r: _Round) -> bool:
+        """Whether a group a hook staged differs, in any bit, from the momenta of the current
+        gradients (see the module's "The value check")."""
+        make_fill = r.make_fill()
+        if make_fill is None:
+            raise RuntimeError("overlap_backward: the optimizer was deleted")
+        flags = []
+        with torch.no_grad():
+            for gi in r.hooked:
+                g = r.groups[gi]
+                staged = g.staged()
+                # every output at the address of the one it is compared with, modulo 64 bytes:
+                # the kernels then take the same (vector or scalar) path for each element
+                shift = (staged.data_ptr() % 64) // 4
+                scratch = self._scratch.get(g.device)
+                if scratch is None or scratch.numel() < g.numel + 16:
+                    need = max(h.numel for h in r.groups if h.device == g.device) + 16
+                    scratch = self._scratch[g.device] = torch.empty(
+                        need, dtype=torch.float32, device=g.device)
+                grads = {p: fp32_grad(p, copy=False) for _, p, _ in g.entries}
+                make_fill(grads)(g.scratch_entries(scratch, shift))
+                again = scratch[shift:shift + g.numel].view(torch.int32)
+                if g.device.type == "cpu":  # numpy's compare: 2x torch.equal's speed here
+                    if not np.array_equal(staged.view(torch.int32).numpy(), again.numpy()):
+                        return True
+                    continue
+                flags.append(torch.ne(staged.view(torch.int32), again).any())  # one sync for all
+        return bool(torch.stack(flags).any().item()) if flags else False
+
+    def complete(self, plan: Any, scaled: bool) -> bool:
+        """In the compressed average of ``step()``: if settled launches for ``plan`` are ready
+        (every group was sent by then), commit every bucket; True then. False where the
+        ordinary path must run (launches discarded)."""
         ready, self._ready = self._ready, None
         if ready is None:
             return False
@@ -293,32 +433,6 @@ class BackwardOverlap:
             if scaled:
                 self.disable("GradScaler scales the gradients until step()")
             return False
-        if error is not None:
-            self.compressor.drop_launched(handles)
-            raise error
-        launched = {gi for gi, _ in r.launches}
-        failed: Optional[BaseException] = None
-        for gi, g in enumerate(r.groups):
-            if gi in launched:
-                continue
-            h = None
-            if failed is None:  # a failure here is this rank's alone
-                try:
-                    fill(g.entries)
-                    h = self.compressor.launch_(g.buckets, g.numels, g.flats, g.device,
-                                                _current(g.device))
-                except Exception as e:  # noqa: BLE001 -- raised below, after the exchanges
-                    failed = e
-            if h is None:  # empty batches: every rank's exchanges fail alike, in step
-                try:
-                    h = self.compressor.launch_(g.buckets, g.numels, None, g.device, 0)
-                except Exception:  # noqa: BLE001 -- the peers will time out
-                    continue
-            r.launches.append((gi, h))
-        handles = [h for _, h in r.launches]
-        error = failed or self.compressor.wait_launched(handles)
-        if failed is not None:
-            self.compressor.wait_launched(handles)
         if error is not None:
             self.compressor.drop_launched(handles)
             raise error
@@ -337,31 +451,43 @@ class BackwardOverlap:
             self.compressor.drop_launched([h for _, h in ready[0].launches])
 
     def cancel(self) -> None:
-        """Wait for and drop everything sent from the backward, and disarm (a state dict was
-        loaded: the next step runs the ordinary path and arms again)."""
+        """Send the groups no hook sent (unstaged: every rank issues every group), wait for and
+        drop everything, and disarm (a state dict was loaded: the next step runs the ordinary
+        path). The backward after that step is not armed either: compcomm.ddp_comm_hook checks
+        its buckets again in it, over the optimizer's process group, where exchanges sent from
+        the backward over the torch adapter would meet that check in a different order on
+        different ranks."""
+        self._skip_arm = True
         self.discard()
         with self._lock:
             r, self._round = self._round, None
         if r is not None:
+            self._launch_rest(r, stage=False)
             handles = [h for _, h in r.launches]
             self.compressor.wait_launched(handles)
             self._join_streams(r)
             self.compressor.drop_launched(handles)
 
-    def disable(self, why: str) -> None:
+    def disable(self, why: str, warn: bool = True) -> None:
         """Switch the overlap off for good (hooks removed), with one warning saying ``why``."""
         if not self.enabled:
             return
         self.enabled = False
         self._unhook()
-        warnings.warn(f"{self.name}: overlap_backward switched off: {why}; every later step "
-                      "exchanges its buckets in step() (the results are the same)", RuntimeWarning,
-                      stacklevel=4)
+        self._scratch.clear()
+        if warn:
+            _warn(f"{self.name}: overlap_backward switched off: {why}; every later step "
+                  "exchanges its buckets in step() (the results are the same)")
 
     @staticmethod
     def _join_streams(r: _Round) -> None:
-        for dev, side in r.streams.items():  # later work (commit, frees) after the exchanges
-            torch.cuda.current_stream(dev).wait_stream(side)
+        for dev in set(r.users) | set(r.streams):
+            join_streams(torch.cuda.current_stream(dev), r.users.get(dev, {}).values(),
+                         r.streams.get(dev))
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=5)
 
 
 def _remove(handles: List[Any]) -> None:
