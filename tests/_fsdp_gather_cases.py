@@ -177,3 +177,41 @@ def onebit_cases(rank: int, world: int) -> Dict[str, Any]:
             "none": state2.allgather is None,
             "exact_cache_bitwise": _same(l2, l3) and _same(p2, p3),
             "steps": dict(state.steps)}
+
+
+def exact_small_cases(rank: int, world: int) -> Dict[str, Any]:
+    """exact_numel=16: the biases (16 and 5 elements) arrive exactly, the weights (13*16=208,
+    256, 80) int8; every rank computes with the same weights; the payload is the weight's int8
+    blocks plus the bias's bytes. Stochastic rounding: the cache changes nothing (a re-gather
+    without it draws the same numbers as the forward's gather)."""
+    model, state = _model(world, dict(quantized=True, cache=False, block=32, exact_numel=16))
+    exact = [p.full_tensor().clone() for p in model[2].parameters()]
+    seen: List[List[torch.Tensor]] = []
+    h = model[2].register_forward_pre_hook(
+        lambda m, _: seen.append([p.detach().clone() for p in m.parameters()]))
+    model(_batch(0, rank)).sum().backward()
+    h.remove()
+    w, b = seen[0]
+    gathered = [torch.zeros_like(w) for _ in range(world)]
+    dist.all_gather(gathered, w.contiguous())
+    from compcomm.quantize import payload_bytes
+
+    r16, r5 = -(-16 // world), -(-5 // world)
+    per = lambda w, b: payload_bytes(w, 32, [w]) + 4 * b  # noqa: E731 - fp32 bias, 4-aligned
+    # one forward and backward without the cache: the blocks twice each, the root once
+    want = (world - 1) * (2 * per(r16 * 13, r16) + 2 * per(r16 * 16, r16) + per(r5 * 16, r5))
+    res: Dict[str, Any] = {
+        "bias_exact": torch.equal(b, exact[1]),
+        "weight_quantized": not torch.equal(w, exact[0]),
+        "ranks_agree": all(torch.equal(g, gathered[0]) for g in gathered),
+        "bytes": state.bytes_sent == want,
+    }
+    lq, pq, _ = _run(world, rank, dict(quantized=True, cache=False, block=32,
+                                       rounding="stochastic"), 3)
+    lqc, pqc, sqc = _run(world, rank, dict(quantized=True, cache=True, block=32,
+                                           rounding="stochastic"), 3)
+    ln, _, _ = _run(world, rank, dict(quantized=True, cache=True, block=32), 3)
+    res["stochastic_cache_bitwise"] = _same(lq, lqc) and _same(pq, pqc)
+    res["stochastic_differs"] = not _same(lqc, ln)
+    res["stochastic_hits"] = sqc.hits
+    return res

@@ -99,6 +99,16 @@ def _equal(a: Any, b: Any) -> bool:
     return a == b
 
 
+#: the all-gather variants compared with FSDP's exact gathers (stochastic rounding keeps the
+#: fixed points too: floor(k + u) = k)
+VARIANTS = {
+    "int8": dict(regather_cache=False),
+    "int8_cache": dict(regather_cache=True),
+    "int8_exact_small": dict(regather_cache=True, allgather_exact_numel=20),
+    "int8_stochastic": dict(regather_cache=False, allgather_rounding="stochastic"),
+}
+
+
 def lossless_cases(rank: int, world: int) -> Dict[str, Any]:
     """lr 0 (the parameters stay representable) over the switch to 1-bit (warm-up 1, 4 steps),
     and one 1-bit step of lr 1e-2 (warm-up 0): exact gathers against int8 without and with the
@@ -106,8 +116,8 @@ def lossless_cases(rank: int, world: int) -> Dict[str, Any]:
     res: Dict[str, Any] = {}
     for lr, steps, warmup in ((0.0, 4, 1), (1e-2, 1, 0)):
         ref = _run(world, rank, None, lr, steps, warmup)
-        for tag, cache in (("int8", False), ("int8_cache", True)):
-            got = _run(world, rank, dict(regather_cache=cache), lr, steps, warmup)
+        for tag, ag in VARIANTS.items():
+            got = _run(world, rank, ag, lr, steps, warmup)
             res[f"{tag}_lr{lr}"] = {
                 part: all(_equal(a[part], b[part]) for a, b in zip(ref["seen"], got["seen"]))
                 for part in ("loss", "grads", "errors", "moments", "params")}

@@ -14,7 +14,7 @@ COUNTS = [0, 1, 7, 255, 256, 257, 1000, 4099]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def _ref_quantize(x: np.ndarray, block: int) -> bytes:
+def _ref_quantize(x: np.ndarray, block: int, u: "np.ndarray | None" = None) -> bytes:
     n = x.size
     nb = -(-n // block)
     xb = np.zeros(nb * block, np.float32)
@@ -23,7 +23,9 @@ def _ref_quantize(x: np.ndarray, block: int) -> bytes:
     scales = (np.abs(xb).max(axis=1) if nb else np.zeros(0, np.float32)) / np.float32(127)
     scales = scales.astype(np.float32)
     safe = np.where(scales > 0, scales, np.float32(1)).astype(np.float32)
-    q = np.clip(np.rint(xb / safe[:, None]), -127, 127).astype(np.int8)
+    y = (xb / safe[:, None]).astype(np.float32)
+    r = np.rint(y) if u is None else np.floor((y + u.reshape(nb, block)).astype(np.float32))
+    q = np.clip(r, -127, 127).astype(np.int8)
     return scales.tobytes() + q.tobytes()
 
 
@@ -98,6 +100,37 @@ def test_dequantize_rows_like_an_allgather():
         assert torch.equal(out[r * n:(r + 1) * n], single)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 257, 4099])
+def test_stochastic_rounding_matches_numpy_bitwise(n, dtype):
+    """floor(x / scale + u) with u the generator's uniform draws, one per padded element."""
+    x = _data(n, dtype)
+    got = quantize_blockwise(x, 128, generator=torch.Generator().manual_seed(7))
+    nb = -(-n // 128)
+    u = torch.rand((nb, 128), generator=torch.Generator().manual_seed(7)).numpy()
+    assert got.numpy().tobytes() == _ref_quantize(x.float().numpy(), 128, u)
+    again = quantize_blockwise(x, 128, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(got, again)
+
+
+def test_stochastic_rounding_is_unbiased():
+    """The mean of many stochastic roundings approaches x, below half a step too, where rounding
+    to nearest stays put; each value is one of the two neighbouring steps."""
+    x = torch.tensor([1.0, 0.3 / 127, -0.1 / 127, 0.5 / 127] * 32)  # absmax 1: step 1/127
+    g = torch.Generator().manual_seed(0)
+    outs = []
+    for _ in range(2000):
+        out = torch.empty(128)
+        dequantize_blockwise(quantize_blockwise(x, 128, generator=g), 128, out, 128)
+        outs.append(out)
+    outs_t = torch.stack(outs)
+    assert float((outs_t - x).abs().max()) <= 1 / 127 * 1.0001
+    assert float((outs_t.mean(0) - x).abs().max()) < 0.05 / 127  # ~4 sigma of the mean
+    nearest = torch.empty(128)
+    dequantize_blockwise(quantize_blockwise(x, 128), 128, nearest, 128)
+    assert float(nearest[1]) == 0.0 and float(nearest[2]) == 0.0
+
+
 def test_argument_errors():
     with pytest.raises(ValueError, match="'block'"):
         quantize_blockwise(torch.zeros(4), 6)
@@ -123,3 +156,14 @@ def test_cuda_equals_cpu(dtype):
     ref = torch.empty(4099, dtype=dtype)
     dequantize_blockwise(cpu, 4099, ref)
     assert torch.equal(out.cpu(), ref)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_stochastic_rounding_matches_numpy():
+    """CUDA draws its own numbers: the same formula on them, bit for bit."""
+    x = _data(4099, torch.bfloat16)
+    got = quantize_blockwise(x.cuda(), 128,
+                             generator=torch.Generator(device="cuda").manual_seed(3))
+    u = torch.rand((33, 128), generator=torch.Generator(device="cuda").manual_seed(3),
+                   device="cuda").cpu().numpy()
+    assert got.cpu().numpy().tobytes() == _ref_quantize(x.float().numpy(), 128, u)

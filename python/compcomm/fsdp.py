@@ -379,7 +379,8 @@ def _plan(pieces: List[Tuple[int, int]], limit: Optional[int]) -> List[int]:
 def onebit(model: torch.nn.Module, warmup_steps: int = 100,
            replicate_group: Optional[Any] = None, *, quantized_allgather: bool = False,
            regather_cache: bool = False, allgather_block: int = DEFAULT_BLOCK,
-           optimizer: Any = None,
+           optimizer: Any = None, allgather_exact_numel: int = 0,
+           allgather_rounding: str = "nearest",
            segment_elements: Optional[int] = DEFAULT_BUCKET_ELEMENTS) -> OneBitFSDP:
     """Install 1-bit compressed gradient reduction on every FSDP2 module of ``model``.
 
@@ -406,6 +407,8 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
         Elements per int8 block of ``quantized_allgather``.
     optimizer : torch.optim.Optimizer or list, optional
         Whose steps invalidate the re-gather cache (default: any optimizer's step).
+    allgather_exact_numel, allgather_rounding
+        ``exact_numel`` and ``rounding`` of :func:`compressed_allgather`.
     segment_elements : int or None, default 16384
         Tensor-aligned segments of each module's reduction (``compress.plan_buckets`` over the
         parameters' padded sizes, as OneBitAdam's buckets): a parameter of more elements is a
@@ -434,7 +437,9 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
     if quantized_allgather or regather_cache:  # first: it checks everything before installing
         state.allgather = compressed_allgather(model, quantized=quantized_allgather,
                                                cache=regather_cache, block=allgather_block,
-                                               optimizer=optimizer)
+                                               optimizer=optimizer,
+                                               exact_numel=allgather_exact_numel,
+                                               rounding=allgather_rounding)
     for name, m in mods:
         pieces = _shard_pieces(m)
         if replicate_group is None:

@@ -70,7 +70,8 @@ def _pieces(segments: Optional[Sequence[int]], n: int, block: int) -> List[Tuple
 
 def quantize_blockwise(x: torch.Tensor, block: int = DEFAULT_BLOCK,
                        out: Optional[torch.Tensor] = None,
-                       segments: Optional[Sequence[int]] = None) -> torch.Tensor:
+                       segments: Optional[Sequence[int]] = None,
+                       generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """Quantize ``x`` (any shape, fp32/bf16/fp16, read flat) to the payload described above.
 
     Parameters
@@ -84,6 +85,10 @@ def quantize_blockwise(x: torch.Tensor, block: int = DEFAULT_BLOCK,
         ``x``'s device.
     segments : sequence of int, optional
         Sizes summing to ``x.numel()``; each starts a new block.
+    generator : torch.Generator, optional
+        Stochastic rounding: ``q = clamp(floor(x / scale + u), -127, 127)`` with ``u`` uniform in
+        [0, 1) drawn from ``generator`` (on ``x``'s device), so that ``E[q * scale] = x``;
+        without it, round half to even.
 
     Returns
     -------
@@ -115,7 +120,12 @@ def quantize_blockwise(x: torch.Tensor, block: int = DEFAULT_BLOCK,
     # rounds differently from the CPU's true division
     torch.div(xb.abs().amax(dim=1), torch.full((1,), 127.0, device=x.device), out=scales)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = xb.div_(safe.unsqueeze(1)).round_().clamp_(-127, 127)
+    q = xb.div_(safe.unsqueeze(1))
+    if generator is None:
+        q.round_()
+    else:  # unbiased: an update below half a step still moves the expected value
+        q.add_(torch.rand(q.shape, generator=generator, device=q.device)).floor_()
+    q.clamp_(-127, 127)
     out[4 * nb:].view(torch.int8).view(nb, block).copy_(q)
     return out
 

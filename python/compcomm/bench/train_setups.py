@@ -72,7 +72,7 @@ import inspect
 from typing import Any, Callable, Dict, List, Tuple
 
 __all__ = ["OPTIMIZERS", "TWIN", "IDENTITY_TWIN", "IDENTITY", "COMPRESSED", "make", "phase",
-           "bf16_hook_cpu", "FSDPBytes", "shard_blocks"]
+           "bf16_hook_cpu", "FSDPBytes", "shard_blocks", "ag_options"]
 
 OPTIMIZERS = (
     "ddp_adamw",
@@ -318,6 +318,15 @@ def shard_blocks(model: Any, world: int, device_type: str = "cpu", mp_policy: An
     return mesh
 
 
+def ag_options(text: str) -> Dict[str, Any]:
+    """``--ag-options``: ``'k=v,k=v'`` -> keyword arguments (integers where they parse)."""
+    out: Dict[str, Any] = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        k, _, v = item.partition("=")
+        out[k.strip()] = int(v) if v.strip().lstrip("-").isdigit() else v.strip()
+    return out
+
+
 def _fsdp2(name: str, model: Any, cfg: Dict[str, Any], world: int, dev: Any) -> Dict[str, Any]:
     import torch
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
@@ -344,7 +353,8 @@ def _fsdp2(name: str, model: Any, cfg: Dict[str, Any], world: int, dev: Any) -> 
     gstate = None
     if ag is not None:  # compcomm's all-gather, wrapped to record the shard sizes
         gstate = compcomm.fsdp.compressed_allgather(
-            model, quantized=ag.get("quantized_allgather", False), cache=ag["regather_cache"])
+            model, quantized=ag.get("quantized_allgather", False), cache=ag["regather_cache"],
+            **ag_options(cfg.get("ag_options", "")))
         for n, m in mods:
             inner = compcomm.fsdp_gather.CompressedAllGather(gstate, n, m)
             m.set_custom_all_gather(_CountedGather(tally, n, inner))
