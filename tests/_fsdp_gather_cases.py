@@ -9,20 +9,21 @@ import torch.distributed as dist
 
 
 def _model(world: int, ag: Optional[Dict[str, Any]] = None,
-           onebit: Optional[Dict[str, Any]] = None):
+           onebit: Optional[Dict[str, Any]] = None, bf16: bool = False):
     """Two resharding blocks and a root that owns the last Linear (the root is not resharded
     after forward: FSDP gathers it once a step)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import compcomm.fsdp as cf
 
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(13, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
                                 torch.nn.Tanh(), torch.nn.Linear(16, 5))
     mesh = init_device_mesh("cpu", (world,))
     for m in (model[0], model[2], model):
-        fully_shard(m, mesh=mesh)
+        fully_shard(m, mesh=mesh, mp_policy=mp)
     state = None
     if ag is not None:
         state = cf.compressed_allgather(model, **ag)
@@ -214,4 +215,34 @@ def exact_small_cases(rank: int, world: int) -> Dict[str, Any]:
     res["stochastic_cache_bitwise"] = _same(lq, lqc) and _same(pq, pqc)
     res["stochastic_differs"] = not _same(lqc, ln)
     res["stochastic_hits"] = sqc.hits
+    return res
+
+
+def bf16_master_cases(rank: int, world: int) -> Dict[str, Any]:
+    """bf16 parameters (MixedPrecisionPolicy): a bias of 1 + 2**-9 in the fp32 master (a quarter
+    of a bf16 step above 1) reaches the forward as 1.0 every time by FSDP's cast; with
+    rounding='stochastic' as 1.0 or 1 + 2**-7, the latter about a quarter of the time (unbiased),
+    exact or int8 (exact_numel) alike; every rank computes with the same weights."""
+    res: Dict[str, Any] = {}
+    for tag, ag in (("fsdp", None), ("cast", dict(quantized=False, cache=False,
+                                                  rounding="stochastic")),
+                    ("int8", dict(quantized=True, cache=True, exact_numel=16,
+                                  rounding="stochastic"))):
+        model, st = _model(world, ag, bf16=True)
+        with torch.no_grad():
+            model[2].bias.to_local().fill_(1 + 2 ** -9)
+        seen: List[torch.Tensor] = []
+        h = model[2].register_forward_pre_hook(
+            lambda m, _: seen.append(m.bias.detach().float().clone()))
+        for t in range(20):
+            model(_batch(t, rank)).sum().backward()
+            if st is not None:
+                st.invalidate()  # a new step's draws (as an optimizer step would)
+        h.remove()
+        vals = torch.stack(seen)
+        gathered = [torch.zeros_like(vals) for _ in range(world)]
+        dist.all_gather(gathered, vals)
+        res[tag] = {"values": sorted(set(vals.flatten().tolist())),
+                    "up": float((vals > 1).float().mean()),
+                    "ranks_agree": all(torch.equal(g, gathered[0]) for g in gathered)}
     return res

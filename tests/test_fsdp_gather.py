@@ -86,12 +86,21 @@ def test_exact_small_parameters_and_stochastic_rounding(world):
                        "stochastic_differs": True, "stochastic_hits": 2 * 3}
 
 
+@pytest.mark.parametrize("world", [2])
+def test_stochastic_rounding_from_the_fp32_master(world):
+    for res in run_ranks(world, C.bf16_master_cases, timeout=300):
+        assert res["fsdp"] == {"values": [1.0], "up": 0.0, "ranks_agree": True}
+        for tag in ("cast", "int8"):
+            assert res[tag]["values"] == [1.0, 1 + 2 ** -7] and res[tag]["ranks_agree"], res
+            assert 0.12 < res[tag]["up"] < 0.38, res  # 0.25 expected; 320 draws: sd 0.024
+
+
 def test_argument_errors():
     import compcomm.fsdp as cf
 
     with pytest.raises(ValueError, match="no FSDP module"):
         cf.compressed_allgather(torch.nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="'quantized' and 'cache'"):
+    with pytest.raises(ValueError, match="nothing to install"):
         cf.compressed_allgather(torch.nn.Linear(2, 2), quantized=False, cache=False)
     with pytest.raises(ValueError, match="'block'"):
         cf.compressed_allgather(torch.nn.Linear(2, 2), block=3)

@@ -43,7 +43,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .errors import UnsupportedError
-from .quantize import DEFAULT_BLOCK, dequantize_blockwise, payload_bytes, quantize_blockwise
+from .quantize import (DEFAULT_BLOCK, dequantize_blockwise, payload_bytes, quantize_blockwise,
+                       round_stochastic)
 
 __all__ = ["GatherState", "CompressedAllGather", "compressed_allgather"]
 
@@ -141,6 +142,27 @@ def _segments(module: Any, n: int, exact_numel: int = 0) -> Optional[List[Tuple[
     return segs if sum(n_ for n_, _ in segs) == n else None
 
 
+def _master(module: Any, n: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """The fp32 master shard behind FSDP's flat all-gather input of ``module`` when FSDP casts
+    it to a narrower ``dtype`` (``MixedPrecisionPolicy(param_dtype=bf16)``), read from FSDP's
+    parameters (torch internals); None when there is none or it cannot be read."""
+    if dtype == torch.float32 or module is None:
+        return None
+    try:
+        groups = _param_groups(module)
+        fps = groups[0].fsdp_params if len(groups) == 1 else []
+        data = [fp._sharded_param_data for fp in fps
+                if getattr(fp.sharded_state, "name", "") == "SHARDED"
+                and not getattr(fp, "offload_to_cpu", False)
+                and not hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather")]
+    except Exception:  # noqa: BLE001 - another torch's internals: the cast FSDP made
+        return None
+    if len(data) != len(fps) or not data or any(d.dtype != torch.float32 for d in data):
+        return None
+    flat = torch.cat([d.reshape(-1) for d in data])
+    return flat if flat.numel() == n else None
+
+
 class _Layout:
     """Where each parameter's shard goes in one rank's payload: the quantized ones first (one
     blockwise int8 payload, each starting a block), then the exact ones in the shard's dtype
@@ -153,7 +175,7 @@ class _Layout:
         self.q = [(o, sz) for o, (sz, ex) in zip(offs, segs) if not ex and sz]
         self.e = [(o, sz) for o, (sz, ex) in zip(offs, segs) if ex and sz]
         self.nq, self.ne = sum(sz for _, sz in self.q), sum(sz for _, sz in self.e)
-        self.itemsize = torch.empty(0, dtype=dtype).element_size()
+        self.dtype, self.itemsize = dtype, torch.empty(0, dtype=dtype).element_size()
         self.qbytes = payload_bytes(self.nq, block, [sz for _, sz in self.q])
         self.bytes = self.qbytes + -(-self.ne * self.itemsize // 4) * 4
         self.all_quantized = not self.e and self.nq == n
@@ -168,6 +190,8 @@ class _Layout:
                                segments=[sz for _, sz in self.q], generator=gen)
         if self.e:
             xe = torch.cat([x[o: o + sz] for o, sz in self.e])
+            if xe.dtype != self.dtype:  # from the fp32 master: the (stochastic) cast
+                xe = round_stochastic(xe, self.dtype, gen)
             out[self.qbytes: self.qbytes + self.ne * self.itemsize].copy_(xe.view(torch.uint8))
         return out
 
@@ -247,14 +271,19 @@ class CompressedAllGather(AllGather):
             st.hits += 1
             return None
         st.gathers += 1
+        gen = self._generator(input_tensor.device, group.rank())
+        # stochastic rounding starts from the fp32 master, not from FSDP's rounded bf16 cast
+        src = _master(module, n, input_tensor.dtype) if gen is not None and (
+            output_tensor.dtype in _FLOATS) else None
         if lay is not None:
-            gen = self._generator(input_tensor.device, group.rank())
-            local = lay.encode(input_tensor.reshape(-1), st.block, gen)
+            local = lay.encode(input_tensor.reshape(-1) if src is None else src, st.block, gen)
             payload = torch.empty(world * local.numel(), dtype=torch.uint8, device=local.device)
             _all_gather(payload, local, group=group)
             lay.decode(payload, output_tensor, st.block)
             st.bytes_sent += (world - 1) * local.numel()
         else:
+            if src is not None:  # this rank's slot: the stochastic cast of the master
+                input_tensor.view(-1).copy_(round_stochastic(src, input_tensor.dtype, gen))
             _all_gather(output_tensor, input_tensor, group=group)
             st.bytes_sent += (world - 1) * n * input_tensor.element_size()
             payload = output_tensor
@@ -337,9 +366,9 @@ def compressed_allgather(model: torch.nn.Module, *, quantized: bool = True, cach
     UnsupportedError
         This torch has no ``FSDPModule.set_custom_all_gather`` (torch < 2.9).
     """
-    if not (quantized or cache):
+    if not (quantized or cache or rounding == "stochastic"):
         raise ValueError("compcomm.fsdp.compressed_allgather: arguments 'quantized' and 'cache' "
-                         "are both False (nothing to install)")
+                         "are both False and rounding is 'nearest' (nothing to install)")
     payload_bytes(0, block)  # validates block
     if isinstance(exact_numel, bool) or not isinstance(exact_numel, int) or exact_numel < 0:
         raise ValueError("compcomm.fsdp.compressed_allgather: argument 'exact_numel' must be an "
@@ -360,6 +389,6 @@ def compressed_allgather(model: torch.nn.Module, *, quantized: bool = True, cach
     state = GatherState(bool(quantized), bool(cache), block, exact_numel, rounding)
     for name, m in mods:
         m.set_custom_all_gather(CompressedAllGather(state, name, m))
-    if cache or (quantized and rounding == "stochastic"):  # both need a step's generation
+    if cache or rounding == "stochastic":  # both need the step's generation
         _install_hooks(state, [m for _, m in mods], optimizer, root=model)
     return state

@@ -26,7 +26,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["DEFAULT_BLOCK", "payload_bytes", "quantize_blockwise", "dequantize_blockwise"]
+__all__ = ["DEFAULT_BLOCK", "payload_bytes", "quantize_blockwise", "dequantize_blockwise",
+           "round_stochastic"]
 
 #: elements per absmax block: the scale costs 4 / 256 bytes per element (1.6 %)
 DEFAULT_BLOCK = 256
@@ -173,3 +174,38 @@ def dequantize_blockwise(payload: torch.Tensor, n: int, out: torch.Tensor,
     for src, dst, sz in _pieces(segments, n, block):
         rows_out[:, src:src + sz].copy_(deq[:, dst:dst + sz])
     return out
+
+
+def round_stochastic(x: torch.Tensor, dtype: torch.dtype,
+                     generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """``x`` (fp32) cast to ``dtype``, rounded stochastically when ``dtype`` is bfloat16.
+
+    bfloat16 is the upper half of float32: a uniform 16-bit integer is added to the magnitude
+    bits of ``x`` and the lower half cleared, so each value goes to one of its two bfloat16
+    neighbours with probabilities that make the cast unbiased (``E[y] = x``): an update below half
+    a bfloat16 step still moves the expected weight (round to nearest would leave it put).
+    Other dtypes, or ``generator=None``: the ordinary cast (round to nearest even). Finite inputs
+    only (the largest finite values may round up to inf).
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        float32, any shape, CPU or CUDA.
+    dtype : torch.dtype
+    generator : torch.Generator, optional
+        On ``x``'s device; the draws are one int per element in ``x``'s (flat) order.
+
+    Returns
+    -------
+    torch.Tensor
+        A new tensor of ``dtype``, ``x``'s shape.
+    """
+    if x.dtype != torch.float32:
+        raise TypeError(f"compcomm.quantize: argument 'x' must be float32, got {x.dtype}")
+    if dtype != torch.bfloat16 or generator is None:
+        return x.to(dtype)
+    bits = x.contiguous().view(torch.int32)
+    r = torch.randint(0, 1 << 16, x.shape, generator=generator, dtype=torch.int32,
+                      device=x.device)
+    # int32 addition on the bit pattern adds to the magnitude for either sign; then truncate
+    return bits.add(r).bitwise_and_(-65536).view(torch.float32).to(torch.bfloat16)

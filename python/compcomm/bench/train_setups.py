@@ -34,6 +34,9 @@ fsdp2_onebit           the same model with ``compcomm.fsdp.onebit(model, warmup_
 fsdp2_onebit_adamw     fsdp2_onebit with torch.optim.AdamW instead (variance keeps following the
                        1-bit gradients: the earlier pairing, for comparison)
 fsdp2_onebit_ag_adamw  fsdp2_onebit_ag with torch.optim.AdamW
+fsdp2_onebit_sr_adamw  fsdp2_onebit_adamw plus compcomm's exact all-gather (the re-gather cache)
+                       with ``rounding="stochastic"``: bf16 parameters (GPU) are cast from the
+                       fp32 master with stochastic rounding instead of FSDP's round to nearest
 fsdp2_onebit_flat      fsdp2_onebit with one 1-bit segment per FSDP module
                        (``segment_elements=None``: the layout before tensor-aligned segments)
 fsdp2_onebit_adamw_flat  both earlier choices: one segment per module and AdamW
@@ -97,6 +100,7 @@ OPTIMIZERS = (
     "fsdp2_adamw_qag",
     "fsdp2_onebit_adamw",
     "fsdp2_onebit_ag_adamw",
+    "fsdp2_onebit_sr_adamw",
     "fsdp2_onebit_flat",
     "fsdp2_onebit_adamw_flat",
     "fsdp2_frozen_identity",
@@ -115,6 +119,7 @@ TWIN = {
     "fsdp2_adamw_qag": "fsdp2_adamw",
     "fsdp2_onebit_adamw": "fsdp2_adamw",
     "fsdp2_onebit_ag_adamw": "fsdp2_adamw",
+    "fsdp2_onebit_sr_adamw": "fsdp2_adamw",
     "fsdp2_onebit_flat": "fsdp2_adamw",
     "fsdp2_onebit_adamw_flat": "fsdp2_adamw",
     "fsdp2_frozen_identity": "fsdp2_adamw",
@@ -134,13 +139,15 @@ IDENTITY = tuple(IDENTITY_TWIN.values())
 COMPRESSED = ("onebitadam", "onebitadam_overlap", "zerooneadam", "zero2_onebitadam",
               "zero2_onebitadam_noag",
               "onebitlamb", "fsdp2_onebit", "fsdp2_onebit_ag", "fsdp2_onebit_cache",
-              "fsdp2_onebit_adamw", "fsdp2_onebit_ag_adamw", "fsdp2_onebit_flat",
+              "fsdp2_onebit_adamw", "fsdp2_onebit_ag_adamw", "fsdp2_onebit_sr_adamw",
+              "fsdp2_onebit_flat",
               "fsdp2_onebit_adamw_flat")
 #: steps 1..--warmup are "warmup", the later ones "compressed"
 _FREEZING = ("onebitadam", "onebitadam_overlap", "onebitlamb", "zero2_onebitadam",
              "zero2_onebitadam_noag",
              "fsdp2_onebit", "fsdp2_onebit_ag", "fsdp2_onebit_cache", "fsdp2_onebit_adamw",
-             "fsdp2_onebit_ag_adamw", "fsdp2_onebit_flat", "fsdp2_onebit_adamw_flat",
+             "fsdp2_onebit_ag_adamw", "fsdp2_onebit_sr_adamw", "fsdp2_onebit_flat",
+             "fsdp2_onebit_adamw_flat",
              "fsdp2_frozen_identity",
              "onebitadam_identity",
              "onebitlamb_identity")
@@ -335,7 +342,7 @@ def _fsdp2(name: str, model: Any, cfg: Dict[str, Any], world: int, dev: Any) -> 
     import compcomm.fsdp
     import compcomm.fsdp_gather
 
-    bf16 = dev.type == "cuda" and cfg.get("amp") == "bf16"
+    bf16 = (dev.type == "cuda" and cfg.get("amp") == "bf16") or bool(cfg.get("fsdp_bf16"))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 \
         else MixedPrecisionPolicy()
     mesh = shard_blocks(model, world, dev.type, mp)
@@ -349,12 +356,14 @@ def _fsdp2(name: str, model: Any, cfg: Dict[str, Any], world: int, dev: Any) -> 
     ag = {"fsdp2_onebit_ag": dict(quantized_allgather=True, regather_cache=True),
           "fsdp2_onebit_ag_adamw": dict(quantized_allgather=True, regather_cache=True),
           "fsdp2_onebit_cache": dict(regather_cache=True),
+          "fsdp2_onebit_sr_adamw": dict(regather_cache=True, rounding="stochastic"),
           "fsdp2_adamw_qag": dict(quantized_allgather=True, regather_cache=True)}.get(name)
     gstate = None
     if ag is not None:  # compcomm's all-gather, wrapped to record the shard sizes
         gstate = compcomm.fsdp.compressed_allgather(
             model, quantized=ag.get("quantized_allgather", False), cache=ag["regather_cache"],
-            **ag_options(cfg.get("ag_options", "")))
+            **{**{k: v for k, v in ag.items() if k == "rounding"},
+               **ag_options(cfg.get("ag_options", ""))})
         for n, m in mods:
             inner = compcomm.fsdp_gather.CompressedAllGather(gstate, n, m)
             m.set_custom_all_gather(_CountedGather(tally, n, inner))
@@ -385,7 +394,7 @@ def _fsdp2(name: str, model: Any, cfg: Dict[str, Any], world: int, dev: Any) -> 
         opt = compcomm.fsdp.FrozenVarianceAdam(model.parameters(), lr=cfg["lr"],
                                                freeze_step=cfg["warmup"])
     elif name in ("fsdp2_adamw", "fsdp2_adamw_qag", "fsdp2_onebit_adamw", "fsdp2_onebit_ag_adamw",
-                  "fsdp2_onebit_adamw_flat"):
+                  "fsdp2_onebit_sr_adamw", "fsdp2_onebit_adamw_flat"):
         opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
     else:
         raise ValueError(f"train: unknown FSDP2 set-up {name!r}")
