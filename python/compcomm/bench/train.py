@@ -131,6 +131,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument("--fsdp-bf16", action="store_true",
                     help="FSDP2 rows: bf16 parameters and reduction (MixedPrecisionPolicy) on the "
                          "CPU too, as on GPUs (default there)")
+    ap.add_argument("--fsdp-unbatched", action="store_true",
+                    help="fsdp2_onebit* rows: one compressed reduce-scatter per segment "
+                         "(OneBitFSDP.batch_segments=False: the same bits, another code path)")
     ap.add_argument("--ag-options", default="",
                     help="keyword arguments of compcomm.fsdp.compressed_allgather for the rows "
                          "with compcomm's all-gather, e.g. 'exact_numel=0,rounding=nearest,"
@@ -212,6 +215,8 @@ def _meta(a: argparse.Namespace, argv: Sequence[str]) -> Dict[str, Any]:
         nd.append(f"all-gather {a.ag_options}")
     if a.fsdp_bf16:
         nd.append("FSDP2 bf16 parameters and reduction")
+    if a.fsdp_unbatched:
+        nd.append("FSDP2 1-bit segments unbatched")
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(), "cpus": os.cpu_count(), "gpu": gpu,
@@ -266,6 +271,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        local_step_scaler=a.local_step_scaler,
                        local_step_clipper=a.local_step_clipper, data_bytes=a.data_bytes,
                        ag_options=a.ag_options, fsdp_bf16=a.fsdp_bf16,
+                       fsdp_unbatched=a.fsdp_unbatched,
                        threads=a.threads, progress=a.progress,
                        collective_timeout=max(60.0, min(a.timeout, 900.0)))
             compute: Dict[str, Any] = {}

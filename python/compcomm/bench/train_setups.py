@@ -371,6 +371,7 @@ def _fsdp2(name: str, model: Any, cfg: Dict[str, Any], world: int, dev: Any) -> 
         flat = name.endswith("_flat")  # one segment per module, as before segments
         state = compcomm.fsdp.onebit(model, warmup_steps=cfg["warmup"],
                                      **(dict(segment_elements=None) if flat else {}))
+        state.batch_segments = not cfg.get("fsdp_unbatched")
         comm = compcomm.get_communicator(mesh.get_group())
         esize = 2 if bf16 else 4
         warm = cfg["warmup"]
