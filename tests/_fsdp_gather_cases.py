@@ -72,8 +72,9 @@ def exactness_cases(rank: int, world: int) -> Dict[str, Any]:
     res["peak_cache_bytes"] = sc.peak_cache_bytes
     res["cache_empty_after_step"] = sc.cache_bytes() == 0
     # blocks of 32: this model's shards are tiny (whole blocks are sent)
-    lq, pq, sq = _run(world, rank, dict(quantized=True, cache=False, block=32), steps)
-    lqc, pqc, sqc = _run(world, rank, dict(quantized=True, cache=True, block=32), steps)
+    q = dict(quantized=True, block=32, exact_numel=0, rounding="nearest")
+    lq, pq, sq = _run(world, rank, dict(q, cache=False), steps)
+    lqc, pqc, sqc = _run(world, rank, dict(q, cache=True), steps)
     res["int8_cache_bitwise"] = _same(lq, lqc) and _same(pq, pqc)
     res["int8_counts"] = (sq.gathers, sq.hits, sqc.gathers, sqc.hits)
     res["int8_bytes"] = (sq.bytes_sent, sq.logical_bytes, sqc.bytes_sent)
@@ -85,7 +86,8 @@ def exactness_cases(rank: int, world: int) -> Dict[str, Any]:
 def weights_cases(rank: int, world: int) -> Dict[str, Any]:
     """Every rank computes with the same dequantized weights, within half an int8 step of each
     parameter's absmax of the exact ones (blocks of 128 start at each parameter's shard)."""
-    model, state = _model(world, dict(quantized=True, cache=True, block=128))
+    model, state = _model(world, dict(quantized=True, cache=True, block=128, exact_numel=0,
+                                      rounding="nearest"))
     exact = [p.full_tensor().clone() for p in model[2].parameters()]
     seen: List[List[torch.Tensor]] = []
     h = model[2].register_forward_pre_hook(
@@ -98,7 +100,7 @@ def weights_cases(rank: int, world: int) -> Dict[str, Any]:
     from compcomm.fsdp_gather import _segments
 
     n = sum(p.to_local().numel() for p in model[2].parameters())  # 16 rows divide W=2; W=3 pads
-    segs = _segments(model[2], 6 * 16 + 6 if world == 3 else n)
+    segs = _segments(model[2], 6 * 16 + 6 if world == 3 else n)  # (exact_numel 0: all int8)
     return {
         "ranks_agree": all(torch.equal(g, gathered[0]) for g in gathered),
         "segments": segs,
@@ -114,7 +116,7 @@ def invalidation_cases(rank: int, world: int) -> Dict[str, Any]:
     """What drops the cache: any optimizer's step (global hook), or only the optimizers passed;
     load_state_dict; invalidate()."""
     res: Dict[str, Any] = {}
-    model, st = _model(world, dict(quantized=True, cache=True))
+    model, st = _model(world, dict(quantized=True, cache=True, exact_numel=0))
     x = _batch(0, rank)
     model.load_state_dict(model.state_dict())  # a post hook on each of the 3 FSDP modules
     res["load_state_dict"] = st.generation
@@ -161,7 +163,7 @@ def onebit_cases(rank: int, world: int) -> Dict[str, Any]:
     """compcomm.fsdp.onebit's keywords: the 1-bit reduce-scatter and the int8 all-gather with
     the cache, trained a few steps; the exact cache under onebit is bitwise."""
     model, state = _model(world, onebit=dict(warmup_steps=1, quantized_allgather=True,
-                                             regather_cache=True))
+                                             regather_cache=True, allgather_exact_numel=0))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, _ = _train(model, opt, rank, 4)
     model2, state2 = _model(world, onebit=dict(warmup_steps=1))
@@ -185,7 +187,8 @@ def exact_small_cases(rank: int, world: int) -> Dict[str, Any]:
     256, 80) int8; every rank computes with the same weights; the payload is the weight's int8
     blocks plus the bias's bytes. Stochastic rounding: the cache changes nothing (a re-gather
     without it draws the same numbers as the forward's gather)."""
-    model, state = _model(world, dict(quantized=True, cache=False, block=32, exact_numel=16))
+    model, state = _model(world, dict(quantized=True, cache=False, block=32, exact_numel=16,
+                                      rounding="nearest"))
     exact = [p.full_tensor().clone() for p in model[2].parameters()]
     seen: List[List[torch.Tensor]] = []
     h = model[2].register_forward_pre_hook(
@@ -207,11 +210,12 @@ def exact_small_cases(rank: int, world: int) -> Dict[str, Any]:
         "ranks_agree": all(torch.equal(g, gathered[0]) for g in gathered),
         "bytes": state.bytes_sent == want,
     }
-    lq, pq, _ = _run(world, rank, dict(quantized=True, cache=False, block=32,
-                                       rounding="stochastic"), 3)
-    lqc, pqc, sqc = _run(world, rank, dict(quantized=True, cache=True, block=32,
-                                           rounding="stochastic"), 3)
-    ln, _, _ = _run(world, rank, dict(quantized=True, cache=True, block=32), 3)
+    sr = dict(quantized=True, block=32, exact_numel=0)  # stochastic: the default
+    lq, pq, _ = _run(world, rank, dict(sr, cache=False), 3)
+    lqc, pqc, sqc = _run(world, rank, dict(sr, cache=True), 3)
+    ln, _, _ = _run(world, rank, dict(sr, cache=True, rounding="nearest"), 3)
+    d, dx = _model(world, {})[1], _model(world, dict(quantized=False))[1]
+    res["defaults"] = (d.rounding, d.exact_numel, dx.rounding)
     res["stochastic_cache_bitwise"] = _same(lq, lqc) and _same(pq, pqc)
     res["stochastic_differs"] = not _same(lqc, ln)
     res["stochastic_hits"] = sqc.hits

@@ -102,10 +102,10 @@ def _equal(a: Any, b: Any) -> bool:
 #: the all-gather variants compared with FSDP's exact gathers (stochastic rounding keeps the
 #: fixed points too: floor(k + u) = k)
 VARIANTS = {
-    "int8": dict(regather_cache=False),
-    "int8_cache": dict(regather_cache=True),
+    "int8": dict(regather_cache=False, allgather_exact_numel=0, allgather_rounding="nearest"),
+    "int8_cache": dict(regather_cache=True, allgather_exact_numel=0, allgather_rounding="nearest"),
     "int8_exact_small": dict(regather_cache=True, allgather_exact_numel=20),
-    "int8_stochastic": dict(regather_cache=False, allgather_rounding="stochastic"),
+    "int8_stochastic": dict(regather_cache=False, allgather_exact_numel=0),  # the default rounding
 }
 
 

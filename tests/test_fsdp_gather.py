@@ -83,7 +83,8 @@ def test_exact_small_parameters_and_stochastic_rounding(world):
     for res in run_ranks(world, C.exact_small_cases, timeout=300):
         assert res == {"bias_exact": True, "weight_quantized": True, "ranks_agree": True,
                        "bytes": True, "stochastic_cache_bitwise": True,
-                       "stochastic_differs": True, "stochastic_hits": 2 * 3}
+                       "stochastic_differs": True, "stochastic_hits": 2 * 3,
+                       "defaults": ("stochastic", 4096, "nearest")}
 
 
 @pytest.mark.parametrize("world", [2])

@@ -50,7 +50,7 @@ from .collectives import (compressed_allreduce, compressed_reduce_scatter, padde
                           workspace_bytes)
 from .compress import DEFAULT_BUCKET_ELEMENTS, plan_buckets
 from .errors import UnsupportedError
-from .fsdp_gather import GatherState, compressed_allgather
+from .fsdp_gather import DEFAULT_EXACT_NUMEL, GatherState, compressed_allgather
 from .fsdp_optim import FrozenVarianceAdam
 from .quantize import DEFAULT_BLOCK
 
@@ -379,8 +379,8 @@ def _plan(pieces: List[Tuple[int, int]], limit: Optional[int]) -> List[int]:
 def onebit(model: torch.nn.Module, warmup_steps: int = 100,
            replicate_group: Optional[Any] = None, *, quantized_allgather: bool = False,
            regather_cache: bool = False, allgather_block: int = DEFAULT_BLOCK,
-           optimizer: Any = None, allgather_exact_numel: int = 0,
-           allgather_rounding: str = "nearest",
+           optimizer: Any = None, allgather_exact_numel: int = DEFAULT_EXACT_NUMEL,
+           allgather_rounding: Optional[str] = None,
            segment_elements: Optional[int] = DEFAULT_BUCKET_ELEMENTS) -> OneBitFSDP:
     """Install 1-bit compressed gradient reduction on every FSDP2 module of ``model``.
 
@@ -407,8 +407,11 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
         Elements per int8 block of ``quantized_allgather``.
     optimizer : torch.optim.Optimizer or list, optional
         Whose steps invalidate the re-gather cache (default: any optimizer's step).
-    allgather_exact_numel, allgather_rounding
-        ``exact_numel`` and ``rounding`` of :func:`compressed_allgather`.
+    allgather_exact_numel : int, default 4096
+    allgather_rounding : {"stochastic", "nearest"}, optional
+        ``exact_numel`` and ``rounding`` of :func:`compressed_allgather` (defaults: small
+        parameters unquantized, stochastic rounding when ``quantized_allgather``; docs/fsdp.md,
+        "Issue 16: the int8 all-gather with the 1-bit reduce-scatter").
     segment_elements : int or None, default 16384
         Tensor-aligned segments of each module's reduction (``compress.plan_buckets`` over the
         parameters' padded sizes, as OneBitAdam's buckets): a parameter of more elements is a

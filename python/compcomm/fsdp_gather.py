@@ -46,7 +46,10 @@ from .errors import UnsupportedError
 from .quantize import (DEFAULT_BLOCK, dequantize_blockwise, payload_bytes, quantize_blockwise,
                        round_stochastic)
 
-__all__ = ["GatherState", "CompressedAllGather", "compressed_allgather"]
+__all__ = ["GatherState", "CompressedAllGather", "compressed_allgather", "DEFAULT_EXACT_NUMEL"]
+
+#: parameters of at most this many elements (norm weights, biases) are gathered unquantized
+DEFAULT_EXACT_NUMEL = 4096
 
 # torch 2.13 renamed the tensor form of all_gather; older releases have only this one.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -73,7 +76,7 @@ class GatherState:
     """
 
     def __init__(self, quantized: bool, cache: bool, block: int, exact_numel: int = 0,
-                 rounding: str = "nearest", seed: int = 0) -> None:
+                 rounding: str = "nearest", seed: int = 0) -> None:  # compressed_allgather's
         self.quantized, self.cache, self.block = quantized, cache, block
         self.exact_numel, self.rounding, self.seed = exact_numel, rounding, seed
         self.generation = 0
@@ -330,7 +333,8 @@ def _install_hooks(state: GatherState, modules: Iterable[Any], optimizer: Any,
 
 def compressed_allgather(model: torch.nn.Module, *, quantized: bool = True, cache: bool = True,
                          block: int = DEFAULT_BLOCK, optimizer: Any = None,
-                         exact_numel: int = 0, rounding: str = "nearest") -> GatherState:
+                         exact_numel: int = DEFAULT_EXACT_NUMEL,
+                         rounding: Optional[str] = None) -> GatherState:
     """Install compcomm's all-gather on every FSDP2 module of ``model``.
 
     Parameters
@@ -347,12 +351,15 @@ def compressed_allgather(model: torch.nn.Module, *, quantized: bool = True, cach
         Elements per absmax block (a multiple of 4).
     optimizer : torch.optim.Optimizer or list of them, optional
         Whose steps invalidate the cache; default: any optimizer's step (torch's global hook).
-    exact_numel : int, default 0
-        Parameters of at most this many elements (LayerNorm weights, biases) are gathered in
-        their own dtype, not int8.
-    rounding : {"nearest", "stochastic"}, default "nearest"
-        How the int8 code rounds: to nearest (even), or stochastically (unbiased; each rank draws
-        for its own shard, reseeded per step and module so that a re-gather matches).
+    exact_numel : int, default 4096
+        With ``quantized``: parameters of at most this many elements (norm weights, biases) are
+        gathered in FSDP's dtype, not int8 (a LayerNorm weight near 1 has int8 steps of ~1/127).
+    rounding : {"stochastic", "nearest"}, optional
+        How the int8 code (and, with bf16 parameters, the cast from FSDP's fp32 master) rounds:
+        stochastically (unbiased: an update below half a step still moves the expected weight;
+        each rank draws for its own shard, reseeded per step and module so that a re-gather
+        matches), or to nearest (FSDP's own cast; the int8 code rounds half to even). Default:
+        "stochastic" when ``quantized``, else "nearest" (then the cache changes no numerics).
 
     Returns
     -------
@@ -366,6 +373,8 @@ def compressed_allgather(model: torch.nn.Module, *, quantized: bool = True, cach
     UnsupportedError
         This torch has no ``FSDPModule.set_custom_all_gather`` (torch < 2.9).
     """
+    if rounding is None:
+        rounding = "stochastic" if quantized else "nearest"
     if not (quantized or cache or rounding == "stochastic"):
         raise ValueError("compcomm.fsdp.compressed_allgather: arguments 'quantized' and 'cache' "
                          "are both False and rounding is 'nearest' (nothing to install)")
