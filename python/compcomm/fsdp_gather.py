@@ -20,11 +20,14 @@ reduce-scatter. :func:`compressed_allgather` installs an ``AllGather``
 * **Quantized all-gather** (``quantized=True``). Each rank quantizes its exact shard blockwise to
   int8 (:mod:`compcomm.quantize`), the payloads are all-gathered as bytes and dequantized into
   FSDP's output buffer, this rank's own slot included: every rank computes with the same weights.
-  The master shards stay exact (no error feedback: each step re-quantizes them). Blocks start
-  at every parameter's shard within the flat input (read from FSDP's parameter list, the same on
-  every rank; flat blocks when it cannot be read), so a bias never shares a scale with a
-  LayerNorm weight. Non-float gathers (e.g. FSDP's uint8 for float8 tensors) go through
-  unquantized.
+  The master shards stay exact (each step re-quantizes them). Blocks start at every parameter's
+  shard within the flat input (read from FSDP's parameter list, the same on every rank; flat
+  blocks when it cannot be read). By default the code rounds stochastically (unbiased: round to
+  nearest leaves a weight where it is while its updates stay below half a step, which under the
+  1-bit reduce-scatter kept a CPU run from recovering from a loss spike, docs/fsdp.md), starting
+  from FSDP's fp32 master when FSDP casts to bf16, and parameters of <= ``exact_numel`` elements
+  (norm weights, biases) travel unquantized. Non-float gathers (e.g. FSDP's uint8 for float8
+  tensors) go through unquantized.
 
 The call is synchronous on the caller's stream (FSDP records its event right after it returns);
 torch ops only, so it runs on CPU and CUDA alike. At world size 1 FSDP does not call it.
@@ -375,6 +378,9 @@ def compressed_allgather(model: torch.nn.Module, *, quantized: bool = True, cach
     """
     if rounding is None:
         rounding = "stochastic" if quantized else "nearest"
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError("compcomm.fsdp.compressed_allgather: argument 'rounding' must be "
+                         f"'nearest' or 'stochastic', got {rounding!r}")
     if not (quantized or cache or rounding == "stochastic"):
         raise ValueError("compcomm.fsdp.compressed_allgather: arguments 'quantized' and 'cache' "
                          "are both False and rounding is 'nearest' (nothing to install)")
@@ -382,9 +388,6 @@ def compressed_allgather(model: torch.nn.Module, *, quantized: bool = True, cach
     if isinstance(exact_numel, bool) or not isinstance(exact_numel, int) or exact_numel < 0:
         raise ValueError("compcomm.fsdp.compressed_allgather: argument 'exact_numel' must be an "
                          f"integer >= 0, got {exact_numel!r}")
-    if rounding not in ("nearest", "stochastic"):
-        raise ValueError("compcomm.fsdp.compressed_allgather: argument 'rounding' must be "
-                         f"'nearest' or 'stochastic', got {rounding!r}")
     mods = [(n or "<root>", m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not mods:
         raise ValueError("compcomm.fsdp.compressed_allgather: argument 'model' has no FSDP module "
