@@ -210,12 +210,12 @@ def exact_small_cases(rank: int, world: int) -> Dict[str, Any]:
         "ranks_agree": all(torch.equal(g, gathered[0]) for g in gathered),
         "bytes": state.bytes_sent == want,
     }
-    sr = dict(quantized=True, block=32, exact_numel=0)  # stochastic: the default
+    sr = dict(quantized=True, block=32, exact_numel=0, rounding="stochastic")
     lq, pq, _ = _run(world, rank, dict(sr, cache=False), 3)
     lqc, pqc, sqc = _run(world, rank, dict(sr, cache=True), 3)
     ln, _, _ = _run(world, rank, dict(sr, cache=True, rounding="nearest"), 3)
     d, dx = _model(world, {})[1], _model(world, dict(quantized=False))[1]
-    res["defaults"] = (d.rounding, d.exact_numel, dx.rounding)
+    res["defaults"] = (d.rounding, d.exact_numel, d.block, dx.rounding)
     res["stochastic_cache_bitwise"] = _same(lq, lqc) and _same(pq, pqc)
     res["stochastic_differs"] = not _same(lqc, ln)
     res["stochastic_hits"] = sqc.hits

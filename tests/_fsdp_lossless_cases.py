@@ -105,7 +105,8 @@ VARIANTS = {
     "int8": dict(regather_cache=False, allgather_exact_numel=0, allgather_rounding="nearest"),
     "int8_cache": dict(regather_cache=True, allgather_exact_numel=0, allgather_rounding="nearest"),
     "int8_exact_small": dict(regather_cache=True, allgather_exact_numel=20),
-    "int8_stochastic": dict(regather_cache=False, allgather_exact_numel=0),  # the default rounding
+    "int8_stochastic": dict(regather_cache=False, allgather_exact_numel=0,
+                            allgather_rounding="stochastic"),
 }
 
 

@@ -84,7 +84,7 @@ def test_exact_small_parameters_and_stochastic_rounding(world):
         assert res == {"bias_exact": True, "weight_quantized": True, "ranks_agree": True,
                        "bytes": True, "stochastic_cache_bitwise": True,
                        "stochastic_differs": True, "stochastic_hits": 2 * 3,
-                       "defaults": ("stochastic", 4096, "nearest")}
+                       "defaults": ("nearest", 4096, 64, "nearest")}
 
 
 @pytest.mark.parametrize("world", [2])

@@ -380,7 +380,7 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
            replicate_group: Optional[Any] = None, *, quantized_allgather: bool = False,
            regather_cache: bool = False, allgather_block: int = DEFAULT_BLOCK,
            optimizer: Any = None, allgather_exact_numel: int = DEFAULT_EXACT_NUMEL,
-           allgather_rounding: Optional[str] = None,
+           allgather_rounding: str = "nearest",
            segment_elements: Optional[int] = DEFAULT_BUCKET_ELEMENTS) -> OneBitFSDP:
     """Install 1-bit compressed gradient reduction on every FSDP2 module of ``model``.
 
@@ -403,15 +403,15 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
     regather_cache : bool, default False
         Also serve the backward's parameter re-gather from the forward's (exact; memory: the
         gathered payloads of the resharding modules until their backward).
-    allgather_block : int, default 256
+    allgather_block : int, default 64
         Elements per int8 block of ``quantized_allgather``.
     optimizer : torch.optim.Optimizer or list, optional
         Whose steps invalidate the re-gather cache (default: any optimizer's step).
     allgather_exact_numel : int, default 4096
-    allgather_rounding : {"stochastic", "nearest"}, optional
+    allgather_rounding : {"nearest", "stochastic"}, default "nearest"
         ``exact_numel`` and ``rounding`` of :func:`compressed_allgather` (defaults: small
-        parameters unquantized, stochastic rounding when ``quantized_allgather``; docs/fsdp.md,
-        "Issue 16: the int8 all-gather with the 1-bit reduce-scatter").
+        parameters unquantized, round to nearest; docs/fsdp.md, "Issue 16: the int8 all-gather
+        with the 1-bit reduce-scatter").
     segment_elements : int or None, default 16384
         Tensor-aligned segments of each module's reduction (``compress.plan_buckets`` over the
         parameters' padded sizes, as OneBitAdam's buckets): a parameter of more elements is a

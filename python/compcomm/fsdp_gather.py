@@ -22,11 +22,10 @@ reduce-scatter. :func:`compressed_allgather` installs an ``AllGather``
   FSDP's output buffer, this rank's own slot included: every rank computes with the same weights.
   The master shards stay exact (each step re-quantizes them). Blocks start at every parameter's
   shard within the flat input (read from FSDP's parameter list, the same on every rank; flat
-  blocks when it cannot be read). By default the code rounds stochastically (unbiased: round to
-  nearest leaves a weight where it is while its updates stay below half a step, which under the
-  1-bit reduce-scatter kept a CPU run from recovering from a loss spike, docs/fsdp.md), starting
-  from FSDP's fp32 master when FSDP casts to bf16, and parameters of <= ``exact_numel`` elements
-  (norm weights, biases) travel unquantized. Non-float gathers (e.g. FSDP's uint8 for float8
+  blocks when it cannot be read), 64 elements by default; parameters of <= ``exact_numel``
+  elements (norm weights, biases) travel unquantized. The code rounds to nearest by default;
+  ``rounding="stochastic"`` (unbiased, from FSDP's fp32 master when FSDP casts to bf16) is an
+  option: it helped one CPU run and hurt on the GPU (docs/fsdp.md). Non-float gathers (e.g. FSDP's uint8 for float8
   tensors) go through unquantized.
 
 The call is synchronous on the caller's stream (FSDP records its event right after it returns);
@@ -337,7 +336,7 @@ def _install_hooks(state: GatherState, modules: Iterable[Any], optimizer: Any,
 def compressed_allgather(model: torch.nn.Module, *, quantized: bool = True, cache: bool = True,
                          block: int = DEFAULT_BLOCK, optimizer: Any = None,
                          exact_numel: int = DEFAULT_EXACT_NUMEL,
-                         rounding: Optional[str] = None) -> GatherState:
+                         rounding: str = "nearest") -> GatherState:
     """Install compcomm's all-gather on every FSDP2 module of ``model``.
 
     Parameters
@@ -350,19 +349,19 @@ def compressed_allgather(model: torch.nn.Module, *, quantized: bool = True, cach
         weights every rank computes with are the dequantized ones).
     cache : bool, default True
         Serve the backward's re-gather from the forward's gather (exact).
-    block : int, default 256
+    block : int, default 64
         Elements per absmax block (a multiple of 4).
     optimizer : torch.optim.Optimizer or list of them, optional
         Whose steps invalidate the cache; default: any optimizer's step (torch's global hook).
     exact_numel : int, default 4096
         With ``quantized``: parameters of at most this many elements (norm weights, biases) are
         gathered in FSDP's dtype, not int8 (a LayerNorm weight near 1 has int8 steps of ~1/127).
-    rounding : {"stochastic", "nearest"}, optional
+    rounding : {"nearest", "stochastic"}, default "nearest"
         How the int8 code (and, with bf16 parameters, the cast from FSDP's fp32 master) rounds:
-        stochastically (unbiased: an update below half a step still moves the expected weight;
-        each rank draws for its own shard, reseeded per step and module so that a re-gather
-        matches), or to nearest (FSDP's own cast; the int8 code rounds half to even). Default:
-        "stochastic" when ``quantized``, else "nearest" (then the cache changes no numerics).
+        to nearest (FSDP's own cast; the int8 code rounds half to even), or stochastically
+        (unbiased: an update below half a step still moves the expected weight; each rank draws
+        for its own shard, reseeded per step and module so that a re-gather matches). Stochastic
+        rounding trained worse on the GPU (docs/fsdp.md): an option, not the default.
 
     Returns
     -------
@@ -376,8 +375,6 @@ def compressed_allgather(model: torch.nn.Module, *, quantized: bool = True, cach
     UnsupportedError
         This torch has no ``FSDPModule.set_custom_all_gather`` (torch < 2.9).
     """
-    if rounding is None:
-        rounding = "stochastic" if quantized else "nearest"
     if rounding not in ("nearest", "stochastic"):
         raise ValueError("compcomm.fsdp.compressed_allgather: argument 'rounding' must be "
                          f"'nearest' or 'stochastic', got {rounding!r}")

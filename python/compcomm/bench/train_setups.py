@@ -43,9 +43,10 @@ fsdp2_onebit_adamw_flat  both earlier choices: one segment per module and AdamW
 fsdp2_frozen_identity  FSDP's own reduce-scatter (exact) with FrozenVarianceAdam(freeze_step=
                        --warmup): what freezing the variance costs without compression
 fsdp2_onebit_ag        fsdp2_onebit plus compcomm's parameter all-gather: blockwise int8
-                       (``quantized_allgather``, its defaults: stochastic rounding, parameters of
-                       <= 4096 elements unquantized; ``--ag-options exact_numel=0,rounding=nearest``
-                       gives the rows before) and the re-gather cache (``regather_cache``)
+                       (``quantized_allgather``, its defaults: blocks of 64, round to nearest,
+                       parameters of <= 4096 elements unquantized; ``--ag-options
+                       exact_numel=0,block=256`` gives the rows before) and the re-gather cache
+                       (``regather_cache``)
 fsdp2_onebit_cache     fsdp2_onebit plus the re-gather cache alone (exact all-gathers)
 fsdp2_adamw_qag        fsdp2_adamw plus the int8 all-gather and the cache, FSDP's own
                        reduce-scatter: what the int8 weights alone cost in loss
