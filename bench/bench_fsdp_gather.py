@@ -66,7 +66,7 @@ def _kernel_lines(n: int, world: int) -> List[str]:
 
     import torch
 
-    from compcomm.quantize import dequantize_blockwise, quantize_blockwise
+    from compcomm.quantize import dequantize_blockwise, quantize_blockwise, round_stochastic
 
     torch.set_num_threads(1)
     x = torch.randn(n, generator=torch.Generator().manual_seed(0))
@@ -86,10 +86,18 @@ def _kernel_lines(n: int, world: int) -> List[str]:
     copy_one = med(lambda: x.clone())
     copy_all = med(lambda: out.copy_(src))
     q = med(lambda: quantize_blockwise(x))
+    gen = torch.Generator().manual_seed(1)
+    qs = med(lambda: quantize_blockwise(x, generator=gen))
+    cast = med(lambda: x.to(torch.bfloat16))
+    casts = med(lambda: round_stochastic(x, torch.bfloat16, gen))
     d = med(lambda: dequantize_blockwise(payload, n, out))
     return ["", f"Kernels (torch ops, one thread, fp32, n = {n}, W = {world}; median of 7):", "",
             f"- quantize one shard: {q * 1e3:.2f} ms = {q / copy_one:.1f}x a copy of the shard "
             f"({copy_one * 1e3:.2f} ms)",
+            f"- quantize one shard, stochastic rounding: {qs * 1e3:.2f} ms = {qs / q:.2f}x round "
+            f"to nearest",
+            f"- bf16 cast of one shard, stochastic: {casts * 1e3:.2f} ms = {casts / cast:.2f}x "
+            f"torch's cast ({cast * 1e3:.2f} ms)",
             f"- dequantize W shards: {d * 1e3:.2f} ms = {d / copy_all:.1f}x a copy of the W shards "
             f"({copy_all * 1e3:.2f} ms)"]
 

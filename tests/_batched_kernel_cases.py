@@ -136,3 +136,39 @@ def cancelled_commit_many(cancel_at: int) -> Tuple[bool, bool]:
     for x, (we, se, ws) in zip(ref_xs, ref_bufs):
         _C.compressed_allreduce(local, buffer_of(x), buffer_of(we), buffer_of(se), buffer_of(ws))
     return unchanged, same(snapshot(ref_xs, ref_bufs), snapshot(xs, bufs))
+
+
+def rs_buffers(world: int, device: str):
+    """Per bucket: worker error, server error, workspace, out (FSDP's per-segment reduce-scatter)."""
+    return [[we, se, ws, torch.zeros(we.numel() // world, device=device)]
+            for we, se, ws in buffers(world, device)]
+
+
+def rs_batched_equals_per_call(world: int, device: str, rounds: int = 3) -> List[bool]:
+    """compressed_reduce_scatter_exchange_many + a compressed_reduce_scatter_commit per bucket
+    (compcomm.fsdp's batched segments) against one compressed_reduce_scatter per bucket, bit for
+    bit per round: the outputs, both error buffers and the inputs."""
+    comm = mirrored_peers(world)
+    stream = torch.cuda.current_stream().cuda_stream if device == "cuda" else 0
+    one, many = rs_buffers(world, device), rs_buffers(world, device)
+    out = []
+    for rnd in range(rounds):
+        x1, x2 = inputs(rnd, device), inputs(rnd, device)
+        x1 = [torch.nn.functional.pad(x.float(), (0, b[0].numel() - x.numel())) for x, b in zip(x1, one)]
+        x2 = [torch.nn.functional.pad(x.float(), (0, b[0].numel() - x.numel())) for x, b in zip(x2, many)]
+        for x, (we, se, ws, o) in zip(x1, one):
+            _C.zero.compressed_reduce_scatter(comm, buffer_of(x), buffer_of(we), buffer_of(se),
+                                              buffer_of(o), buffer_of(ws), 60.0, stream)
+        staging = torch.empty(_C.zero.compressed_allreduce_batch_bytes([b[0].numel() for b in many], world),
+                              dtype=torch.uint8, device=device)
+        bufs = [[buffer_of(t) for t in ts] for ts in
+                (x2, [b[0] for b in many], [b[1] for b in many], [b[3] for b in many], [b[2] for b in many])]
+        _C.zero.compressed_reduce_scatter_exchange_many(comm, *bufs, buffer_of(staging), 60.0, stream)
+        for call in zip(*bufs):
+            _C.zero.compressed_reduce_scatter_commit(comm, *call, gate=False, stream=stream)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        snap = lambda xs, bs: [x.cpu().clone() for x in xs] + [t.cpu().clone() for b in bs  # noqa: E731
+                                                               for t in (b[0], b[1], b[3])]
+        out.append(same(snap(x1, one), snap(x2, many)))
+    return out

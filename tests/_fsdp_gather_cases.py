@@ -9,20 +9,21 @@ import torch.distributed as dist
 
 
 def _model(world: int, ag: Optional[Dict[str, Any]] = None,
-           onebit: Optional[Dict[str, Any]] = None):
+           onebit: Optional[Dict[str, Any]] = None, bf16: bool = False):
     """Two resharding blocks and a root that owns the last Linear (the root is not resharded
     after forward: FSDP gathers it once a step)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import compcomm.fsdp as cf
 
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(13, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
                                 torch.nn.Tanh(), torch.nn.Linear(16, 5))
     mesh = init_device_mesh("cpu", (world,))
     for m in (model[0], model[2], model):
-        fully_shard(m, mesh=mesh)
+        fully_shard(m, mesh=mesh, mp_policy=mp)
     state = None
     if ag is not None:
         state = cf.compressed_allgather(model, **ag)
@@ -71,8 +72,9 @@ def exactness_cases(rank: int, world: int) -> Dict[str, Any]:
     res["peak_cache_bytes"] = sc.peak_cache_bytes
     res["cache_empty_after_step"] = sc.cache_bytes() == 0
     # blocks of 32: this model's shards are tiny (whole blocks are sent)
-    lq, pq, sq = _run(world, rank, dict(quantized=True, cache=False, block=32), steps)
-    lqc, pqc, sqc = _run(world, rank, dict(quantized=True, cache=True, block=32), steps)
+    q = dict(quantized=True, block=32, exact_numel=0, rounding="nearest")
+    lq, pq, sq = _run(world, rank, dict(q, cache=False), steps)
+    lqc, pqc, sqc = _run(world, rank, dict(q, cache=True), steps)
     res["int8_cache_bitwise"] = _same(lq, lqc) and _same(pq, pqc)
     res["int8_counts"] = (sq.gathers, sq.hits, sqc.gathers, sqc.hits)
     res["int8_bytes"] = (sq.bytes_sent, sq.logical_bytes, sqc.bytes_sent)
@@ -84,7 +86,8 @@ def exactness_cases(rank: int, world: int) -> Dict[str, Any]:
 def weights_cases(rank: int, world: int) -> Dict[str, Any]:
     """Every rank computes with the same dequantized weights, within half an int8 step of each
     parameter's absmax of the exact ones (blocks of 128 start at each parameter's shard)."""
-    model, state = _model(world, dict(quantized=True, cache=True, block=128))
+    model, state = _model(world, dict(quantized=True, cache=True, block=128, exact_numel=0,
+                                      rounding="nearest"))
     exact = [p.full_tensor().clone() for p in model[2].parameters()]
     seen: List[List[torch.Tensor]] = []
     h = model[2].register_forward_pre_hook(
@@ -97,7 +100,7 @@ def weights_cases(rank: int, world: int) -> Dict[str, Any]:
     from compcomm.fsdp_gather import _segments
 
     n = sum(p.to_local().numel() for p in model[2].parameters())  # 16 rows divide W=2; W=3 pads
-    segs = _segments(model[2], 6 * 16 + 6 if world == 3 else n)
+    segs = _segments(model[2], 6 * 16 + 6 if world == 3 else n)  # (exact_numel 0: all int8)
     return {
         "ranks_agree": all(torch.equal(g, gathered[0]) for g in gathered),
         "segments": segs,
@@ -113,7 +116,7 @@ def invalidation_cases(rank: int, world: int) -> Dict[str, Any]:
     """What drops the cache: any optimizer's step (global hook), or only the optimizers passed;
     load_state_dict; invalidate()."""
     res: Dict[str, Any] = {}
-    model, st = _model(world, dict(quantized=True, cache=True))
+    model, st = _model(world, dict(quantized=True, cache=True, exact_numel=0))
     x = _batch(0, rank)
     model.load_state_dict(model.state_dict())  # a post hook on each of the 3 FSDP modules
     res["load_state_dict"] = st.generation
@@ -160,7 +163,7 @@ def onebit_cases(rank: int, world: int) -> Dict[str, Any]:
     """compcomm.fsdp.onebit's keywords: the 1-bit reduce-scatter and the int8 all-gather with
     the cache, trained a few steps; the exact cache under onebit is bitwise."""
     model, state = _model(world, onebit=dict(warmup_steps=1, quantized_allgather=True,
-                                             regather_cache=True))
+                                             regather_cache=True, allgather_exact_numel=0))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, _ = _train(model, opt, rank, 4)
     model2, state2 = _model(world, onebit=dict(warmup_steps=1))
@@ -177,3 +180,73 @@ def onebit_cases(rank: int, world: int) -> Dict[str, Any]:
             "none": state2.allgather is None,
             "exact_cache_bitwise": _same(l2, l3) and _same(p2, p3),
             "steps": dict(state.steps)}
+
+
+def exact_small_cases(rank: int, world: int) -> Dict[str, Any]:
+    """exact_numel=16: the biases (16 and 5 elements) arrive exactly, the weights (13*16=208,
+    256, 80) int8; every rank computes with the same weights; the payload is the weight's int8
+    blocks plus the bias's bytes. Stochastic rounding: the cache changes nothing (a re-gather
+    without it draws the same numbers as the forward's gather)."""
+    model, state = _model(world, dict(quantized=True, cache=False, block=32, exact_numel=16,
+                                      rounding="nearest"))
+    exact = [p.full_tensor().clone() for p in model[2].parameters()]
+    seen: List[List[torch.Tensor]] = []
+    h = model[2].register_forward_pre_hook(
+        lambda m, _: seen.append([p.detach().clone() for p in m.parameters()]))
+    model(_batch(0, rank)).sum().backward()
+    h.remove()
+    w, b = seen[0]
+    gathered = [torch.zeros_like(w) for _ in range(world)]
+    dist.all_gather(gathered, w.contiguous())
+    from compcomm.quantize import payload_bytes
+
+    r16, r5 = -(-16 // world), -(-5 // world)
+    per = lambda w, b: payload_bytes(w, 32, [w]) + 4 * b  # noqa: E731 - fp32 bias, 4-aligned
+    # one forward and backward without the cache: the blocks twice each, the root once
+    want = (world - 1) * (2 * per(r16 * 13, r16) + 2 * per(r16 * 16, r16) + per(r5 * 16, r5))
+    res: Dict[str, Any] = {
+        "bias_exact": torch.equal(b, exact[1]),
+        "weight_quantized": not torch.equal(w, exact[0]),
+        "ranks_agree": all(torch.equal(g, gathered[0]) for g in gathered),
+        "bytes": state.bytes_sent == want,
+    }
+    sr = dict(quantized=True, block=32, exact_numel=0, rounding="stochastic")
+    lq, pq, _ = _run(world, rank, dict(sr, cache=False), 3)
+    lqc, pqc, sqc = _run(world, rank, dict(sr, cache=True), 3)
+    ln, _, _ = _run(world, rank, dict(sr, cache=True, rounding="nearest"), 3)
+    d, dx = _model(world, {})[1], _model(world, dict(quantized=False))[1]
+    res["defaults"] = (d.rounding, d.exact_numel, d.block, dx.rounding)
+    res["stochastic_cache_bitwise"] = _same(lq, lqc) and _same(pq, pqc)
+    res["stochastic_differs"] = not _same(lqc, ln)
+    res["stochastic_hits"] = sqc.hits
+    return res
+
+
+def bf16_master_cases(rank: int, world: int) -> Dict[str, Any]:
+    """bf16 parameters (MixedPrecisionPolicy): a bias of 1 + 2**-9 in the fp32 master (a quarter
+    of a bf16 step above 1) reaches the forward as 1.0 every time by FSDP's cast; with
+    rounding='stochastic' as 1.0 or 1 + 2**-7, the latter about a quarter of the time (unbiased),
+    exact or int8 (exact_numel) alike; every rank computes with the same weights."""
+    res: Dict[str, Any] = {}
+    for tag, ag in (("fsdp", None), ("cast", dict(quantized=False, cache=False,
+                                                  rounding="stochastic")),
+                    ("int8", dict(quantized=True, cache=True, exact_numel=16,
+                                  rounding="stochastic"))):
+        model, st = _model(world, ag, bf16=True)
+        with torch.no_grad():
+            model[2].bias.to_local().fill_(1 + 2 ** -9)
+        seen: List[torch.Tensor] = []
+        h = model[2].register_forward_pre_hook(
+            lambda m, _: seen.append(m.bias.detach().float().clone()))
+        for t in range(20):
+            model(_batch(t, rank)).sum().backward()
+            if st is not None:
+                st.invalidate()  # a new step's draws (as an optimizer step would)
+        h.remove()
+        vals = torch.stack(seen)
+        gathered = [torch.zeros_like(vals) for _ in range(world)]
+        dist.all_gather(gathered, vals)
+        res[tag] = {"values": sorted(set(vals.flatten().tolist())),
+                    "up": float((vals > 1).float().mean()),
+                    "ranks_agree": all(torch.equal(g, gathered[0]) for g in gathered)}
+    return res

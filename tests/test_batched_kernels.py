@@ -66,3 +66,10 @@ def test_cancelled_batch_without_gate_changes_state(cancel_at, monkeypatch):
     monkeypatch.setenv("COMPCOMM_TEST_FAULT", "no_commit_gate")
     unchanged, _ = bk.cancelled_commit_many(cancel_at)
     assert not unchanged
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_batched_reduce_scatter_equals_per_call(world):
+    """compcomm.fsdp's batched segments (compressed_reduce_scatter_exchange_many + a commit per
+    segment) give the bits of one compressed_reduce_scatter per segment: outputs, both errors."""
+    assert bk.rs_batched_equals_per_call(world, "cpu") == [True] * 3

@@ -67,3 +67,10 @@ def test_batch_copy_of_megabytes_misaligned(shift):
     want[shift:shift + n] = src[3:3 + n]
     want[-8:-3] = src[:5]
     assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_batched_reduce_scatter_equals_per_call(world):
+    """compcomm.fsdp's batched segments (compressed_reduce_scatter_exchange_many + a commit per
+    segment) give the bits of one compressed_reduce_scatter per segment: outputs, both errors."""
+    assert bk.rs_batched_equals_per_call(world, "cuda") == [True] * 3

@@ -52,7 +52,7 @@ def test_int8_allgather_bytes_and_loss(world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_int8_weights_agree_across_ranks(world):
     for res in run_ranks(world, C.weights_cases, timeout=300):
-        segs = [16 * 8, 8] if world == 2 else [16 * 6, 6]  # weight and bias shards, padded
+        segs = [(16 * 8, False), (8, False)] if world == 2 else [(16 * 6, False), (6, False)]
         assert res == {"ranks_agree": True, "segments": segs, "within_bound": True,
                        "differs": True, "hits": 2}
 
@@ -78,12 +78,34 @@ def test_onebit_keywords(world):
         assert res["steps"] == {"0": STEPS, "2": STEPS, "<root>": STEPS}
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_exact_small_parameters_and_stochastic_rounding(world):
+    for res in run_ranks(world, C.exact_small_cases, timeout=300):
+        assert res == {"bias_exact": True, "weight_quantized": True, "ranks_agree": True,
+                       "bytes": True, "stochastic_cache_bitwise": True,
+                       "stochastic_differs": True, "stochastic_hits": 2 * 3,
+                       "defaults": ("nearest", 4096, 64, "nearest")}
+
+
+@pytest.mark.parametrize("world", [2])
+def test_stochastic_rounding_from_the_fp32_master(world):
+    for res in run_ranks(world, C.bf16_master_cases, timeout=300):
+        assert res["fsdp"] == {"values": [1.0], "up": 0.0, "ranks_agree": True}
+        for tag in ("cast", "int8"):
+            assert res[tag]["values"] == [1.0, 1 + 2 ** -7] and res[tag]["ranks_agree"], res
+            assert 0.12 < res[tag]["up"] < 0.38, res  # 0.25 expected; 320 draws: sd 0.024
+
+
 def test_argument_errors():
     import compcomm.fsdp as cf
 
     with pytest.raises(ValueError, match="no FSDP module"):
         cf.compressed_allgather(torch.nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="'quantized' and 'cache'"):
+    with pytest.raises(ValueError, match="nothing to install"):
         cf.compressed_allgather(torch.nn.Linear(2, 2), quantized=False, cache=False)
     with pytest.raises(ValueError, match="'block'"):
         cf.compressed_allgather(torch.nn.Linear(2, 2), block=3)
+    with pytest.raises(ValueError, match="'exact_numel'"):
+        cf.compressed_allgather(torch.nn.Linear(2, 2), exact_numel=-1)
+    with pytest.raises(ValueError, match="'rounding'"):
+        cf.compressed_allgather(torch.nn.Linear(2, 2), rounding="up")

@@ -50,7 +50,7 @@ from .collectives import (compressed_allreduce, compressed_reduce_scatter, padde
                           workspace_bytes)
 from .compress import DEFAULT_BUCKET_ELEMENTS, plan_buckets
 from .errors import UnsupportedError
-from .fsdp_gather import GatherState, compressed_allgather
+from .fsdp_gather import DEFAULT_EXACT_NUMEL, GatherState, compressed_allgather
 from .fsdp_optim import FrozenVarianceAdam
 from .quantize import DEFAULT_BLOCK
 
@@ -379,7 +379,8 @@ def _plan(pieces: List[Tuple[int, int]], limit: Optional[int]) -> List[int]:
 def onebit(model: torch.nn.Module, warmup_steps: int = 100,
            replicate_group: Optional[Any] = None, *, quantized_allgather: bool = False,
            regather_cache: bool = False, allgather_block: int = DEFAULT_BLOCK,
-           optimizer: Any = None,
+           optimizer: Any = None, allgather_exact_numel: int = DEFAULT_EXACT_NUMEL,
+           allgather_rounding: str = "nearest",
            segment_elements: Optional[int] = DEFAULT_BUCKET_ELEMENTS) -> OneBitFSDP:
     """Install 1-bit compressed gradient reduction on every FSDP2 module of ``model``.
 
@@ -402,10 +403,15 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
     regather_cache : bool, default False
         Also serve the backward's parameter re-gather from the forward's (exact; memory: the
         gathered payloads of the resharding modules until their backward).
-    allgather_block : int, default 256
+    allgather_block : int, default 64
         Elements per int8 block of ``quantized_allgather``.
     optimizer : torch.optim.Optimizer or list, optional
         Whose steps invalidate the re-gather cache (default: any optimizer's step).
+    allgather_exact_numel : int, default 4096
+    allgather_rounding : {"nearest", "stochastic"}, default "nearest"
+        ``exact_numel`` and ``rounding`` of :func:`compressed_allgather` (defaults: small
+        parameters unquantized, round to nearest; docs/fsdp.md, "Issue 16: the int8 all-gather
+        with the 1-bit reduce-scatter").
     segment_elements : int or None, default 16384
         Tensor-aligned segments of each module's reduction (``compress.plan_buckets`` over the
         parameters' padded sizes, as OneBitAdam's buckets): a parameter of more elements is a
@@ -434,7 +440,9 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
     if quantized_allgather or regather_cache:  # first: it checks everything before installing
         state.allgather = compressed_allgather(model, quantized=quantized_allgather,
                                                cache=regather_cache, block=allgather_block,
-                                               optimizer=optimizer)
+                                               optimizer=optimizer,
+                                               exact_numel=allgather_exact_numel,
+                                               rounding=allgather_rounding)
     for name, m in mods:
         pieces = _shard_pieces(m)
         if replicate_group is None:

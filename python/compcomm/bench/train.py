@@ -128,6 +128,16 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                     help="ZeroOneAdam local_step_scaler (default: its default, 32678: no local "
                          "steps in a short run)")
     ap.add_argument("--local-step-clipper", type=int, default=None)
+    ap.add_argument("--fsdp-bf16", action="store_true",
+                    help="FSDP2 rows: bf16 parameters and reduction (MixedPrecisionPolicy) on the "
+                         "CPU too, as on GPUs (default there)")
+    ap.add_argument("--fsdp-unbatched", action="store_true",
+                    help="fsdp2_onebit* rows: one compressed reduce-scatter per segment "
+                         "(OneBitFSDP.batch_segments=False: the same bits, another code path)")
+    ap.add_argument("--ag-options", default="",
+                    help="keyword arguments of compcomm.fsdp.compressed_allgather for the rows "
+                         "with compcomm's all-gather, e.g. 'exact_numel=0,rounding=nearest,"
+                         "block=256' (default: its defaults)")
     ap.add_argument("--data-bytes", type=int, default=4_000_000)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per CPU rank")
     ap.add_argument("--timeout", type=float, default=1800.0,
@@ -201,6 +211,12 @@ def _meta(a: argparse.Namespace, argv: Sequence[str]) -> Dict[str, Any]:
         nd.append(f"ZeroOneAdam local_step_clipper={a.local_step_clipper}")
     if a.backend == "nccl":
         nd.append("comm_backend_name='nccl'")
+    if a.ag_options:
+        nd.append(f"all-gather {a.ag_options}")
+    if a.fsdp_bf16:
+        nd.append("FSDP2 bf16 parameters and reduction")
+    if a.fsdp_unbatched:
+        nd.append("FSDP2 1-bit segments unbatched")
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(), "cpus": os.cpu_count(), "gpu": gpu,
@@ -254,6 +270,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        bias_correction=a.bias_correction,
                        local_step_scaler=a.local_step_scaler,
                        local_step_clipper=a.local_step_clipper, data_bytes=a.data_bytes,
+                       ag_options=a.ag_options, fsdp_bf16=a.fsdp_bf16,
+                       fsdp_unbatched=a.fsdp_unbatched,
                        threads=a.threads, progress=a.progress,
                        collective_timeout=max(60.0, min(a.timeout, 900.0)))
             compute: Dict[str, Any] = {}

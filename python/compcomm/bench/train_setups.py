@@ -34,13 +34,19 @@ fsdp2_onebit           the same model with ``compcomm.fsdp.onebit(model, warmup_
 fsdp2_onebit_adamw     fsdp2_onebit with torch.optim.AdamW instead (variance keeps following the
                        1-bit gradients: the earlier pairing, for comparison)
 fsdp2_onebit_ag_adamw  fsdp2_onebit_ag with torch.optim.AdamW
+fsdp2_onebit_sr_adamw  fsdp2_onebit_adamw plus compcomm's exact all-gather (the re-gather cache)
+                       with ``rounding="stochastic"``: bf16 parameters (GPU) are cast from the
+                       fp32 master with stochastic rounding instead of FSDP's round to nearest
 fsdp2_onebit_flat      fsdp2_onebit with one 1-bit segment per FSDP module
                        (``segment_elements=None``: the layout before tensor-aligned segments)
 fsdp2_onebit_adamw_flat  both earlier choices: one segment per module and AdamW
 fsdp2_frozen_identity  FSDP's own reduce-scatter (exact) with FrozenVarianceAdam(freeze_step=
                        --warmup): what freezing the variance costs without compression
 fsdp2_onebit_ag        fsdp2_onebit plus compcomm's parameter all-gather: blockwise int8
-                       (``quantized_allgather``) and the re-gather cache (``regather_cache``)
+                       (``quantized_allgather``, its defaults: blocks of 64, round to nearest,
+                       parameters of <= 4096 elements unquantized; ``--ag-options
+                       exact_numel=0,block=256`` gives the rows before) and the re-gather cache
+                       (``regather_cache``)
 fsdp2_onebit_cache     fsdp2_onebit plus the re-gather cache alone (exact all-gathers)
 fsdp2_adamw_qag        fsdp2_adamw plus the int8 all-gather and the cache, FSDP's own
                        reduce-scatter: what the int8 weights alone cost in loss
@@ -72,7 +78,7 @@ import inspect
 from typing import Any, Callable, Dict, List, Tuple
 
 __all__ = ["OPTIMIZERS", "TWIN", "IDENTITY_TWIN", "IDENTITY", "COMPRESSED", "make", "phase",
-           "bf16_hook_cpu", "FSDPBytes", "shard_blocks"]
+           "bf16_hook_cpu", "FSDPBytes", "shard_blocks", "ag_options"]
 
 OPTIMIZERS = (
     "ddp_adamw",
@@ -97,6 +103,7 @@ OPTIMIZERS = (
     "fsdp2_adamw_qag",
     "fsdp2_onebit_adamw",
     "fsdp2_onebit_ag_adamw",
+    "fsdp2_onebit_sr_adamw",
     "fsdp2_onebit_flat",
     "fsdp2_onebit_adamw_flat",
     "fsdp2_frozen_identity",
@@ -115,6 +122,7 @@ TWIN = {
     "fsdp2_adamw_qag": "fsdp2_adamw",
     "fsdp2_onebit_adamw": "fsdp2_adamw",
     "fsdp2_onebit_ag_adamw": "fsdp2_adamw",
+    "fsdp2_onebit_sr_adamw": "fsdp2_adamw",
     "fsdp2_onebit_flat": "fsdp2_adamw",
     "fsdp2_onebit_adamw_flat": "fsdp2_adamw",
     "fsdp2_frozen_identity": "fsdp2_adamw",
@@ -134,13 +142,15 @@ IDENTITY = tuple(IDENTITY_TWIN.values())
 COMPRESSED = ("onebitadam", "onebitadam_overlap", "zerooneadam", "zero2_onebitadam",
               "zero2_onebitadam_noag",
               "onebitlamb", "fsdp2_onebit", "fsdp2_onebit_ag", "fsdp2_onebit_cache",
-              "fsdp2_onebit_adamw", "fsdp2_onebit_ag_adamw", "fsdp2_onebit_flat",
+              "fsdp2_onebit_adamw", "fsdp2_onebit_ag_adamw", "fsdp2_onebit_sr_adamw",
+              "fsdp2_onebit_flat",
               "fsdp2_onebit_adamw_flat")
 #: steps 1..--warmup are "warmup", the later ones "compressed"
 _FREEZING = ("onebitadam", "onebitadam_overlap", "onebitlamb", "zero2_onebitadam",
              "zero2_onebitadam_noag",
              "fsdp2_onebit", "fsdp2_onebit_ag", "fsdp2_onebit_cache", "fsdp2_onebit_adamw",
-             "fsdp2_onebit_ag_adamw", "fsdp2_onebit_flat", "fsdp2_onebit_adamw_flat",
+             "fsdp2_onebit_ag_adamw", "fsdp2_onebit_sr_adamw", "fsdp2_onebit_flat",
+             "fsdp2_onebit_adamw_flat",
              "fsdp2_frozen_identity",
              "onebitadam_identity",
              "onebitlamb_identity")
@@ -318,6 +328,15 @@ def shard_blocks(model: Any, world: int, device_type: str = "cpu", mp_policy: An
     return mesh
 
 
+def ag_options(text: str) -> Dict[str, Any]:
+    """``--ag-options``: ``'k=v,k=v'`` -> keyword arguments (integers where they parse)."""
+    out: Dict[str, Any] = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        k, _, v = item.partition("=")
+        out[k.strip()] = int(v) if v.strip().lstrip("-").isdigit() else v.strip()
+    return out
+
+
 def _fsdp2(name: str, model: Any, cfg: Dict[str, Any], world: int, dev: Any) -> Dict[str, Any]:
     import torch
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
@@ -326,7 +345,7 @@ def _fsdp2(name: str, model: Any, cfg: Dict[str, Any], world: int, dev: Any) -> 
     import compcomm.fsdp
     import compcomm.fsdp_gather
 
-    bf16 = dev.type == "cuda" and cfg.get("amp") == "bf16"
+    bf16 = (dev.type == "cuda" and cfg.get("amp") == "bf16") or bool(cfg.get("fsdp_bf16"))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 \
         else MixedPrecisionPolicy()
     mesh = shard_blocks(model, world, dev.type, mp)
@@ -340,11 +359,14 @@ def _fsdp2(name: str, model: Any, cfg: Dict[str, Any], world: int, dev: Any) -> 
     ag = {"fsdp2_onebit_ag": dict(quantized_allgather=True, regather_cache=True),
           "fsdp2_onebit_ag_adamw": dict(quantized_allgather=True, regather_cache=True),
           "fsdp2_onebit_cache": dict(regather_cache=True),
+          "fsdp2_onebit_sr_adamw": dict(regather_cache=True, rounding="stochastic"),
           "fsdp2_adamw_qag": dict(quantized_allgather=True, regather_cache=True)}.get(name)
     gstate = None
     if ag is not None:  # compcomm's all-gather, wrapped to record the shard sizes
         gstate = compcomm.fsdp.compressed_allgather(
-            model, quantized=ag.get("quantized_allgather", False), cache=ag["regather_cache"])
+            model, quantized=ag.get("quantized_allgather", False), cache=ag["regather_cache"],
+            **{**{k: v for k, v in ag.items() if k == "rounding"},
+               **ag_options(cfg.get("ag_options", ""))})
         for n, m in mods:
             inner = compcomm.fsdp_gather.CompressedAllGather(gstate, n, m)
             m.set_custom_all_gather(_CountedGather(tally, n, inner))
@@ -352,6 +374,7 @@ def _fsdp2(name: str, model: Any, cfg: Dict[str, Any], world: int, dev: Any) -> 
         flat = name.endswith("_flat")  # one segment per module, as before segments
         state = compcomm.fsdp.onebit(model, warmup_steps=cfg["warmup"],
                                      **(dict(segment_elements=None) if flat else {}))
+        state.batch_segments = not cfg.get("fsdp_unbatched")
         comm = compcomm.get_communicator(mesh.get_group())
         esize = 2 if bf16 else 4
         warm = cfg["warmup"]
@@ -375,7 +398,7 @@ def _fsdp2(name: str, model: Any, cfg: Dict[str, Any], world: int, dev: Any) -> 
         opt = compcomm.fsdp.FrozenVarianceAdam(model.parameters(), lr=cfg["lr"],
                                                freeze_step=cfg["warmup"])
     elif name in ("fsdp2_adamw", "fsdp2_adamw_qag", "fsdp2_onebit_adamw", "fsdp2_onebit_ag_adamw",
-                  "fsdp2_onebit_adamw_flat"):
+                  "fsdp2_onebit_sr_adamw", "fsdp2_onebit_adamw_flat"):
         opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
     else:
         raise ValueError(f"train: unknown FSDP2 set-up {name!r}")
