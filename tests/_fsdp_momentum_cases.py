@@ -260,3 +260,52 @@ def bad_cases(rank: int, world: int) -> Dict[str, Any]:
     _, mstate = _model(world, torch.float32, "momentum")
     out["old_into_momentum"] = catch(lambda: mstate.load_state_dict(old))
     return out
+
+
+class _Linear(torch.nn.Module):
+    """Two weights whose gradients are the inputs (loss linear in them): every rank's local
+    gradient is known, whatever the parameters."""
+
+    def __init__(self, shape1, shape2) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.w1 = torch.nn.Parameter(torch.randn(shape1))
+        self.w2 = torch.nn.Parameter(torch.randn(shape2))
+
+    def forward(self, x1, x2):
+        return (self.w1 * x1).sum() + (self.w2 * x2).sum()
+
+
+def unsharded_cases(rank: int, world: int) -> Dict[str, Any]:
+    """Where the layouts coincide -- one segment per parameter, every dim-0 piece a multiple of
+    lcm(W, 8), so a segment's rows are the flattened parameter -- the momentum mode equals
+    compcomm's unsharded OneBitAdam (per_parameter, bias_correction=True, no weight decay) fed
+    the same local gradients, step by step (to rounding: the warm-ups differ in operation order)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import compcomm.fsdp as cf
+    from compcomm.optim import OneBitAdam
+
+    unit = world * 8 // np.gcd(world, 8)
+    s1, s2 = (world, unit), (2 * world, unit // 2 * 3)
+    model = _Linear(s1, s2)
+    ref_ps = [p.detach().clone() for p in model.parameters()]
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    state = cf.onebit(model, warmup_steps=2, mode="momentum", segment_elements=0)
+    kw = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-6)
+    opt = cf.FrozenVarianceAdam(model.parameters(), freeze_step=state, weight_decay=0.0, **kw)
+    ref = OneBitAdam(ref_ps, freeze_step=2, bias_correction=True, per_parameter=True, **kw)
+    errs = []
+    for t in range(6):
+        g = torch.Generator().manual_seed(10 * t + rank)
+        xs = [torch.randn(s1, generator=g), torch.randn(s2, generator=g)]
+        opt.zero_grad()
+        model(*xs).backward()
+        opt.step()
+        for p, x in zip(ref_ps, xs):
+            p.grad = x.clone()
+        ref.step()
+        errs.append(max(float((p.full_tensor() - q).abs().max() / q.abs().max())
+                        for p, q in zip(model.parameters(), ref_ps)))
+    return {"errs": errs, "keys": sorted(state.momentum.packed.keys())}

@@ -48,3 +48,10 @@ def test_bad_arguments():
         assert "ValueError" in res["no_optimizer"] and "[rank " in res["no_optimizer"], res
         assert "freeze_step" in res["no_optimizer"], res
         assert res["old_into_momentum"].startswith("ValueError") and "mode" in res["old_into_momentum"]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_equals_unsharded_onebitadam_where_layouts_coincide(world):
+    for res in run_ranks(world, C.unsharded_cases, timeout=300):
+        assert res["keys"] == ["<root>#0", "<root>#1"], res
+        assert max(res["errs"]) < 1e-5, res
