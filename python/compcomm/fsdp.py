@@ -493,16 +493,15 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
     for name, m in mods:
         params = _shard_params(m)
         pieces = [(pc, padded) for _, pc, padded in params]
+        world = pieces[0][1] // pieces[0][0] if pieces else 1
         if mode == "momentum":
             plan = _plan_indices(pieces, segment_elements)
             m.set_custom_reduce_scatter(MomentumReduceScatter(
                 state, name, m, [[params[i][:2] for i in b] for b in plan]))
-            world = pieces[0][1] // pieces[0][0] if pieces else 1
-            rows = [row_elements(n, world) for n in _plan(pieces, segment_elements)]
-            sizes = [(world * r, r) for r in rows]
+            sizes = [(world * r, r) for r in (row_elements(n, world) for n in
+                                              _plan(pieces, segment_elements))]
         elif replicate_group is None:
             m.set_custom_reduce_scatter(OneBitReduceScatter(state, name))
-            world = pieces[0][1] // pieces[0][0] if pieces else 1
             sizes = [(world * r8, r8) for r8 in (-(-n // 8) * 8 for n in
                                                  _plan(pieces, segment_elements))]
         else:
