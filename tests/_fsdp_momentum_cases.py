@@ -181,10 +181,10 @@ def onebit_cases(rank: int, world: int, dtype_name: str, limit) -> Dict[str, Any
 
 def _segments_of(state, name, m, limit):
     """The hook's segments as onebit() builds them (re-installing a recorder around a new hook)."""
-    from compcomm.fsdp import _plan_indices, _shard_params
+    from compcomm.fsdp_layout import plan_indices, shard_params
 
-    params = _shard_params(m)
-    plan = _plan_indices([(pc, padded) for _, pc, padded in params], limit)
+    params = shard_params(m)
+    plan = plan_indices([(pc, padded) for _, pc, padded in params], limit)
     return [[params[i][:2] for i in b] for b in plan]
 
 
@@ -241,6 +241,11 @@ def bad_cases(rank: int, world: int) -> Dict[str, Any]:
         return "no error"
 
     out["mode"] = catch(lambda: _model(world, torch.float32, "both"))
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    net = _net(torch.float32)
+    fully_shard(net, mesh=init_device_mesh("cpu", (world,)))
+    out["default_mode"] = cf.onebit(net, warmup_steps=2).mode
     out["beta1"] = catch(lambda: _model(world, torch.float32, "momentum", beta1=1.5))
     out["hsdp"] = catch(lambda: _model(world, torch.float32, "momentum",
                                        replicate_group=dist.group.WORLD))

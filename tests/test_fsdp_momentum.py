@@ -42,6 +42,7 @@ def test_dcp_round_trip_continues_bitwise(tmp_path, world, dtype):
 def test_bad_arguments():
     for res in run_ranks(2, C.bad_cases, timeout=300):
         assert res["mode"].startswith("ValueError") and "'mode'" in res["mode"], res
+        assert res["default_mode"] == "momentum", res
         assert res["beta1"].startswith("ValueError") and "'beta1'" in res["beta1"], res
         assert res["hsdp"].startswith("UnsupportedError") and "replicate_group" in res["hsdp"]
         assert res["betas"].startswith("ValueError") and "'betas'" in res["betas"], res

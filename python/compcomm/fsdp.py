@@ -35,7 +35,6 @@ The parameter all-gathers (FSDP's bf16 gathers before each forward and backward)
 
 from __future__ import annotations
 
-import math
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -49,9 +48,10 @@ from ._comm import resolve, wait_cancellable
 from ._defaults import DEFAULT_TIMEOUT
 from .collectives import (compressed_allreduce, compressed_reduce_scatter, padded_numel,
                           workspace_bytes)
-from .compress import DEFAULT_BUCKET_ELEMENTS, plan_buckets
+from .compress import DEFAULT_BUCKET_ELEMENTS
 from .errors import UnsupportedError
 from .fsdp_gather import GatherState, compressed_allgather
+from .fsdp_layout import plan_indices, plan_segments, shard_params
 from .fsdp_momentum import (MomentumReduceScatter, MomentumState, reduce_scatter_tensor,
                             row_elements, scale_of)
 from .fsdp_optim import FrozenVarianceAdam
@@ -349,83 +349,12 @@ def _all_reduce_hook(state: OneBitFSDP, name: str):
     return hook
 
 
-def _fsdp_params(m: torch.nn.Module) -> Optional[List[Any]]:
-    """FSDP's own parameter list of module ``m`` (its reduce-scatter order), or None when this
-    torch's internals do not give one group of them."""
-    try:
-        st = m._get_fsdp_state()
-        groups = [g for g in (getattr(st, "_fsdp_param_groups", None)
-                              or [getattr(st, "_fsdp_param_group", None)]) if g is not None]
-        return list(groups[0].fsdp_params) if len(groups) == 1 else None
-    except Exception:  # noqa: BLE001 - another torch's internals: one segment per module
-        return None
-
-
-def _piece(p: torch.Tensor) -> int:
-    """Elements of one rank's piece of parameter ``p``'s gradient in FSDP's reduce-scatter
-    (dim 0 padded to a multiple of the mesh size)."""
-    mesh = getattr(p, "device_mesh", None)
-    world = mesh.size() if mesh is not None else 1
-    dim0 = p.shape[0] if p.dim() else 1
-    return math.ceil(dim0 / world) * (p.numel() // dim0)
-
-
-def _shard_pieces(m: torch.nn.Module) -> List[Tuple[int, int]]:
-    """(piece, whole parameter's padded numel) of every parameter of FSDP module ``m`` that takes
-    gradients, in FSDP's order (its parameters, not those of nested FSDP modules)."""
-    return [(piece, padded) for _, piece, padded in _shard_params(m)]
-
-
-def _shard_params(m: torch.nn.Module) -> List[Tuple[Any, int, int]]:
-    """:func:`_shard_pieces` with the parameters: (param, piece, padded numel)."""
-    fps = _fsdp_params(m)
-    if fps is not None:
-        params = [fp.sharded_param for fp in fps]
-    else:  # FSDP's order is a post-order walk of the managed modules
-        params, stack = [], []
-
-        def walk(mod: torch.nn.Module) -> None:
-            for c in mod.children():
-                if not isinstance(c, FSDPModule):
-                    walk(c)
-            stack.append(mod)
-        walk(m)
-        seen: set = set()
-        for mod in stack:
-            for p in mod.parameters(recurse=False):
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    params.append(p)
-    out = []
-    for p in params:
-        if not p.requires_grad or p.numel() == 0:
-            continue
-        mesh = getattr(p, "device_mesh", None)
-        piece = _piece(p)
-        out.append((p, piece, piece * (mesh.size() if mesh is not None else 1)))
-    return out
-
-
-def _plan_indices(pieces: List[Tuple[int, int]], limit: Optional[int]) -> List[List[int]]:
-    """The parameters (indices into ``pieces``) of each segment."""
-    if not pieces:
-        return []
-    if limit is None:
-        return [list(range(len(pieces)))]
-    return plan_buckets([(0, n) for _, n in pieces], limit)
-
-
-def _plan(pieces: List[Tuple[int, int]], limit: Optional[int]) -> List[int]:
-    """Segment sizes (elements per shard) of a module whose parameters have ``pieces``."""
-    return [sum(pieces[i][0] for i in b) for b in _plan_indices(pieces, limit)]
-
-
 def onebit(model: torch.nn.Module, warmup_steps: int = 100,
            replicate_group: Optional[Any] = None, *, quantized_allgather: bool = False,
            regather_cache: bool = False, allgather_block: int = DEFAULT_BLOCK,
            optimizer: Any = None,
            segment_elements: Optional[int] = DEFAULT_BUCKET_ELEMENTS,
-           mode: str = "gradient", beta1: Optional[float] = None) -> OneBitFSDP:
+           mode: Optional[str] = None, beta1: Optional[float] = None) -> OneBitFSDP:
     """Install 1-bit compressed gradient reduction on every FSDP2 module of ``model``.
 
     Parameters
@@ -457,9 +386,11 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
         segment of its own, smaller neighbours share one; each segment is its own 1-bit
         reduce-scatter (two collectives) with its own scales and error buffers. ``0``: one
         segment per parameter; ``None``: one per module (the layout before segments).
-    mode : {"gradient", "momentum"}, default "gradient"
-        What the 1-bit phase compresses. ``"gradient"``: FSDP's reduce-scatter of the gradient
-        (the optimizer forms the momentum from the 1-bit average on its shard). ``"momentum"``:
+    mode : {"momentum", "gradient"}, optional
+        What the 1-bit phase compresses; default ``"momentum"``, with ``replicate_group``
+        ``"gradient"``. ``"gradient"``: FSDP's reduce-scatter of the gradient (the optimizer
+        forms the momentum from the 1-bit average on its shard; stalled on the H200, docs/fsdp.md).
+        ``"momentum"``:
         DeepSpeed's 1-bit Adam on the shards (:mod:`compcomm.fsdp_momentum`): every rank's local
         momentum ``b1 m + (1 - b1) g`` is averaged with the full compressed allreduce and the new
         momentum kept replicated in 1-bit form; pair it with ``FrozenVarianceAdam(params,
@@ -481,6 +412,8 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
         An all-gather part was asked for on a torch without ``set_custom_all_gather``, or
         ``mode="momentum"`` with ``replicate_group``.
     """
+    if mode is None:
+        mode = "gradient" if replicate_group is not None else "momentum"
     state = OneBitFSDP(warmup_steps, replicate_group, segment_elements, mode, beta1)
     mods = [(n or "<root>", m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not mods:
@@ -491,27 +424,27 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
                                                cache=regather_cache, block=allgather_block,
                                                optimizer=optimizer)
     for name, m in mods:
-        params = _shard_params(m)
+        params = shard_params(m)
         pieces = [(pc, padded) for _, pc, padded in params]
         world = pieces[0][1] // pieces[0][0] if pieces else 1
         if mode == "momentum":
-            plan = _plan_indices(pieces, segment_elements)
+            plan = plan_indices(pieces, segment_elements)
             m.set_custom_reduce_scatter(MomentumReduceScatter(
                 state, name, m, [[params[i][:2] for i in b] for b in plan]))
             sizes = [(world * r, r) for r in (row_elements(n, world) for n in
-                                              _plan(pieces, segment_elements))]
+                                              plan_segments(pieces, segment_elements))]
         elif replicate_group is None:
             m.set_custom_reduce_scatter(OneBitReduceScatter(state, name))
             sizes = [(world * r8, r8) for r8 in (-(-n // 8) * 8 for n in
-                                                 _plan(pieces, segment_elements))]
+                                                 plan_segments(pieces, segment_elements))]
         else:
             m.set_all_reduce_hook(_all_reduce_hook(state, name))
             name += "/replicas"
             world = dist.get_world_size(replicate_group)
             sizes = [(padded_numel(n, world), padded_numel(n, world) // world)
-                     for n in _plan(pieces, segment_elements)]
+                     for n in plan_segments(pieces, segment_elements)]
         if pieces:
-            state.segments[name] = _plan(pieces, segment_elements)
+            state.segments[name] = plan_segments(pieces, segment_elements)
             _, keys = state.segments_for(name, sum(state.segments[name]))
             state._sizes.update(zip(keys, sizes))
             if mode == "momentum":  # signs and scales of the packed momentum
