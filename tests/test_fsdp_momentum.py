@@ -56,3 +56,93 @@ def test_equals_unsharded_onebitadam_where_layouts_coincide(world):
     for res in run_ranks(world, C.unsharded_cases, timeout=300):
         assert res["keys"] == ["<root>#0", "<root>#1"], res
         assert max(res["errs"]) < 1e-5, res
+
+
+class _Source:
+    """The momentum mode's side of FrozenVarianceAdam (bind / take / give), without FSDP."""
+
+    def __init__(self) -> None:
+        self.m = {}
+
+    def bind(self, opt, b1) -> None:
+        pass
+
+    def take(self, p):
+        return self.m.pop(id(p), None)
+
+    def give(self, p, m) -> None:
+        self.m[id(p)] = m
+
+
+class _State:
+    warmup_steps = 2
+
+    def __init__(self) -> None:
+        self.momentum = _Source()
+
+
+def _given_momentum_run(device):
+    """FrozenVarianceAdam(freeze_step=2) on plain tensors whose frozen steps take a given fp32
+    momentum (as the momentum mode hands it over): the parameters after each step."""
+    import torch
+
+    from compcomm.fsdp import FrozenVarianceAdam
+
+    torch.manual_seed(0)
+    ps = [torch.randn(37, 5, device=device), torch.randn(11, device=device)]
+    st = _State()
+    kw = dict(lr=3e-3, betas=(0.8, 0.95), eps=1e-7, weight_decay=0.05)
+    opt = FrozenVarianceAdam(ps, freeze_step=st, **kw)
+    out, ms = [], []
+    g = torch.Generator().manual_seed(1)
+    for t in range(5):
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g).to(device)
+            if t >= 2:
+                m = torch.randn(p.shape, generator=g).to(device)
+                st.momentum.give(p, m)
+                ms.append(m.cpu().double())
+        before = [p.detach().cpu().double().clone() for p in ps]
+        opt.step()
+        out.append(([p.detach().cpu().double().clone() for p in ps], before))
+    vs = [opt.state[p]["exp_avg_sq"].cpu().double() for p in ps]
+    return out, ms, vs, kw
+
+
+def test_given_momentum_update_rule():
+    """The frozen step with a given momentum: p*(1-lr*wd) - lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^2)
+    + eps), float64 reference; exp_avg keeps the given values; a missing one raises."""
+    import math
+
+    import torch
+
+    from compcomm.fsdp import FrozenVarianceAdam
+
+    out, ms, vs, kw = _given_momentum_run("cpu")
+    b1, b2 = kw["betas"]
+    for t in (2, 3, 4):
+        after, before = out[t]
+        for i, (a, b) in enumerate(zip(after, before)):
+            m = ms[2 * (t - 2) + i]
+            want = b * (1 - kw["lr"] * kw["weight_decay"]) - kw["lr"] / (1 - b1 ** (t + 1)) * m / (
+                vs[i].sqrt() / math.sqrt(1 - b2 ** 2) + kw["eps"])
+            assert float((a - want).abs().max() / want.abs().max()) < 1e-6
+    p = [torch.zeros(3)]
+    opt = FrozenVarianceAdam(p, freeze_step=_State())
+    for _ in range(2):
+        p[0].grad = torch.ones(3)
+        opt.step()
+    p[0].grad = torch.ones(3)
+    with pytest.raises(RuntimeError, match="no momentum"):
+        opt.step()
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_given_momentum_matches_cpu():
+    """On a GPU the frozen step with a given momentum takes the foreach path: it agrees with the
+    CPU's per-tensor ops to fp32 rounding."""
+    cpu, _, _, _ = _given_momentum_run("cpu")
+    gpu, _, _, _ = _given_momentum_run("cuda")
+    for (a, _), (b, _) in zip(cpu, gpu):
+        for x, y in zip(a, b):
+            assert float((x - y).abs().max() / x.abs().max()) < 1e-6
