@@ -38,7 +38,7 @@ def _rank(rank: int, world: int, model_name: str, reps: int) -> Dict[str, Any]:
     mods = [(n or "<root>", m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
     layouts = {}
     for limit in (None, 16384, "unbatched"):
-        st = cf.onebit(model, warmup_steps=0,
+        st = cf.onebit(model, warmup_steps=0, mode="gradient",
                        segment_elements=None if limit is None else 16384)
         st.batch_segments = limit != "unbatched"
         layouts[limit] = (st, {n: sum(st.segments[n]) for n, _ in mods if n in st.segments})

@@ -23,7 +23,7 @@ def body(rank: int, world: int) -> dict:
         model = build_model(**cfg)
         shard_blocks(model, world)
         if mode != "exact":
-            st = cf.onebit(model, warmup_steps=0, segment_elements=mode)
+            st = cf.onebit(model, warmup_steps=0, segment_elements=mode, mode="gradient")
         gs = []
         for t in range(8):
             x = torch.randint(0, 256, (2, cfg["seq"]), generator=torch.Generator().manual_seed(100*t+rank))

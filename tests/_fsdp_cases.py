@@ -26,7 +26,8 @@ def _sharded(world: int, onebit_warmup=None, force_sum=False):
         fully_shard(m, mesh=mesh)
     if force_sum:
         model.set_force_sum_reduction_for_comms(True)
-    state = cf.onebit(model, warmup_steps=onebit_warmup) if onebit_warmup is not None else None
+    state = cf.onebit(model, warmup_steps=onebit_warmup, mode="gradient") \
+        if onebit_warmup is not None else None
     return model, state
 
 

@@ -28,7 +28,7 @@ def _model(world: int, ag: Optional[Dict[str, Any]] = None,
     if ag is not None:
         state = cf.compressed_allgather(model, **ag)
     if onebit is not None:
-        state = cf.onebit(model, **onebit)
+        state = cf.onebit(model, **{"mode": "gradient", **onebit})
     return model, state
 
 

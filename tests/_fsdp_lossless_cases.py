@@ -70,7 +70,7 @@ def _run(world: int, rank: int, ag: Optional[Dict[str, Any]], lr: float, steps: 
         fully_shard(m, mesh=mesh)
     _representable(model, rank)
     kw = dict(quantized_allgather=True, allgather_block=BLOCK, **ag) if ag else {}
-    state = cf.onebit(model, warmup_steps=warmup, segment_elements=64, **kw)
+    state = cf.onebit(model, warmup_steps=warmup, segment_elements=64, mode="gradient", **kw)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     seen: List[Any] = []
     for t in range(steps):

@@ -20,7 +20,8 @@ def _model(world: int, dtype: torch.dtype = torch.float32, onebit_warmup=None):
     model = _mlp().to(dtype)
     for m in (model[0], model[2], model):
         fully_shard(m, mesh=mesh)
-    state = cf.onebit(model, warmup_steps=onebit_warmup) if onebit_warmup is not None else None
+    state = cf.onebit(model, warmup_steps=onebit_warmup, mode="gradient") \
+        if onebit_warmup is not None else None
     return model, state
 
 
@@ -162,7 +163,7 @@ def segment_cases(rank: int, world: int, dtype_name: str, limit) -> Dict[str, An
     for batched in (True, False):  # one batched exchange, or one per segment: the same bits
         model = _wide_mlp(dtype)
         fully_shard(model, mesh=mesh)
-        state = cf.onebit(model, warmup_steps=0, segment_elements=limit)
+        state = cf.onebit(model, warmup_steps=0, segment_elements=limit, mode="gradient")
         state.batch_segments = batched
         rec = _Recorder(cf.OneBitReduceScatter(state, "<root>"))
         model.set_custom_reduce_scatter(rec)

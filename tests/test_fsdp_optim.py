@@ -134,7 +134,7 @@ def test_cuda_warmup_equals_adamw_and_frozen_phase_matches_cpu():
 
 
 def test_state_format_2_and_format_1_loading():
-    """Error buffers per segment are format 2; a format-1 state (one pair per module) loads only
+    """Error buffers per segment are format 2 (3 adds the mode); a format-1 state (one pair per module) loads only
     into a state with one segment per module, else a ValueError that says so (nothing changed)."""
     from compcomm.fsdp import STATE_FORMAT, OneBitFSDP
 
@@ -143,7 +143,7 @@ def test_state_format_2_and_format_1_loading():
     seg = OneBitFSDP(2)
     with pytest.raises(ValueError, match="segment_elements=None"):
         seg.load_state_dict(old)
-    assert seg.steps == {} and seg.state_dict()["format"] == STATE_FORMAT == "compcomm.fsdp/2"
+    assert seg.steps == {} and seg.state_dict()["format"] == STATE_FORMAT == "compcomm.fsdp/3"
     flat = OneBitFSDP(2, segment_elements=None)
     flat.load_state_dict(old)
     assert flat.steps == {"m": 3} and torch.equal(flat.state_dict()["errors"]["m"][0], torch.ones(16))

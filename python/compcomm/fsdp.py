@@ -26,6 +26,7 @@ stream-ordered on the caller's stream (CUDA) and writes only ``output_tensor``.
 
 The optimizer of the 1-bit phase: :class:`FrozenVarianceAdam` (:mod:`compcomm.fsdp_optim`), AdamW on
 the shards with the variance frozen at the switch (``freeze_step=`` the state :func:`onebit` returns).
+``mode="momentum"`` compresses the momentum instead (DeepSpeed's 1-bit Adam, :mod:`.fsdp_momentum`).
 
 The parameter all-gathers (FSDP's bf16 gathers before each forward and backward) are
 :mod:`compcomm.fsdp_gather`'s: ``onebit(..., quantized_allgather=True, regather_cache=True)`` or
@@ -34,7 +35,6 @@ The parameter all-gathers (FSDP's bf16 gathers before each forward and backward)
 
 from __future__ import annotations
 
-import math
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -48,9 +48,12 @@ from ._comm import resolve, wait_cancellable
 from ._defaults import DEFAULT_TIMEOUT
 from .collectives import (compressed_allreduce, compressed_reduce_scatter, padded_numel,
                           workspace_bytes)
-from .compress import DEFAULT_BUCKET_ELEMENTS, plan_buckets
+from .compress import DEFAULT_BUCKET_ELEMENTS
 from .errors import UnsupportedError
 from .fsdp_gather import DEFAULT_EXACT_NUMEL, GatherState, compressed_allgather
+from .fsdp_layout import plan_indices, plan_segments, shard_params
+from .fsdp_momentum import (MomentumReduceScatter, MomentumState, reduce_scatter_tensor,
+                            row_elements, scale_of)
 from .fsdp_optim import FrozenVarianceAdam
 from .quantize import DEFAULT_BLOCK
 
@@ -58,25 +61,14 @@ from .quantize import DEFAULT_BLOCK
 __all__ = ["OneBitFSDP", "OneBitReduceScatter", "onebit", "compressed_allgather", "GatherState",
            "FrozenVarianceAdam", "STATE_FORMAT"]
 
-# torch 2.13 renamed the tensor form of reduce_scatter; older releases have only this one.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_scale_of = scale_of  # (the name the tests know)
 
 
-def _scale_of(op: Any, world: int) -> float:
-    """What the 1-bit average is multiplied by to give FSDP's ``op``."""
-    if op == dist.ReduceOp.AVG:
-        return 1.0
-    if op == dist.ReduceOp.SUM:
-        return float(world)
-    if getattr(op, "op", None) == dist.ReduceOp.PREMUL_SUM:  # ReduceOp.PREMUL_SUM(factor)
-        return float(world) * float(op.factor)
-    raise UnsupportedError(f"compcomm.fsdp: reduce op {op!r} is not supported (AVG, SUM, PREMUL_SUM)",
-                           "reduce_scatter", "fsdp")
-
-
-#: The state format of :meth:`OneBitFSDP.state_dict` (2: error buffers per segment)
-STATE_FORMAT = "compcomm.fsdp/2"
-_OLD_FORMAT = "compcomm.fsdp/1"  # one pair of error buffers per module (before segments)
+#: The state format of :meth:`OneBitFSDP.state_dict` (3: the mode and the momentum mode's packed
+#: momentum; 2: error buffers per segment; 1: one pair per module)
+STATE_FORMAT = "compcomm.fsdp/3"
+_OLD_FORMATS = ("compcomm.fsdp/1", "compcomm.fsdp/2")  # gradient mode, loaded as such
+MODES = ("gradient", "momentum")
 
 
 def _check_segment_elements(value: Any) -> Optional[int]:
@@ -120,19 +112,36 @@ class OneBitFSDP:
     """
 
     def __init__(self, warmup_steps: int, replicate_group: Optional[Any] = None,
-                 segment_elements: Optional[int] = DEFAULT_BUCKET_ELEMENTS) -> None:
+                 segment_elements: Optional[int] = DEFAULT_BUCKET_ELEMENTS,
+                 mode: str = "gradient", beta1: Optional[float] = None) -> None:
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ValueError(f"compcomm.fsdp.onebit: argument 'warmup_steps' must be an integer >= 0, "
                              f"got {warmup_steps!r}")
         self.warmup_steps = warmup_steps
         self.replicate_group = replicate_group
         self.segment_elements = _check_segment_elements(segment_elements)
+        if mode not in MODES:
+            raise ValueError(f"compcomm.fsdp.onebit: argument 'mode' must be one of {MODES}, "
+                             f"got {mode!r}")
+        if beta1 is not None and (isinstance(beta1, bool) or not isinstance(beta1, (int, float))
+                                  or not 0.0 <= beta1 < 1.0):
+            raise ValueError(f"compcomm.fsdp.onebit: argument 'beta1' must be in [0, 1) or None, "
+                             f"got {beta1!r}")
+        if mode == "momentum" and replicate_group is not None:
+            raise UnsupportedError("compcomm.fsdp.onebit: mode='momentum' with 'replicate_group' "
+                                   "(HSDP) is not implemented; use mode='gradient'", "onebit",
+                                   "fsdp")
+        self.mode = mode
+        #: the momentum mode's replicated momentum and exchange (None in the gradient mode)
+        self.momentum = MomentumState(None if beta1 is None else float(beta1)) \
+            if mode == "momentum" else None
         self.steps: Dict[str, int] = {}
         self.segments: Dict[str, List[int]] = {}
         self._errors: Dict[str, List[torch.Tensor]] = {}  # key -> [worker_error, server_error]
         # key -> (worker, server) error-buffer sizes, known from the parameters when installed
         # (so that state_dict() is a complete template for torch.distributed.checkpoint.load)
         self._sizes: Dict[str, Tuple[int, int]] = {}
+        self._packed_sizes: Dict[str, Tuple[int, int]] = {}  # momentum: key -> (sign bytes, W)
         # the batched exchange's scratch: a workspace per segment (zeroed when made: the GPU
         # kernels need that on first use) and one staging buffer; not state
         self._workspaces: Dict[str, torch.Tensor] = {}
@@ -194,11 +203,19 @@ class OneBitFSDP:
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
         errors = {k: [torch.zeros(w), torch.zeros(sv)] for k, (w, sv) in self._sizes.items()}
-        errors.update({k: [b.detach().cpu().clone() for b in v] for k, v in self._errors.items()})
+        mine = self._errors if self.momentum is None else self.momentum.errors()
+        errors.update({k: [b.detach().cpu().clone() for b in v] for k, v in mine.items()})
         modules = {k.split("#")[0] for k in self._sizes} | set(self.steps)
-        return {"format": STATE_FORMAT, "rank": rank, "world": world,
-                "segment_elements": -1 if self.segment_elements is None else self.segment_elements,
-                "steps": {**{k: 0 for k in modules}, **self.steps}, "errors": errors}
+        sd = {"format": STATE_FORMAT, "rank": rank, "world": world, "mode": self.mode,
+              "segment_elements": -1 if self.segment_elements is None else self.segment_elements,
+              "steps": {**{k: 0 for k in modules}, **self.steps}, "errors": errors}
+        if self.momentum is not None:  # the packed momentum (zeros before the switch)
+            packed = {k: {"signs": torch.zeros(b, dtype=torch.uint8), "scales": torch.zeros(w)}
+                      for k, (b, w) in self._packed_sizes.items()}
+            packed.update({k: {"signs": d["signs"], "scales": d["scales"]}
+                           for k, d in self.momentum.packed.state_dict().items()})
+            sd["momentum"] = packed
+        return sd
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; error buffers only when rank and world size match.
@@ -211,9 +228,13 @@ class OneBitFSDP:
             Nothing is changed then.
         """
         fmt = sd.get("format") if isinstance(sd, dict) else None
-        if fmt not in (STATE_FORMAT, _OLD_FORMAT):
+        if fmt not in (STATE_FORMAT,) + _OLD_FORMATS:
             raise ValueError("compcomm.fsdp: load_state_dict: argument 'sd' is not a state dict of "
                              f"OneBitFSDP (format {STATE_FORMAT!r})")
+        theirs_mode = sd.get("mode", "gradient")  # formats 1 and 2: the gradient mode
+        if theirs_mode != self.mode:
+            raise ValueError(f"compcomm.fsdp: load_state_dict: argument 'sd' was saved in mode "
+                             f"{theirs_mode!r}, this state is in mode {self.mode!r}")
         mine = -1 if self.segment_elements is None else self.segment_elements
         theirs = sd.get("segment_elements", -1)  # format 1: one segment per module
         if theirs != mine:
@@ -228,6 +249,19 @@ class OneBitFSDP:
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
         same = sd["rank"] == rank and sd["world"] == world
+        if self.momentum is not None:
+            packed = sd.get("momentum")
+            if not isinstance(packed, dict):
+                raise ValueError("compcomm.fsdp: load_state_dict: argument 'sd' lacks 'momentum'")
+            # a segment's packed momentum exists once its module took a 1-bit step
+            live = {k: d for k, d in packed.items()
+                    if steps.get(k.split("#")[0], 0) > self.warmup_steps}
+            if same:
+                self.momentum.load(sd["errors"], live)
+            else:  # errors reset; the momentum is gathered again from the optimizer's shards
+                self.momentum.reset()
+            self.steps = dict(steps)
+            return
         self.steps = dict(steps)
         self._errors = {k: [b.clone() for b in v] for k, v in sd["errors"].items()} if same else {}
 
@@ -249,7 +283,7 @@ class OneBitReduceScatter(ReduceScatter):
         state, name = self.state, self.name
         if not state.compressing(name):
             state.steps[name] = state.steps.get(name, 0) + 1
-            return _reduce_scatter(output_tensor, input_tensor, op=op, group=group,
+            return reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
                                    async_op=async_op)
         scale = _scale_of(op, group.size())  # before anything runs: an unsupported op raises
         world = group.size()
@@ -315,73 +349,13 @@ def _all_reduce_hook(state: OneBitFSDP, name: str):
     return hook
 
 
-def _fsdp_params(m: torch.nn.Module) -> Optional[List[Any]]:
-    """FSDP's own parameter list of module ``m`` (its reduce-scatter order), or None when this
-    torch's internals do not give one group of them."""
-    try:
-        st = m._get_fsdp_state()
-        groups = [g for g in (getattr(st, "_fsdp_param_groups", None)
-                              or [getattr(st, "_fsdp_param_group", None)]) if g is not None]
-        return list(groups[0].fsdp_params) if len(groups) == 1 else None
-    except Exception:  # noqa: BLE001 - another torch's internals: one segment per module
-        return None
-
-
-def _piece(p: torch.Tensor) -> int:
-    """Elements of one rank's piece of parameter ``p``'s gradient in FSDP's reduce-scatter
-    (dim 0 padded to a multiple of the mesh size)."""
-    mesh = getattr(p, "device_mesh", None)
-    world = mesh.size() if mesh is not None else 1
-    dim0 = p.shape[0] if p.dim() else 1
-    return math.ceil(dim0 / world) * (p.numel() // dim0)
-
-
-def _shard_pieces(m: torch.nn.Module) -> List[Tuple[int, int]]:
-    """(piece, whole parameter's padded numel) of every parameter of FSDP module ``m`` that takes
-    gradients, in FSDP's order (its parameters, not those of nested FSDP modules)."""
-    fps = _fsdp_params(m)
-    if fps is not None:
-        params = [fp.sharded_param for fp in fps]
-    else:  # FSDP's order is a post-order walk of the managed modules
-        params, stack = [], []
-
-        def walk(mod: torch.nn.Module) -> None:
-            for c in mod.children():
-                if not isinstance(c, FSDPModule):
-                    walk(c)
-            stack.append(mod)
-        walk(m)
-        seen: set = set()
-        for mod in stack:
-            for p in mod.parameters(recurse=False):
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    params.append(p)
-    out = []
-    for p in params:
-        if not p.requires_grad or p.numel() == 0:
-            continue
-        mesh = getattr(p, "device_mesh", None)
-        piece = _piece(p)
-        out.append((piece, piece * (mesh.size() if mesh is not None else 1)))
-    return out
-
-
-def _plan(pieces: List[Tuple[int, int]], limit: Optional[int]) -> List[int]:
-    """Segment sizes (elements per shard) of a module whose parameters have ``pieces``."""
-    if not pieces:
-        return []
-    if limit is None:
-        return [sum(p for p, _ in pieces)]
-    return [sum(pieces[i][0] for i in b) for b in plan_buckets([(0, n) for _, n in pieces], limit)]
-
-
 def onebit(model: torch.nn.Module, warmup_steps: int = 100,
            replicate_group: Optional[Any] = None, *, quantized_allgather: bool = False,
            regather_cache: bool = False, allgather_block: int = DEFAULT_BLOCK,
            optimizer: Any = None, allgather_exact_numel: int = DEFAULT_EXACT_NUMEL,
            allgather_rounding: str = "nearest",
-           segment_elements: Optional[int] = DEFAULT_BUCKET_ELEMENTS) -> OneBitFSDP:
+           segment_elements: Optional[int] = DEFAULT_BUCKET_ELEMENTS,
+           mode: Optional[str] = None, beta1: Optional[float] = None) -> OneBitFSDP:
     """Install 1-bit compressed gradient reduction on every FSDP2 module of ``model``.
 
     Parameters
@@ -418,6 +392,17 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
         segment of its own, smaller neighbours share one; each segment is its own 1-bit
         reduce-scatter (two collectives) with its own scales and error buffers. ``0``: one
         segment per parameter; ``None``: one per module (the layout before segments).
+    mode : {"momentum", "gradient"}, optional
+        What the 1-bit phase compresses; default ``"momentum"``, with ``replicate_group``
+        ``"gradient"``. ``"gradient"``: FSDP's reduce-scatter of the gradient (the optimizer
+        forms the momentum from the 1-bit average on its shard; stalled on the H200, docs/fsdp.md).
+        ``"momentum"``:
+        DeepSpeed's 1-bit Adam on the shards (:mod:`compcomm.fsdp_momentum`): every rank's local
+        momentum ``b1 m + (1 - b1) g`` is averaged with the full compressed allreduce and the new
+        momentum kept replicated in 1-bit form; pair it with ``FrozenVarianceAdam(params,
+        freeze_step=state)``, which takes its momentum from here. Not with ``replicate_group``.
+    beta1 : float, optional
+        The momentum mode's ``b1``; default: the paired FrozenVarianceAdam's (they must agree).
 
     Returns
     -------
@@ -427,12 +412,15 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
     Raises
     ------
     ValueError
-        ``model`` has no FSDP module, or a bad ``warmup_steps``, ``allgather_block`` or
-        ``segment_elements``.
+        ``model`` has no FSDP module, or a bad ``warmup_steps``, ``allgather_block``,
+        ``segment_elements``, ``mode`` or ``beta1``.
     UnsupportedError
-        An all-gather part was asked for on a torch without ``set_custom_all_gather``.
+        An all-gather part was asked for on a torch without ``set_custom_all_gather``, or
+        ``mode="momentum"`` with ``replicate_group``.
     """
-    state = OneBitFSDP(warmup_steps, replicate_group, segment_elements)
+    if mode is None:
+        mode = "gradient" if replicate_group is not None else "momentum"
+    state = OneBitFSDP(warmup_steps, replicate_group, segment_elements, mode, beta1)
     mods = [(n or "<root>", m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not mods:
         raise ValueError("compcomm.fsdp.onebit: argument 'model' has no FSDP module "
@@ -444,20 +432,29 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
                                                exact_numel=allgather_exact_numel,
                                                rounding=allgather_rounding)
     for name, m in mods:
-        pieces = _shard_pieces(m)
-        if replicate_group is None:
+        params = shard_params(m)
+        pieces = [(pc, padded) for _, pc, padded in params]
+        world = pieces[0][1] // pieces[0][0] if pieces else 1
+        if mode == "momentum":
+            plan = plan_indices(pieces, segment_elements)
+            m.set_custom_reduce_scatter(MomentumReduceScatter(
+                state, name, m, [[params[i][:2] for i in b] for b in plan]))
+            sizes = [(world * r, r) for r in (row_elements(n, world) for n in
+                                              plan_segments(pieces, segment_elements))]
+        elif replicate_group is None:
             m.set_custom_reduce_scatter(OneBitReduceScatter(state, name))
-            world = pieces[0][1] // pieces[0][0] if pieces else 1
             sizes = [(world * r8, r8) for r8 in (-(-n // 8) * 8 for n in
-                                                 _plan(pieces, segment_elements))]
+                                                 plan_segments(pieces, segment_elements))]
         else:
             m.set_all_reduce_hook(_all_reduce_hook(state, name))
             name += "/replicas"
             world = dist.get_world_size(replicate_group)
             sizes = [(padded_numel(n, world), padded_numel(n, world) // world)
-                     for n in _plan(pieces, segment_elements)]
+                     for n in plan_segments(pieces, segment_elements)]
         if pieces:
-            state.segments[name] = _plan(pieces, segment_elements)
+            state.segments[name] = plan_segments(pieces, segment_elements)
             _, keys = state.segments_for(name, sum(state.segments[name]))
             state._sizes.update(zip(keys, sizes))
+            if mode == "momentum":  # signs and scales of the packed momentum
+                state._packed_sizes.update((k, (w // 8, w // r)) for k, (w, r) in zip(keys, sizes))
     return state

@@ -124,6 +124,14 @@ class FrozenVarianceAdam(torch.optim.Optimizer):
                         weight_decay=float(weight_decay), freeze_step=_freeze_step_of(freeze_step),
                         foreach=foreach)
         super().__init__(params, defaults)
+        # compcomm.fsdp.onebit(mode="momentum"): the 1-bit phase's momentum comes from its hook
+        self._momentum = getattr(freeze_step, "momentum", None)
+        if self._momentum is not None:
+            b1s = {g["betas"][0] for g in self.param_groups}
+            if len(b1s) != 1:
+                raise ValueError("FrozenVarianceAdam: argument 'params': with compcomm.fsdp.onebit"
+                                 f"(mode='momentum') every group needs the same b1, got {b1s}")
+            self._momentum.bind(self, b1s.pop())
         for group in self.param_groups:
             group["freeze_step"] = _freeze_step_of(group["freeze_step"])
             for p in group["params"]:
@@ -159,6 +167,7 @@ class FrozenVarianceAdam(torch.optim.Optimizer):
         for group in self.param_groups:
             warm: Tuple[List[torch.Tensor], ...] = ([], [], [], [], [])
             frozen: Tuple[List[torch.Tensor], ...] = ([], [], [], [], [])
+            owners: List[torch.Tensor] = []  # the frozen ones' parameters
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -169,6 +178,8 @@ class FrozenVarianceAdam(torch.optim.Optimizer):
                 for lst, t in zip(lists, (p, p.grad, st["exp_avg"], st["exp_avg_sq"])):
                     lst.append(_local(t))
                 lists[4].append(st["step"])
+                if lists is frozen:
+                    owners.append(p)
             b1, b2 = group["betas"]
             if warm[0]:
                 _torch_adam(warm[0], warm[1], warm[2], warm[3], [], warm[4],
@@ -178,14 +189,29 @@ class FrozenVarianceAdam(torch.optim.Optimizer):
                             lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
                             maximize=False)
             if frozen[0]:
-                _frozen_step(*frozen, group)
+                ms = None
+                if self._momentum is not None:  # all taken before anything is written
+                    ms = [self._momentum.take(p) for p in owners]
+                    if any(m is None for m in ms):
+                        for p, m in zip(owners, ms):  # nothing changed: put them back
+                            if m is not None:
+                                self._momentum.give(p, m)
+                        i = next(i for i, m in enumerate(ms) if m is None)
+                        raise RuntimeError(
+                            f"FrozenVarianceAdam: parameter {i} of a group has no momentum from "
+                            "compcomm.fsdp.onebit(mode='momentum') for this step (its "
+                            "reduce-scatter did not run since the last step)")
+                _frozen_step(*frozen, group, ms)
         return loss
 
 
 def _frozen_step(ps: List[torch.Tensor], gs: List[torch.Tensor], ms: List[torch.Tensor],
-                 vs: List[torch.Tensor], steps: List[torch.Tensor], group: Dict[str, Any]) -> None:
+                 vs: List[torch.Tensor], steps: List[torch.Tensor], group: Dict[str, Any],
+                 given: Optional[List[torch.Tensor]] = None) -> None:
     """The frozen-variance AdamW step over local shards (torch's single-tensor AdamW operations
-    with ``v`` and its bias correction held at ``freeze_step``)."""
+    with ``v`` and its bias correction held at ``freeze_step``). ``given``: the new momentum
+    (fp32, from the momentum mode's hook) instead of ``lerp(m, g, 1 - b1)``; ``m`` keeps a copy
+    (in its dtype) for checkpoints, the update uses the fp32 values."""
     b1, b2 = group["betas"]
     lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
     bc2_sqrt = (1 - b2 ** group["freeze_step"]) ** 0.5
@@ -198,11 +224,17 @@ def _frozen_step(ps: List[torch.Tensor], gs: List[torch.Tensor], ms: List[torch.
     for t, idx in by_t.items():
         step_size = lr / (1 - b1 ** t)
         sub = [[lst[i] for i in idx] for lst in (ps, gs, ms, vs)]
-        if sub[0][0].is_cuda:  # a few launches per group instead of a few per tensor
+        if given is not None:
+            new = [given[i] for i in idx]
+            torch._foreach_copy_(sub[2], new)
+            sub[2] = new  # the fp32 momentum drives the update
+            sub[3] = [v if v.dtype == torch.float32 else v.float() for v in sub[3]]
+        if sub[0][0].is_cuda and all(p.dtype == m.dtype for p, m in zip(sub[0], sub[2])):
             p_, g_, m_, v_ = sub
             if wd != 0:
                 torch._foreach_mul_(p_, 1 - lr * wd)
-            torch._foreach_lerp_(m_, g_, 1 - b1)
+            if given is None:
+                torch._foreach_lerp_(m_, g_, 1 - b1)
             denom = torch._foreach_sqrt(v_)
             torch._foreach_div_(denom, bc2_sqrt)
             torch._foreach_add_(denom, eps)
@@ -211,6 +243,7 @@ def _frozen_step(ps: List[torch.Tensor], gs: List[torch.Tensor], ms: List[torch.
         for p, g, m, v in zip(*sub):
             if wd != 0:
                 p.mul_(1 - lr * wd)
-            m.lerp_(g, 1 - b1)
+            if given is None:
+                m.lerp_(g, 1 - b1)
             denom = (v.sqrt() / bc2_sqrt).add_(eps)
             p.addcdiv_(m, denom, value=-step_size)

@@ -122,6 +122,8 @@ def targets(rows: List[Dict[str, Any]], device: str = "cuda") -> List[Dict[str, 
             ("zero2_onebitadam_noag", None, "zero2_adamw", None, 15),
             ("fsdp2_onebit", None, "fsdp2_adamw", None, 3),
             ("fsdp2_onebit_ag", None, "fsdp2_adamw", None, 3),
+            ("fsdp2_onebitadam", None, "fsdp2_adamw", None, 3),
+            ("fsdp2_onebitadam_ag", None, "fsdp2_adamw", None, 3),
         ]
         for fast, fph, slow, sph, want in checks:
             a, b = st(p, w, slow, sph), st(p, w, fast, fph)
@@ -169,7 +171,8 @@ def targets(rows: List[Dict[str, Any]], device: str = "cuda") -> List[Dict[str, 
 
 
 #: compressed optimizers with a loss target: within 2 % of the twin (issues 13 and 16)
-_LOSS_TARGET = ("onebitadam", "onebitlamb", "fsdp2_onebit", "fsdp2_onebit_ag")
+_LOSS_TARGET = ("onebitadam", "onebitlamb", "fsdp2_onebit", "fsdp2_onebit_ag", "fsdp2_onebitadam",
+                "fsdp2_onebitadam_ag")
 
 
 def loss_checks(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
