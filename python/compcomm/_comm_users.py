@@ -8,14 +8,16 @@ backward overlap, a compressor's exchanges run on its worker thread during the b
 parts of one model) on the same communicator would issue its own collectives meanwhile, from
 another thread, in an order that may differ by rank: a hang, a malformed message, or (NCCL) data
 silently mixed. So a communicator with more than one live user is *shared*, and on a shared
-communicator no overlap runs: the ones already on are drained (their exchanges waited for and
-dropped) and switched off, new ones start off.
+communicator no overlap runs: what one already sent is drained (waited for and dropped) when the
+second user joins, and each overlap switches itself off at its next ``arm()``.
 
 Deciding alike on every rank. Users join at construction, which every rank runs alike (SPMD);
 whether an earlier user is still alive would depend on when each rank's garbage collector ran,
 so a join that finds earlier users runs :func:`gc.collect` first: then exactly the reachable ones
-count, on every rank. The shared mark is cleared only there too (a join that finds no live user),
-never when a user dies, so every rank's overlap sees the same mark at the same point.
+count, on every rank. The shared mark changes only there and in :func:`recheck` (an overlap's
+``arm()`` that finds the mark, at a step: every rank alike; it lets ``opt = OneBitAdam(...)``
+replace an earlier optimizer still bound to ``opt`` while the new one was made), never when a
+user dies, so every rank's overlap sees the same mark at the same point.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import gc
 import weakref
 from typing import Any, Dict
 
-__all__ = ["join", "watch", "is_shared"]
+__all__ = ["join", "watch", "is_shared", "recheck"]
 
 
 class _Entry:
@@ -76,3 +78,14 @@ def is_shared(comm: Any) -> bool:
     """Whether more than one live user has joined ``comm`` (as of the last join)."""
     e = _entries.get(id(comm))
     return e is not None and e.shared
+
+
+def recheck(comm: Any) -> bool:
+    """Whether ``comm`` is still shared once unreachable users are collected (:func:`gc.collect`;
+    call at a point every rank reaches alike); clears the mark if at most one user lives."""
+    e = _entries.get(id(comm))
+    if e is None or not e.shared:
+        return False
+    gc.collect()
+    e.shared = len(e.users) > 1
+    return e.shared

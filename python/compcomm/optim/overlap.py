@@ -65,7 +65,7 @@ import numpy as np
 import torch
 
 from .._agree import agree_layout, digest
-from .._comm_users import join, watch
+from .._comm_users import is_shared, join, recheck, watch
 from ..errors import NonFiniteError, RankMismatchError
 from ._grads import fp32_grad
 from ._overlap_parts import Group, join_streams
@@ -199,8 +199,7 @@ class BackwardOverlap:
         # the hooks go with this object (or when it switches itself off), not with the parameters
         self._unhook = weakref.finalize(self, _remove, self._handles)
         join(comm, compressor)  # (a compressor that is not a OneBitCompressor joins here)
-        if watch(comm, self):
-            self.on_shared()
+        watch(comm, self)  # shared: arm() switches the overlap off (compcomm._comm_users)
 
     # -- the backward side ----------------------------------------------------------------
     def arm(self, plan: Any, make_fill: Callable[[Dict[torch.Tensor, torch.Tensor]], Any]) -> None:
@@ -208,6 +207,11 @@ class BackwardOverlap:
         ``make_fill()(grads)`` returns the fill of ``_compressed_average`` over ``{p: fp32 grad}``
         (``make_fill`` is a :class:`weakref.WeakMethod` of the optimizer's)."""
         if not self.enabled:
+            return
+        if is_shared(self.comm) and recheck(self.comm):  # (a step: every rank alike)
+            self.disable("another compcomm optimizer or compressor uses the same communicator "
+                         "(two worker threads must not send on one communicator at once)",
+                         warn=self._warn_shared)
             return
         if self._skip_arm:  # the first backward after a state was loaded
             self._skip_arm = False
@@ -436,16 +440,13 @@ class BackwardOverlap:
 
     def on_shared(self) -> None:
         """Another compcomm optimizer or compressor joined this communicator (every rank alike,
-        :mod:`compcomm._comm_users`): what the backward sent is waited for and dropped, and the
-        overlap switches off for good (two worker threads must not issue collectives on one
-        communicator)."""
+        :mod:`compcomm._comm_users`): what the backward sent is waited for and dropped now, before
+        the newcomer can send (two worker threads must not issue collectives on one communicator);
+        the next :meth:`arm` switches the overlap off if the communicator is still shared."""
         with self._lock:
             r, self._round = self._round, None
         if r is not None:
             self._drain(r)
-        self.disable("another compcomm optimizer or compressor uses the same communicator (two "
-                     "worker threads must not send on one communicator at once)",
-                     warn=self._warn_shared)
 
     def _drain(self, r: _Round) -> None:
         """Send the groups of ``r`` no hook sent, unstaged, wait for every exchange, drop all."""
