@@ -116,7 +116,7 @@ def trajectory(rank: int, overlap: bool, scenario: str, dtype: torch.dtype,
     ov = opt._overlap
     errors = {k: {n: t.cpu() for n, t in e.items()} for k, e in opt.compressor.state_dict().items()}
     return {"traj": [[p.cpu() for p in ps] for ps in traj], "errors": errors,
-            "hooked": 0 if ov is None else len(ov._hooked),
+            "hooked": 0 if ov is None else len(getattr(ov, "_hooked", ())),
             "groups_kept": 0 if ov is None else len(ov._groups[1]),
             "overlapped": 0 if ov is None else ov.steps_overlapped,
             "from_backward": 0 if ov is None else ov.groups_from_backward,
@@ -405,6 +405,7 @@ def gpu_scenarios(rank: int, world: int) -> Dict[str, Any]:
     _small_groups()
     out: Dict[str, Any] = {"native": auto_safe(resolve(group))}
     for scenario, dtype in (("plain", torch.float32), ("plain", torch.bfloat16),
+                            ("grad_none", torch.float32), ("nan_sanitize", torch.float32),
                             ("accumulate", torch.float32), ("no_backward", torch.float32),
                             ("data_mul", torch.float32), ("foreach_data_one_rank", torch.float32),
                             ("data_once", torch.bfloat16), ("user_stream_plain", torch.float32),
@@ -416,6 +417,9 @@ def gpu_scenarios(rank: int, world: int) -> Dict[str, Any]:
     out["auto_float32"] = {o: trajectory(rank, o, "plain", torch.float32, "cuda", group)
                            for o in (False, "auto")}
     out["auto_float32"][True] = out["auto_float32"].pop("auto")
+    # a GAN's G and D on one native NCCL communicator: 'auto' must not overlap on it
+    out["two_auto"] = {late: two_optimizers(rank, world, "auto", late, "cuda", group)
+                       for late in (False, True)}
     return out
 
 
@@ -490,7 +494,8 @@ def no_comm_in_load(rank: int, world: int) -> List[str]:
     return calls
 
 
-def two_optimizers(rank: int, world: int, overlap: Any, late: bool) -> Dict[str, Any]:
+def two_optimizers(rank: int, world: int, overlap: Any, late: bool, device: str = "cpu",
+                   group: Any = None) -> Dict[str, Any]:
     """Two OneBitAdam over halves of one model on one communicator (one backward fires both
     optimizers' hooks; each has its own worker thread): the overlap must not run on either, the
     results equal those without overlap. ``late``: the second optimizer is made after the first
@@ -501,9 +506,10 @@ def two_optimizers(rank: int, world: int, overlap: Any, late: bool) -> Dict[str,
     _small_groups()
     runs = {}
     for ov in (False, overlap):
-        model = _model(torch.float32)
+        model = _model(torch.float32).to(device)
         ps = list(model.parameters())
-        kw = dict(lr=0.01, freeze_step=FREEZE, reduce_bucket_size=100, overlap_backward=ov)
+        kw = dict(lr=0.01, freeze_step=FREEZE, reduce_bucket_size=100, overlap_backward=ov,
+                  process_group=group)
         o1 = OneBitAdam(ps[:4], **kw)
         o2 = None if late else OneBitAdam(ps[4:], **kw)
         traj, sent = [], 0
@@ -521,7 +527,7 @@ def two_optimizers(rank: int, world: int, overlap: Any, late: bool) -> Dict[str,
                     if o is not None:
                         o.step()
                 traj.append(_snapshot(model))
-        runs[ov] = {"traj": traj, "shared": _comm_users.is_shared(o1.comm),
+        runs[ov] = {"traj": [[p.cpu() for p in ps] for ps in traj], "shared": _comm_users.is_shared(o1.comm),
                     "enabled": [None if o.overlap is None else o.overlap.enabled for o in (o1, o2)],
                     "sent_late": sent,
                     "warnings": [str(x.message) for x in w if "overlap_backward" in str(x.message)]}
