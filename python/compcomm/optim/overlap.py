@@ -220,7 +220,7 @@ class BackwardOverlap:
             self._groups = (plan, plan_groups(plan))
             for g in self._groups[1]:
                 for _, p, _ in g.entries:
-                    if id(p) not in self._hooked:
+                    if id(p) not in self._hooked and p.requires_grad:  # (a grad set by hand)
                         self._hooked.add(id(p))
                         self._handles.append(p.register_post_accumulate_grad_hook(self._hook))
         with self._lock:
