@@ -16,7 +16,8 @@ FREEZE = 3
 STEPS = 8
 SCENARIOS = ["plain", "accumulate", "clip", "no_grad_param", "keep_grads", "no_backward",
              "load_state", "scaler", "unscale", "nonfinite", "data_mul", "foreach_data_one_rank",
-             "data_once", "accumulate_one_rank"]
+             "data_once", "accumulate_one_rank", "grad_none", "nan_sanitize", "add_group",
+             "unfreeze"]
 
 
 def _small_groups() -> None:
@@ -79,7 +80,12 @@ def trajectory(rank: int, overlap: bool, scenario: str, dtype: torch.dtype,
     from compcomm.optim import OneBitAdam
 
     model = _model(dtype).to(device)
-    opt = OneBitAdam(model.parameters(), lr=0.01, freeze_step=FREEZE, weight_decay=0.01,
+    params = list(model.parameters())
+    if scenario == "add_group":  # model.extra joins at the first compressed step
+        params = params[:-2]
+    if scenario == "unfreeze":  # model.extra trains from the first compressed step on
+        model.extra.requires_grad_(False)
+    opt = OneBitAdam(params, lr=0.01, freeze_step=FREEZE, weight_decay=0.01,
                      reduce_bucket_size=100, overlap_backward=overlap, process_group=group)
     scaler = (torch.amp.GradScaler("cpu", init_scale=4.0) if scenario in ("scaler", "unscale")
               else None)
@@ -110,6 +116,8 @@ def trajectory(rank: int, overlap: bool, scenario: str, dtype: torch.dtype,
     ov = opt._overlap
     errors = {k: {n: t.cpu() for n, t in e.items()} for k, e in opt.compressor.state_dict().items()}
     return {"traj": [[p.cpu() for p in ps] for ps in traj], "errors": errors,
+            "hooked": 0 if ov is None else len(getattr(ov, "_hooked", ())),
+            "groups_kept": 0 if ov is None else len(ov._groups[1]),
             "overlapped": 0 if ov is None else ov.steps_overlapped,
             "from_backward": 0 if ov is None else ov.groups_from_backward,
             "enabled": None if ov is None else ov.enabled, "warnings": caught,
@@ -120,6 +128,10 @@ def _backward(model: Net, opt: Any, scaler: Any, rank: int, t: int, scenario: st
               dtype: torch.dtype, device: str) -> None:
     """Step ``t``'s gradients of ``scenario``, and what the program does to them before step()."""
     opt.zero_grad(set_to_none=scenario != "keep_grads")
+    if scenario == "add_group" and t == FREEZE + 1:
+        opt.add_param_group({"params": list(model.extra.parameters())})
+    if scenario == "unfreeze" and t == FREEZE + 1:
+        model.extra.requires_grad_(True)
     if scenario == "no_backward" and t > FREEZE + 1:
         # gradients written by hand: no hook fires, step() sends every group itself
         ref = _model(dtype).to(device)
@@ -129,7 +141,7 @@ def _backward(model: Net, opt: Any, scaler: Any, rank: int, t: int, scenario: st
             p.grad = q.grad.clone()
     else:
         loss = _loss(model, rank, t, use_extra=not (scenario == "no_grad_param" and t == 6))
-        if scenario == "nonfinite" and t == FREEZE + 2 and rank == 0:
+        if scenario in ("nonfinite", "nan_sanitize") and t == FREEZE + 2 and rank == 0:
             loss = loss * float("nan")  # every rank skips this step
         (scaler.scale(loss) if scaler else loss).backward()
     if scenario == "accumulate" and t > FREEZE or (
@@ -141,6 +153,11 @@ def _backward(model: Net, opt: Any, scaler: Any, rank: int, t: int, scenario: st
             p.grad.data.mul_(0.5)
     if scenario == "foreach_data_one_rank" and t > FREEZE and rank == 0:
         torch._foreach_mul_([p.grad.data for p in model.parameters()], 0.5)
+    if scenario == "nan_sanitize" and t == FREEZE + 2:  # cleaned after its group was sent
+        for p in model.parameters():
+            p.grad.nan_to_num_(0.0, 0.0, 0.0)
+    if scenario == "grad_none" and t == FREEZE + 2:  # after its group was sent
+        model.a.bias.grad = None
     if scenario == "clip" and t > FREEZE:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
     if scenario == "load_state" and t == FREEZE + 3:
@@ -187,6 +204,8 @@ def scenarios(rank: int, world: int, which: List[str]) -> Dict[str, Any]:
     out["auto"] = auto_choice()
     out["compressor"] = compressor_groups(rank, world)
     out["abandoned"] = abandoned(rank, world)
+    out["check_fails"] = check_fails(rank, world)
+    out["no_comm_in_load"] = no_comm_in_load(rank, world)
     return out
 
 
@@ -386,6 +405,7 @@ def gpu_scenarios(rank: int, world: int) -> Dict[str, Any]:
     _small_groups()
     out: Dict[str, Any] = {"native": auto_safe(resolve(group))}
     for scenario, dtype in (("plain", torch.float32), ("plain", torch.bfloat16),
+                            ("grad_none", torch.float32), ("nan_sanitize", torch.float32),
                             ("accumulate", torch.float32), ("no_backward", torch.float32),
                             ("data_mul", torch.float32), ("foreach_data_one_rank", torch.float32),
                             ("data_once", torch.bfloat16), ("user_stream_plain", torch.float32),
@@ -397,4 +417,121 @@ def gpu_scenarios(rank: int, world: int) -> Dict[str, Any]:
     out["auto_float32"] = {o: trajectory(rank, o, "plain", torch.float32, "cuda", group)
                            for o in (False, "auto")}
     out["auto_float32"][True] = out["auto_float32"].pop("auto")
+    # a GAN's G and D on one native NCCL communicator: 'auto' must not overlap on it
+    out["two_auto"] = {late: two_optimizers(rank, world, "auto", late, "cuda", group)
+                       for late in (False, True)}
     return out
+
+
+def check_fails(rank: int, world: int) -> Dict[str, Any]:
+    """The value check itself fails on rank 0 at the first compressed step (simulated: out of
+    memory for its scratch): no error, the exchanges are dropped, the ordinary path runs (the same
+    bits as without overlap) and the overlap is switched off on every rank, with nothing kept."""
+    import weakref
+
+    from compcomm.optim import OneBitAdam
+
+    _small_groups()
+    final, info = {}, {}
+    for overlap in (False, True):
+        model = _model(torch.float32)
+        opt = OneBitAdam(model.parameters(), lr=0.01, freeze_step=FREEZE, reduce_bucket_size=100,
+                         overlap_backward=overlap)
+        if overlap and rank == 0:
+            ov, orig = opt.overlap, opt.overlap._changed
+
+            def failing(r, _ov=ov, _orig=orig):
+                _ov._changed = _orig  # once
+                raise torch.OutOfMemoryError("simulated: no memory for the scratch")
+            ov._changed = failing
+        errors, scratch = [], None
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            for t in range(1, STEPS + 1):
+                opt.zero_grad()
+                _loss(model, rank, t).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # (changes nothing)
+                try:
+                    opt.step()
+                except Exception as e:  # noqa: BLE001 -- reported to the parent
+                    errors.append(f"{type(e).__name__}: {e}")
+                if overlap and opt.overlap._scratch:
+                    scratch = weakref.ref(next(iter(opt.overlap._scratch.values())))
+        final[overlap] = _snapshot(model)
+        if overlap:
+            info = {"errors": errors, "enabled": opt.overlap.enabled,
+                    "overlapped": opt.overlap.steps_overlapped,
+                    "warnings": [str(x.message) for x in w if "overlap" in str(x.message)],
+                    "groups_kept": len(opt.overlap._groups[1]),
+                    "scratch_alive": scratch is not None and scratch() is not None}
+    info["same"] = all(torch.equal(a, b) for a, b in zip(final[False], final[True]))
+    return info
+
+
+def no_comm_in_load(rank: int, world: int) -> List[str]:
+    """load_state_dict between backward and step is local (base.py's promise): the calls the
+    compressor received during it (none may send)."""
+    from compcomm.optim import OneBitAdam
+
+    _small_groups()
+    model = _model(torch.float32)
+    opt = OneBitAdam(model.parameters(), lr=0.01, freeze_step=FREEZE, reduce_bucket_size=100,
+                     overlap_backward=True)
+    calls: List[str] = []
+    for t in range(1, FREEZE + 3):
+        opt.zero_grad()
+        _loss(model, rank, t).backward()
+        if t == FREEZE + 2:
+            sd = opt.state_dict()
+            comp = opt.compressor
+            saved = {n: getattr(comp, n) for n in ("launch_", "wait_launched")}
+            for n, f in saved.items():
+                setattr(comp, n, lambda *a, _n=n, _f=f, **k: (calls.append(_n), _f(*a, **k))[1])
+            opt.load_state_dict(sd)
+            for n in saved:
+                delattr(comp, n)
+        opt.step()
+    return calls
+
+
+def two_optimizers(rank: int, world: int, overlap: Any, late: bool, device: str = "cpu",
+                   group: Any = None) -> Dict[str, Any]:
+    """Two OneBitAdam over halves of one model on one communicator (one backward fires both
+    optimizers' hooks; each has its own worker thread): the overlap must not run on either, the
+    results equal those without overlap. ``late``: the second optimizer is made after the first
+    one's backward sent its groups (they are drained then)."""
+    from compcomm import _comm_users
+    from compcomm.optim import OneBitAdam
+
+    _small_groups()
+    runs = {}
+    for ov in (False, overlap):
+        model = _model(torch.float32).to(device)
+        ps = list(model.parameters())
+        kw = dict(lr=0.01, freeze_step=FREEZE, reduce_bucket_size=100, overlap_backward=ov,
+                  process_group=group)
+        o1 = OneBitAdam(ps[:4], **kw)
+        o2 = None if late else OneBitAdam(ps[4:], **kw)
+        traj, sent = [], 0
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            for t in range(1, STEPS + 1):
+                o1.zero_grad()
+                if o2 is not None:
+                    o2.zero_grad()
+                _loss(model, rank, t).backward()
+                if o2 is None and t == FREEZE + 2:
+                    sent = 0 if o1.overlap is None else o1.overlap.groups_from_backward
+                    o2 = OneBitAdam(ps[4:], **kw)  # in the middle of o1's step
+                for o in (o2, o1) if t % 2 else (o1, o2):
+                    if o is not None:
+                        o.step()
+                traj.append(_snapshot(model))
+        runs[ov] = {"traj": [[p.cpu() for p in ps] for ps in traj], "shared": _comm_users.is_shared(o1.comm),
+                    "enabled": [None if o.overlap is None else o.overlap.enabled for o in (o1, o2)],
+                    "sent_late": sent,
+                    "warnings": [str(x.message) for x in w if "overlap_backward" in str(x.message)]}
+        del o1, o2
+    same = all(torch.equal(a, b) for x, y in zip(runs[False]["traj"], runs[overlap]["traj"])
+               for a, b in zip(x, y))
+    return {"same": same, **{k: v for k, v in runs[overlap].items() if k != "traj"}}

@@ -264,3 +264,68 @@ def test_abandoned_optimizer_is_freed(world):
     """No reference cycle keeps a dropped optimizer (and its backward hooks) alive."""
     for rank, out in enumerate(results(world)):
         assert out["abandoned"] is True, f"rank {rank}"
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_two_optimizers_on_one_communicator(late):
+    """Two OneBitAdam over halves of one model on one communicator, as a GAN's G and D: each has
+    its own worker thread, so the overlap must not run on either (one backward fires both
+    optimizers' hooks; one's step() would send while the other's exchanges are in flight). It
+    switches itself off on both, on every rank, with a warning (``overlap_backward=True``); made
+    after the first one's backward sent its groups (``late``), those are drained. The same bits
+    as without overlap, the steps called in either order."""
+    for rank, out in enumerate(run_ranks(2, C.two_optimizers, True, late, timeout=200)):
+        assert out["same"], rank
+        assert out["shared"] and out["enabled"] == [False, False], (rank, out)
+        assert len(out["warnings"]) == 2, out["warnings"]
+        if late:
+            assert out["sent_late"] > 0  # the first one had sent from the backward
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("scenario", ["grad_none", "nan_sanitize", "add_group", "unfreeze"])
+def test_changed_after_send(world, scenario):
+    """A gradient set to None after its group was sent (the plan changes: dropped, ordinary
+    path); a non-finite gradient cleaned (``nan_to_num_``) after it was sent (the exchange's
+    NonFiniteError is checked against the current gradients: they changed, so the ordinary path
+    runs and the step is not skipped); parameters added (``add_param_group``) or unfrozen after
+    construction (hooked when the plan takes them in: their steps overlap too)."""
+    for rank, out in enumerate(results(world)):
+        run = out[f"{scenario}_float32"]
+        assert _identical(run), f"rank {rank}"
+        assert run[True]["enabled"], run[True]
+        assert run[True]["skipped"] == run[False]["skipped"]
+        if scenario == "grad_none":  # that step and the next (the plan changes back) drop
+            assert run[True]["overlapped"] == C.STEPS - C.FREEZE - 2 and not run[True]["warnings"]
+        elif scenario == "nan_sanitize":  # not skipped: a change (one warning), overlap stays on
+            assert run[True]["skipped"] == 0 and len(run[True]["warnings"]) == 1
+            assert run[True]["overlapped"] == C.STEPS - C.FREEZE - 1
+        else:  # every parameter hooked, and the steps after the plan took them in overlap
+            assert run[True]["hooked"] == 8 and run[True]["overlapped"] >= 1
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_value_check_failure_falls_back(world):
+    """The value check itself fails on rank 0 (no memory for its scratch): no error on any rank,
+    the ordinary path runs (the same bits), the overlap switches off everywhere, and its scratch
+    is freed (also the value check's entries the groups kept)."""
+    for rank, out in enumerate(results(world)):
+        c = out["check_fails"]
+        assert c["same"] and not c["errors"], (rank, c)
+        assert c["enabled"] is False and c["overlapped"] == 0 and len(c["warnings"]) == 1, c
+        assert c["groups_kept"] == 0 and not c["scratch_alive"], c
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_load_state_dict_is_local(world):
+    """load_state_dict between backward and step sends nothing (the round is cancelled; the
+    next step() sends and drops it)."""
+    for rank, out in enumerate(results(world)):
+        assert out["no_comm_in_load"] == [], rank
+
+
+def test_scratch_freed_when_switched_off():
+    """Switched off (clipping every step), no group keeps the value check's scratch alive."""
+    for rank, out in enumerate(results(2)):
+        run = out["clip_float32"]
+        assert run[True]["enabled"] is False and run[True]["groups_kept"] == 0, rank

@@ -80,3 +80,20 @@ def test_auto_is_on_over_native_nccl():
         assert C.identical(run), rank
         expect = C.STEPS - C.FREEZE if out["native"] else 0
         assert run[True]["overlapped"] == expect, (rank, out["native"])
+
+
+def test_two_optimizers_on_one_native_nccl_communicator():
+    """A GAN's G and D with the default 'auto' on one process group: one cached native NCCL
+    communicator, two worker threads. The overlap switches off on both (silently; the second
+    made after the first one's backward sent its groups: those are drained), the same bits as
+    without overlap, no hang. Also a gradient set to None and a NaN cleaned after the send."""
+    for rank, out in enumerate(outs()):
+        for late, run in out["two_auto"].items():
+            assert run["same"] and run["shared"], (rank, late, run)
+            assert run["enabled"] == [False, False] and not run["warnings"], (rank, late, run)
+            if late:
+                assert run["sent_late"] > 0, run
+        for scenario in ("grad_none", "nan_sanitize"):
+            run = out[f"{scenario}_float32"]
+            assert C.identical(run) and run[True]["enabled"], (rank, scenario)
+            assert run[True]["overlapped"] >= C.STEPS - C.FREEZE - 2, (rank, scenario)

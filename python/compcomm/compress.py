@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tupl
 import torch
 
 from . import _C
+from ._comm_users import join
 from ._agree import LayoutCheck, digest
 from ._bucket_views import PreparedBuckets
 from ._bucketing import all_finite, plan_buckets
@@ -85,6 +86,7 @@ class OneBitCompressor:
         self._prep: Optional[PreparedBuckets] = None
         self._layout = LayoutCheck()  # the bucket layouts the ranks agreed on (batched=False)
         self._groups: Dict[Any, PreparedBuckets] = {}  # launch_'s groups, by keys, numels, device
+        join(comm, self)  # a worker thread on comm: no backward overlap shares it (_comm_users)
 
     @property
     def stages_ahead(self) -> bool:

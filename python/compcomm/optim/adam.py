@@ -108,7 +108,9 @@ class OneBitAdam(OneBitBase):
         parameters over compcomm's native NCCL communicator (its own NCCL communicator: no torch
         collective shares its queue), off elsewhere (on CPUs the backward and the exchange share
         the cores: 0.92x-1.03x measured). ``True``: also over the torch adapter (then give the
-        optimizer a process group of its own). It helps where the wire time of the compressed
+        optimizer a process group of its own). Never while another compcomm optimizer or
+        compressor uses the same communicator (a GAN's G and D: each has a worker thread; the
+        overlap switches off, with a warning for ``True``). It helps where the wire time of the compressed
         momenta is comparable to the backward (slow links, large models) (docs/optimizers.md,
         "Backward overlap").
     eps_inside_sqrt, max_grad_norm :

@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 
 from .._agree import LayoutCheck
+from .._comm_users import join as join_comm
 from ..compress import DEFAULT_BUCKET_ELEMENTS, OneBitCompressor, plan_buckets
 from ..errors import NonFiniteError
 from ..schedule import FreezeSchedule, StepKind
@@ -83,6 +84,7 @@ class OneBitBase(torch.optim.Optimizer):
             if fused:
                 self.reduce_bucket_size = 1 << 62
         self.compressor = compressor(self.comm)
+        join_comm(self.comm, self.compressor)  # its worker thread: no overlap shares the comm
         #: steps skipped because some rank met a non-finite value (nothing changed in them)
         self.skipped_steps = 0
         self._plan_key: Optional[Tuple[Any, ...]] = None
@@ -104,12 +106,12 @@ class OneBitBase(torch.optim.Optimizer):
         #: load_state_dict calls so far (compcomm.ddp_comm_hook agrees on the schedule after each)
         self.state_loads = 0
         # 'auto' needs the communicator: on for CUDA parameters over native NCCL only
-        self.overlap_backward = overlap_backward = resolve_overlap(
-            self._name, overlap_backward, self.param_groups, self.comm)
+        self.overlap_backward = on = resolve_overlap(self._name, overlap_backward,
+                                                     self.param_groups, self.comm)
         #: sends the compressed phase's groups of buckets from the backward (compcomm.optim.overlap)
         params = [p for g in self.param_groups for p in g["params"]]
-        self._overlap = (BackwardOverlap(self._name, params, self.compressor, self.comm)
-                         if overlap_backward and self.world_size > 1
+        self._overlap = (BackwardOverlap(self._name, params, self.compressor, self.comm,
+                                         overlap_backward is True) if on and self.world_size > 1
                          and hasattr(self.compressor, "launch_") else None)
 
     # -- phase queries ---------------------------------------------------------------------
@@ -223,8 +225,7 @@ class OneBitBase(torch.optim.Optimizer):
         # buckets of one device at a time (a model may keep groups on several devices)
         for dev, idx, numels, entries in plan.by_device:
             self.compressor.average_(idx, numels, plan.stage_fn(idx, entries, fill, ahead), dev)
-        views = dict(plan.views)
-        return views
+        return dict(plan.views)
 
     def _zero_errors(self) -> None:
         self.compressor.zero_()

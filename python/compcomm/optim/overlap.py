@@ -65,8 +65,10 @@ import numpy as np
 import torch
 
 from .._agree import agree_layout, digest
+from .._comm_users import is_shared, join, recheck, watch
 from ..errors import NonFiniteError, RankMismatchError
 from ._grads import fp32_grad
+from ._overlap_parts import Group, join_streams
 
 __all__ = ["BackwardOverlap", "GROUP_ELEMENTS", "MAX_GROUPS", "plan_groups", "resolve_overlap",
            "auto_safe", "join_streams"]
@@ -80,46 +82,7 @@ GROUP_ELEMENTS = 1 << 22
 MAX_GROUPS = 4
 
 # the verdict bits the ranks OR in the agreement
-_REFIRED, _CHANGED, _INCOMPLETE = 1, 2, 4
-
-
-class _Group:
-    """Buckets sent together: their indices in the plan, sizes, device and fill entries."""
-
-    def __init__(self, plan: Any, buckets: List[int]) -> None:
-        self.buckets = buckets
-        self.numels = [plan.flats[b].numel() for b in buckets]
-        self.device = plan.devices[buckets[0]]
-        self.flats = [plan.flats[b] for b in buckets]
-        self.per_bucket = [plan.entries[b] for b in buckets]
-        self.entries = [e for b in buckets for e in plan.entries[b]]
-        self.numel = sum(self.numels)
-        self._check: Optional[Tuple[torch.Tensor, int, List[Any]]] = None  # scratch, shift, entries
-
-    def staged(self) -> torch.Tensor:
-        """The group's staged momenta as one tensor, its buckets in plan order: a view where they
-        lie side by side (StagedPlan makes them so), else a copy."""
-        flats = self.flats[::-1]  # the group walks the plan backwards
-        ptr, off = flats[0].untyped_storage().data_ptr(), flats[0].storage_offset()
-        for f in flats:
-            if f.untyped_storage().data_ptr() != ptr or f.storage_offset() != off:
-                return torch.cat(flats)
-            off += f.numel()
-        return torch.as_strided(flats[0], (self.numel,), (1,))
-
-    def scratch_entries(self, scratch: torch.Tensor, shift: int) -> List[Any]:
-        """The group's fill entries with their outputs in ``scratch[shift:]``, laid out as
-        :meth:`staged` (kept while ``scratch`` and ``shift`` are the same)."""
-        if self._check is not None and self._check[0] is scratch and self._check[1] == shift:
-            return self._check[2]
-        entries, off = [], self.numel + shift
-        for f, bucket in zip(self.flats, self.per_bucket):  # from the last bucket of the plan
-            off -= f.numel()  # where this bucket starts in plan order
-            for group, p, view in bucket:
-                o = off + view.storage_offset() - f.storage_offset()
-                entries.append((group, p, scratch[o:o + p.numel()].view(p.shape)))
-        self._check = (scratch, shift, entries)
-        return entries
+_REFIRED, _CHANGED, _INCOMPLETE, _CHECK_FAILED = 1, 2, 4, 8
 
 
 def auto_safe(comm: Any) -> bool:
@@ -145,7 +108,7 @@ def resolve_overlap(name: str, value: Any, param_groups: List[Dict[str, Any]],
                      f"{value!r}")
 
 
-def plan_groups(plan: Any) -> List[_Group]:
+def plan_groups(plan: Any) -> List[Group]:
     """The groups of a staged bucket plan (:class:`compcomm.optim._staging.StagedPlan`): the
     buckets from the last to the first, cut where a group reaches its size or the device changes."""
     total = sum(f.numel() for f in plan.flats)
@@ -158,30 +121,13 @@ def plan_groups(plan: Any) -> List[_Group]:
             count = 0
         cuts[-1].append(b)
         count += plan.flats[b].numel()
-    return [_Group(plan, c) for c in cuts]
-
-
-def join_streams(current: Any, users: Iterable[Any], side: Any = None) -> None:
-    """Order the streams of a device after the exchanges (``x.wait_stream(y)`` on
-    ``torch.cuda.Stream``-likes): ``current`` (``step()``'s: the commit, the frees) after every
-    stream that staged and launched in the backward (``users``; over the torch adapter the
-    exchanges ran there) and after ``side``; and each of ``users`` after ``side``, because the
-    workspaces and error buffers were allocated on those streams and read on ``side``: the caching
-    allocator may hand a freed block to its allocating stream at once, so that stream must not
-    run ahead of ``side``'s last read (a backward run on a user stream)."""
-    for s in users:
-        if s != current:
-            current.wait_stream(s)
-        if side is not None:
-            s.wait_stream(side)
-    if side is not None:
-        current.wait_stream(side)
+    return [Group(plan, c) for c in cuts]
 
 
 class _Round:
     """What one backward (until the coming ``step()``) did: the hooks' counts and the launches."""
 
-    def __init__(self, plan: Any, groups: List[_Group], make_fill: Callable[..., Any]) -> None:
+    def __init__(self, plan: Any, groups: List[Group], make_fill: Callable[..., Any]) -> None:
         self.plan, self.groups, self.make_fill = plan, groups, make_fill
         self.group_of = {id(p): gi for gi, g in enumerate(groups) for _, p, _ in g.entries}
         self.pending = [len(g.entries) for g in groups]
@@ -190,6 +136,7 @@ class _Round:
         self.launches: List[Tuple[int, Any]] = []  # (group index, compressor handle), in order
         self.hooked: List[int] = []  # groups a hook staged (the value check redoes them)
         self.refired = False
+        self.cancelled = False  # a state was loaded: everything is sent unstaged and dropped
         self.incomplete = False  # a group launched unstaged: a gradient is gone (plan changes)
         self.error: Optional[BaseException] = None
         self.streams: Dict[torch.device, Any] = {}  # side stream per device
@@ -209,10 +156,13 @@ class BackwardOverlap:
         Must have ``launch_``, ``wait_launched``, ``commit_launched``, ``drop_launched``.
     comm : compcomm Communicator
         The optimizer's (the agreement all-gather runs on it).
+    warn_shared : bool
+        Warn when the overlap is switched off because another compcomm optimizer or compressor
+        uses ``comm`` (``overlap_backward=True``; ``'auto'`` is switched off silently).
     """
 
     def __init__(self, name: str, params: Iterable[torch.Tensor], compressor: Any,
-                 comm: Any) -> None:
+                 comm: Any, warn_shared: bool = False) -> None:
         self.name, self.compressor, self.comm = name, compressor, comm
         #: False once switched off (by the user or by :meth:`settle`, with a warning)
         self.enabled = True
@@ -226,7 +176,7 @@ class BackwardOverlap:
         self._lock = threading.Lock()
         self._round: Optional[_Round] = None  # armed for the coming backward
         self._ready: Optional[Tuple[_Round, Optional[BaseException]]] = None  # settled launches
-        self._groups: Tuple[Any, List[_Group]] = (None, [])
+        self._groups: Tuple[Any, List[Group]] = (None, [])
         self._streams: Dict[torch.device, Any] = {}
         self._scratch: Dict[torch.device, torch.Tensor] = {}  # the value check's, per device
         self._skip_arm = False  # set by cancel()
@@ -242,9 +192,14 @@ class BackwardOverlap:
             if me is not None:
                 me._on_grad(p)
 
-        handles = [p.register_post_accumulate_grad_hook(hook) for p in params if p.requires_grad]
+        self._hook, self._warn_shared = hook, warn_shared
+        params = [p for p in params if p.requires_grad]
+        self._hooked = {id(p) for p in params}  # arm() hooks the plan's others (added, unfrozen)
+        self._handles = [p.register_post_accumulate_grad_hook(hook) for p in params]
         # the hooks go with this object (or when it switches itself off), not with the parameters
-        self._unhook = weakref.finalize(self, _remove, handles)
+        self._unhook = weakref.finalize(self, _remove, self._handles)
+        join(comm, compressor)  # (a compressor that is not a OneBitCompressor joins here)
+        watch(comm, self)  # shared: arm() switches the overlap off (compcomm._comm_users)
 
     # -- the backward side ----------------------------------------------------------------
     def arm(self, plan: Any, make_fill: Callable[[Dict[torch.Tensor, torch.Tensor]], Any]) -> None:
@@ -253,11 +208,21 @@ class BackwardOverlap:
         (``make_fill`` is a :class:`weakref.WeakMethod` of the optimizer's)."""
         if not self.enabled:
             return
+        if is_shared(self.comm) and recheck(self.comm):  # (a step: every rank alike)
+            self.disable("another compcomm optimizer or compressor uses the same communicator "
+                         "(two worker threads must not send on one communicator at once)",
+                         warn=self._warn_shared)
+            return
         if self._skip_arm:  # the first backward after a state was loaded
             self._skip_arm = False
             return
         if self._groups[0] is not plan:
             self._groups = (plan, plan_groups(plan))
+            for g in self._groups[1]:
+                for _, p, _ in g.entries:
+                    if id(p) not in self._hooked and p.requires_grad:  # (a grad set by hand)
+                        self._hooked.add(id(p))
+                        self._handles.append(p.register_post_accumulate_grad_hook(self._hook))
         with self._lock:
             self._round = _Round(plan, self._groups[1], make_fill)
 
@@ -276,7 +241,7 @@ class BackwardOverlap:
             r.pending[gi] -= 1
             # strictly in plan order: a group waits for the ones before it (a gradient written
             # without a hook, e.g. by DDP, holds it and the later ones until step())
-            while not r.refired and r.next < len(r.groups) and r.pending[r.next] == 0:
+            while not (r.refired or r.cancelled) and r.next < len(r.groups) and r.pending[r.next] == 0:
                 self._launch(r, r.next, hooked=True)
 
     def _launch(self, r: _Round, gi: int, hooked: bool = False, stage: bool = True) -> None:
@@ -345,6 +310,9 @@ class BackwardOverlap:
             r, self._round = self._round, None
         if r is None:
             return
+        if r.cancelled:
+            self._drain(r)
+            return
         self._launch_rest(r)
         handles = [h for _, h in r.launches]
         error = self.compressor.wait_launched(handles)
@@ -352,12 +320,16 @@ class BackwardOverlap:
         if error is not None and not isinstance(error, (NonFiniteError, RankMismatchError)):
             self.compressor.drop_launched(handles)
             raise error  # a timeout or a lost peer: every rank raises its own
+        # a gradient set to None after its group was sent: the plan changes, as without overlap
+        r.incomplete |= any(p.grad is None for gi in r.hooked for _, p, _ in r.groups[gi].entries)
         flags = _REFIRED * r.refired | _INCOMPLETE * r.incomplete
-        if not flags and r.error is None and error is None:
+        # a non-finite value sent may have been cleaned since (nan_to_num_): check it too
+        if not flags and r.error is None and (error is None or isinstance(error, NonFiniteError)):
             try:
                 flags |= _CHANGED * self._changed(r)
-            except Exception as e:  # noqa: BLE001 -- this rank's failure: raised below, alike
-                r.error = e
+            except Exception:  # noqa: BLE001 -- e.g. no memory for the scratch: the ordinary
+                self._scratch.clear()  # path still works; switched off on every rank
+                flags |= _CHANGED | _CHECK_FAILED
         order = [gi for gi, _ in r.launches]
         fields = [("overlap: groups sent", len(order), False),
                   ("overlap: the order they were sent in", digest(order), True),
@@ -378,6 +350,8 @@ class BackwardOverlap:
             if verdict & _REFIRED:
                 self.disable("a parameter's gradient was accumulated again after its group was "
                              "sent (gradient accumulation)")
+            elif verdict & _CHECK_FAILED:
+                self.disable("the value check failed on a rank (out of memory?)")
             elif verdict & _CHANGED:
                 self.changed_steps += 1
                 if self.changed_steps == 1:
@@ -451,22 +425,36 @@ class BackwardOverlap:
             self.compressor.drop_launched([h for _, h in ready[0].launches])
 
     def cancel(self) -> None:
-        """Send the groups no hook sent (unstaged: every rank issues every group), wait for and
-        drop everything, and disarm (a state dict was loaded: the next step runs the ordinary
-        path). The backward after that step is not armed either: compcomm.ddp_comm_hook checks
-        its buckets again in it, over the optimizer's process group, where exchanges sent from
-        the backward over the torch adapter would meet that check in a different order on
+        """A state dict was loaded (local: nothing is sent here): the round the backward started
+        is marked cancelled, and the next :meth:`settle` sends the groups no hook sent (unstaged:
+        every rank issues every group), waits for everything and drops it; that step runs the
+        ordinary path. The backward after that step is not armed either: compcomm.ddp_comm_hook
+        checks its buckets again in it, over the optimizer's process group, where exchanges sent
+        from the backward over the torch adapter would meet that check in a different order on
         different ranks."""
         self._skip_arm = True
         self.discard()
         with self._lock:
+            if self._round is not None:
+                self._round.cancelled = True
+
+    def on_shared(self) -> None:
+        """Another compcomm optimizer or compressor joined this communicator (every rank alike,
+        :mod:`compcomm._comm_users`): what the backward sent is waited for and dropped now, before
+        the newcomer can send (two worker threads must not issue collectives on one communicator);
+        the next :meth:`arm` switches the overlap off if the communicator is still shared."""
+        with self._lock:
             r, self._round = self._round, None
         if r is not None:
-            self._launch_rest(r, stage=False)
-            handles = [h for _, h in r.launches]
-            self.compressor.wait_launched(handles)
-            self._join_streams(r)
-            self.compressor.drop_launched(handles)
+            self._drain(r)
+
+    def _drain(self, r: _Round) -> None:
+        """Send the groups of ``r`` no hook sent, unstaged, wait for every exchange, drop all."""
+        self._launch_rest(r, stage=False)
+        handles = [h for _, h in r.launches]
+        self.compressor.wait_launched(handles)
+        self._join_streams(r)
+        self.compressor.drop_launched(handles)
 
     def disable(self, why: str, warn: bool = True) -> None:
         """Switch the overlap off for good (hooks removed), with one warning saying ``why``."""
@@ -475,6 +463,7 @@ class BackwardOverlap:
         self.enabled = False
         self._unhook()
         self._scratch.clear()
+        self._groups = (None, [])  # their value-check entries hold the scratch
         if warn:
             _warn(f"{self.name}: overlap_backward switched off: {why}; every later step "
                   "exchanges its buckets in step() (the results are the same)")
