@@ -89,7 +89,7 @@ def _given_momentum_run(device):
     from compcomm.fsdp import FrozenVarianceAdam
 
     torch.manual_seed(0)
-    ps = [torch.randn(37, 5, device=device), torch.randn(11, device=device)]
+    ps = [torch.randn(37, 5).to(device), torch.randn(11).to(device)]  # the same values anywhere
     st = _State()
     kw = dict(lr=3e-3, betas=(0.8, 0.95), eps=1e-7, weight_decay=0.05)
     opt = FrozenVarianceAdam(ps, freeze_step=st, **kw)
