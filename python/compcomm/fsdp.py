@@ -284,7 +284,7 @@ class OneBitReduceScatter(ReduceScatter):
         if not state.compressing(name):
             state.steps[name] = state.steps.get(name, 0) + 1
             return reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
-                                   async_op=async_op)
+                                         async_op=async_op)
         scale = _scale_of(op, group.size())  # before anything runs: an unsupported op raises
         world = group.size()
         s = output_tensor.numel()
