@@ -52,7 +52,7 @@ from .compress import DEFAULT_BUCKET_ELEMENTS
 from .errors import UnsupportedError
 from .fsdp_gather import DEFAULT_EXACT_NUMEL, GatherState, compressed_allgather
 from .fsdp_layout import plan_indices, plan_segments, shard_params
-from .fsdp_momentum import (MomentumReduceScatter, MomentumState, reduce_scatter_tensor,
+from .fsdp_momentum import (MomentumReduceScatter, MomentumState, WarmupReduceScatter,
                             row_elements, scale_of)
 from .fsdp_optim import FrozenVarianceAdam
 from .quantize import DEFAULT_BLOCK
@@ -266,25 +266,17 @@ class OneBitFSDP:
         self._errors = {k: [b.clone() for b in v] for k, v in sd["errors"].items()} if same else {}
 
 
-class OneBitReduceScatter(ReduceScatter):
+class OneBitReduceScatter(WarmupReduceScatter, ReduceScatter):
     """FSDP2 ``ReduceScatter`` of one module: FSDP's own reduce-scatter during the warm-up, then the
     1-bit compressed reduce-scatter, one per segment with its own error buffers (see the module
     docstring)."""
 
-    def __init__(self, state: OneBitFSDP, name: str) -> None:
-        self.state = state
-        self.name = name
-
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(size, dtype=dtype, device=device)
-
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
                  op: Any, async_op: bool = False) -> Optional[dist.Work]:
+        warm, work = self.warmup(output_tensor, input_tensor, group, op, async_op)
+        if warm:
+            return work
         state, name = self.state, self.name
-        if not state.compressing(name):
-            state.steps[name] = state.steps.get(name, 0) + 1
-            return reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
-                                         async_op=async_op)
         scale = _scale_of(op, group.size())  # before anything runs: an unsupported op raises
         world = group.size()
         s = output_tensor.numel()

@@ -43,8 +43,8 @@ from .compress import IdentityCompressor, OneBitCompressor
 from .errors import UnsupportedError
 from .zero.packed_momentum import PackedMomentum
 
-__all__ = ["MomentumState", "MomentumReduceScatter", "row_elements", "post_divide_factor",
-           "scale_of", "reduce_scatter_tensor"]
+__all__ = ["MomentumState", "MomentumReduceScatter", "WarmupReduceScatter", "row_elements",
+           "post_divide_factor", "scale_of", "reduce_scatter_tensor"]
 
 # torch 2.13 renamed the tensor form of reduce_scatter; older releases have only this one.
 reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -182,7 +182,29 @@ class MomentumState:
         self.load({}, {})
 
 
-class MomentumReduceScatter:
+class WarmupReduceScatter:
+    """What compcomm's FSDP2 reduce-scatters share: FSDP's ``ReduceScatter`` contract
+    (``allocate``) and the warm-up, FSDP's own reduce-scatter until ``state.compressing(name)``."""
+
+    def __init__(self, state: Any, name: str) -> None:
+        self.state = state
+        self.name = name
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def warmup(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+               async_op: bool) -> Tuple[bool, Optional[dist.Work]]:
+        """(True, FSDP's own reduce-scatter's work) during the warm-up, else (False, None)."""
+        state, name = self.state, self.name
+        if state.compressing(name):
+            return False, None
+        state.steps[name] = state.steps.get(name, 0) + 1
+        return True, reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
+                                           async_op=async_op)
+
+
+class MomentumReduceScatter(WarmupReduceScatter):
     """FSDP2 ``ReduceScatter`` of one module in the momentum mode (see the module docstring):
     FSDP's own reduce-scatter during the warm-up, then the compressed momentum average.
 
@@ -191,21 +213,16 @@ class MomentumReduceScatter:
 
     def __init__(self, state: Any, name: str, module: Any,
                  segments: Sequence[Sequence[Tuple[Any, int]]]) -> None:
-        self.state = state
-        self.name = name
+        super().__init__(state, name)
         self.module = weakref.ref(module)
         self.segments = [list(s) for s in segments]
 
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(size, dtype=dtype, device=device)
-
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
                  op: Any, async_op: bool = False) -> Optional[dist.Work]:
+        warm, work = self.warmup(output_tensor, input_tensor, group, op, async_op)
+        if warm:
+            return work
         state, name = self.state, self.name
-        if not state.compressing(name):
-            state.steps[name] = state.steps.get(name, 0) + 1
-            return reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
-                                        async_op=async_op)
         world, rank = group.size(), group.rank()
         mom: MomentumState = state.momentum
         # checks first: nothing is written unless the call can complete
