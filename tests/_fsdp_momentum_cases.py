@@ -314,3 +314,82 @@ def unsharded_cases(rank: int, world: int) -> Dict[str, Any]:
         errs.append(max(float((p.full_tensor() - q).abs().max() / q.abs().max())
                         for p, q in zip(model.parameters(), ref_ps)))
     return {"errs": errs, "keys": sorted(state.momentum.packed.keys())}
+
+
+def _err(got, ref) -> float:
+    return max(float((a.double() - b.double()).abs().max() / b.double().abs().max())
+               for a, b in zip(got, ref) if b.numel())
+
+
+def review_cases(rank: int, world: int) -> Dict[str, Any]:
+    """Issue 16: two optimizers splitting the parameters, one missing a parameter, gradient
+    accumulation with FSDP's default sync, a group's own freeze_step."""
+    import compcomm.fsdp as cf
+
+    out: Dict[str, Any] = {}
+    dtype = torch.float32
+
+    def two(model, fs):
+        ps = list(model.parameters())
+        return [cf.FrozenVarianceAdam(ps[:3], freeze_step=fs, **KW),
+                cf.FrozenVarianceAdam(ps[3:], freeze_step=fs, **KW)]
+
+    def run(model, opts, steps):
+        got = []
+        for t in steps:
+            for o in opts:
+                o.zero_grad()
+            model(_batch(t, rank, dtype)).float().pow(2).sum().backward()
+            for o in opts:
+                o.step()
+            got.append([p.detach().to_local().clone() for p in model.parameters()])
+        return got
+
+    ref_model, _ = _model(world, dtype)
+    ref = run(ref_model, two(ref_model, 2), range(4))
+    model, state = _model(world, dtype, "momentum")
+    state.momentum.exact = True
+    got = run(model, two(model, state), range(4))
+    out["two_err"] = _err(got[-1], ref[-1])
+    # a parameter in no bound optimizer: an error at the switch, never zeros
+    model, state = _model(world, dtype, "momentum")
+    opt = cf.FrozenVarianceAdam(list(model.parameters())[:3], freeze_step=state, **KW)
+    try:
+        run(model, [opt], range(3))
+        out["missing"] = "no error"
+    except ValueError as e:
+        out["missing"] = f"ValueError: {e}"
+    # two backwards before a step in the 1-bit phase: refused before the momentum changes
+    model, state = _model(world, dtype, "momentum")
+    opt = cf.FrozenVarianceAdam(model.parameters(), freeze_step=state, **KW)
+    run(model, [opt], range(3))
+    opt.zero_grad()
+    model(_batch(5, rank, dtype)).float().pow(2).sum().backward()
+    before = (state.momentum.packed.state_dict(), state.momentum.errors())
+    try:
+        model(_batch(6, rank, dtype)).float().pow(2).sum().backward()
+        out["accum"] = "no error"
+    except RuntimeError as e:
+        out["accum"] = f"{type(e).__name__}: {e}"
+    after = (state.momentum.packed.state_dict(), state.momentum.errors())
+    out["accum_unchanged"] = bool(before[0]) and all(
+        before[0][k].keys() == after[0][k].keys()
+        and all(torch.equal(before[0][k][n], after[0][k][n]) for n in before[0][k])
+        for k in before[0]) and before[1].keys() == after[1].keys() and all(
+        torch.equal(a, b) for k in before[1] for a, b in zip(before[1][k], after[1][k]))
+    # a group's own freeze_step must be the switch step
+    ps = list(model.parameters())
+    try:
+        cf.FrozenVarianceAdam([{"params": ps[:3], "freeze_step": 4}, {"params": ps[3:]}],
+                              freeze_step=state, **KW)
+        out["group"] = "no error"
+    except ValueError as e:
+        out["group"] = f"ValueError: {e}"
+    sd = opt.state_dict()
+    sd["param_groups"][0]["freeze_step"] = 3
+    try:
+        opt.load_state_dict(sd)
+        out["group_load"] = "no error"
+    except ValueError as e:
+        out["group_load"] = f"ValueError: {e}"
+    return out

@@ -146,3 +146,15 @@ def test_cuda_given_momentum_matches_cpu():
     for (a, _), (b, _) in zip(cpu, gpu):
         for x, y in zip(a, b):
             assert float((x - y).abs().max() / x.abs().max()) < 1e-6
+
+
+def test_review_fixes():
+    """Issue 16: several bound optimizers, a parameter in none, accumulation refused before the
+    momentum changes, a group's freeze_step checked at construction and at load."""
+    for res in run_ranks(2, C.review_cases, timeout=300):
+        assert res["two_err"] < 1e-5, res
+        assert "[rank " in res["missing"] and "every parameter" in res["missing"], res
+        assert "set_requires_gradient_sync" in res["accum"] and "[rank " in res["accum"], res
+        assert res["accum_unchanged"], res
+        assert "group 0" in res["group"] and "warmup_steps=2" in res["group"], res
+        assert "group 0" in res["group_load"], res

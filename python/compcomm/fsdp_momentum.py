@@ -43,7 +43,7 @@ from .compress import IdentityCompressor, OneBitCompressor
 from .errors import UnsupportedError
 from .zero.packed_momentum import PackedMomentum
 
-__all__ = ["MomentumState", "MomentumReduceScatter", "WarmupReduceScatter", "row_elements",
+__all__ = ["MomentumState", "untaken_message", "MomentumReduceScatter", "WarmupReduceScatter", "row_elements",
            "post_divide_factor", "scale_of", "reduce_scatter_tensor"]
 
 # torch 2.13 renamed the tensor form of reduce_scatter; older releases have only this one.
@@ -89,6 +89,13 @@ def post_divide_factor(module: Any, group: Any, reduce_dtype: torch.dtype, op: A
     return 1.0 if post is None else float(post)
 
 
+def untaken_message(rank: Optional[int]) -> str:
+    return (f"[rank {rank}] compcomm.fsdp.onebit(mode='momentum'): a second gradient reduction "
+            "before the optimizer step (gradient accumulation with FSDP's default sync?): call "
+            "model.set_requires_gradient_sync(False) for all but the last micro-batch, or use "
+            "mode='gradient'")
+
+
 class MomentumState:
     """The replicated momentum of every module's segments and the exchange that averages it.
 
@@ -108,7 +115,7 @@ class MomentumState:
         self.full: Dict[str, torch.Tensor] = {}  # segment key -> fp32 (no packing: exact, W=1)
         self._compressors: Dict[int, Tuple[Any, Any]] = {}  # id(group) -> (group, compressor)
         self.pending_errors: Dict[str, List[torch.Tensor]] = {}  # loaded, not yet in a compressor
-        self._optimizer: Optional[Any] = None  # weakref to the FrozenVarianceAdam
+        self._optimizers: List[Any] = []  # weakrefs to every bound FrozenVarianceAdam
         self._shards: Dict[int, Tuple[Any, torch.Tensor]] = {}  # id(param) -> (param, fp32 m)
 
     # -- the optimizer's side
@@ -120,26 +127,43 @@ class MomentumState:
             raise ValueError(f"FrozenVarianceAdam: argument 'betas' has b1={beta1}, but "
                              f"compcomm.fsdp.onebit was given beta1={self.beta1}; they must agree")
         self.beta1 = beta1
-        self._optimizer = weakref.ref(optimizer)
+        # several optimizers may split the parameters: keep them all (weakly)
+        self._optimizers = [r for r in self._optimizers if r() is not None and r() is not optimizer]
+        self._optimizers.append(weakref.ref(optimizer))
 
     def take(self, p: Any) -> Optional[torch.Tensor]:
         """Parameter ``p``'s chunk of the new momentum (fp32, the local shard's shape), once."""
         got = self._shards.pop(id(p), None)
         return None if got is None or got[0] is not p else got[1]
 
-    def give(self, p: Any, m: torch.Tensor) -> None:
+    def holds(self, p: Any) -> bool:
+        """Whether ``p`` has a chunk handed over and not yet taken by an optimizer step."""
+        got = self._shards.get(id(p))
+        return got is not None and got[0] is p
+
+    def give(self, p: Any, m: torch.Tensor, rank: Optional[int] = None) -> None:
+        if self.holds(p):  # a second reduction before the step would lose the first's momentum
+            raise RuntimeError(untaken_message(rank))
         self._shards[id(p)] = (p, m)
 
-    def exp_avg(self, p: Any) -> Optional[torch.Tensor]:
-        opt = self._optimizer() if self._optimizer is not None else None
-        if opt is None:
-            return None
-        st = opt.state.get(p, {})
-        m = st.get("exp_avg")
-        if m is None:  # no warm-up step (warmup_steps=0): the momentum starts at zero
-            return torch.zeros_like(p.to_local() if hasattr(p, "to_local") else p,
-                                    dtype=torch.float32)
-        return m.to_local() if hasattr(m, "to_local") else m
+    def bound(self) -> List[Any]:
+        """The live optimizers bound to this state."""
+        return [o for o in (r() for r in self._optimizers) if o is not None]
+
+    def exp_avg(self, p: Any, rank: int = -1) -> torch.Tensor:
+        """``p``'s warm-up momentum from the bound optimizer that holds it (zeros if it has no
+        state yet: no warm-up gradient); ValueError if no bound optimizer holds ``p``."""
+        for opt in self.bound():
+            if any(q is p for g in opt.param_groups for q in g["params"]):
+                m = opt.state.get(p, {}).get("exp_avg")
+                if m is None:
+                    return torch.zeros_like(p.to_local() if hasattr(p, "to_local") else p,
+                                            dtype=torch.float32)
+                return m.to_local() if hasattr(m, "to_local") else m
+        raise ValueError(f"[rank {rank}] compcomm.fsdp.onebit(mode='momentum'): a parameter of "
+                         "shape {} is in no FrozenVarianceAdam bound to this state: every "
+                         "parameter must be in a FrozenVarianceAdam(..., freeze_step=state) "
+                         "(argument 'freeze_step')".format(tuple(p.shape)))
 
     # -- the exchange
 
@@ -232,6 +256,8 @@ class MomentumReduceScatter(WarmupReduceScatter):
         if b1 is None:
             raise ValueError(f"[rank {rank}] compcomm.fsdp.onebit(mode='momentum'): no beta1: pass "
                              "argument 'beta1' or build FrozenVarianceAdam(..., freeze_step=state)")
+        if any(mom.holds(p) for sp in self.segments for p, _ in sp):
+            raise RuntimeError(untaken_message(rank))
         s = output_tensor.numel()
         segs, keys = state.segments_for(name, s)
         if len(segs) != len(self.segments) or any(
@@ -283,7 +309,7 @@ class MomentumReduceScatter(WarmupReduceScatter):
         for sp in self.segments:
             for p, pc in sp:
                 loc = p.to_local() if hasattr(p, "to_local") else p
-                mom.give(p, mine[o: o + loc.numel()].view(loc.shape))
+                mom.give(p, mine[o: o + loc.numel()].view(loc.shape), rank)
                 o += pc
         output_tensor.copy_(mine if post == 1.0 else mine * post)
         state.steps[name] = state.steps.get(name, 0) + 1
@@ -303,12 +329,7 @@ class MomentumReduceScatter(WarmupReduceScatter):
             row = torch.zeros(rows[i], dtype=torch.float32, device=dev)
             o = 0
             for p, pc in self.segments[i]:
-                m = mom.exp_avg(p)
-                if m is None:
-                    raise ValueError(
-                        f"[rank {rank}] compcomm.fsdp.onebit(mode='momentum'): no optimizer to "
-                        "take the warm-up's momentum from: build FrozenVarianceAdam(..., "
-                        "freeze_step=state) (argument 'freeze_step')")
+                m = mom.exp_avg(p, rank)
                 row[o: o + m.numel()].copy_(m.reshape(-1))
                 o += pc
             mine.append(row)

@@ -131,7 +131,6 @@ class FrozenVarianceAdam(torch.optim.Optimizer):
             if len(b1s) != 1:
                 raise ValueError("FrozenVarianceAdam: argument 'params': with compcomm.fsdp.onebit"
                                  f"(mode='momentum') every group needs the same b1, got {b1s}")
-            self._momentum.bind(self, b1s.pop())
         for group in self.param_groups:
             group["freeze_step"] = _freeze_step_of(group["freeze_step"])
             for p in group["params"]:
@@ -139,6 +138,27 @@ class FrozenVarianceAdam(torch.optim.Optimizer):
                     raise TypeError("FrozenVarianceAdam: argument 'params' must hold real "
                                     f"floating-point dense tensors, got {p.dtype} "
                                     f"(sparse={p.is_sparse})")
+        if self._momentum is not None:  # bound only once every check passed
+            self._check_group_freeze(self.param_groups, freeze_step.warmup_steps)
+            self._momentum.bind(self, b1s.pop())
+        self._warmup_steps = getattr(freeze_step, "warmup_steps", None)
+
+    @staticmethod
+    def _check_group_freeze(groups: List[Dict[str, Any]], warmup_steps: int) -> None:
+        """The momentum mode switches every parameter at ``warmup_steps``: a group's own
+        ``freeze_step`` must be that step (its variance would freeze at another one)."""
+        for i, g in enumerate(groups):
+            if "freeze_step" in g and g["freeze_step"] != warmup_steps:
+                raise ValueError(f"FrozenVarianceAdam: param group {i} has freeze_step="
+                                 f"{g['freeze_step']}, but compcomm.fsdp.onebit(mode='momentum') "
+                                 f"switches at warmup_steps={warmup_steps}; they must be equal")
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """torch's, after checking (momentum mode) that the groups' ``freeze_step`` is the
+        state's ``warmup_steps``."""
+        if self._momentum is not None and self._warmup_steps is not None:
+            self._check_group_freeze(state_dict.get("param_groups", []), self._warmup_steps)
+        super().load_state_dict(state_dict)
 
     def variance_frozen(self, p: torch.Tensor) -> bool:
         """Whether parameter ``p``'s variance is frozen (its next step is past ``freeze_step``)."""
