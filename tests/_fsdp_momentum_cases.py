@@ -393,3 +393,38 @@ def review_cases(rank: int, world: int) -> Dict[str, Any]:
     except ValueError as e:
         out["group_load"] = f"ValueError: {e}"
     return out
+
+
+def default_mode_cases(rank: int, world: int) -> Dict[str, Any]:
+    """Issue 16: the default (momentum) mode without FrozenVarianceAdam fails at the first
+    warm-up reduction; onebit(optimizer=AdamW) fails at once; a 2-D (HSDP) mesh takes the
+    gradient mode by default and refuses mode='momentum'."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import compcomm.fsdp as cf
+
+    out: Dict[str, Any] = {}
+
+    def catch(key, fn):
+        try:
+            fn()
+            out[key] = "no error"
+        except Exception as e:  # noqa: BLE001 - the test reads the type and message
+            out[key] = f"{type(e).__name__}: {e}"
+
+    model, _ = _model(world, torch.float32)
+    state = cf.onebit(model, warmup_steps=2)
+    opt = torch.optim.AdamW(model.parameters(), **KW)
+    catch("adamw", lambda: _run(model, opt, rank, range(1), torch.float32))
+    out["steps"] = dict(state.steps)
+    model, _ = _model(world, torch.float32)
+    catch("optimizer", lambda: cf.onebit(model, warmup_steps=2, regather_cache=True,
+                                         optimizer=torch.optim.AdamW(model.parameters())))
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("rep", "shard"))
+    net = _net(torch.float32)
+    for m in (net[0], net[3], net):
+        fully_shard(m, mesh=mesh)
+    out["hsdp_mode"] = cf.onebit(net, warmup_steps=2).mode
+    catch("hsdp_momentum", lambda: cf.onebit(net, warmup_steps=2, mode="momentum"))
+    return out

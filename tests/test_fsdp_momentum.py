@@ -158,3 +158,16 @@ def test_review_fixes():
         assert res["accum_unchanged"], res
         assert "group 0" in res["group"] and "warmup_steps=2" in res["group"], res
         assert "group 0" in res["group_load"], res
+
+
+def test_default_mode_checks():
+    """Issue 16: the momentum mode without a bound FrozenVarianceAdam fails at the first warm-up
+    reduction (not at the switch); onebit(optimizer=) must be FrozenVarianceAdam there; FSDP's
+    2-D (HSDP) mesh defaults to the gradient mode and refuses the momentum mode."""
+    for res in run_ranks(2, C.default_mode_cases, timeout=300):
+        assert res["adamw"].startswith("ValueError") and "[rank " in res["adamw"], res
+        assert "FrozenVarianceAdam" in res["adamw"] and "mode='gradient'" in res["adamw"], res
+        assert res["steps"] == {}, res
+        assert res["optimizer"].startswith("ValueError") and "'optimizer'" in res["optimizer"]
+        assert res["hsdp_mode"] == "gradient", res
+        assert res["hsdp_momentum"].startswith("UnsupportedError"), res

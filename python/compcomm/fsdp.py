@@ -341,6 +341,14 @@ def _all_reduce_hook(state: OneBitFSDP, name: str):
     return hook
 
 
+def _mesh_ndim(module: Any) -> int:
+    """The dimensions of the device mesh a FSDP2 module is sharded over (1 if unknown)."""
+    try:
+        return int(module._get_fsdp_state()._fsdp_param_group.mesh_info.mesh.ndim)
+    except Exception:  # noqa: BLE001 - another torch's internals; no params: 1-D
+        return 1
+
+
 def onebit(model: torch.nn.Module, warmup_steps: int = 100,
            replicate_group: Optional[Any] = None, *, quantized_allgather: bool = False,
            regather_cache: bool = False, allgather_block: int = DEFAULT_BLOCK,
@@ -385,14 +393,15 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
         reduce-scatter (two collectives) with its own scales and error buffers. ``0``: one
         segment per parameter; ``None``: one per module (the layout before segments).
     mode : {"momentum", "gradient"}, optional
-        What the 1-bit phase compresses; default ``"momentum"``, with ``replicate_group``
-        ``"gradient"``. ``"gradient"``: FSDP's reduce-scatter of the gradient (the optimizer
+        What the 1-bit phase compresses; default ``"momentum"``, with ``replicate_group`` or a
+        2-D (HSDP) device mesh ``"gradient"``. ``"gradient"``: FSDP's reduce-scatter of the gradient (the optimizer
         forms the momentum from the 1-bit average on its shard; stalled on the H200, docs/fsdp.md).
         ``"momentum"``:
         DeepSpeed's 1-bit Adam on the shards (:mod:`compcomm.fsdp_momentum`): every rank's local
         momentum ``b1 m + (1 - b1) g`` is averaged with the full compressed allreduce and the new
         momentum kept replicated in 1-bit form; pair it with ``FrozenVarianceAdam(params,
-        freeze_step=state)``, which takes its momentum from here. Not with ``replicate_group``.
+        freeze_step=state)``, which takes its momentum from here (without one bound, the first
+        warm-up reduction raises ValueError). Not with ``replicate_group`` or a 2-D mesh.
     beta1 : float, optional
         The momentum mode's ``b1``; default: the paired FrozenVarianceAdam's (they must agree).
 
@@ -405,18 +414,30 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
     ------
     ValueError
         ``model`` has no FSDP module, or a bad ``warmup_steps``, ``allgather_block``,
-        ``segment_elements``, ``mode`` or ``beta1``.
+        ``segment_elements``, ``mode`` or ``beta1``; ``optimizer`` not a FrozenVarianceAdam in
+        the momentum mode.
     UnsupportedError
         An all-gather part was asked for on a torch without ``set_custom_all_gather``, or
-        ``mode="momentum"`` with ``replicate_group``.
+        ``mode="momentum"`` with ``replicate_group`` or a 2-D (HSDP) device mesh.
     """
-    if mode is None:
-        mode = "gradient" if replicate_group is not None else "momentum"
-    state = OneBitFSDP(warmup_steps, replicate_group, segment_elements, mode, beta1)
     mods = [(n or "<root>", m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not mods:
         raise ValueError("compcomm.fsdp.onebit: argument 'model' has no FSDP module "
                          "(wrap it with torch.distributed.fsdp.fully_shard first)")
+    hsdp = any(_mesh_ndim(m) > 1 for _, m in mods)  # FSDP's own HSDP (2-D mesh)
+    if mode is None:
+        mode = "gradient" if replicate_group is not None or hsdp else "momentum"
+    if mode == "momentum" and hsdp:
+        raise UnsupportedError("compcomm.fsdp.onebit: mode='momentum' on a 2-D (HSDP) device mesh "
+                               "is not implemented; use mode='gradient'", "onebit", "fsdp")
+    state = OneBitFSDP(warmup_steps, replicate_group, segment_elements, mode, beta1)
+    if mode == "momentum" and optimizer is not None:  # the cache's optimizer must be the paired one
+        opts = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
+        if not all(isinstance(o, FrozenVarianceAdam) for o in opts):
+            raise ValueError("compcomm.fsdp.onebit: argument 'optimizer' must be FrozenVarianceAdam"
+                             " in mode='momentum' (pass mode='gradient' for other optimizers; "
+                             "docs/fsdp.md shows the order: onebit, FrozenVarianceAdam(freeze_step="
+                             "state), then compressed_allgather(..., optimizer=opt))")
     if quantized_allgather or regather_cache:  # first: it checks everything before installing
         state.allgather = compressed_allgather(model, quantized=quantized_allgather,
                                                cache=regather_cache, block=allgather_block,

@@ -223,6 +223,12 @@ class WarmupReduceScatter:
         state, name = self.state, self.name
         if state.compressing(name):
             return False, None
+        mom = getattr(state, "momentum", None)
+        if mom is not None and not mom.bound():  # fail now, not at the switch hours later
+            raise ValueError(f"[rank {group.rank()}] compcomm.fsdp.onebit(mode='momentum'): no "
+                             "optimizer is bound to this state: pair it with compcomm.fsdp."
+                             "FrozenVarianceAdam(params, freeze_step=state), or pass "
+                             "mode='gradient' for other optimizers")
         state.steps[name] = state.steps.get(name, 0) + 1
         return True, reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
                                            async_op=async_op)
