@@ -50,7 +50,8 @@ def _run(model, opt, rank, steps, dtype, before=None) -> List[List[torch.Tensor]
     return out
 
 
-def exact_cases(rank: int, world: int, dtype_name: str, force_sum: bool) -> Dict[str, Any]:
+def exact_cases(rank: int, world: int, dtype_name: str, force_sum: bool,
+                mode: str = "momentum") -> Dict[str, Any]:
     """The momentum mode with an exact exchange (IdentityCompressor) against FSDP's own
     reduce-scatter + FrozenVarianceAdam(freeze_step=2): the same optimizer on the same gradients,
     so warm-up bit for bit and then equal to rounding (the momentum is averaged, not lerped)."""
@@ -60,7 +61,7 @@ def exact_cases(rank: int, world: int, dtype_name: str, force_sum: bool) -> Dict
     ref_model, _ = _model(world, dtype)
     ref = _run(ref_model, cf.FrozenVarianceAdam(ref_model.parameters(), freeze_step=2, **KW),
                rank, range(6), dtype)
-    model, state = _model(world, dtype, "momentum", force_sum=force_sum)
+    model, state = _model(world, dtype, mode, force_sum=force_sum)
     state.momentum.exact = True
     opt = cf.FrozenVarianceAdam(model.parameters(), freeze_step=state, **KW)
     got = _run(model, opt, rank, range(6), dtype)

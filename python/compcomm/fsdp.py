@@ -26,7 +26,9 @@ stream-ordered on the caller's stream (CUDA) and writes only ``output_tensor``.
 
 The optimizer of the 1-bit phase: :class:`FrozenVarianceAdam` (:mod:`compcomm.fsdp_optim`), AdamW on
 the shards with the variance frozen at the switch (``freeze_step=`` the state :func:`onebit` returns).
-``mode="momentum"`` compresses the momentum instead (DeepSpeed's 1-bit Adam, :mod:`.fsdp_momentum`).
+``mode="momentum"`` compresses the momentum instead (DeepSpeed's 1-bit Adam, :mod:`.fsdp_momentum`);
+``mode="local_momentum"`` reduce-scatters each rank's fp32 local momentum with this exchange
+(:mod:`.fsdp_local`: no all-gather, no replicated momentum).
 
 The parameter all-gathers (FSDP's bf16 gathers before each forward and backward) are
 :mod:`compcomm.fsdp_gather`'s: ``onebit(..., quantized_allgather=True, regather_cache=True)`` or
@@ -43,15 +45,13 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from . import _C
-from ._buffers import buffer_of
-from ._comm import resolve, wait_cancellable
-from ._defaults import DEFAULT_TIMEOUT
-from .collectives import (compressed_allreduce, compressed_reduce_scatter, padded_numel,
-                          workspace_bytes)
+from .collectives import compressed_allreduce, padded_numel, workspace_bytes
 from .compress import DEFAULT_BUCKET_ELEMENTS
 from .errors import UnsupportedError
 from .fsdp_gather import DEFAULT_EXACT_NUMEL, GatherState, compressed_allgather
+from .fsdp_exchange import reduce_scatter_segments
 from .fsdp_layout import plan_indices, plan_segments, shard_params
+from .fsdp_local import LocalMomentumReduceScatter, load_local, local_state_dict
 from .fsdp_momentum import (MomentumReduceScatter, MomentumState, WarmupReduceScatter,
                             row_elements, scale_of)
 from .fsdp_optim import FrozenVarianceAdam
@@ -65,10 +65,12 @@ _scale_of = scale_of  # (the name the tests know)
 
 
 #: The state format of :meth:`OneBitFSDP.state_dict` (3: the mode and the momentum mode's packed
-#: momentum; 2: error buffers per segment; 1: one pair per module)
+#: momentum, or the local-momentum mode's fp32 momentum; 2: error buffers per segment; 1: one pair
+#: per module)
 STATE_FORMAT = "compcomm.fsdp/3"
 _OLD_FORMATS = ("compcomm.fsdp/1", "compcomm.fsdp/2")  # gradient mode, loaded as such
-MODES = ("gradient", "momentum")
+MODES = ("gradient", "momentum", "local_momentum")
+MOMENTUM_MODES = ("momentum", "local_momentum")  # FrozenVarianceAdam takes its momentum from here
 
 
 def _check_segment_elements(value: Any) -> Optional[int]:
@@ -127,14 +129,15 @@ class OneBitFSDP:
                                   or not 0.0 <= beta1 < 1.0):
             raise ValueError(f"compcomm.fsdp.onebit: argument 'beta1' must be in [0, 1) or None, "
                              f"got {beta1!r}")
-        if mode == "momentum" and replicate_group is not None:
-            raise UnsupportedError("compcomm.fsdp.onebit: mode='momentum' with 'replicate_group' "
+        if mode in MOMENTUM_MODES and replicate_group is not None:
+            raise UnsupportedError(f"compcomm.fsdp.onebit: mode={mode!r} with 'replicate_group' "
                                    "(HSDP) is not implemented; use mode='gradient'", "onebit",
                                    "fsdp")
         self.mode = mode
-        #: the momentum mode's replicated momentum and exchange (None in the gradient mode)
+        #: the momentum modes' momentum (replicated 1-bit, or this rank's fp32 local one in
+        #: ``full``) and the optimizers bound to it (None in the gradient mode)
         self.momentum = MomentumState(None if beta1 is None else float(beta1)) \
-            if mode == "momentum" else None
+            if mode in MOMENTUM_MODES else None
         self.steps: Dict[str, int] = {}
         self.segments: Dict[str, List[int]] = {}
         self._errors: Dict[str, List[torch.Tensor]] = {}  # key -> [worker_error, server_error]
@@ -203,18 +206,20 @@ class OneBitFSDP:
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
         errors = {k: [torch.zeros(w), torch.zeros(sv)] for k, (w, sv) in self._sizes.items()}
-        mine = self._errors if self.momentum is None else self.momentum.errors()
+        mine = self.momentum.errors() if self.mode == "momentum" else self._errors
         errors.update({k: [b.detach().cpu().clone() for b in v] for k, v in mine.items()})
         modules = {k.split("#")[0] for k in self._sizes} | set(self.steps)
         sd = {"format": STATE_FORMAT, "rank": rank, "world": world, "mode": self.mode,
               "segment_elements": -1 if self.segment_elements is None else self.segment_elements,
               "steps": {**{k: 0 for k in modules}, **self.steps}, "errors": errors}
-        if self.momentum is not None:  # the packed momentum (zeros before the switch)
+        if self.mode == "momentum":  # the packed momentum (zeros before the switch)
             packed = {k: {"signs": torch.zeros(b, dtype=torch.uint8), "scales": torch.zeros(w)}
                       for k, (b, w) in self._packed_sizes.items()}
             packed.update({k: {"signs": d["signs"], "scales": d["scales"]}
                            for k, d in self.momentum.packed.state_dict().items()})
             sd["momentum"] = packed
+        if self.mode == "local_momentum":
+            sd["local_momentum"] = local_state_dict(self._sizes, self.momentum)
         return sd
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
@@ -249,6 +254,10 @@ class OneBitFSDP:
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
         same = sd["rank"] == rank and sd["world"] == world
+        if self.mode == "local_momentum":  # errors and momentum: same rank and world, else reset
+            self._errors = load_local(sd, steps, self.warmup_steps, same, self.momentum)
+            self.steps = dict(steps)
+            return
         if self.momentum is not None:
             packed = sd.get("momentum")
             if not isinstance(packed, dict):
@@ -294,23 +303,7 @@ class OneBitReduceScatter(WarmupReduceScatter, ReduceScatter):
             segments[-1].view(world, r8)[:, :n].copy_(src[:, o: o + n])
             outs.append(out[o8: o8 + r8])
             o, o8 = o + n, o8 + r8
-        if len(segs) == 1 or not state.batch_segments:
-            for seg, (we, se), o_ in zip(segments, bufs, outs):
-                compressed_reduce_scatter(seg, we, se, out=o_, group=group)
-        else:  # every segment in one exchange (three collectives), then each committed
-            comm = resolve(group)
-            wss, staging = state.scratch(keys, [world * r8 for r8 in rows], world, dev)
-            stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
-            args = [[buffer_of(t) for t in ts] for ts in
-                    (segments, [b[0] for b in bufs], [b[1] for b in bufs], outs, wss)]
-            _C.zero.compressed_reduce_scatter_exchange_many(
-                comm, *args, buffer_of(staging), DEFAULT_TIMEOUT, stream)
-            # NCCL: a peer lost in the exchange raises here, before any commit (a gated commit
-            # would skip silently and leave this shard unreduced); then no commit skips
-            synced = wait_cancellable(comm, DEFAULT_TIMEOUT)
-            for call in zip(*args):
-                _C.zero.compressed_reduce_scatter_commit(comm, *call, gate=not synced,
-                                                         stream=stream)
+        reduce_scatter_segments(state, keys, segments, bufs, outs, group, dev)
         o = o8 = 0
         for n, r8 in zip(segs, rows):
             output_tensor[o: o + n].copy_(out[o8: o8 + n].mul_(scale))
@@ -392,7 +385,7 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
         segment of its own, smaller neighbours share one; each segment is its own 1-bit
         reduce-scatter (two collectives) with its own scales and error buffers. ``0``: one
         segment per parameter; ``None``: one per module (the layout before segments).
-    mode : {"momentum", "gradient"}, optional
+    mode : {"momentum", "gradient", "local_momentum"}, optional
         What the 1-bit phase compresses; default ``"momentum"``, with ``replicate_group`` or a
         2-D (HSDP) device mesh ``"gradient"``. ``"gradient"``: FSDP's reduce-scatter of the gradient (the optimizer
         forms the momentum from the 1-bit average on its shard; stalled on the H200, docs/fsdp.md).
@@ -402,6 +395,10 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
         momentum kept replicated in 1-bit form; pair it with ``FrozenVarianceAdam(params,
         freeze_step=state)``, which takes its momentum from here (without one bound, the first
         warm-up reduction raises ValueError). Not with ``replicate_group`` or a 2-D mesh.
+        ``"local_momentum"`` (:mod:`compcomm.fsdp_local`): every rank keeps its own fp32
+        momentum of the whole module (4 bytes per parameter element more memory) and only the
+        1-bit reduce-scatter of it travels (half the momentum mode's bytes); paired and
+        restricted as ``"momentum"``.
     beta1 : float, optional
         The momentum mode's ``b1``; default: the paired FrozenVarianceAdam's (they must agree).
 
@@ -415,10 +412,10 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
     ValueError
         ``model`` has no FSDP module, or a bad ``warmup_steps``, ``allgather_block``,
         ``segment_elements``, ``mode`` or ``beta1``; ``optimizer`` not a FrozenVarianceAdam in
-        the momentum mode.
+        the momentum modes.
     UnsupportedError
         An all-gather part was asked for on a torch without ``set_custom_all_gather``, or
-        ``mode="momentum"`` with ``replicate_group`` or a 2-D (HSDP) device mesh.
+        a momentum mode with ``replicate_group`` or a 2-D (HSDP) device mesh.
     """
     mods = [(n or "<root>", m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not mods:
@@ -427,15 +424,15 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
     hsdp = any(_mesh_ndim(m) > 1 for _, m in mods)  # FSDP's own HSDP (2-D mesh)
     if mode is None:
         mode = "gradient" if replicate_group is not None or hsdp else "momentum"
-    if mode == "momentum" and hsdp:
-        raise UnsupportedError("compcomm.fsdp.onebit: mode='momentum' on a 2-D (HSDP) device mesh "
+    if mode in MOMENTUM_MODES and hsdp:
+        raise UnsupportedError(f"compcomm.fsdp.onebit: mode={mode!r} on a 2-D (HSDP) device mesh "
                                "is not implemented; use mode='gradient'", "onebit", "fsdp")
     state = OneBitFSDP(warmup_steps, replicate_group, segment_elements, mode, beta1)
-    if mode == "momentum" and optimizer is not None:  # the cache's optimizer must be the paired one
+    if mode in MOMENTUM_MODES and optimizer is not None:  # the cache's optimizer: the paired one
         opts = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
         if not all(isinstance(o, FrozenVarianceAdam) for o in opts):
             raise ValueError("compcomm.fsdp.onebit: argument 'optimizer' must be FrozenVarianceAdam"
-                             " in mode='momentum' (pass mode='gradient' for other optimizers; "
+                             f" in mode={mode!r} (pass mode='gradient' for other optimizers; "
                              "docs/fsdp.md shows the order: onebit, FrozenVarianceAdam(freeze_step="
                              "state), then compressed_allgather(..., optimizer=opt))")
     if quantized_allgather or regather_cache:  # first: it checks everything before installing
@@ -448,14 +445,16 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
         params = shard_params(m)
         pieces = [(pc, padded) for _, pc, padded in params]
         world = pieces[0][1] // pieces[0][0] if pieces else 1
+        if mode in MOMENTUM_MODES:
+            plan = [[params[i][:2] for i in b] for b in plan_indices(pieces, segment_elements)]
+            cls = MomentumReduceScatter if mode == "momentum" else LocalMomentumReduceScatter
+            m.set_custom_reduce_scatter(cls(state, name, m, plan))
         if mode == "momentum":
-            plan = plan_indices(pieces, segment_elements)
-            m.set_custom_reduce_scatter(MomentumReduceScatter(
-                state, name, m, [[params[i][:2] for i in b] for b in plan]))
             sizes = [(world * r, r) for r in (row_elements(n, world) for n in
                                               plan_segments(pieces, segment_elements))]
-        elif replicate_group is None:
-            m.set_custom_reduce_scatter(OneBitReduceScatter(state, name))
+        elif replicate_group is None:  # the gradient and the local-momentum modes' rows
+            if mode == "gradient":
+                m.set_custom_reduce_scatter(OneBitReduceScatter(state, name))
             sizes = [(world * r8, r8) for r8 in (-(-n // 8) * 8 for n in
                                                  plan_segments(pieces, segment_elements))]
         else:

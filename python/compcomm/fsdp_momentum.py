@@ -252,26 +252,10 @@ class MomentumReduceScatter(WarmupReduceScatter):
         warm, work = self.warmup(output_tensor, input_tensor, group, op, async_op)
         if warm:
             return work
-        state, name = self.state, self.name
         world, rank = group.size(), group.rank()
-        mom: MomentumState = state.momentum
-        # checks first: nothing is written unless the call can complete
-        scale = scale_of(op, world)
-        post = post_divide_factor(self.module(), group, input_tensor.dtype, op)
-        b1 = mom.beta1
-        if b1 is None:
-            raise ValueError(f"[rank {rank}] compcomm.fsdp.onebit(mode='momentum'): no beta1: pass "
-                             "argument 'beta1' or build FrozenVarianceAdam(..., freeze_step=state)")
-        if any(mom.holds(p) for sp in self.segments for p, _ in sp):
-            raise RuntimeError(untaken_message(rank))
+        mom: MomentumState = self.state.momentum
+        scale, post, b1, segs, keys = self.prepare(output_tensor, input_tensor, group, op)
         s = output_tensor.numel()
-        segs, keys = state.segments_for(name, s)
-        if len(segs) != len(self.segments) or any(
-                n != sum(pc for _, pc in sp) for n, sp in zip(segs, self.segments)):
-            raise UnsupportedError(f"[rank {rank}] compcomm.fsdp.onebit(mode='momentum'): module "
-                                   f"{name!r} reduced a shard of {s} elements, not its planned "
-                                   "segments (a parameter without a gradient?)", "reduce_scatter",
-                                   "fsdp")
         dev = input_tensor.device
         rows = [row_elements(n, world) for n in segs]
         seed = self._seed(keys, rows, world, group, dev)
@@ -311,15 +295,44 @@ class MomentumReduceScatter(WarmupReduceScatter):
             else:
                 mom.full[k] = y
             mine[offs[i]: offs[i] + n].copy_(y.view(world, r)[rank, :n])
+        self.give_all(mine, rank)
+        output_tensor.copy_(mine if post == 1.0 else mine * post)
+        self.state.steps[self.name] = self.state.steps.get(self.name, 0) + 1
+        return None
+
+    def prepare(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+                op: Any) -> Tuple[float, float, float, List[int], List[str]]:
+        """The checks of both momentum modes, before anything is written: ``(scale, post, b1,
+        segments, keys)`` of this call, or a typed error naming the rank (an unsupported op, no
+        ``beta1``, a second reduction before the step, a shard that is not the planned segments)."""
+        state, name, rank = self.state, self.name, group.rank()
+        mom: MomentumState = state.momentum
+        tag = f"compcomm.fsdp.onebit(mode={getattr(state, 'mode', 'momentum')!r})"
+        scale = scale_of(op, group.size())
+        post = post_divide_factor(self.module(), group, input_tensor.dtype, op)
+        if mom.beta1 is None:
+            raise ValueError(f"[rank {rank}] {tag}: no beta1: pass argument 'beta1' or build "
+                             "FrozenVarianceAdam(..., freeze_step=state)")
+        if any(mom.holds(p) for sp in self.segments for p, _ in sp):
+            raise RuntimeError(untaken_message(rank))
+        s = output_tensor.numel()
+        segs, keys = state.segments_for(name, s)
+        if len(segs) != len(self.segments) or any(
+                n != sum(pc for _, pc in sp) for n, sp in zip(segs, self.segments)):
+            raise UnsupportedError(f"[rank {rank}] {tag}: module {name!r} reduced a shard of {s} "
+                                   "elements, not its planned segments (a parameter without a "
+                                   "gradient?)", "reduce_scatter", "fsdp")
+        return scale, post, mom.beta1, segs, keys
+
+    def give_all(self, mine: torch.Tensor, rank: int) -> None:
+        """Hand each parameter its chunk of ``mine`` (this rank's shard of the new momentum, in
+        FSDP's order) for :class:`~compcomm.fsdp_optim.FrozenVarianceAdam`'s next step."""
         o = 0
         for sp in self.segments:
             for p, pc in sp:
                 loc = p.to_local() if hasattr(p, "to_local") else p
-                mom.give(p, mine[o: o + loc.numel()].view(loc.shape), rank)
+                self.state.momentum.give(p, mine[o: o + loc.numel()].view(loc.shape), rank)
                 o += pc
-        output_tensor.copy_(mine if post == 1.0 else mine * post)
-        state.steps[name] = state.steps.get(name, 0) + 1
-        return None
 
     def _seed(self, keys: List[str], rows: List[int], world: int, group: Any,
               dev: torch.device) -> Dict[str, torch.Tensor]:
