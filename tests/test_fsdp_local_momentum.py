@@ -58,8 +58,10 @@ def test_refused_as_the_momentum_mode():
         assert res["mesh2d"].startswith("UnsupportedError") and "2-D" in res["mesh2d"], res
         assert res["optimizer"].startswith("ValueError") and "'optimizer'" in res["optimizer"]
         assert "ValueError" in res["no_optimizer"] and "[rank " in res["no_optimizer"], res
+        assert "mode='local_momentum'" in res["no_optimizer"], res
         assert "group 0" in res["group"] and "warmup_steps=2" in res["group"], res
         assert "set_requires_gradient_sync" in res["accum"] and "[rank " in res["accum"], res
+        assert "mode='local_momentum'" in res["accum"], res
         assert res["accum_unchanged"], res
         assert res["other_mode"].startswith("ValueError") and "mode" in res["other_mode"], res
         assert "local_momentum" in res["lacking"] and res["lacking_unchanged"], res

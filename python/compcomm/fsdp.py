@@ -136,7 +136,7 @@ class OneBitFSDP:
         self.mode = mode
         #: the momentum modes' momentum (replicated 1-bit, or this rank's fp32 local one in
         #: ``full``) and the optimizers bound to it (None in the gradient mode)
-        self.momentum = MomentumState(None if beta1 is None else float(beta1)) \
+        self.momentum = MomentumState(None if beta1 is None else float(beta1), mode) \
             if mode in MOMENTUM_MODES else None
         self.steps: Dict[str, int] = {}
         self.segments: Dict[str, List[int]] = {}

@@ -83,14 +83,14 @@ def post_divide_factor(module: Any, group: Any, reduce_dtype: torch.dtype, op: A
         post = factors(group, None, reduce_dtype, pg.device.type, pg.gradient_divide_factor,
                        pg.force_sum_reduction_for_comms)[1]
     except Exception as e:  # noqa: BLE001 - another torch's internals
-        raise UnsupportedError("compcomm.fsdp.onebit(mode='momentum'): cannot read FSDP's "
+        raise UnsupportedError("compcomm.fsdp.onebit (momentum modes): cannot read FSDP's "
                                f"post-division for a SUM reduction on this torch ({e!r})",
                                "reduce_scatter", "fsdp") from e
     return 1.0 if post is None else float(post)
 
 
-def untaken_message(rank: Optional[int]) -> str:
-    return (f"[rank {rank}] compcomm.fsdp.onebit(mode='momentum'): a second gradient reduction "
+def untaken_message(rank: Optional[int], mode: str = "momentum") -> str:
+    return (f"[rank {rank}] compcomm.fsdp.onebit(mode={mode!r}): a second gradient reduction "
             "before the optimizer step (gradient accumulation with FSDP's default sync?): call "
             "model.set_requires_gradient_sync(False) for all but the last micro-batch, or use "
             "mode='gradient'")
@@ -108,8 +108,9 @@ class MomentumState:
         no error feedback) instead of 1-bit; the momentum is then kept in fp32.
     """
 
-    def __init__(self, beta1: Optional[float]) -> None:
+    def __init__(self, beta1: Optional[float], mode: str = "momentum") -> None:
         self.beta1 = beta1
+        self.mode = mode  # which of onebit's momentum modes (for messages)
         self.exact = False
         self.packed = PackedMomentum()  # segment key -> the 1-bit momentum (signs, scales)
         self.full: Dict[str, torch.Tensor] = {}  # segment key -> fp32 (no packing: exact, W=1)
@@ -143,7 +144,7 @@ class MomentumState:
 
     def give(self, p: Any, m: torch.Tensor, rank: Optional[int] = None) -> None:
         if self.holds(p):  # a second reduction before the step would lose the first's momentum
-            raise RuntimeError(untaken_message(rank))
+            raise RuntimeError(untaken_message(rank, self.mode))
         self._shards[id(p)] = (p, m)
 
     def bound(self) -> List[Any]:
@@ -160,7 +161,7 @@ class MomentumState:
                     return torch.zeros_like(p.to_local() if hasattr(p, "to_local") else p,
                                             dtype=torch.float32)
                 return m.to_local() if hasattr(m, "to_local") else m
-        raise ValueError(f"[rank {rank}] compcomm.fsdp.onebit(mode='momentum'): a parameter of "
+        raise ValueError(f"[rank {rank}] compcomm.fsdp.onebit(mode={self.mode!r}): a parameter of "
                          "shape {} is in no FrozenVarianceAdam bound to this state: every "
                          "parameter must be in a FrozenVarianceAdam(..., freeze_step=state) "
                          "(argument 'freeze_step')".format(tuple(p.shape)))
@@ -225,7 +226,7 @@ class WarmupReduceScatter:
             return False, None
         mom = getattr(state, "momentum", None)
         if mom is not None and not mom.bound():  # fail now, not at the switch hours later
-            raise ValueError(f"[rank {group.rank()}] compcomm.fsdp.onebit(mode='momentum'): no "
+            raise ValueError(f"[rank {group.rank()}] compcomm.fsdp.onebit(mode={mom.mode!r}): no "
                              "optimizer is bound to this state: pair it with compcomm.fsdp."
                              "FrozenVarianceAdam(params, freeze_step=state), or pass "
                              "mode='gradient' for other optimizers")
@@ -307,14 +308,14 @@ class MomentumReduceScatter(WarmupReduceScatter):
         ``beta1``, a second reduction before the step, a shard that is not the planned segments)."""
         state, name, rank = self.state, self.name, group.rank()
         mom: MomentumState = state.momentum
-        tag = f"compcomm.fsdp.onebit(mode={getattr(state, 'mode', 'momentum')!r})"
+        tag = f"compcomm.fsdp.onebit(mode={mom.mode!r})"
         scale = scale_of(op, group.size())
         post = post_divide_factor(self.module(), group, input_tensor.dtype, op)
         if mom.beta1 is None:
             raise ValueError(f"[rank {rank}] {tag}: no beta1: pass argument 'beta1' or build "
                              "FrozenVarianceAdam(..., freeze_step=state)")
         if any(mom.holds(p) for sp in self.segments for p, _ in sp):
-            raise RuntimeError(untaken_message(rank))
+            raise RuntimeError(untaken_message(rank, mom.mode))
         s = output_tensor.numel()
         segs, keys = state.segments_for(name, s)
         if len(segs) != len(self.segments) or any(

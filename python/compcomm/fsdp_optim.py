@@ -129,8 +129,9 @@ class FrozenVarianceAdam(torch.optim.Optimizer):
         if self._momentum is not None:
             b1s = {g["betas"][0] for g in self.param_groups}
             if len(b1s) != 1:
+                mode = getattr(self._momentum, "mode", "momentum")
                 raise ValueError("FrozenVarianceAdam: argument 'params': with compcomm.fsdp.onebit"
-                                 f"(mode='momentum') every group needs the same b1, got {b1s}")
+                                 f"(mode={mode!r}) every group needs the same b1, got {b1s}")
         for group in self.param_groups:
             group["freeze_step"] = _freeze_step_of(group["freeze_step"])
             for p in group["params"]:
@@ -150,8 +151,8 @@ class FrozenVarianceAdam(torch.optim.Optimizer):
         for i, g in enumerate(groups):
             if "freeze_step" in g and g["freeze_step"] != warmup_steps:
                 raise ValueError(f"FrozenVarianceAdam: param group {i} has freeze_step="
-                                 f"{g['freeze_step']}, but compcomm.fsdp.onebit(mode='momentum') "
-                                 f"switches at warmup_steps={warmup_steps}; they must be equal")
+                                 f"{g['freeze_step']}, but compcomm.fsdp.onebit's momentum modes "
+                                 f"switch at warmup_steps={warmup_steps}; they must be equal")
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """torch's, after checking (momentum mode) that the groups' ``freeze_step`` is the
@@ -219,7 +220,7 @@ class FrozenVarianceAdam(torch.optim.Optimizer):
                         i = next(i for i, m in enumerate(ms) if m is None)
                         raise RuntimeError(
                             f"FrozenVarianceAdam: parameter {i} of a group has no momentum from "
-                            "compcomm.fsdp.onebit(mode='momentum') for this step (its "
+                            "compcomm.fsdp.onebit's momentum mode for this step (its "
                             "reduce-scatter did not run since the last step)")
                 _frozen_step(*frozen, group, ms)
         return loss

@@ -124,6 +124,8 @@ def targets(rows: List[Dict[str, Any]], device: str = "cuda") -> List[Dict[str, 
             ("fsdp2_onebit_ag", None, "fsdp2_adamw", None, 3),
             ("fsdp2_onebitadam", None, "fsdp2_adamw", None, 3),
             ("fsdp2_onebitadam_ag", None, "fsdp2_adamw", None, 3),
+            ("fsdp2_onebitadam_local", None, "fsdp2_adamw", None, 3),
+            ("fsdp2_onebitadam_local_ag", None, "fsdp2_adamw", None, 3),
         ]
         for fast, fph, slow, sph, want in checks:
             a, b = st(p, w, slow, sph), st(p, w, fast, fph)
@@ -172,7 +174,7 @@ def targets(rows: List[Dict[str, Any]], device: str = "cuda") -> List[Dict[str, 
 
 #: compressed optimizers with a loss target: within 2 % of the twin (issues 13 and 16)
 _LOSS_TARGET = ("onebitadam", "onebitlamb", "fsdp2_onebit", "fsdp2_onebit_ag", "fsdp2_onebitadam",
-                "fsdp2_onebitadam_ag")
+                "fsdp2_onebitadam_ag", "fsdp2_onebitadam_local", "fsdp2_onebitadam_local_ag")
 
 
 def loss_checks(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:

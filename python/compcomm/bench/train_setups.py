@@ -54,6 +54,10 @@ fsdp2_onebitadam       ``onebit(..., mode="momentum")`` + FrozenVarianceAdam: De
                        Adam on the shards (the local momentum averaged by the full compressed
                        allreduce, kept replicated in 1-bit form); FSDP's own all-gather
 fsdp2_onebitadam_ag    fsdp2_onebitadam plus the int8 all-gather and the re-gather cache
+fsdp2_onebitadam_local ``onebit(..., mode="local_momentum")`` + FrozenVarianceAdam: each rank's
+                       fp32 local momentum 1-bit reduce-scattered (no all-gather of the
+                       result: half fsdp2_onebitadam's reduce bytes); FSDP's own all-gather
+fsdp2_onebitadam_local_ag  fsdp2_onebitadam_local plus the int8 all-gather and the cache
 =====================  ========================================================================
 
 Two twins per 1-bit optimizer. ``TWIN``, the loss comparison with the 2 % target: the same optimizer
@@ -113,6 +117,8 @@ OPTIMIZERS = (
     "fsdp2_frozen_identity",
     "fsdp2_onebitadam",
     "fsdp2_onebitadam_ag",
+    "fsdp2_onebitadam_local",
+    "fsdp2_onebitadam_local_ag",
 )
 #: the uncompressed twin of each compressed optimizer (loss comparison) and its fp32 baseline
 TWIN = {
@@ -134,6 +140,8 @@ TWIN = {
     "fsdp2_frozen_identity": "fsdp2_adamw",
     "fsdp2_onebitadam": "fsdp2_adamw",
     "fsdp2_onebitadam_ag": "fsdp2_adamw",
+    "fsdp2_onebitadam_local": "fsdp2_adamw",
+    "fsdp2_onebitadam_local_ag": "fsdp2_adamw",
 }
 #: the identity twin of each 1-bit optimizer (an extra loss comparison, no target)
 IDENTITY_TWIN = {
@@ -145,6 +153,8 @@ IDENTITY_TWIN = {
     "fsdp2_onebit_flat": "fsdp2_frozen_identity",
     "fsdp2_onebitadam": "fsdp2_frozen_identity",
     "fsdp2_onebitadam_ag": "fsdp2_frozen_identity",
+    "fsdp2_onebitadam_local": "fsdp2_frozen_identity",
+    "fsdp2_onebitadam_local_ag": "fsdp2_frozen_identity",
 }
 #: uncompressed, but on the 1-bit schedule: as many steps as the compressed rows, and not among
 #: the rows that set the time-to-target loss (a frozen variance may diverge)
@@ -154,14 +164,14 @@ COMPRESSED = ("onebitadam", "onebitadam_overlap", "zerooneadam", "zero2_onebitad
               "onebitlamb", "fsdp2_onebit", "fsdp2_onebit_ag", "fsdp2_onebit_cache",
               "fsdp2_onebit_adamw", "fsdp2_onebit_ag_adamw", "fsdp2_onebit_sr_adamw",
               "fsdp2_onebit_flat", "fsdp2_onebit_adamw_flat", "fsdp2_onebitadam",
-              "fsdp2_onebitadam_ag")
+              "fsdp2_onebitadam_ag", "fsdp2_onebitadam_local", "fsdp2_onebitadam_local_ag")
 #: steps 1..--warmup are "warmup", the later ones "compressed"
 _FREEZING = ("onebitadam", "onebitadam_overlap", "onebitlamb", "zero2_onebitadam",
              "zero2_onebitadam_noag",
              "fsdp2_onebit", "fsdp2_onebit_ag", "fsdp2_onebit_cache", "fsdp2_onebit_adamw",
              "fsdp2_onebit_ag_adamw", "fsdp2_onebit_sr_adamw", "fsdp2_onebit_flat",
              "fsdp2_onebit_adamw_flat", "fsdp2_frozen_identity", "fsdp2_onebitadam",
-             "fsdp2_onebitadam_ag",
+             "fsdp2_onebitadam_ag", "fsdp2_onebitadam_local", "fsdp2_onebitadam_local_ag",
              "onebitadam_identity",
              "onebitlamb_identity")
 
@@ -371,6 +381,7 @@ def _fsdp2(name: str, model: Any, cfg: Dict[str, Any], world: int, dev: Any) -> 
           "fsdp2_onebit_cache": dict(regather_cache=True),
           "fsdp2_onebit_sr_adamw": dict(regather_cache=True, rounding="stochastic"),
           "fsdp2_onebitadam_ag": dict(quantized_allgather=True, regather_cache=True),
+          "fsdp2_onebitadam_local_ag": dict(quantized_allgather=True, regather_cache=True),
           "fsdp2_adamw_qag": dict(quantized_allgather=True, regather_cache=True)}.get(name)
     gstate = None
     if ag is not None:  # compcomm's all-gather, wrapped to record the shard sizes
@@ -383,7 +394,8 @@ def _fsdp2(name: str, model: Any, cfg: Dict[str, Any], world: int, dev: Any) -> 
             m.set_custom_all_gather(_CountedGather(tally, n, inner))
     if name.startswith("fsdp2_onebit"):
         flat = name.endswith("_flat")  # one segment per module, as before segments
-        mode = "momentum" if name.startswith("fsdp2_onebitadam") else "gradient"
+        mode = "gradient" if not name.startswith("fsdp2_onebitadam") else \
+            "local_momentum" if name.startswith("fsdp2_onebitadam_local") else "momentum"
         state = compcomm.fsdp.onebit(model, warmup_steps=cfg["warmup"], mode=mode,
                                      **(dict(segment_elements=None) if flat else {}))
         state.batch_segments = not cfg.get("fsdp_unbatched")
