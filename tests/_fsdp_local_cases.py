@@ -188,7 +188,6 @@ def bad_cases(rank: int, world: int) -> Dict[str, Any]:
 
     out: Dict[str, Any] = {}
     f32 = torch.float32
-    out["hsdp"] = _catch(lambda: M._model(world, f32, LOCAL, replicate_group=dist.group.WORLD))
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("rep", "shard"))
     net = M._net(f32)
     for m in (net[0], net[3], net):
@@ -222,4 +221,98 @@ def bad_cases(rank: int, world: int) -> Dict[str, Any]:
     lacking.pop("local_momentum")
     out["lacking"] = _catch(lambda: state.load_state_dict(lacking))
     out["lacking_unchanged"] = sorted(state.momentum.full) == sorted(before["local_momentum"])
+    return out
+
+
+def _hsdp_model(mode, warmup=2, **kw):
+    """HSDP by hand on 4 ranks: FSDP over 2-rank shard groups, 2 replicas (replicate_group)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import compcomm.fsdp as cf
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
+    model = M._net(torch.float32)
+    for m in (model[0], model[3], model):
+        fully_shard(m, mesh=mesh["shard"])
+    state = cf.onebit(model, warmup_steps=warmup, mode=mode,
+                      replicate_group=mesh["rep"].get_group(), **kw)
+    return model, state, mesh
+
+
+def hsdp_cases(rank: int, world: int) -> Dict[str, Any]:
+    """The local-momentum mode with replicate_group (W=4: 2 replicas of 2 shards).
+
+    ``exact_err``: with exact exchanges, against FrozenVarianceAdam(freeze_step=2) on the gradient
+    mode's HSDP (full-precision replica all-reduce for the whole run: warm-up 100): the warm-up
+    bit for bit, then to rounding. ``ar_err``: in 1 bit, the momentum shard handed over equals
+    tests/reference.py's compressed allreduce across the replicas of the shards the reduce-
+    scatter left (segment by segment, errors carried)."""
+    import compcomm.fsdp as cf
+    import reference as R
+    from compcomm.fsdp import _all_reduce_hook
+    from compcomm.fsdp_local import LocalMomentumReduceScatter, replica_hook
+
+    out: Dict[str, Any] = {}
+    f32 = torch.float32
+    ref_model, ref_state, _ = _hsdp_model("gradient", warmup=100)
+    ref = M._run(ref_model, cf.FrozenVarianceAdam(ref_model.parameters(), freeze_step=2, **KW),
+                 rank, range(5), f32)
+    model, state, _ = _hsdp_model(LOCAL)
+    state.momentum.exact = True
+    got = M._run(model, cf.FrozenVarianceAdam(model.parameters(), freeze_step=state, **KW),
+                 rank, range(5), f32)
+    out["warmup_bitwise"] = all(torch.equal(a, b) for t in range(2) for a, b in zip(ref[t], got[t]))
+    out["exact_err"] = M._err(got[-1], ref[-1])
+    # 1 bit: record each module's shard before and after the replicas' average
+    model, state, mesh = _hsdp_model(LOCAL, segment_elements=0)
+    rep = mesh["rep"].get_group()
+    seen: Dict[str, list] = {}
+
+    class Rec:
+        def __init__(self, rs):
+            self.rs = rs
+
+        def allocate(self, size, *, dtype, device):
+            return self.rs.allocate(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            w = self.rs(output_tensor, input_tensor, group, op, async_op)
+            if self.rs.pending is not None:
+                seen[self.rs.name] = [self.rs.pending[0].clone(), self.rs.pending[0]]
+            return w
+
+    for name, m in (("0", model[0]), ("3", model[3]), ("<root>", model)):
+        rs = LocalMomentumReduceScatter(state, name, m, M._segments_of(state, name, m, 0))
+        m.set_custom_reduce_scatter(Rec(rs))
+        m.set_all_reduce_hook(replica_hook(state, rs, _all_reduce_hook(state, name)))
+    opt = cf.FrozenVarianceAdam(model.parameters(), freeze_step=state, **KW)
+    M._run(model, opt, rank, range(2), f32)
+    wes: Dict[str, list] = {}
+    ses: Dict[str, list] = {}
+    err = 0.0
+    for t in range(2, 5):
+        seen.clear()
+        M._run(model, opt, rank, [t], f32)
+        for name, (before, after) in sorted(seen.items()):
+            everyone = [torch.zeros_like(before) for _ in range(2)]
+            dist.all_gather(everyone, before, group=rep)
+            key = name + "/replicas"
+            segs, keys = state.segments_for(key, before.numel())
+            o = 0
+            for n, k in zip(segs, keys):
+                pn = R.padded_numel(n, 2)
+                wes.setdefault(k, [np.zeros(pn, np.float32) for _ in range(2)])
+                ses.setdefault(k, [np.zeros(pn // 2, np.float32) for _ in range(2)])
+                want = R.compressed_allreduce([e[o:o + n].numpy() for e in everyone],
+                                              wes[k], ses[k], "fp32")
+                if n:
+                    err = max(err, float(np.abs(after[o:o + n].numpy() - want).max()
+                                         / max(np.abs(want).max(), 1e-30)))
+                o += n
+    out["ar_err"] = err
+    out["modules"] = sorted(seen)
+    sd = state.state_dict()
+    out["replica_errors_saved"] = any(k.startswith("<root>/replicas") for k in sd["errors"])
+    out["no_replica_momentum"] = not any("/replicas" in k for k in sd["local_momentum"])
     return out

@@ -54,7 +54,6 @@ def test_dcp_round_trip_continues_bitwise(tmp_path, world, dtype):
 
 def test_refused_as_the_momentum_mode():
     for res in run_ranks(2, C.bad_cases, timeout=300):
-        assert res["hsdp"].startswith("UnsupportedError") and "replicate_group" in res["hsdp"]
         assert res["mesh2d"].startswith("UnsupportedError") and "2-D" in res["mesh2d"], res
         assert res["optimizer"].startswith("ValueError") and "'optimizer'" in res["optimizer"]
         assert "ValueError" in res["no_optimizer"] and "[rank " in res["no_optimizer"], res
@@ -65,3 +64,12 @@ def test_refused_as_the_momentum_mode():
         assert res["accum_unchanged"], res
         assert res["other_mode"].startswith("ValueError") and "mode" in res["other_mode"], res
         assert "local_momentum" in res["lacking"] and res["lacking_unchanged"], res
+
+
+def test_hsdp_replicate_group():
+    """HSDP by hand (W=4: 2 replicas of 2 shards): each momentum shard averaged across the
+    replicas with compressed_allreduce in FSDP's all-reduce hook."""
+    for res in run_ranks(4, C.hsdp_cases, timeout=300):
+        assert res["warmup_bitwise"] and res["exact_err"] < 1e-5, res
+        assert res["ar_err"] < 1e-5 and res["modules"] == ["0", "3", "<root>"], res
+        assert res["replica_errors_saved"] and res["no_replica_momentum"], res

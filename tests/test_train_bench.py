@@ -138,6 +138,30 @@ def test_train_cpu_fsdp_allgather_variants(tmp_path):
     assert [t for t in doc["targets"] if t["fast"] == "fsdp2_onebit_ag"]
 
 
+LOCAL_OPTS = "fsdp2_onebit,fsdp2_onebitadam,fsdp2_onebitadam_local,fsdp2_onebitadam_local_ag"
+
+
+def test_train_cpu_fsdp_local_momentum_rows(tmp_path):
+    """The local-momentum rows (W=2): in the 1-bit phase they send the gradient mode's
+    reduce-scatter bytes exactly (the same exchange and segments), fewer than the momentum
+    mode's full compressed allreduce; the int8 all-gather changes only the gather bytes."""
+    doc = _run(tmp_path, "loopback", LOCAL_OPTS)
+    rows = {r["optimizer"]: r for r in doc["rows"]}
+    assert sorted(rows) == sorted(LOCAL_OPTS.split(","))
+    for r in rows.values():
+        assert not r.get("error"), r["error"]
+        assert all(math.isfinite(x) for x in r["loss"]) and r["loss"][-1] < r["loss"][0]
+
+    def reduce(name: str) -> list:
+        r = rows[name]
+        return [b for b, ph in zip(r["reduce_bytes"], r["phase"]) if ph == "compressed"]
+
+    local = reduce("fsdp2_onebitadam_local")
+    assert local and local == reduce("fsdp2_onebit") == reduce("fsdp2_onebitadam_local_ag")
+    assert all(1.5 * a < b for a, b in zip(local, reduce("fsdp2_onebitadam")))
+    assert rows["fsdp2_onebitadam_local_ag"]["bytes"][-1] < rows["fsdp2_onebitadam_local"]["bytes"][-1]
+
+
 def test_train_cpu_twin_loopback(tmp_path):
     doc = _run(tmp_path, "loopback", LOOPBACK_OPTS)
     _check(doc, LOOPBACK_OPTS, "loopback")

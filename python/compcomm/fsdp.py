@@ -51,7 +51,7 @@ from .errors import UnsupportedError
 from .fsdp_gather import DEFAULT_EXACT_NUMEL, GatherState, compressed_allgather
 from .fsdp_exchange import reduce_scatter_segments
 from .fsdp_layout import plan_indices, plan_segments, shard_params
-from .fsdp_local import LocalMomentumReduceScatter, load_local, local_state_dict
+from .fsdp_local import LocalMomentumReduceScatter, load_local, local_state_dict, replica_hook
 from .fsdp_momentum import (MomentumReduceScatter, MomentumState, WarmupReduceScatter,
                             row_elements, scale_of)
 from .fsdp_optim import FrozenVarianceAdam
@@ -129,7 +129,7 @@ class OneBitFSDP:
                                   or not 0.0 <= beta1 < 1.0):
             raise ValueError(f"compcomm.fsdp.onebit: argument 'beta1' must be in [0, 1) or None, "
                              f"got {beta1!r}")
-        if mode in MOMENTUM_MODES and replicate_group is not None:
+        if mode == "momentum" and replicate_group is not None:
             raise UnsupportedError(f"compcomm.fsdp.onebit: mode={mode!r} with 'replicate_group' "
                                    "(HSDP) is not implemented; use mode='gradient'", "onebit",
                                    "fsdp")
@@ -398,7 +398,8 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
         ``"local_momentum"`` (:mod:`compcomm.fsdp_local`): every rank keeps its own fp32
         momentum of the whole module (4 bytes per parameter element more memory) and only the
         1-bit reduce-scatter of it travels (half the momentum mode's bytes); paired and
-        restricted as ``"momentum"``.
+        restricted as ``"momentum"``, except that it takes ``replicate_group`` (the replicas
+        average each momentum shard with ``compressed_allreduce`` in FSDP's all-reduce hook).
     beta1 : float, optional
         The momentum mode's ``b1``; default: the paired FrozenVarianceAdam's (they must agree).
 
@@ -415,7 +416,7 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
         the momentum modes.
     UnsupportedError
         An all-gather part was asked for on a torch without ``set_custom_all_gather``, or
-        a momentum mode with ``replicate_group`` or a 2-D (HSDP) device mesh.
+        ``mode="momentum"`` with ``replicate_group``, or a momentum mode on a 2-D (HSDP) mesh.
     """
     mods = [(n or "<root>", m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not mods:
@@ -445,28 +446,38 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
         params = shard_params(m)
         pieces = [(pc, padded) for _, pc, padded in params]
         world = pieces[0][1] // pieces[0][0] if pieces else 1
+        segs = plan_segments(pieces, segment_elements)
+        rows8 = [(world * r8, r8) for r8 in (-(-n // 8) * 8 for n in segs)]  # whole-byte rows
+        hook = _all_reduce_hook(state, name)
         if mode in MOMENTUM_MODES:
             plan = [[params[i][:2] for i in b] for b in plan_indices(pieces, segment_elements)]
             cls = MomentumReduceScatter if mode == "momentum" else LocalMomentumReduceScatter
-            m.set_custom_reduce_scatter(cls(state, name, m, plan))
+            rs = cls(state, name, m, plan)
+            m.set_custom_reduce_scatter(rs)
+            hook = replica_hook(state, rs, hook)  # used with replicate_group (local momentum)
         if mode == "momentum":
-            sizes = [(world * r, r) for r in (row_elements(n, world) for n in
-                                              plan_segments(pieces, segment_elements))]
+            _register(state, name, segs, [(world * r, r) for r in (row_elements(n, world)
+                                                                   for n in segs)])
         elif replicate_group is None:  # the gradient and the local-momentum modes' rows
             if mode == "gradient":
                 m.set_custom_reduce_scatter(OneBitReduceScatter(state, name))
-            sizes = [(world * r8, r8) for r8 in (-(-n // 8) * 8 for n in
-                                                 plan_segments(pieces, segment_elements))]
-        else:
-            m.set_all_reduce_hook(_all_reduce_hook(state, name))
-            name += "/replicas"
+            _register(state, name, segs, rows8)
+        else:  # HSDP: the replicas' all-reduce in the hook (after the local momentum's RS)
+            if mode == "local_momentum":
+                _register(state, name, segs, rows8)
+            m.set_all_reduce_hook(hook)
             world = dist.get_world_size(replicate_group)
-            sizes = [(padded_numel(n, world), padded_numel(n, world) // world)
-                     for n in plan_segments(pieces, segment_elements)]
-        if pieces:
-            state.segments[name] = plan_segments(pieces, segment_elements)
-            _, keys = state.segments_for(name, sum(state.segments[name]))
-            state._sizes.update(zip(keys, sizes))
-            if mode == "momentum":  # signs and scales of the packed momentum
-                state._packed_sizes.update((k, (w // 8, w // r)) for k, (w, r) in zip(keys, sizes))
+            _register(state, name + "/replicas", segs,
+                      [(padded_numel(n, world), padded_numel(n, world) // world) for n in segs])
     return state
+
+
+def _register(state: OneBitFSDP, name: str, segs: List[int], sizes: List[Tuple[int, int]]) -> None:
+    """Module (or replica key) ``name``'s segments and their buffers' sizes (checkpoint template)."""
+    if not segs:
+        return
+    state.segments[name] = segs
+    _, keys = state.segments_for(name, sum(segs))
+    state._sizes.update(zip(keys, sizes))
+    if state.mode == "momentum":  # signs and scales of the packed momentum
+        state._packed_sizes.update((k, (w // 8, w // r)) for k, (w, r) in zip(keys, sizes))

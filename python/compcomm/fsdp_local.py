@@ -26,25 +26,35 @@ every rank, as the worker error buffer does. At the first 1-bit call the local m
 rank is the warm-up's, gathered from the optimizer's ``exp_avg`` shards (the momentum mode's seed),
 so all ranks start identical. Checkpoints hold it per rank, like the error buffers; on another
 world size both are reset and the momentum is seeded again from ``exp_avg``.
+
+HSDP by hand (``replicate_group``): the reduce-scatter leaves this rank's fp32 shard in
+``pending``; FSDP's all-reduce hook (:func:`replica_hook`) averages it across the replicas with
+:func:`compcomm.compressed_allreduce` per segment (the gradient mode's replica keys and buffers)
+and only then hands it to the optimizer.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from .collectives import compressed_allreduce, padded_numel
+from .errors import UnsupportedError
 from .fsdp_exchange import reduce_scatter_segments
 from .fsdp_momentum import MomentumReduceScatter, MomentumState
 
-__all__ = ["LocalMomentumReduceScatter", "local_state_dict", "load_local"]
+__all__ = ["LocalMomentumReduceScatter", "replica_hook", "local_state_dict", "load_local"]
 
 
 class LocalMomentumReduceScatter(MomentumReduceScatter):
     """FSDP2 ``ReduceScatter`` of one module in the local-momentum mode (see the module
     docstring): FSDP's own reduce-scatter during the warm-up, then the 1-bit reduce-scatter of
-    this rank's local momentum. The checks, the seed and the hand-over are the momentum mode's."""
+    this rank's local momentum. The checks, the seed and the hand-over are the momentum mode's.
+    With ``replicate_group`` the shard is left in ``pending`` for :func:`replica_hook`."""
+
+    pending: Optional[Tuple[torch.Tensor, float]] = None  # (fp32 shard, FSDP's post-division)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
                  op: Any, async_op: bool = False) -> Optional[dist.Work]:
@@ -95,10 +105,54 @@ class LocalMomentumReduceScatter(MomentumReduceScatter):
             mom.full[k] = new
             mine[o: o + n].copy_(out[o8: o8 + n])
             o, o8 = o + n, o8 + r
-        self.give_all(mine, rank)
+        if state.replicate_group is not None:  # HSDP: handed over after the replicas' average
+            self.pending = (mine, post)
+        else:
+            self.give_all(mine, rank)
         output_tensor.copy_(mine if post == 1.0 else mine * post)
         state.steps[self.name] = state.steps.get(self.name, 0) + 1
         return None
+
+
+def replica_hook(state: Any, rs: MomentumReduceScatter,
+                 warmup: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    """FSDP's all-reduce hook of a module in the local-momentum mode with ``replicate_group``
+    (HSDP by hand): ``warmup`` (the gradient mode's hook: full precision) during the warm-up, then
+    the average across replicas of this rank's momentum shard (fp32, left by ``rs``'s
+    reduce-scatter) with :func:`compcomm.compressed_allreduce`, one call per segment with its own
+    error buffers (keys ``"<module>/replicas#<k>"``), handed to the optimizer and written to the
+    gradient. Without ``replicate_group`` ``onebit`` does not install it."""
+    key = rs.name + "/replicas"
+
+    def hook(reduce_output: torch.Tensor) -> None:
+        if not state.compressing(key):
+            warmup(reduce_output)  # counts the step
+            return
+        got = getattr(rs, "pending", None)
+        if got is None:  # FSDP skips the reduce-scatter call on a shard group of one rank
+            raise UnsupportedError(f"[rank {dist.get_rank()}] compcomm.fsdp.onebit(mode="
+                                   f"'local_momentum'): module {rs.name!r} made no 1-bit reduce-"
+                                   "scatter before its replica all-reduce (a shard group of one "
+                                   "rank?): use mode='gradient' there", "all_reduce_hook", "fsdp")
+        mine, post = got
+        rs.pending = None
+        group = state.replicate_group
+        world = dist.get_world_size(group)
+        if state.momentum.exact:  # test hook: the exact average
+            dist.all_reduce(mine, group=group)
+            mine.div_(world)
+        else:
+            segs, keys = state.segments_for(key, mine.numel())
+            o = 0
+            for n, k in zip(segs, keys):
+                we, se = state.errors(k, padded_numel(n, world), world, mine.device)
+                compressed_allreduce(mine[o: o + n], we, se, group)
+                o += n
+        rs.give_all(mine, dist.get_rank())
+        reduce_output.copy_(mine if post == 1.0 else mine * post)
+        state.steps[key] = state.steps.get(key, 0) + 1
+
+    return hook
 
 
 def local_state_dict(sizes: Dict[str, Tuple[int, int]],
@@ -106,7 +160,8 @@ def local_state_dict(sizes: Dict[str, Tuple[int, int]],
     """This rank's local momentum of every segment (CPU copies; zeros of the planned ``sizes[k][0]``
     elements before the switch: a fresh state's is the template ``torch.distributed.checkpoint``
     fills)."""
-    out = {k: torch.zeros(w) for k, (w, _) in sizes.items()}
+    out = {k: torch.zeros(w) for k, (w, _) in sizes.items()
+           if not k.split("#")[0].endswith("/replicas")}  # the replicas' keys: errors only
     out.update({k: v.detach().cpu().clone() for k, v in mom.full.items()})
     return out
 
