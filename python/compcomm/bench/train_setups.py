@@ -9,6 +9,7 @@ ddp_adamw_bf16hook     the same with DDP's ``bf16_compress_hook`` (on gloo: the 
 onebitadam             compcomm.optim.OneBitAdam(freeze_step=--warmup) (no DDP: it communicates)
 onebitadam_overlap     the same with ``overlap_backward=True`` (the compressed phase's groups of
                        buckets sent while the backward runs; ``--overlap-backward`` adds it)
+onebitadam_nooverlap   the same with ``overlap_backward=False`` (every exchange in ``step()``)
 onebitadam_nofreeze    OneBitAdam with freeze_step past the run (Adam with fp32 averaging)
 onebitadam_identity    OneBitAdam(freeze_step=--warmup, compressor=IdentityCompressor): the same
                        schedule and frozen variance, exact averages (the identity twin)
@@ -93,6 +94,7 @@ OPTIMIZERS = (
     "ddp_adamw_bf16hook",
     "onebitadam",
     "onebitadam_overlap",
+    "onebitadam_nooverlap",
     "onebitadam_nofreeze",
     "onebitadam_identity",
     "zerooneadam",
@@ -124,6 +126,7 @@ OPTIMIZERS = (
 TWIN = {
     "onebitadam": "onebitadam_nofreeze",
     "onebitadam_overlap": "onebitadam_nofreeze",
+    "onebitadam_nooverlap": "onebitadam_nofreeze",
     "zerooneadam": "onebitadam_nofreeze",
     "onebitlamb": "onebitlamb_nofreeze",
     "zero2_onebitadam": "zero2_adamw",
@@ -159,15 +162,15 @@ IDENTITY_TWIN = {
 #: uncompressed, but on the 1-bit schedule: as many steps as the compressed rows, and not among
 #: the rows that set the time-to-target loss (a frozen variance may diverge)
 IDENTITY = tuple(IDENTITY_TWIN.values())
-COMPRESSED = ("onebitadam", "onebitadam_overlap", "zerooneadam", "zero2_onebitadam",
-              "zero2_onebitadam_noag",
+COMPRESSED = ("onebitadam", "onebitadam_overlap", "onebitadam_nooverlap", "zerooneadam",
+              "zero2_onebitadam", "zero2_onebitadam_noag",
               "onebitlamb", "fsdp2_onebit", "fsdp2_onebit_ag", "fsdp2_onebit_cache",
               "fsdp2_onebit_adamw", "fsdp2_onebit_ag_adamw", "fsdp2_onebit_sr_adamw",
               "fsdp2_onebit_flat", "fsdp2_onebit_adamw_flat", "fsdp2_onebitadam",
               "fsdp2_onebitadam_ag", "fsdp2_onebitadam_local", "fsdp2_onebitadam_local_ag")
 #: steps 1..--warmup are "warmup", the later ones "compressed"
-_FREEZING = ("onebitadam", "onebitadam_overlap", "onebitlamb", "zero2_onebitadam",
-             "zero2_onebitadam_noag",
+_FREEZING = ("onebitadam", "onebitadam_overlap", "onebitadam_nooverlap", "onebitlamb",
+             "zero2_onebitadam", "zero2_onebitadam_noag",
              "fsdp2_onebit", "fsdp2_onebit_ag", "fsdp2_onebit_cache", "fsdp2_onebit_adamw",
              "fsdp2_onebit_ag_adamw", "fsdp2_onebit_sr_adamw", "fsdp2_onebit_flat",
              "fsdp2_onebit_adamw_flat", "fsdp2_frozen_identity", "fsdp2_onebitadam",
@@ -232,7 +235,8 @@ def make(name: str, model: Any, cfg: Dict[str, Any], world: int, dev: Any) -> Di
         opt = ZeroOptimizer(model.parameters(), cls, stage=2, module=model, optimizer_kwargs=kw,
                             **mode)
         return {"module": model, "opt": opt, "kind": "zero"}
-    if name in ("onebitadam", "onebitadam_nofreeze", "onebitadam_overlap"):
+    if name in ("onebitadam", "onebitadam_nofreeze", "onebitadam_overlap",
+                "onebitadam_nooverlap"):
         fs = never if name == "onebitadam_nofreeze" else warm
         if name == "onebitadam_overlap":
             extra["overlap_backward"] = True
@@ -240,6 +244,8 @@ def make(name: str, model: Any, cfg: Dict[str, Any], world: int, dev: Any) -> Di
                 from compcomm.optim import overlap
 
                 overlap.MAX_GROUPS = int(cfg["overlap_groups"])
+        if name == "onebitadam_nooverlap":
+            extra["overlap_backward"] = False
         opt = OneBitAdam(model.parameters(), lr=lr, freeze_step=fs, **bc, **fused, **extra)
     elif name == "zerooneadam":
         zk = {k: cfg[k] for k in ("local_step_scaler", "local_step_clipper") if cfg.get(k)}
