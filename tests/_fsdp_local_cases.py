@@ -172,7 +172,8 @@ def dcp_cases(rank: int, world: int, path: str, dtype_name: str) -> Dict[str, An
             "template_sized": {k: v.shape for k, v in template["local_momentum"].items()}
             == {k: v.shape for k, v in saved["local_momentum"].items()},
             "saved": all(float(v.abs().sum()) > 0 for v in saved["local_momentum"].values()),
-            "bitwise": all(torch.equal(a, b) for t in range(3) for a, b in zip(cont[t], resumed[t])),
+            "bitwise": all(torch.equal(a, b) for t in range(3)
+                           for a, b in zip(cont[t], resumed[t])),
             "moved": any(not torch.equal(a, b) for a, b in zip(cont[0], cont[-1])),
             "reset": reset, "reseeded": sorted(state3.momentum.full) == sorted(state3._sizes)
             and all(bool(torch.isfinite(p).all()) for p in after[-1])}
@@ -211,8 +212,9 @@ def bad_cases(rank: int, world: int) -> Dict[str, Any]:
     before = state.state_dict()
     out["accum"] = _catch(lambda: model(M._batch(6, rank, f32)).float().pow(2).sum().backward())
     after = state.state_dict()
-    out["accum_unchanged"] = all(torch.equal(before["local_momentum"][k], after["local_momentum"][k])
-                                 for k in before["local_momentum"]) and all(
+    out["accum_unchanged"] = all(
+        torch.equal(before["local_momentum"][k], after["local_momentum"][k])
+        for k in before["local_momentum"]) and all(
         torch.equal(a, b) for k in before["errors"]
         for a, b in zip(before["errors"][k], after["errors"][k]))
     _, mstate = M._model(world, f32, "momentum")

@@ -473,7 +473,8 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
 
 
 def _register(state: OneBitFSDP, name: str, segs: List[int], sizes: List[Tuple[int, int]]) -> None:
-    """Module (or replica key) ``name``'s segments and their buffers' sizes (checkpoint template)."""
+    """Module (or replica key) ``name``'s segments and their buffers' sizes (the checkpoint
+    template)."""
     if not segs:
         return
     state.segments[name] = segs
