@@ -50,6 +50,7 @@ from .compress import DEFAULT_BUCKET_ELEMENTS
 from .errors import UnsupportedError
 from .fsdp_gather import DEFAULT_EXACT_NUMEL, GatherState, compressed_allgather
 from .fsdp_exchange import reduce_scatter_segments
+from .fsdp_hsdp import check_replicas, replicas_summed, take_replicas, taken
 from .fsdp_layout import plan_indices, plan_segments, shard_params
 from .fsdp_local import LocalMomentumReduceScatter, load_local, local_state_dict, replica_hook
 from .fsdp_momentum import (MomentumReduceScatter, MomentumState, WarmupReduceScatter,
@@ -312,14 +313,17 @@ class OneBitReduceScatter(WarmupReduceScatter, ReduceScatter):
         return None
 
 
-def _all_reduce_hook(state: OneBitFSDP, name: str):
+def _all_reduce_hook(state: OneBitFSDP, name: str, module: Any = None):
+    """The replicas' all-reduce of module ``name``'s shard; ``module``: on FSDP's own 2-D mesh
+    (:mod:`.fsdp_hsdp`), whose HSDP sums the replicas when a divide factor is set."""
     key = name + "/replicas"
 
     def hook(reduce_output: torch.Tensor) -> None:
         group = state.replicate_group
         if not state.compressing(key):  # full precision during the warm-up (the average)
             dist.all_reduce(reduce_output, group=group)
-            reduce_output.div_(dist.get_world_size(group))
+            if module is None or not replicas_summed(module):
+                reduce_output.div_(dist.get_world_size(group))
         else:
             world = dist.get_world_size(group)
             flat = reduce_output.view(-1)
@@ -425,9 +429,20 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
     hsdp = any(_mesh_ndim(m) > 1 for _, m in mods)  # FSDP's own HSDP (2-D mesh)
     if mode is None:
         mode = "gradient" if replicate_group is not None or hsdp else "momentum"
-    if mode in MOMENTUM_MODES and hsdp:
+    if mode == "momentum" and hsdp:
         raise UnsupportedError(f"compcomm.fsdp.onebit: mode={mode!r} on a 2-D (HSDP) device mesh "
-                               "is not implemented; use mode='gradient'", "onebit", "fsdp")
+                               "is not implemented; use mode='local_momentum'", "onebit", "fsdp")
+    if hsdp and mode != "local_momentum" and any(taken(m) for _, m in mods):
+        raise UnsupportedError(f"compcomm.fsdp.onebit: mode={mode!r} on a model that had "
+                               "mode='local_momentum' on its 2-D mesh (FSDP's own replica "
+                               "all-reduce is off there): use mode='local_momentum'", "onebit",
+                               "fsdp")
+    native = mode == "local_momentum" and hsdp  # FSDP's own HSDP: its replica all-reduce ours
+    if native and replicate_group is not None:
+        raise ValueError("compcomm.fsdp.onebit: argument 'replicate_group' with a model sharded "
+                         "over a 2-D (HSDP) mesh: the mesh's replicate dim is the replica group; "
+                         "pass one or the other")
+    replicas, native_groups = check_replicas(mods, mode) if native else (None, [])
     state = OneBitFSDP(warmup_steps, replicate_group, segment_elements, mode, beta1)
     if mode in MOMENTUM_MODES and optimizer is not None:  # the cache's optimizer: the paired one
         opts = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
@@ -442,23 +457,28 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
                                                optimizer=optimizer,
                                                exact_numel=allgather_exact_numel,
                                                rounding=allgather_rounding)
+    if native:  # every check passed: FSDP's own replica all-reduce off, the hook's instead
+        take_replicas(native_groups)
+        state.replicate_group = replicas
     for name, m in mods:
         params = shard_params(m)
         pieces = [(pc, padded) for _, pc, padded in params]
         world = pieces[0][1] // pieces[0][0] if pieces else 1
         segs = plan_segments(pieces, segment_elements)
         rows8 = [(world * r8, r8) for r8 in (-(-n // 8) * 8 for n in segs)]  # whole-byte rows
-        hook = _all_reduce_hook(state, name)
+        hook = _all_reduce_hook(state, name, m if native else None)
         if mode in MOMENTUM_MODES:
             plan = [[params[i][:2] for i in b] for b in plan_indices(pieces, segment_elements)]
             cls = MomentumReduceScatter if mode == "momentum" else LocalMomentumReduceScatter
             rs = cls(state, name, m, plan)
             m.set_custom_reduce_scatter(rs)
-            hook = replica_hook(state, rs, hook)  # used with replicate_group (local momentum)
+            if native:
+                rs.summed = lambda m=m: replicas_summed(m)
+            hook = replica_hook(state, rs, hook)  # with a replica group (local momentum)
         if mode == "momentum":
             _register(state, name, segs, [(world * r, r) for r in (row_elements(n, world)
                                                                    for n in segs)])
-        elif replicate_group is None:  # the gradient and the local-momentum modes' rows
+        elif state.replicate_group is None:  # the gradient and the local-momentum modes' rows
             if mode == "gradient":
                 m.set_custom_reduce_scatter(OneBitReduceScatter(state, name))
             _register(state, name, segs, rows8)
@@ -466,7 +486,7 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
             if mode == "local_momentum":
                 _register(state, name, segs, rows8)
             m.set_all_reduce_hook(hook)
-            world = dist.get_world_size(replicate_group)
+            world = dist.get_world_size(state.replicate_group)
             _register(state, name + "/replicas", segs,
                       [(padded_numel(n, world), padded_numel(n, world) // world) for n in segs])
     return state

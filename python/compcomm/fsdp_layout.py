@@ -17,7 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from .compress import plan_buckets
 
-__all__ = ["fsdp_params", "piece_numel", "shard_pieces", "shard_params", "plan_indices",
+__all__ = ["fsdp_params", "shard_size", "piece_numel", "shard_pieces", "shard_params", "plan_indices",
            "plan_segments"]
 
 
@@ -33,11 +33,22 @@ def fsdp_params(m: torch.nn.Module) -> Optional[List[Any]]:
         return None
 
 
+def shard_size(p: torch.Tensor) -> int:
+    """Ranks parameter ``p`` is sharded over: its mesh's sharded dims (a 2-D HSDP mesh: the shard
+    dim, not the replicas)."""
+    mesh = getattr(p, "device_mesh", None)
+    if mesh is None:
+        return 1
+    placements = getattr(p, "placements", None)
+    if placements is None:
+        return mesh.size()
+    return math.prod(mesh.size(i) for i, pl in enumerate(placements) if pl.is_shard())
+
+
 def piece_numel(p: torch.Tensor) -> int:
     """Elements of one rank's piece of parameter ``p``'s gradient in FSDP's reduce-scatter
-    (dim 0 padded to a multiple of the mesh size)."""
-    mesh = getattr(p, "device_mesh", None)
-    world = mesh.size() if mesh is not None else 1
+    (dim 0 padded to a multiple of the shard group's size)."""
+    world = shard_size(p)
     dim0 = p.shape[0] if p.dim() else 1
     return math.ceil(dim0 / world) * (p.numel() // dim0)
 
@@ -72,9 +83,8 @@ def shard_params(m: torch.nn.Module) -> List[Tuple[Any, int, int]]:
     for p in params:
         if not p.requires_grad or p.numel() == 0:
             continue
-        mesh = getattr(p, "device_mesh", None)
         piece = piece_numel(p)
-        out.append((p, piece, piece * (mesh.size() if mesh is not None else 1)))
+        out.append((p, piece, piece * shard_size(p)))
     return out
 
 

@@ -27,7 +27,8 @@ rank is the warm-up's, gathered from the optimizer's ``exp_avg`` shards (the mom
 so all ranks start identical. Checkpoints hold it per rank, like the error buffers; on another
 world size both are reset and the momentum is seeded again from ``exp_avg``.
 
-HSDP by hand (``replicate_group``): the reduce-scatter leaves this rank's fp32 shard in
+HSDP by hand (``replicate_group``) and on FSDP's own 2-D mesh (:mod:`compcomm.fsdp_hsdp`, which
+turns FSDP's full-precision replica all-reduce off): the reduce-scatter leaves this rank's fp32 shard in
 ``pending``; FSDP's all-reduce hook (:func:`replica_hook`) averages it across the replicas with
 :func:`compcomm.compressed_allreduce` per segment (the gradient mode's replica keys and buffers)
 and only then hands it to the optimizer.
@@ -55,6 +56,10 @@ class LocalMomentumReduceScatter(MomentumReduceScatter):
     With ``replicate_group`` the shard is left in ``pending`` for :func:`replica_hook`."""
 
     pending: Optional[Tuple[torch.Tensor, float]] = None  # (fp32 shard, FSDP's post-division)
+    #: FSDP's own 2-D mesh (:mod:`compcomm.fsdp_hsdp`): whether its HSDP would sum the replicas
+    #: (a divide factor); the gradient is then scaled by the replicas' count here, so that the
+    #: replicas' *average* of the momenta is FSDP's sum (and the seed, exp_avg, fits as it is)
+    summed: Optional[Callable[[], bool]] = None
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
                  op: Any, async_op: bool = False) -> Optional[dist.Work]:
@@ -70,6 +75,8 @@ class LocalMomentumReduceScatter(MomentumReduceScatter):
         seed = self._seed(keys, rows, world, group, dev)
         src = input_tensor.view(world, s)
         c = scale / post
+        if self.summed is not None and self.summed():
+            c *= dist.get_world_size(state.replicate_group)
         # the exchange overwrites its input: the new momenta are staged into a copy
         staged = torch.empty(world * sum(rows), dtype=torch.float32, device=dev)
         out = torch.zeros(sum(rows), dtype=torch.float32, device=dev)
@@ -121,7 +128,7 @@ def replica_hook(state: Any, rs: MomentumReduceScatter,
     the average across replicas of this rank's momentum shard (fp32, left by ``rs``'s
     reduce-scatter) with :func:`compcomm.compressed_allreduce`, one call per segment with its own
     error buffers (keys ``"<module>/replicas#<k>"``), handed to the optimizer and written to the
-    gradient. Without ``replicate_group`` ``onebit`` does not install it."""
+    gradient. Without ``replicate_group`` or a 2-D mesh ``onebit`` does not install it."""
     key = rs.name + "/replicas"
 
     def hook(reduce_output: torch.Tensor) -> None:

@@ -1,0 +1,122 @@
+"""FSDP2's own HSDP (a 2-D ``("replicate", "shard")`` device mesh) for :func:`compcomm.fsdp.onebit`'s
+local-momentum mode.
+
+Why this touches FSDP's internals. On a 2-D mesh FSDP reduce-scatters over the shard dim and then
+*always* all-reduces the shard over the replicate dim itself, in full precision, before it runs
+the user's all-reduce hook (torch's ``foreach_reduce``: ``dist.all_reduce`` whenever the parameter
+group's mesh info is a ``DDPMeshInfo``); the hook cannot replace that all-reduce, and
+``set_requires_all_reduce(False)`` skips the hook and the gradient too. So :func:`take_replicas`
+gives each of the module's parameter groups a 1-D ``FSDPMeshInfo`` of the same mesh and shard dim:
+FSDP then reduce-scatters over the shard group only (its divide factors as on a 1-D mesh of the
+shard group) and hands the shard to the hook, which does the replicas' reduction -- the same path
+as HSDP by hand (``replicate_group`` with a 1-D shard mesh). The parameters' own DTensor layout
+(the 2-D mesh, ``(Replicate(), Shard(0))``), the all-gathers and checkpoints are untouched.
+
+The replicas' reduction keeps FSDP's HSDP semantics: FSDP all-reduces with AVG when it averages
+by default and with SUM when a gradient divide factor is set (torch's
+``_get_gradient_divide_factors``); with a forced SUM reduction and no factor, its post-division
+is the shard group's size here (the world's on the 2-D mesh), so the replicas average.
+:func:`replicas_summed` tells the hook which.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Tuple
+
+import torch.distributed as dist
+
+from .errors import UnsupportedError
+
+__all__ = ["taken", "check_replicas", "take_replicas", "replicas_summed"]
+
+
+def _groups_of(module: Any) -> List[Any]:
+    try:
+        return list(module._get_fsdp_state()._fsdp_param_groups)
+    except Exception:  # noqa: BLE001 - another torch's internals; no parameters: no groups
+        return []
+
+
+def _replicas_of(mi: Any) -> Optional[Any]:
+    """The replicate group of a 2-D mesh info: FSDP's own, or one :func:`take_replicas` took."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
+
+    if isinstance(mi, HSDPMeshInfo):
+        return mi.replicate_process_group
+    return getattr(mi, "compcomm_replicas", None)
+
+
+def taken(module: Any) -> bool:
+    """Whether :func:`take_replicas` turned FSDP's own replica all-reduce off on ``module`` (a
+    local-momentum state was installed on it before)."""
+    return any(getattr(pg.mesh_info, "compcomm_replicas", None) is not None
+               for pg in _groups_of(module))
+
+
+def check_replicas(mods: List[Tuple[str, Any]], mode: str) -> Tuple[Optional[Any], List[Any]]:
+    """The replicate group of the modules of ``mods`` (``(name, module)``) sharded over a 2-D
+    mesh (None when no module is on one) and their parameter groups, for :func:`take_replicas`;
+    changes nothing.
+
+    Raises
+    ------
+    UnsupportedError
+        A mesh that is not exactly ``(replicate, shard)`` (more dims, e.g. with tensor
+        parallelism), a shard dim of size 1 (FSDP then makes no reduce-scatter call to carry the
+        local momentum), modules on different replicate groups, or a module with several
+        parameter groups. Nothing is changed then.
+    """
+    tag = f"compcomm.fsdp.onebit(mode={mode!r})"
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    found, replicas = [], None
+    for name, m in mods:
+        groups = _groups_of(m)
+        hsdp = [pg for pg in groups if _replicas_of(pg.mesh_info) is not None]
+        if not hsdp:
+            continue
+        if len(groups) > 1:
+            raise UnsupportedError(f"[rank {rank}] {tag}: module {name!r} has {len(groups)} "
+                                   "parameter groups on a 2-D mesh (one is supported)", "onebit",
+                                   "fsdp")
+        mi = hsdp[0].mesh_info
+        if mi.mesh.ndim != 2 or getattr(mi, "dp_mesh_dims", None) is not None:
+            raise UnsupportedError(f"[rank {rank}] {tag}: argument 'model': module {name!r} is "
+                                   f"sharded over a {mi.mesh.ndim}-D mesh with other dims; only "
+                                   "FSDP's 2-D (replicate, shard) HSDP mesh is supported",
+                                   "onebit", "fsdp")
+        if mi.shard_mesh_size < 2:
+            raise UnsupportedError(f"[rank {rank}] {tag}: argument 'model': module {name!r} has a "
+                                   "shard dim of size 1 on its 2-D mesh (FSDP makes no reduce-"
+                                   "scatter call to carry the local momentum): use a 1-D mesh "
+                                   "(DDP-like) or mode='gradient'", "onebit", "fsdp")
+        rep = _replicas_of(mi)
+        if replicas is not None and dist.get_process_group_ranks(rep) != \
+                dist.get_process_group_ranks(replicas):
+            raise UnsupportedError(f"[rank {rank}] {tag}: argument 'model': module {name!r} has "
+                                   "another replicate group than the modules before it", "onebit",
+                                   "fsdp")
+        replicas = rep if replicas is None else replicas
+        found.append(hsdp[0])
+    return replicas, found
+
+
+def take_replicas(groups: List[Any]) -> None:
+    """Turn FSDP's own replica all-reduce off on the parameter groups :func:`check_replicas`
+    returned: each gets a 1-D mesh info of its mesh's shard dim (see the module docstring)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
+
+    for pg in groups:
+        mi = pg.mesh_info
+        if getattr(mi, "compcomm_replicas", None) is not None:  # installed before: already off
+            continue
+        flat = FSDPMeshInfo(mesh=mi.mesh, shard_mesh_dim=mi.shard_mesh_dim)
+        flat.reduce_scatter_process_group = mi.reduce_scatter_process_group
+        flat.compcomm_replicas = mi.replicate_process_group  # type: ignore[attr-defined]
+        pg.mesh_info = flat
+
+
+def replicas_summed(module: Any) -> bool:
+    """Whether FSDP's HSDP would *sum* the replicas' shards (a gradient divide factor is set:
+    FSDP all-reduces with SUM) rather than average them (its default, or a forced SUM reduction
+    that post-divides by the shard group's size)."""
+    return any(pg.gradient_divide_factor is not None for pg in _groups_of(module))
