@@ -201,8 +201,9 @@ def dcp_cases(rank: int, world: int, path: str, dtype_name: str) -> Dict[str, An
 
 
 def bad_cases(rank: int, world: int) -> Dict[str, Any]:
-    """What the 2-D mesh refuses, with nothing changed: a shard dim of size 1, replicate_group as
-    well, the momentum mode; the gradient mode after the local-momentum mode on the same model."""
+    """What the 2-D mesh refuses, with nothing changed: a shard dim of size 1 (the default there:
+    the gradient mode), replicate_group as well, the momentum mode; the gradient mode after the
+    local-momentum mode on the same model; the default (the local-momentum mode)."""
     import compcomm.fsdp as cf
     from compcomm.fsdp_hsdp import taken
 
@@ -210,6 +211,7 @@ def bad_cases(rank: int, world: int) -> Dict[str, Any]:
     f32 = torch.float32
     model, _, mesh = _model(f32, shape=(4, 1))
     out["shard1"] = _catch(lambda: cf.onebit(model, warmup_steps=2, mode=LOCAL))
+    out["default_shard1"] = cf.onebit(model, warmup_steps=2).mode
     model, _, mesh = _model(f32)
     out["both"] = _catch(lambda: cf.onebit(model, warmup_steps=2, mode=LOCAL,
                                            replicate_group=mesh["replicate"].get_group()))
@@ -221,3 +223,29 @@ def bad_cases(rank: int, world: int) -> Dict[str, Any]:
     out["gradient_after"] = _catch(lambda: cf.onebit(model, warmup_steps=2, mode="gradient"))
     out["again"] = cf.onebit(model, warmup_steps=2, mode=LOCAL).replicate_group is not None
     return out
+
+
+def default_cases(rank: int, world: int) -> Dict[str, Any]:
+    """The default mode on the 2-D mesh is the local-momentum mode; with the exact re-gather
+    cache and exact exchanges it is still FrozenVarianceAdam on FSDP's own HSDP (to rounding);
+    with the int8 all-gather and 1 bit it trains (finite, moved)."""
+    import compcomm.fsdp as cf
+
+    f32 = torch.float32
+    ref_model, _, _ = _model(f32)
+    ref = M._run(ref_model, cf.FrozenVarianceAdam(ref_model.parameters(), freeze_step=2, **KW),
+                 rank, range(5), f32)
+    model, _, _ = _model(f32)
+    state = cf.onebit(model, warmup_steps=2, regather_cache=True)
+    state.momentum.exact = True
+    opt = cf.FrozenVarianceAdam(model.parameters(), freeze_step=state, **KW)
+    got = M._run(model, opt, rank, range(5), f32)
+    err = max(float((a.double() - b.double()).abs().max() / b.double().abs().max())
+              for a, b in zip(got[-1], ref[-1]) if b.numel())
+    model, _, _ = _model(f32)
+    q = cf.onebit(model, warmup_steps=2, quantized_allgather=True, regather_cache=True)
+    qopt = cf.FrozenVarianceAdam(model.parameters(), freeze_step=q, **KW)
+    run = M._run(model, qopt, rank, range(5), f32)
+    return {"mode": state.mode, "err": err, "allgather": state.allgather is not None,
+            "q_mode": q.mode, "q_finite": all(bool(torch.isfinite(p).all()) for p in run[-1]),
+            "q_moved": any(not torch.equal(a, b) for a, b in zip(run[1], run[-1]))}

@@ -47,6 +47,14 @@ def test_refused():
         assert "[rank " in res["shard1"] and "'model'" in res["shard1"], res
         assert res["both"].startswith("ValueError") and "'replicate_group'" in res["both"], res
         assert res["momentum"].startswith("UnsupportedError"), res
-        assert res["untouched"] and res["default"] == "gradient", res
+        assert res["untouched"] and res["default"] == "local_momentum", res
+        assert res["default_shard1"] == "gradient", res
         assert res["taken"] and res["again"], res
         assert res["gradient_after"].startswith("UnsupportedError"), res
+
+
+def test_default_with_the_allgather():
+    """The default on the 2-D mesh is the local-momentum mode, with the all-gather options."""
+    for res in run_ranks(4, C.default_cases, timeout=300):
+        assert res["mode"] == res["q_mode"] == "local_momentum" and res["allgather"], res
+        assert res["err"] < 1e-5 and res["q_finite"] and res["q_moved"], res

@@ -50,7 +50,7 @@ from .compress import DEFAULT_BUCKET_ELEMENTS
 from .errors import UnsupportedError
 from .fsdp_gather import DEFAULT_EXACT_NUMEL, GatherState, compressed_allgather
 from .fsdp_exchange import reduce_scatter_segments
-from .fsdp_hsdp import check_replicas, replicas_summed, take_replicas, taken
+from .fsdp_hsdp import check_replicas, local_default, replicas_summed, take_replicas, taken
 from .fsdp_layout import plan_indices, plan_segments, shard_params
 from .fsdp_local import LocalMomentumReduceScatter, load_local, local_state_dict, replica_hook
 from .fsdp_momentum import (MomentumReduceScatter, MomentumState, WarmupReduceScatter,
@@ -390,8 +390,9 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
         reduce-scatter (two collectives) with its own scales and error buffers. ``0``: one
         segment per parameter; ``None``: one per module (the layout before segments).
     mode : {"momentum", "gradient", "local_momentum"}, optional
-        What the 1-bit phase compresses; default ``"momentum"``, with ``replicate_group`` or a
-        2-D (HSDP) device mesh ``"gradient"``. ``"gradient"``: FSDP's reduce-scatter of the gradient (the optimizer
+        What the 1-bit phase compresses; default ``"momentum"``; on FSDP's own 2-D (HSDP) mesh
+        ``"local_momentum"`` (``"gradient"`` with a shard dim of size 1); with ``replicate_group``
+        ``"gradient"``. ``"gradient"``: FSDP's reduce-scatter of the gradient (the optimizer
         forms the momentum from the 1-bit average on its shard; stalled on the H200, docs/fsdp.md).
         ``"momentum"``:
         DeepSpeed's 1-bit Adam on the shards (:mod:`compcomm.fsdp_momentum`): every rank's local
@@ -401,9 +402,10 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
         warm-up reduction raises ValueError). Not with ``replicate_group`` or a 2-D mesh.
         ``"local_momentum"`` (:mod:`compcomm.fsdp_local`): every rank keeps its own fp32
         momentum of the whole module (4 bytes per parameter element more memory) and only the
-        1-bit reduce-scatter of it travels (half the momentum mode's bytes); paired and
-        restricted as ``"momentum"``, except that it takes ``replicate_group`` (the replicas
-        average each momentum shard with ``compressed_allreduce`` in FSDP's all-reduce hook).
+        1-bit reduce-scatter of it travels (half the momentum mode's bytes); paired as
+        ``"momentum"``; with ``replicate_group`` or on a 2-D mesh (:mod:`compcomm.fsdp_hsdp`:
+        FSDP's own replica all-reduce is turned off) the replicas average each momentum shard
+        with ``compressed_allreduce`` in FSDP's all-reduce hook.
     beta1 : float, optional
         The momentum mode's ``b1``; default: the paired FrozenVarianceAdam's (they must agree).
 
@@ -417,18 +419,21 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
     ValueError
         ``model`` has no FSDP module, or a bad ``warmup_steps``, ``allgather_block``,
         ``segment_elements``, ``mode`` or ``beta1``; ``optimizer`` not a FrozenVarianceAdam in
-        the momentum modes.
+        the momentum modes; ``replicate_group`` with a 2-D mesh in the local-momentum mode.
     UnsupportedError
         An all-gather part was asked for on a torch without ``set_custom_all_gather``, or
-        ``mode="momentum"`` with ``replicate_group``, or a momentum mode on a 2-D (HSDP) mesh.
+        ``mode="momentum"`` with ``replicate_group`` or on a 2-D (HSDP) mesh, or
+        ``"local_momentum"`` on a 2-D mesh it cannot take (:func:`.fsdp_hsdp.check_replicas`).
     """
     mods = [(n or "<root>", m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not mods:
         raise ValueError("compcomm.fsdp.onebit: argument 'model' has no FSDP module "
                          "(wrap it with torch.distributed.fsdp.fully_shard first)")
     hsdp = any(_mesh_ndim(m) > 1 for _, m in mods)  # FSDP's own HSDP (2-D mesh)
-    if mode is None:
-        mode = "gradient" if replicate_group is not None or hsdp else "momentum"
+    if mode is None:  # FSDP's own 2-D mesh: the local-momentum mode where it applies
+        mode = "momentum" if replicate_group is None and not hsdp else "gradient"
+        if hsdp and replicate_group is None and local_default(mods):
+            mode = "local_momentum"
     if mode == "momentum" and hsdp:
         raise UnsupportedError(f"compcomm.fsdp.onebit: mode={mode!r} on a 2-D (HSDP) device mesh "
                                "is not implemented; use mode='local_momentum'", "onebit", "fsdp")

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from .errors import UnsupportedError
 
-__all__ = ["taken", "check_replicas", "take_replicas", "replicas_summed"]
+__all__ = ["taken", "local_default", "check_replicas", "take_replicas", "replicas_summed"]
 
 
 def _groups_of(module: Any) -> List[Any]:
@@ -51,6 +51,17 @@ def taken(module: Any) -> bool:
     local-momentum state was installed on it before)."""
     return any(getattr(pg.mesh_info, "compcomm_replicas", None) is not None
                for pg in _groups_of(module))
+
+
+def local_default(mods: List[Tuple[str, Any]]) -> bool:
+    """Whether ``onebit``'s default on these modules is the local-momentum mode: some are on a 2-D
+    mesh and :func:`check_replicas` accepts them all (a shard dim of size 1 keeps the gradient
+    mode, the default before)."""
+    try:
+        replicas, _ = check_replicas(mods, "local_momentum")
+    except UnsupportedError:
+        return False
+    return replicas is not None
 
 
 def check_replicas(mods: List[Tuple[str, Any]], mode: str) -> Tuple[Optional[Any], List[Any]]:
