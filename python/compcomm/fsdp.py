@@ -28,7 +28,8 @@ The optimizer of the 1-bit phase: :class:`FrozenVarianceAdam` (:mod:`compcomm.fs
 the shards with the variance frozen at the switch (``freeze_step=`` the state :func:`onebit` returns).
 ``mode="momentum"`` compresses the momentum instead (DeepSpeed's 1-bit Adam, :mod:`.fsdp_momentum`);
 ``mode="local_momentum"`` reduce-scatters each rank's fp32 local momentum with this exchange
-(:mod:`.fsdp_local`: no all-gather, no replicated momentum).
+(:mod:`.fsdp_local`: no all-gather, no replicated momentum), also on FSDP's own 2-D (HSDP) mesh
+(:mod:`.fsdp_hsdp`), where it is the default.
 
 The parameter all-gathers (FSDP's bf16 gathers before each forward and backward) are
 :mod:`compcomm.fsdp_gather`'s: ``onebit(..., quantized_allgather=True, regather_cache=True)`` or
