@@ -218,8 +218,18 @@ def bad_cases(rank: int, world: int) -> Dict[str, Any]:
     out["momentum"] = _catch(lambda: cf.onebit(model, warmup_steps=2, mode="momentum"))
     out["untouched"] = not any(taken(m) for m in (model[0], model[3], model))
     out["default"] = cf.onebit(model, warmup_steps=2).mode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mixed = M._net(f32)  # model[0] on a 1-D mesh of the world, the rest on the 2-D mesh
+    fully_shard(mixed[0], mesh=init_device_mesh("cpu", (world,)))
+    for m in (mixed[3], mixed):
+        fully_shard(m, mesh=mesh)
+    out["mixed"] = _catch(lambda: cf.onebit(mixed, warmup_steps=2, mode=LOCAL))
+    out["mixed_untouched"] = not any(taken(m) for m in (mixed[3], mixed))
     model, _, _ = _model(f32, LOCAL)
     out["taken"] = all(taken(m) for m in (model[0], model[3], model))
+    out["post_forward_mesh"] = [m._get_fsdp_state()._fsdp_param_group._use_post_forward_mesh
+                                for m in (model[0], model[3])]  # as before: no extra reshard
     out["gradient_after"] = _catch(lambda: cf.onebit(model, warmup_steps=2, mode="gradient"))
     out["again"] = cf.onebit(model, warmup_steps=2, mode=LOCAL).replicate_group is not None
     return out

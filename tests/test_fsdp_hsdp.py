@@ -49,8 +49,10 @@ def test_refused():
         assert res["momentum"].startswith("UnsupportedError"), res
         assert res["untouched"] and res["default"] == "local_momentum", res
         assert res["default_shard1"] == "gradient", res
-        assert res["taken"] and res["again"], res
+        assert res["taken"] and res["again"] and res["post_forward_mesh"] == [False, False], res
         assert res["gradient_after"].startswith("UnsupportedError"), res
+        assert res["mixed"].startswith("UnsupportedError") and "'0'" in res["mixed"], res
+        assert res["mixed_untouched"], res
 
 
 def test_default_with_the_allgather():

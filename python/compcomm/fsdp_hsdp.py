@@ -74,16 +74,17 @@ def check_replicas(mods: List[Tuple[str, Any]], mode: str) -> Tuple[Optional[Any
     UnsupportedError
         A mesh that is not exactly ``(replicate, shard)`` (more dims, e.g. with tensor
         parallelism), a shard dim of size 1 (FSDP then makes no reduce-scatter call to carry the
-        local momentum), modules on different replicate groups, or a module with several
-        parameter groups. Nothing is changed then.
+        local momentum), modules on different replicate groups or some on a 1-D mesh, or a module
+        with several parameter groups. Nothing is changed then.
     """
     tag = f"compcomm.fsdp.onebit(mode={mode!r})"
     rank = dist.get_rank() if dist.is_initialized() else 0
-    found, replicas = [], None
+    found, replicas, flat = [], None, None
     for name, m in mods:
         groups = _groups_of(m)
         hsdp = [pg for pg in groups if _replicas_of(pg.mesh_info) is not None]
         if not hsdp:
+            flat = flat or (name if groups else None)  # a module with parameters on a 1-D mesh
             continue
         if len(groups) > 1:
             raise UnsupportedError(f"[rank {rank}] {tag}: module {name!r} has {len(groups)} "
@@ -108,6 +109,10 @@ def check_replicas(mods: List[Tuple[str, Any]], mode: str) -> Tuple[Optional[Any
                                    "fsdp")
         replicas = rep if replicas is None else replicas
         found.append(hsdp[0])
+    if found and flat is not None:  # its shard would be averaged over the replicas once more
+        raise UnsupportedError(f"[rank {rank}] {tag}: argument 'model': module {flat!r} is on a "
+                               "1-D mesh, others on a 2-D (HSDP) mesh: shard them all over one "
+                               "mesh", "onebit", "fsdp")
     return replicas, found
 
 
@@ -123,6 +128,8 @@ def take_replicas(groups: List[Any]) -> None:
         flat = FSDPMeshInfo(mesh=mi.mesh, shard_mesh_dim=mi.shard_mesh_dim)
         flat.reduce_scatter_process_group = mi.reduce_scatter_process_group
         flat.compcomm_replicas = mi.replicate_process_group  # type: ignore[attr-defined]
+        if pg.post_forward_mesh_info is mi:  # reshard_after_forward=True: the same mesh info
+            pg.post_forward_mesh_info = flat  # (else FSDP would see a post-forward mesh of its own)
         pg.mesh_info = flat
 
 
