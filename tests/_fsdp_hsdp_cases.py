@@ -170,7 +170,8 @@ def onebit_cases(rank: int, world: int, dtype_name: str, limit) -> Dict[str, Any
 
 def dcp_cases(rank: int, world: int, path: str, dtype_name: str) -> Dict[str, Any]:
     """torch.distributed.checkpoint of model, optimizer and state after 4 steps (warm-up 2); a
-    fresh set (its own onebit on a new 2-D mesh) loaded from it runs the same 3 steps bit for bit."""
+    fresh set (its own onebit on a new 2-D mesh) loaded from it runs the same 3 steps bit for
+    bit."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -194,7 +195,8 @@ def dcp_cases(rank: int, world: int, path: str, dtype_name: str) -> Dict[str, An
     set_state_dict(model2, opt2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     state2.load_state_dict(sd[key])
     resumed = M._run(model2, opt2, rank, range(4, 7), dtype)
-    return {"bitwise": all(torch.equal(a, b) for t in range(3) for a, b in zip(cont[t], resumed[t])),
+    return {"bitwise": all(torch.equal(a, b) for t in range(3)
+                           for a, b in zip(cont[t], resumed[t])),
             "moved": any(not torch.equal(a, b) for a, b in zip(cont[0], cont[-1])),
             "replica_errors": any("/replicas" in k and float(v[0].abs().sum()) > 0
                                   for k, v in saved["errors"].items())}
@@ -238,7 +240,8 @@ def bad_cases(rank: int, world: int) -> Dict[str, Any]:
 def default_cases(rank: int, world: int) -> Dict[str, Any]:
     """The default mode on the 2-D mesh is the local-momentum mode; with the exact re-gather
     cache and exact exchanges it is still FrozenVarianceAdam on FSDP's own HSDP (to rounding);
-    with the int8 all-gather and 1 bit it trains (finite, moved)."""
+    with the int8 all-gather and 1 bit it trains (finite, moved). The gradient mode there reduces
+    in its planned segments (the pieces count the shard dim only), no flat fallback."""
     import compcomm.fsdp as cf
 
     f32 = torch.float32
@@ -256,6 +259,11 @@ def default_cases(rank: int, world: int) -> Dict[str, Any]:
     q = cf.onebit(model, warmup_steps=2, quantized_allgather=True, regather_cache=True)
     qopt = cf.FrozenVarianceAdam(model.parameters(), freeze_step=q, **KW)
     run = M._run(model, qopt, rank, range(5), f32)
+    model, _, _ = _model(f32)  # the gradient mode there: planned segments over the shard dim
+    g = cf.onebit(model, warmup_steps=2, mode="gradient")
+    grun = M._run(model, torch.optim.AdamW(model.parameters(), lr=1e-2), rank, range(4), f32)
     return {"mode": state.mode, "err": err, "allgather": state.allgather is not None,
+            "g_keys": sorted(g.state_dict()["errors"]) == sorted(g._sizes) and bool(g._sizes),
+            "g_finite": all(bool(torch.isfinite(p).all()) for p in grun[-1]),
             "q_mode": q.mode, "q_finite": all(bool(torch.isfinite(p).all()) for p in run[-1]),
             "q_moved": any(not torch.equal(a, b) for a, b in zip(run[1], run[-1]))}

@@ -60,3 +60,4 @@ def test_default_with_the_allgather():
     for res in run_ranks(4, C.default_cases, timeout=300):
         assert res["mode"] == res["q_mode"] == "local_momentum" and res["allgather"], res
         assert res["err"] < 1e-5 and res["q_finite"] and res["q_moved"], res
+        assert res["g_keys"] and res["g_finite"], res

@@ -1,5 +1,5 @@
-"""FSDP2's own HSDP (a 2-D ``("replicate", "shard")`` device mesh) for :func:`compcomm.fsdp.onebit`'s
-local-momentum mode.
+"""FSDP2's own HSDP (a 2-D ``("replicate", "shard")`` device mesh) for
+:func:`compcomm.fsdp.onebit`'s local-momentum mode.
 
 Why this touches FSDP's internals. On a 2-D mesh FSDP reduce-scatters over the shard dim and then
 *always* all-reduces the shard over the replicate dim itself, in full precision, before it runs
@@ -16,7 +16,9 @@ The replicas' reduction keeps FSDP's HSDP semantics: FSDP all-reduces with AVG w
 by default and with SUM when a gradient divide factor is set (torch's
 ``_get_gradient_divide_factors``); with a forced SUM reduction and no factor, its post-division
 is the shard group's size here (the world's on the 2-D mesh), so the replicas average.
-:func:`replicas_summed` tells the hook which.
+:func:`replicas_summed` tells which: the warm-up's hook then sums, and in the 1-bit phase the
+reduce-scatter scales the gradients by the replicas' count, so that the replicas' average of the
+momenta is FSDP's sum (the seed, the optimizer's ``exp_avg``, fits as it is).
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from .compress import plan_buckets
 
-__all__ = ["fsdp_params", "shard_size", "piece_numel", "shard_pieces", "shard_params", "plan_indices",
-           "plan_segments"]
+__all__ = ["fsdp_params", "shard_size", "piece_numel", "shard_pieces", "shard_params",
+           "plan_indices", "plan_segments"]
 
 
 def fsdp_params(m: torch.nn.Module) -> Optional[List[Any]]:

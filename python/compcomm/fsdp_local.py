@@ -28,8 +28,8 @@ so all ranks start identical. Checkpoints hold it per rank, like the error buffe
 world size both are reset and the momentum is seeded again from ``exp_avg``.
 
 HSDP by hand (``replicate_group``) and on FSDP's own 2-D mesh (:mod:`compcomm.fsdp_hsdp`, which
-turns FSDP's full-precision replica all-reduce off): the reduce-scatter leaves this rank's fp32 shard in
-``pending``; FSDP's all-reduce hook (:func:`replica_hook`) averages it across the replicas with
+turns FSDP's full-precision replica all-reduce off): the reduce-scatter leaves this rank's fp32
+shard in ``pending``; FSDP's all-reduce hook (:func:`replica_hook`) averages it across the replicas with
 :func:`compcomm.compressed_allreduce` per segment (the gradient mode's replica keys and buffers)
 and only then hands it to the optimizer.
 """
