@@ -51,7 +51,7 @@ from .compress import DEFAULT_BUCKET_ELEMENTS
 from .errors import UnsupportedError
 from .fsdp_gather import DEFAULT_EXACT_NUMEL, GatherState, compressed_allgather
 from .fsdp_exchange import reduce_scatter_segments
-from .fsdp_hsdp import check_replicas, local_default, replicas_summed, take_replicas, taken
+from .fsdp_hsdp import check_onebit, local_default, replicas_summed, take_replicas
 from .fsdp_layout import plan_indices, plan_segments, shard_params
 from .fsdp_local import LocalMomentumReduceScatter, load_local, local_state_dict, replica_hook
 from .fsdp_momentum import (MomentumReduceScatter, MomentumState, WarmupReduceScatter,
@@ -154,6 +154,12 @@ class OneBitFSDP:
         self.batch_segments = True  # False: one exchange per segment (the same bits; benchmarks)
         self.allgather: Optional[GatherState] = None
 
+    def replicas(self) -> int:
+        """The replica count (1 without a replica group): with the world size, what the layout
+        of the buffers depends on (each shard group's rows)."""
+        g = self.replicate_group
+        return 1 if g is None else dist.get_world_size(g)
+
     def invalidate(self) -> None:
         """Drop the all-gather's re-gather cache (on every rank), e.g. after changing parameters
         outside an optimizer step; nothing to do without one."""
@@ -212,6 +218,7 @@ class OneBitFSDP:
         errors.update({k: [b.detach().cpu().clone() for b in v] for k, v in mine.items()})
         modules = {k.split("#")[0] for k in self._sizes} | set(self.steps)
         sd = {"format": STATE_FORMAT, "rank": rank, "world": world, "mode": self.mode,
+              "replicas": self.replicas(),
               "segment_elements": -1 if self.segment_elements is None else self.segment_elements,
               "steps": {**{k: 0 for k in modules}, **self.steps}, "errors": errors}
         if self.mode == "momentum":  # the packed momentum (zeros before the switch)
@@ -255,10 +262,16 @@ class OneBitFSDP:
             raise ValueError("compcomm.fsdp: load_state_dict: 'steps' must map names to counts")
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
-        same = sd["rank"] == rank and sd["world"] == world
+        # another split of the same world (replicas x shards) lays the buffers out otherwise
+        same = sd["rank"] == rank and sd["world"] == world and \
+            sd.get("replicas", 1) == self.replicas()
         if self.mode == "local_momentum":  # errors and momentum: same rank and world, else reset
-            self._errors = load_local(sd, steps, self.warmup_steps, same, self.momentum)
+            self._errors = load_local(sd, steps, self.warmup_steps, same, self.momentum,
+                                      self._sizes)
             self.steps = dict(steps)
+            if self.replicate_group is not None:  # saved without replicas: their hooks' counts
+                for name in [n for n in steps if not n.endswith("/replicas")]:
+                    self.steps.setdefault(name + "/replicas", steps[name])
             return
         if self.momentum is not None:
             packed = sd.get("momentum")
@@ -424,7 +437,8 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
     UnsupportedError
         An all-gather part was asked for on a torch without ``set_custom_all_gather``, or
         ``mode="momentum"`` with ``replicate_group`` or on a 2-D (HSDP) mesh, or
-        ``"local_momentum"`` on a 2-D mesh it cannot take (:func:`.fsdp_hsdp.check_replicas`).
+        ``"local_momentum"`` on a 2-D mesh it cannot take or over shard groups of one rank
+        (:func:`.fsdp_hsdp.check_onebit`).
     """
     mods = [(n or "<root>", m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not mods:
@@ -435,20 +449,8 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
         mode = "momentum" if replicate_group is None and not hsdp else "gradient"
         if hsdp and replicate_group is None and local_default(mods):
             mode = "local_momentum"
-    if mode == "momentum" and hsdp:
-        raise UnsupportedError(f"compcomm.fsdp.onebit: mode={mode!r} on a 2-D (HSDP) device mesh "
-                               "is not implemented; use mode='local_momentum'", "onebit", "fsdp")
-    if hsdp and mode != "local_momentum" and any(taken(m) for _, m in mods):
-        raise UnsupportedError(f"compcomm.fsdp.onebit: mode={mode!r} on a model that had "
-                               "mode='local_momentum' on its 2-D mesh (FSDP's own replica "
-                               "all-reduce is off there): use mode='local_momentum'", "onebit",
-                               "fsdp")
     native = mode == "local_momentum" and hsdp  # FSDP's own HSDP: its replica all-reduce ours
-    if native and replicate_group is not None:
-        raise ValueError("compcomm.fsdp.onebit: argument 'replicate_group' with a model sharded "
-                         "over a 2-D (HSDP) mesh: the mesh's replicate dim is the replica group; "
-                         "pass one or the other")
-    replicas, native_groups = check_replicas(mods, mode) if native else (None, [])
+    replicas, native_groups = check_onebit(mods, mode, hsdp, replicate_group)
     state = OneBitFSDP(warmup_steps, replicate_group, segment_elements, mode, beta1)
     if mode in MOMENTUM_MODES and optimizer is not None:  # the cache's optimizer: the paired one
         opts = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]

@@ -28,8 +28,9 @@ from typing import Any, List, Optional, Tuple
 import torch.distributed as dist
 
 from .errors import UnsupportedError
+from .fsdp_layout import shard_params, shard_size
 
-__all__ = ["taken", "local_default", "check_replicas", "take_replicas", "replicas_summed"]
+__all__ = ["check_onebit", "taken", "local_default", "check_replicas", "take_replicas", "replicas_summed"]
 
 
 def _groups_of(module: Any) -> List[Any]:
@@ -53,6 +54,45 @@ def taken(module: Any) -> bool:
     local-momentum state was installed on it before)."""
     return any(getattr(pg.mesh_info, "compcomm_replicas", None) is not None
                for pg in _groups_of(module))
+
+
+def check_onebit(mods: List[Tuple[str, Any]], mode: str, hsdp: bool,
+                 replicate_group: Any) -> Tuple[Optional[Any], List[Any]]:
+    """``onebit``'s checks of meshes and modes, before it changes anything: :func:`check_replicas`
+    in the local-momentum mode on a 2-D mesh (``hsdp``), else ``(None, [])``.
+
+    Raises
+    ------
+    UnsupportedError
+        ``mode="momentum"`` on a 2-D mesh; another mode than the local-momentum one on a model
+        that had it on its 2-D mesh (FSDP's replica all-reduce is off there); the local-momentum
+        mode with ``replicate_group`` on a shard group of one rank (FSDP then makes no
+        reduce-scatter call to carry the momentum); :func:`check_replicas`'s.
+    ValueError
+        ``replicate_group`` with a 2-D mesh in the local-momentum mode.
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    tag = f"[rank {rank}] compcomm.fsdp.onebit(mode={mode!r})"
+    if mode == "momentum" and hsdp:
+        raise UnsupportedError(f"{tag}: not implemented on a 2-D (HSDP) device mesh; use "
+                               "mode='local_momentum'", "onebit", "fsdp")
+    if hsdp and mode != "local_momentum" and any(taken(m) for _, m in mods):
+        raise UnsupportedError(f"{tag}: the model had mode='local_momentum' on its 2-D mesh "
+                               "(FSDP's own replica all-reduce is off there): use "
+                               "mode='local_momentum'", "onebit", "fsdp")
+    if mode == "local_momentum" and hsdp and replicate_group is not None:
+        raise ValueError(f"{tag}: argument 'replicate_group' with a model sharded over a 2-D "
+                         "(HSDP) mesh: the mesh's replicate dim is the replica group; pass one "
+                         "or the other")
+    if mode == "local_momentum" and replicate_group is not None:
+        for name, m in mods:
+            if any(shard_size(p) == 1 for p, _, _ in shard_params(m)):
+                raise UnsupportedError(f"{tag}: module {name!r} is sharded over one rank (its "
+                                       "shard group): nothing carries the local momentum; use "
+                                       "mode='gradient'", "onebit", "fsdp")
+    if mode == "local_momentum" and hsdp:
+        return check_replicas(mods, mode)
+    return None, []
 
 
 def local_default(mods: List[Tuple[str, Any]]) -> bool:

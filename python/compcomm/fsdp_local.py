@@ -55,7 +55,8 @@ class LocalMomentumReduceScatter(MomentumReduceScatter):
     this rank's local momentum. The checks, the seed and the hand-over are the momentum mode's.
     With ``replicate_group`` the shard is left in ``pending`` for :func:`replica_hook`."""
 
-    pending: Optional[Tuple[torch.Tensor, float]] = None  # (fp32 shard, FSDP's post-division)
+    #: (fp32 shard, FSDP's post-division, [(key, new local momentum)]): committed by the hook
+    pending: Optional[Tuple[torch.Tensor, float, List[Tuple[str, torch.Tensor]]]] = None
     #: FSDP's own 2-D mesh (:mod:`compcomm.fsdp_hsdp`): whether its HSDP would sum the replicas
     #: (a divide factor); the gradient is then scaled by the replicas' count here, so that the
     #: replicas' *average* of the momenta is FSDP's sum (and the seed, exp_avg, fits as it is)
@@ -105,23 +106,31 @@ class LocalMomentumReduceScatter(MomentumReduceScatter):
             reduce_scatter_segments(state, keys, segments, bufs, outs, group, dev)
             for (_, se), o_ in zip(bufs, outs):
                 o_.add_(se)
-        # every exchange succeeded: commit the local momenta, hand the chunks over
+                se.zero_()  # scratch, not state: checkpoints hold zeros
         mine = torch.empty(s, dtype=torch.float32, device=dev)
         o = o8 = 0
-        for n, r, k, new in zip(segs, rows, keys, news):
-            mom.full[k] = new
+        for n, r in zip(segs, rows):
             mine[o: o + n].copy_(out[o8: o8 + n])
             o, o8 = o + n, o8 + r
-        if state.replicate_group is not None:  # HSDP: handed over after the replicas' average
-            self.pending = (mine, post)
-        else:
-            self.give_all(mine, rank)
         output_tensor.copy_(mine if post == 1.0 else mine * post)
-        state.steps[self.name] = state.steps.get(self.name, 0) + 1
+        if state.replicate_group is not None:  # HSDP: committed after the replicas' average
+            self.pending = (mine, post, list(zip(keys, news)))
+            return None
+        self.commit((mine, post, list(zip(keys, news))), rank)
         return None
 
+    def commit(self, got: Tuple[torch.Tensor, float, List[Tuple[str, torch.Tensor]]],
+               rank: int) -> None:
+        """Every exchange succeeded: commit the local momenta, hand the chunks over, count the
+        step (with HSDP, from the hook after the replicas' reduction)."""
+        mine, _, news = got
+        for k, new in news:
+            self.state.momentum.full[k] = new
+        self.give_all(mine, rank)
+        self.state.steps[self.name] = self.state.steps.get(self.name, 0) + 1
 
-def replica_hook(state: Any, rs: MomentumReduceScatter,
+
+def replica_hook(state: Any, rs: "LocalMomentumReduceScatter",
                  warmup: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
     """FSDP's all-reduce hook of a module in the local-momentum mode with ``replicate_group``
     (HSDP by hand): ``warmup`` (the gradient mode's hook: full precision) during the warm-up, then
@@ -141,7 +150,7 @@ def replica_hook(state: Any, rs: MomentumReduceScatter,
                                    f"'local_momentum'): module {rs.name!r} made no 1-bit reduce-"
                                    "scatter before its replica all-reduce (a shard group of one "
                                    "rank?): use mode='gradient' there", "all_reduce_hook", "fsdp")
-        mine, post = got
+        mine, post, _ = got
         rs.pending = None
         group = state.replicate_group
         world = dist.get_world_size(group)
@@ -155,8 +164,8 @@ def replica_hook(state: Any, rs: MomentumReduceScatter,
                 we, se = state.errors(k, padded_numel(n, world), world, mine.device)
                 compressed_allreduce(mine[o: o + n], we, se, group)
                 o += n
-        rs.give_all(mine, dist.get_rank())
         reduce_output.copy_(mine if post == 1.0 else mine * post)
+        rs.commit(got, dist.get_rank())  # only now: if the exchange raised, the momenta stay
         state.steps[key] = state.steps.get(key, 0) + 1
 
     return hook
@@ -174,14 +183,19 @@ def local_state_dict(sizes: Dict[str, Tuple[int, int]],
 
 
 def load_local(sd: Dict[str, Any], steps: Dict[str, int], warmup_steps: int, same: bool,
-               mom: MomentumState) -> Dict[str, List[torch.Tensor]]:
+               mom: MomentumState,
+               sizes: Optional[Dict[str, Tuple[int, int]]] = None) -> Dict[str, List[torch.Tensor]]:
     """Restore a local-momentum state into ``mom`` and return the error buffers to keep: both
-    from ``sd`` when ``same`` (rank and world size match), else both reset (the momentum is then
-    seeded again from ``exp_avg`` at the next step). Checks first: nothing changes when ``sd``
-    lacks its momenta."""
+    from ``sd`` when ``same`` (rank, world size and replica count match) and every buffer has
+    the planned size (``sizes``: key -> (elements, server elements)), else both reset (the
+    momentum is then seeded again from ``exp_avg`` at the next step). Checks first: nothing
+    changes when ``sd`` lacks its momenta."""
     local = sd.get("local_momentum")
     if not isinstance(local, dict) or not all(isinstance(v, torch.Tensor) for v in local.values()):
         raise ValueError("compcomm.fsdp: load_state_dict: argument 'sd' lacks 'local_momentum'")
+    if sizes is not None:  # another layout (e.g. another split of the world): not the same
+        same = same and all(v.numel() == sizes[k][0] for k, v in local.items() if k in sizes) \
+            and all(v[0].numel() == sizes[k][0] for k, v in sd["errors"].items() if k in sizes)
     errors: Dict[str, List[torch.Tensor]] = {}
     live: Dict[str, torch.Tensor] = {}
     if same:  # a segment has a local momentum once its module took a 1-bit step
