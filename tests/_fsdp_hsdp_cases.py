@@ -104,22 +104,9 @@ def onebit_cases(rank: int, world: int, dtype_name: str, limit) -> Dict[str, Any
     rep = mesh["replicate"].get_group()
     seen: Dict[str, list] = {}
 
-    class Rec:
-        def __init__(self, rs):
-            self.rs = rs
-
-        def allocate(self, size, *, dtype, device):
-            return self.rs.allocate(size, dtype=dtype, device=device)
-
-        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            w = self.rs(output_tensor, input_tensor, group, op, async_op)
-            if self.rs.pending is not None:
-                seen[self.rs.name] = [self.rs.pending[0].clone(), self.rs.pending[0]]
-            return w
-
     for m in (model[0], model[3], model):  # wrap the installed one: the hook holds the same
         pg = m._get_fsdp_state()._fsdp_param_group
-        m.set_custom_reduce_scatter(Rec(pg._reduce_scatter_comm))
+        m.set_custom_reduce_scatter(M.RecordingReduceScatter(seen, pg._reduce_scatter_comm))
     opt = cf.FrozenVarianceAdam(model.parameters(), freeze_step=state, **KW)
     given: Dict[int, torch.Tensor] = {}
     give = state.momentum.give

@@ -271,22 +271,9 @@ def hsdp_cases(rank: int, world: int) -> Dict[str, Any]:
     rep = mesh["rep"].get_group()
     seen: Dict[str, list] = {}
 
-    class Rec:
-        def __init__(self, rs):
-            self.rs = rs
-
-        def allocate(self, size, *, dtype, device):
-            return self.rs.allocate(size, dtype=dtype, device=device)
-
-        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            w = self.rs(output_tensor, input_tensor, group, op, async_op)
-            if self.rs.pending is not None:
-                seen[self.rs.name] = [self.rs.pending[0].clone(), self.rs.pending[0]]
-            return w
-
     for name, m in (("0", model[0]), ("3", model[3]), ("<root>", model)):
         rs = LocalMomentumReduceScatter(state, name, m, M._segments_of(state, name, m, 0))
-        m.set_custom_reduce_scatter(Rec(rs))
+        m.set_custom_reduce_scatter(M.RecordingReduceScatter(seen, rs))
         m.set_all_reduce_hook(replica_hook(state, rs, _all_reduce_hook(state, name)))
     opt = cf.FrozenVarianceAdam(model.parameters(), freeze_step=state, **KW)
     M._run(model, opt, rank, range(2), f32)

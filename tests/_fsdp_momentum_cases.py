@@ -429,3 +429,21 @@ def default_mode_cases(rank: int, world: int) -> Dict[str, Any]:
     out["hsdp_mode"] = cf.onebit(net, warmup_steps=2).mode
     catch("hsdp_momentum", lambda: cf.onebit(net, warmup_steps=2, mode="momentum"))
     return out
+
+
+class RecordingReduceScatter:
+    """Wraps a local-momentum reduce-scatter and records, per module, the shard it leaves for the
+    all-reduce hook: ``seen[name] = [a copy taken right after the call, the live tensor]`` (the
+    hook may change the live one in place)."""
+
+    def __init__(self, seen: Dict[str, list], rs: Any) -> None:
+        self.seen, self.rs = seen, rs
+
+    def allocate(self, size, *, dtype, device):  # type: ignore
+        return self.rs.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # type: ignore
+        w = self.rs(output_tensor, input_tensor, group, op, async_op)
+        if self.rs.pending is not None:
+            self.seen[self.rs.name] = [self.rs.pending[0].clone(), self.rs.pending[0]]
+        return w
