@@ -29,9 +29,9 @@ world size both are reset and the momentum is seeded again from ``exp_avg``.
 
 HSDP by hand (``replicate_group``) and on FSDP's own 2-D mesh (:mod:`compcomm.fsdp_hsdp`, which
 turns FSDP's full-precision replica all-reduce off): the reduce-scatter leaves this rank's fp32
-shard in ``pending``; FSDP's all-reduce hook (:func:`replica_hook`) averages it across the
-replicas with :func:`compcomm.compressed_allreduce` per segment (the gradient mode's replica keys
-and buffers) and only then commits the local momenta and hands the shard to the optimizer.
+shard in ``pending``; FSDP's all-reduce hook (:func:`replica_hook`) averages it across the replicas with
+:func:`compcomm.compressed_allreduce` per segment (the gradient mode's replica keys and buffers)
+and only then hands it to the optimizer.
 """
 
 from __future__ import annotations
@@ -55,9 +55,8 @@ class LocalMomentumReduceScatter(MomentumReduceScatter):
     this rank's local momentum. The checks, the seed and the hand-over are the momentum mode's.
     With ``replicate_group`` the shard is left in ``pending`` for :func:`replica_hook`."""
 
-    #: (fp32 shard, FSDP's post-division, the local momenta's commit): for the hook
-    pending: Optional[Tuple[torch.Tensor, float, Callable[[], List[Tuple[str, torch.Tensor]]]]] \
-        = None
+    #: (fp32 shard, FSDP's post-division, [(key, new local momentum)]): committed by the hook
+    pending: Optional[Tuple[torch.Tensor, float, List[Tuple[str, torch.Tensor]]]] = None
     #: FSDP's own 2-D mesh (:mod:`compcomm.fsdp_hsdp`): whether its HSDP would sum the replicas
     #: (a divide factor); the gradient is then scaled by the replicas' count here, so that the
     #: replicas' *average* of the momenta is FSDP's sum (and the seed, exp_avg, fits as it is)
@@ -79,27 +78,23 @@ class LocalMomentumReduceScatter(MomentumReduceScatter):
         c = scale / post
         if self.summed is not None and self.summed():
             c *= dist.get_world_size(state.replicate_group)
-        # the exchange overwrites its input: the new momenta are built in this staging copy, and
-        # once every exchange succeeded the kept ones advance in place by the same ops (the same
-        # bits): one whole-module copy per step, not two
+        # the exchange overwrites its input: the new momenta are staged into a copy
         staged = torch.empty(world * sum(rows), dtype=torch.float32, device=dev)
         out = torch.zeros(sum(rows), dtype=torch.float32, device=dev)
-        bases = [seed[k] if k in seed else mom.full[k].to(dev) for k in keys]
+        news: List[torch.Tensor] = []
         segments, outs = [], []
         o = o8 = 0
-        for n, r, base in zip(segs, rows, bases):
-            seg = staged[world * o8: world * (o8 + r)]
-            _advance(torch.mul(base, b1, out=seg), src[:, o: o + n], c, b1, world, r)
-            segments.append(seg)
+        for n, r, k in zip(segs, rows, keys):
+            new = torch.mul(seed[k] if k in seed else mom.full[k].to(dev), b1)
+            v = new.view(world, r)
+            g = src[:, o: o + n].float()
+            v[:, :n].add_(g if c == 1.0 else g * c, alpha=1 - b1)
+            v[:, n:].zero_()  # row padding: no parameter there
+            news.append(new)
+            segments.append(staged[world * o8: world * (o8 + r)])
+            segments[-1].copy_(new)
             outs.append(out[o8: o8 + r])
             o, o8 = o + n, o8 + r
-
-        def news() -> List[Tuple[str, torch.Tensor]]:
-            o = 0
-            for n, r, base in zip(segs, rows, bases):
-                _advance(base.mul_(b1), src[:, o: o + n], c, b1, world, r)
-                o += n
-            return list(zip(keys, bases))
         if mom.exact:  # test hook: a full-precision reduce-scatter (IdentityCompressor)
             comp = mom.compressor(group)
             for k, seg, o_ in zip(keys, segments, outs):
@@ -119,29 +114,20 @@ class LocalMomentumReduceScatter(MomentumReduceScatter):
             o, o8 = o + n, o8 + r
         output_tensor.copy_(mine if post == 1.0 else mine * post)
         if state.replicate_group is not None:  # HSDP: committed after the replicas' average
-            self.pending = (mine, post, news)  # (FSDP's input lives until the hook returns)
+            self.pending = (mine, post, list(zip(keys, news)))
             return None
-        self.commit((mine, post, news), rank)
+        self.commit((mine, post, list(zip(keys, news))), rank)
         return None
 
-    def commit(self, got: Tuple[torch.Tensor, float, Callable[[], List[Tuple[str, torch.Tensor]]]],
+    def commit(self, got: Tuple[torch.Tensor, float, List[Tuple[str, torch.Tensor]]],
                rank: int) -> None:
-        """Every exchange succeeded: advance and commit the local momenta, hand the chunks over,
-        count the step (with HSDP, from the hook after the replicas' reduction)."""
+        """Every exchange succeeded: commit the local momenta, hand the chunks over, count the
+        step (with HSDP, from the hook after the replicas' reduction)."""
         mine, _, news = got
-        for k, new in news():
+        for k, new in news:
             self.state.momentum.full[k] = new
         self.give_all(mine, rank)
         self.state.steps[self.name] = self.state.steps.get(self.name, 0) + 1
-
-
-def _advance(y: torch.Tensor, g: torch.Tensor, c: float, b1: float, world: int, r: int) -> None:
-    """``y`` (``W`` rows of ``r``, holding ``b1 m``) += ``(1 - b1) c g`` (``g``: ``W`` rows of
-    ``n <= r`` columns); the row padding zero (no parameter there)."""
-    v, n = y.view(world, r), g.shape[1]
-    g = g.float()
-    v[:, :n].add_(g if c == 1.0 else g * c, alpha=1 - b1)
-    v[:, n:].zero_()
 
 
 def replica_hook(state: Any, rs: "LocalMomentumReduceScatter",
