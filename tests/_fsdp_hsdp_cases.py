@@ -202,6 +202,13 @@ def bad_cases(rank: int, world: int) -> Dict[str, Any]:
     out["shard1"] = _catch(lambda: cf.onebit(model, warmup_steps=2, mode=LOCAL))
     out["default_shard1"] = cf.onebit(model, warmup_steps=2).mode
     model, _, mesh = _model(f32)
+    import compcomm.fsdp_hsdp as H
+    real = H._replicas_of
+    H._replicas_of = lambda mi: None  # another torch: its 2-D mesh info not recognised
+    try:  # must refuse, not take the 1-D path (the replicas would never be reduced)
+        out["unrecognised"] = _catch(lambda: cf.onebit(model, warmup_steps=2, mode=LOCAL))
+    finally:
+        H._replicas_of = real
     out["both"] = _catch(lambda: cf.onebit(model, warmup_steps=2, mode=LOCAL,
                                            replicate_group=mesh["replicate"].get_group()))
     out["momentum"] = _catch(lambda: cf.onebit(model, warmup_steps=2, mode="momentum"))

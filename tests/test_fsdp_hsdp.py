@@ -46,6 +46,8 @@ def test_refused():
         assert res["shard1"].startswith("UnsupportedError") and "size 1" in res["shard1"], res
         assert "[rank " in res["shard1"] and "'model'" in res["shard1"], res
         assert res["both"].startswith("ValueError") and "'replicate_group'" in res["both"], res
+        assert res["unrecognised"].startswith("UnsupportedError"), res
+        assert "no replicate group" in res["unrecognised"], res
         assert res["momentum"].startswith("UnsupportedError"), res
         assert res["untouched"] and res["default"] == "local_momentum", res
         assert res["default_shard1"] == "gradient", res

@@ -51,7 +51,7 @@ from .compress import DEFAULT_BUCKET_ELEMENTS
 from .errors import UnsupportedError
 from .fsdp_gather import DEFAULT_EXACT_NUMEL, GatherState, compressed_allgather
 from .fsdp_exchange import reduce_scatter_segments
-from .fsdp_hsdp import check_onebit, local_default, replicas_summed, take_replicas
+from .fsdp_hsdp import check_onebit, local_default, mesh_ndim, replicas_summed, take_replicas
 from .fsdp_layout import plan_indices, plan_segments, shard_params
 from .fsdp_local import LocalMomentumReduceScatter, load_local, local_state_dict, replica_hook
 from .fsdp_momentum import (MomentumReduceScatter, MomentumState, WarmupReduceScatter,
@@ -352,14 +352,6 @@ def _all_reduce_hook(state: OneBitFSDP, name: str, module: Any = None):
     return hook
 
 
-def _mesh_ndim(module: Any) -> int:
-    """The dimensions of the device mesh a FSDP2 module is sharded over (1 if unknown)."""
-    try:
-        return int(module._get_fsdp_state()._fsdp_param_group.mesh_info.mesh.ndim)
-    except Exception:  # noqa: BLE001 - another torch's internals; no params: 1-D
-        return 1
-
-
 def onebit(model: torch.nn.Module, warmup_steps: int = 100,
            replicate_group: Optional[Any] = None, *, quantized_allgather: bool = False,
            regather_cache: bool = False, allgather_block: int = DEFAULT_BLOCK,
@@ -444,7 +436,7 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
     if not mods:
         raise ValueError("compcomm.fsdp.onebit: argument 'model' has no FSDP module "
                          "(wrap it with torch.distributed.fsdp.fully_shard first)")
-    hsdp = any(_mesh_ndim(m) > 1 for _, m in mods)  # FSDP's own HSDP (2-D mesh)
+    hsdp = any(mesh_ndim(m) > 1 for _, m in mods)  # FSDP's own HSDP (2-D mesh)
     if mode is None:  # FSDP's own 2-D mesh: the local-momentum mode where it applies
         mode = "momentum" if replicate_group is None and not hsdp else "gradient"
         if hsdp and replicate_group is None and local_default(mods):

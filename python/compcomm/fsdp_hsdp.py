@@ -30,14 +30,26 @@ import torch.distributed as dist
 from .errors import UnsupportedError
 from .fsdp_layout import shard_params, shard_size
 
-__all__ = ["check_onebit", "taken", "local_default", "check_replicas", "take_replicas", "replicas_summed"]
+__all__ = ["check_onebit", "taken", "local_default", "check_replicas", "take_replicas",
+           "replicas_summed", "param_groups", "mesh_ndim"]
 
 
-def _groups_of(module: Any) -> List[Any]:
-    try:
-        return list(module._get_fsdp_state()._fsdp_param_groups)
-    except Exception:  # noqa: BLE001 - another torch's internals; no parameters: no groups
-        return []
+def param_groups(module: Any) -> List[Any]:
+    """FSDP's parameter groups of FSDP2 module ``module`` (torch 2.13 keeps a list; earlier
+    versions one group or None). No broad ``except``: a torch whose internals differ must fail
+    loudly here, not be taken for a model without a 2-D mesh (its replicas would then never be
+    reduced)."""
+    st = module._get_fsdp_state()
+    groups = getattr(st, "_fsdp_param_groups", None)
+    if groups is None:
+        groups = [st._fsdp_param_group]
+    return [g for g in groups if g is not None]
+
+
+def mesh_ndim(module: Any) -> int:
+    """The dimensions of the device mesh FSDP2 module ``module`` is sharded over (the largest of
+    its parameter groups'; 1 without parameters)."""
+    return max([int(g.mesh_info.mesh.ndim) for g in param_groups(module)] or [1])
 
 
 def _replicas_of(mi: Any) -> Optional[Any]:
@@ -53,7 +65,7 @@ def taken(module: Any) -> bool:
     """Whether :func:`take_replicas` turned FSDP's own replica all-reduce off on ``module`` (a
     local-momentum state was installed on it before)."""
     return any(getattr(pg.mesh_info, "compcomm_replicas", None) is not None
-               for pg in _groups_of(module))
+               for pg in param_groups(module))
 
 
 def check_onebit(mods: List[Tuple[str, Any]], mode: str, hsdp: bool,
@@ -91,7 +103,11 @@ def check_onebit(mods: List[Tuple[str, Any]], mode: str, hsdp: bool,
                                        "shard group): nothing carries the local momentum; use "
                                        "mode='gradient'", "onebit", "fsdp")
     if mode == "local_momentum" and hsdp:
-        return check_replicas(mods, mode)
+        replicas, groups = check_replicas(mods, mode)
+        if replicas is None or not groups:  # never 1-D rules on a 2-D mesh: replicas unreduced
+            raise UnsupportedError(f"{tag}: found no replicate group on the model's 2-D mesh "
+                                   "(this torch's FSDP internals differ?)", "onebit", "fsdp")
+        return replicas, groups
     return None, []
 
 
@@ -123,7 +139,7 @@ def check_replicas(mods: List[Tuple[str, Any]], mode: str) -> Tuple[Optional[Any
     rank = dist.get_rank() if dist.is_initialized() else 0
     found, replicas, flat = [], None, None
     for name, m in mods:
-        groups = _groups_of(m)
+        groups = param_groups(m)
         hsdp = [pg for pg in groups if _replicas_of(pg.mesh_info) is not None]
         if not hsdp:
             flat = flat or (name if groups else None)  # a module with parameters on a 1-D mesh
@@ -179,4 +195,4 @@ def replicas_summed(module: Any) -> bool:
     """Whether FSDP's HSDP would *sum* the replicas' shards (a gradient divide factor is set:
     FSDP all-reduces with SUM) rather than average them (its default, or a forced SUM reduction
     that post-divides by the shard group's size)."""
-    return any(pg.gradient_divide_factor is not None for pg in _groups_of(module))
+    return any(pg.gradient_divide_factor is not None for pg in param_groups(module))
