@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -97,7 +96,6 @@ def onebit_cases(rank: int, world: int, dtype_name: str, limit) -> Dict[str, Any
     compressed allreduce across the replicas of the former (segment by segment, errors carried),
     and be what the optimizer is handed. No torch.distributed.all_reduce in the 1-bit steps."""
     import compcomm.fsdp as cf
-    import reference as R
 
     dtype = getattr(torch, dtype_name)
     model, state, mesh = _model(dtype, LOCAL, segment_elements=limit)
@@ -125,21 +123,8 @@ def onebit_cases(rank: int, world: int, dtype_name: str, limit) -> Dict[str, Any
         with _Counter() as count:
             M._run(model, opt, rank, [t], dtype)
         calls += count.calls
-        for name, (before, after) in sorted(seen.items()):
-            everyone = [torch.zeros_like(before) for _ in range(2)]
-            dist.all_gather(everyone, before, group=rep)
-            segs, keys = state.segments_for(name + "/replicas", before.numel())
-            o = 0
-            for n, k in zip(segs, keys):
-                pn = R.padded_numel(n, 2)
-                wes.setdefault(k, [np.zeros(pn, np.float32) for _ in range(2)])
-                ses.setdefault(k, [np.zeros(pn // 2, np.float32) for _ in range(2)])
-                want = R.compressed_allreduce([e[o:o + n].numpy() for e in everyone],
-                                              wes[k], ses[k], "fp32")
-                if n:
-                    err = max(err, float(np.abs(after[o:o + n].numpy() - want).max()
-                                         / max(np.abs(want).max(), 1e-30)))
-                o += n
+        err = max(err, M.replica_reference_error(state, seen, rep, wes, ses))
+        for name, (_, after) in sorted(seen.items()):
             mod = {"0": model[0], "3": model[3], "<root>": model}[name]
             o = 0
             for fp in mod._get_fsdp_state()._fsdp_param_group.fsdp_params:

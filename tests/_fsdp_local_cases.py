@@ -251,7 +251,6 @@ def hsdp_cases(rank: int, world: int) -> Dict[str, Any]:
     tests/reference.py's compressed allreduce across the replicas of the shards the reduce-
     scatter left (segment by segment, errors carried)."""
     import compcomm.fsdp as cf
-    import reference as R
     from compcomm.fsdp import _all_reduce_hook
     from compcomm.fsdp_local import LocalMomentumReduceScatter, replica_hook
 
@@ -283,22 +282,7 @@ def hsdp_cases(rank: int, world: int) -> Dict[str, Any]:
     for t in range(2, 5):
         seen.clear()
         M._run(model, opt, rank, [t], f32)
-        for name, (before, after) in sorted(seen.items()):
-            everyone = [torch.zeros_like(before) for _ in range(2)]
-            dist.all_gather(everyone, before, group=rep)
-            key = name + "/replicas"
-            segs, keys = state.segments_for(key, before.numel())
-            o = 0
-            for n, k in zip(segs, keys):
-                pn = R.padded_numel(n, 2)
-                wes.setdefault(k, [np.zeros(pn, np.float32) for _ in range(2)])
-                ses.setdefault(k, [np.zeros(pn // 2, np.float32) for _ in range(2)])
-                want = R.compressed_allreduce([e[o:o + n].numpy() for e in everyone],
-                                              wes[k], ses[k], "fp32")
-                if n:
-                    err = max(err, float(np.abs(after[o:o + n].numpy() - want).max()
-                                         / max(np.abs(want).max(), 1e-30)))
-                o += n
+        err = max(err, M.replica_reference_error(state, seen, rep, wes, ses))
     out["ar_err"] = err
     out["modules"] = sorted(seen)
     sd = state.state_dict()

@@ -447,3 +447,30 @@ class RecordingReduceScatter:
         if self.rs.pending is not None:
             self.seen[self.rs.name] = [self.rs.pending[0].clone(), self.rs.pending[0]]
         return w
+
+
+def replica_reference_error(state: Any, seen: Dict[str, list], rep: Any, wes: Dict[str, list],
+                            ses: Dict[str, list]) -> float:
+    """The largest relative difference, over the modules in ``seen`` (name -> [shard before, after
+    the replicas' reduction]), between the hook's result and tests/reference.py's compressed
+    allreduce across the two replicas of the shards before, per segment of ``"<name>/replicas"``
+    (error buffers ``wes``/``ses`` carried across calls)."""
+    import reference as R
+
+    err = 0.0
+    for name, (before, after) in sorted(seen.items()):
+        everyone = [torch.zeros_like(before) for _ in range(2)]
+        dist.all_gather(everyone, before, group=rep)
+        segs, keys = state.segments_for(name + "/replicas", before.numel())
+        o = 0
+        for n, k in zip(segs, keys):
+            pn = R.padded_numel(n, 2)
+            wes.setdefault(k, [np.zeros(pn, np.float32) for _ in range(2)])
+            ses.setdefault(k, [np.zeros(pn // 2, np.float32) for _ in range(2)])
+            want = R.compressed_allreduce([e[o:o + n].numpy() for e in everyone], wes[k], ses[k],
+                                          "fp32")
+            if n:
+                err = max(err, float(np.abs(after[o:o + n].numpy() - want).max()
+                                     / max(np.abs(want).max(), 1e-30)))
+            o += n
+    return err
