@@ -15,14 +15,6 @@ KW = M.KW
 LOCAL = "local_momentum"
 
 
-def _catch(fn) -> str:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test reads the type and message
-        return f"{type(e).__name__}: {e}"
-    return "no error"
-
-
 def _model(dtype, mode=None, shape=(2, 2), scaling="avg", **kw):
     """The test net sharded over FSDP's own 2-D mesh; ``scaling``: FSDP's default AVG, a forced
     SUM reduction ("sum"), a gradient divide factor of 8 with it ("factor"; gloo has no
@@ -184,19 +176,19 @@ def bad_cases(rank: int, world: int) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     f32 = torch.float32
     model, _, mesh = _model(f32, shape=(4, 1))
-    out["shard1"] = _catch(lambda: cf.onebit(model, warmup_steps=2, mode=LOCAL))
+    out["shard1"] = M.error_of(lambda: cf.onebit(model, warmup_steps=2, mode=LOCAL))
     out["default_shard1"] = cf.onebit(model, warmup_steps=2).mode
     model, _, mesh = _model(f32)
     import compcomm.fsdp_hsdp as H
     real = H._replicas_of
     H._replicas_of = lambda mi: None  # another torch: its 2-D mesh info not recognised
     try:  # must refuse, not take the 1-D path (the replicas would never be reduced)
-        out["unrecognised"] = _catch(lambda: cf.onebit(model, warmup_steps=2, mode=LOCAL))
+        out["unrecognised"] = M.error_of(lambda: cf.onebit(model, warmup_steps=2, mode=LOCAL))
     finally:
         H._replicas_of = real
-    out["both"] = _catch(lambda: cf.onebit(model, warmup_steps=2, mode=LOCAL,
+    out["both"] = M.error_of(lambda: cf.onebit(model, warmup_steps=2, mode=LOCAL,
                                            replicate_group=mesh["replicate"].get_group()))
-    out["momentum"] = _catch(lambda: cf.onebit(model, warmup_steps=2, mode="momentum"))
+    out["momentum"] = M.error_of(lambda: cf.onebit(model, warmup_steps=2, mode="momentum"))
     out["untouched"] = not any(taken(m) for m in (model[0], model[3], model))
     out["default"] = cf.onebit(model, warmup_steps=2).mode
     from torch.distributed.device_mesh import init_device_mesh
@@ -205,13 +197,13 @@ def bad_cases(rank: int, world: int) -> Dict[str, Any]:
     fully_shard(mixed[0], mesh=init_device_mesh("cpu", (world,)))
     for m in (mixed[3], mixed):
         fully_shard(m, mesh=mesh)
-    out["mixed"] = _catch(lambda: cf.onebit(mixed, warmup_steps=2, mode=LOCAL))
+    out["mixed"] = M.error_of(lambda: cf.onebit(mixed, warmup_steps=2, mode=LOCAL))
     out["mixed_untouched"] = not any(taken(m) for m in (mixed[3], mixed))
     model, _, _ = _model(f32, LOCAL)
     out["taken"] = all(taken(m) for m in (model[0], model[3], model))
     out["post_forward_mesh"] = [m._get_fsdp_state()._fsdp_param_group._use_post_forward_mesh
                                 for m in (model[0], model[3])]  # as before: no extra reshard
-    out["gradient_after"] = _catch(lambda: cf.onebit(model, warmup_steps=2, mode="gradient"))
+    out["gradient_after"] = M.error_of(lambda: cf.onebit(model, warmup_steps=2, mode="gradient"))
     out["again"] = cf.onebit(model, warmup_steps=2, mode=LOCAL).replicate_group is not None
     return out
 

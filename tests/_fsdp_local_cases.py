@@ -16,14 +16,6 @@ KW = M.KW
 LOCAL = "local_momentum"
 
 
-def _catch(fn) -> str:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test reads the type and message
-        return f"{type(e).__name__}: {e}"
-    return "no error"
-
-
 def _gather(t: torch.Tensor, world: int):
     everyone = [torch.zeros_like(t) for _ in range(world)]
     dist.all_gather(everyone, t.contiguous())
@@ -193,16 +185,16 @@ def bad_cases(rank: int, world: int) -> Dict[str, Any]:
     net = M._net(f32)
     for m in (net[0], net[3], net):
         fully_shard(m, mesh=mesh)
-    out["mesh2d"] = _catch(lambda: cf.onebit(net, warmup_steps=2, mode=LOCAL))
+    out["mesh2d"] = M.error_of(lambda: cf.onebit(net, warmup_steps=2, mode=LOCAL))
     model, _ = M._model(world, f32)
-    out["optimizer"] = _catch(lambda: cf.onebit(model, warmup_steps=2, mode=LOCAL,
+    out["optimizer"] = M.error_of(lambda: cf.onebit(model, warmup_steps=2, mode=LOCAL,
                                                 regather_cache=True,
                                                 optimizer=torch.optim.AdamW(model.parameters())))
     model, state = M._model(world, f32, LOCAL)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
-    out["no_optimizer"] = _catch(lambda: M._run(model, sgd, rank, range(1), f32))
+    out["no_optimizer"] = M.error_of(lambda: M._run(model, sgd, rank, range(1), f32))
     model, state = M._model(world, f32, LOCAL)
-    out["group"] = _catch(lambda: cf.FrozenVarianceAdam(
+    out["group"] = M.error_of(lambda: cf.FrozenVarianceAdam(
         [{"params": list(model.parameters()), "freeze_step": 4}], freeze_step=state, **KW))
     # two backwards before a step in the 1-bit phase: refused before anything changes
     opt = cf.FrozenVarianceAdam(model.parameters(), freeze_step=state, **KW)
@@ -210,7 +202,7 @@ def bad_cases(rank: int, world: int) -> Dict[str, Any]:
     opt.zero_grad()
     model(M._batch(5, rank, f32)).float().pow(2).sum().backward()
     before = state.state_dict()
-    out["accum"] = _catch(lambda: model(M._batch(6, rank, f32)).float().pow(2).sum().backward())
+    out["accum"] = M.error_of(lambda: model(M._batch(6, rank, f32)).float().pow(2).sum().backward())
     after = state.state_dict()
     out["accum_unchanged"] = all(
         torch.equal(before["local_momentum"][k], after["local_momentum"][k])
@@ -218,10 +210,10 @@ def bad_cases(rank: int, world: int) -> Dict[str, Any]:
         torch.equal(a, b) for k in before["errors"]
         for a, b in zip(before["errors"][k], after["errors"][k]))
     _, mstate = M._model(world, f32, "momentum")
-    out["other_mode"] = _catch(lambda: state.load_state_dict(mstate.state_dict()))
+    out["other_mode"] = M.error_of(lambda: state.load_state_dict(mstate.state_dict()))
     lacking = dict(before)
     lacking.pop("local_momentum")
-    out["lacking"] = _catch(lambda: state.load_state_dict(lacking))
+    out["lacking"] = M.error_of(lambda: state.load_state_dict(lacking))
     out["lacking_unchanged"] = sorted(state.momentum.full) == sorted(before["local_momentum"])
     return out
 

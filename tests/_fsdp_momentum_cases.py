@@ -474,3 +474,12 @@ def replica_reference_error(state: Any, seen: Dict[str, list], rep: Any, wes: Di
                                      / max(np.abs(want).max(), 1e-30)))
             o += n
     return err
+
+
+def error_of(fn) -> str:  # type: ignore[no-untyped-def]
+    """``"Type: message"`` of what ``fn()`` raises, or ``"no error"`` (the tests read both)."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test reads the type and message
+        return f"{type(e).__name__}: {e}"
+    return "no error"
