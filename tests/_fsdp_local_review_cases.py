@@ -71,7 +71,7 @@ def shard1_cases(rank: int, world: int) -> Dict[str, Any]:
     model = M._net(F32)
     for m in (model[0], model[3], model):
         fully_shard(m, mesh=mesh["shard"])
-    return {"err": H._catch(lambda: cf.onebit(model, warmup_steps=2, mode=LOCAL,
+    return {"err": M.error_of(lambda: cf.onebit(model, warmup_steps=2, mode=LOCAL,
                                               replicate_group=mesh["rep"].get_group()))}
 
 
@@ -89,7 +89,7 @@ def failed_hook_cases(rank: int, world: int, kind: str) -> Dict[str, Any]:
         raise RuntimeError("boom")
     FL.compressed_allreduce = boom
     try:
-        err = H._catch(lambda: M._run(model, opt, rank, [3], F32))
+        err = M.error_of(lambda: M._run(model, opt, rank, [3], F32))
     finally:
         FL.compressed_allreduce = inner
     return {"err": err, "steps": state.steps == steps,
