@@ -292,3 +292,16 @@ def test_identity_twins_set_no_target():
     ttt = time_to_target([row("onebitadam_nofreeze", 3.0), row("onebitadam_identity", 9.0),
                           row("onebitadam", 3.5)], None)
     assert ttt["target_val_loss"] == 3.0
+
+
+def test_lamb_row_is_onebitlamb_twin():
+    """``lamb`` (the same set-up as ``onebitlamb_nofreeze``) is OneBitLamb's 2 % twin when it ran."""
+    from compcomm.bench.train_report import loss_checks
+
+    def row(name, val):
+        return {"profile": "eth1g", "world_size": 4, "optimizer": name, "loss": [3.0, val],
+                "val_curve": [[2, val, 1.0, 10]]}
+
+    checks = loss_checks([row("onebitlamb", 2.1346), row("lamb", 2.2012)])
+    assert [(c["twin"], c["kind"]) for c in checks] == [("lamb", "nofreeze")]
+    assert checks[0]["rel"] == pytest.approx(2.1346 / 2.2012 - 1) and checks[0]["within_2pct"]

@@ -177,6 +177,10 @@ _LOSS_TARGET = ("onebitadam", "onebitlamb", "fsdp2_onebit", "fsdp2_onebit_ag", "
                 "fsdp2_onebitadam_ag", "fsdp2_onebitadam_local", "fsdp2_onebitadam_local_ag")
 
 
+# "lamb" is the same set-up as "onebitlamb_nofreeze" (train_setups): either row is onebitlamb's twin
+_SAME_SETUP = {"onebitlamb_nofreeze": "lamb"}
+
+
 def loss_checks(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Loss at equal steps of each compressed optimizer against its uncompressed twin (``TWIN``:
     no freeze, the 2 % target) and, as an extra row without target, its identity twin
@@ -185,7 +189,8 @@ def loss_checks(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     out = []
     for (p, w, o), r in by.items():
         for kind, twins in (("nofreeze", TWIN), ("identity", IDENTITY_TWIN)):
-            twin = by.get((p, w, twins.get(o, "")))
+            name = twins.get(o, "")
+            twin = by.get((p, w, name)) or by.get((p, w, _SAME_SETUP.get(name, "")))
             if twin is not None:
                 out.append(_loss_check(r, twin, kind))
     return out
