@@ -106,7 +106,8 @@ log "phases: $PHASES; optimizer flags: '${FUSED_FLAG}', timing '${TIMING_FLAGS}'
 
 # 3. training timing runs: ~121M-parameter byte-level GPT, bf16 autocast, batch 8 x 256 per rank
 #    (in order of importance: eth1g holds most targets; unshaped is the efficiency reference)
-# WORLD: ranks (emulated hosts); TIMING_EXTRA: more train flags (e.g. --reduce-bucket-size 16777216),
+# LOCAL_STEP_SCALER: ZeroOneAdam local_step_scaler (default 1: local steps from the start; 32678 is
+# the optimizer default, no local steps in a short run). WORLD: ranks (emulated hosts); TIMING_EXTRA: more train flags (e.g. --reduce-bucket-size 16777216),
 # TAG: a suffix for the result names so several calls of this script do not overwrite each other
 WORLD=${WORLD:-4}; TAG=${TAG:-}; [ "$WORLD" = 4 ] || TAG="_w$WORLD$TAG"
 TIMING_OPTS=${TIMING_OPTS:-ddp_adamw,ddp_adamw_bf16hook,onebitadam,zerooneadam,zero2_adamw,zero2_onebitadam}
@@ -115,7 +116,7 @@ if has timing; then
     case $P in eth1g) B=${B1G:-165}; MS=${MS1G:-22} ;; *) B=${B10G:-65}; MS=${MS10G:-10} ;; esac
     OPTS=$TIMING_OPTS; [ $P = eth1g ] || OPTS=${TIMING_OPTS_FAST:-$TIMING_OPTS}
     run timing_$P$TAG $B $PY -m compcomm.bench train --device cuda --profile $P --world-size $WORLD --model gpt2s \
-      --optimizers "$OPTS" $FUSED_FLAG $TIMING_FLAGS ${TIMING_EXTRA:-} --steps ${TIMING_STEPS:-6} --baseline-steps 3 --warmup 2 --lr 1e-4 --local-step-scaler 1 \
+      --optimizers "$OPTS" $FUSED_FLAG $TIMING_FLAGS ${TIMING_EXTRA:-} --steps ${TIMING_STEPS:-6} --baseline-steps 3 --warmup 2 --lr 1e-4 --local-step-scaler ${LOCAL_STEP_SCALER:-1} \
       --timing-only --compute-steps 2 --max-seconds $MS --timeout $(( B - 5 )) --out "$WORK" --name train_timing_$P$TAG$SFX
   done
   # one table over the profiles (the efficiency check needs unshaped next to the shaped ones)

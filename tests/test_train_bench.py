@@ -305,3 +305,36 @@ def test_lamb_row_is_onebitlamb_twin():
     checks = loss_checks([row("onebitlamb", 2.1346), row("lamb", 2.2012)])
     assert [(c["twin"], c["kind"]) for c in checks] == [("lamb", "nofreeze")]
     assert checks[0]["rel"] == pytest.approx(2.1346 / 2.2012 - 1) and checks[0]["within_2pct"]
+
+
+def test_time_to_target_script(tmp_path):
+    """bench/time_to_target.py prices each step of a loss run by its phase's median on the link
+    (aliases for rows or phases not timed) and stops at the first evaluation at or below the target."""
+    import json
+    import subprocess
+    import sys
+
+    def loss_row(name, phases, curve):
+        return {"optimizer": name, "phase": phases, "val_curve": curve, "final_val_loss": curve[-1][1],
+                "batch": 2, "seq": 4, "world_size": 2}
+
+    def timing_row(name, phases):
+        return {"profile": "eth1g", "optimizer": name,
+                "summary": {"phases": {k: {"step_s": v} for k, v in phases.items()}}}
+
+    loss = {"rows": [loss_row("onebit", ["warmup"] * 2 + ["compressed"] * 4, [[2, 3.0], [4, 2.4], [6, 2.2]]),
+                     loss_row("twin", ["full"] * 6, [[2, 3.0], [4, 2.5], [6, 2.3]])]}
+    timing = {"rows": [timing_row("onebit", {"warmup": 5.0, "compressed": 0.5})]}
+    (tmp_path / "l.json").write_text(json.dumps(loss))
+    (tmp_path / "t.json").write_text(json.dumps(timing))
+    script = os.path.join(os.path.dirname(__file__), "..", "bench", "time_to_target.py")
+    cmd = [sys.executable, script, "--loss", str(tmp_path / "l.json"), "--timing", str(tmp_path / "t.json"),
+           "--targets", "2.4,2.25"]
+    bad = subprocess.run(cmd, capture_output=True, text=True)
+    assert bad.returncode != 0 and "no timing for twin" in bad.stderr, bad.stderr
+    out = subprocess.run(cmd + ["--price", "twin=onebit:warmup"], capture_output=True, text=True,
+                         check=True).stdout
+    # onebit: 2 x 5.0 + 2 x 0.5 = 11 s to step 4 (2.4); twin: 6 x 5.0 = 30 s to step 6 (2.3 <= 2.4)
+    assert "| 2.4 | eth1g | onebit | 2.2000 | 4 | 11 | 6 | 2.7x |" in out, out
+    assert "| 2.4 | eth1g | twin | 2.3000 | 6 | 30 | 3 | 1.0x |" in out, out
+    assert "| 2.25 | eth1g | twin | 2.3000 | not reached |" in out, out

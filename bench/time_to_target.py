@@ -1,0 +1,98 @@
+"""Time and tokens/s to a validation loss on a shaped link, computed from two kinds of runs of
+``compcomm-bench train``: loss runs (curves, each step's phase; on any link, they do not depend on
+it) and timing runs on the shaped links (median step time of each phase). Each step of a loss run is
+priced at its row's median for that phase on the link; the time to a loss is the sum up to the first
+evaluation at or below it. Computed, not run end to end: a 1 Gbit DDP run of 300 steps would take
+half an hour of device time.
+
+    python bench/time_to_target.py --loss L1.json L2.json --timing T1.json T2.json \\
+        --price onebitadam_nofreeze=onebitadam:warmup --price zerooneadam:grad1bit=zerooneadam:sync \\
+        --targets 2.35,2.30
+
+``--price ROW[:PHASE]=TIMED_ROW:PHASE`` prices a loss row (or one of its phases) by another timed
+row's phase (a row that was not timed, or a phase the short timing run did not reach).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Dict, List, Tuple
+
+
+def load_rows(paths: List[str]) -> List[dict]:
+    rows = []
+    for p in paths:
+        with open(p) as fh:
+            rows += json.load(fh)["rows"]
+    return rows
+
+
+def phase_costs(timing_rows: List[dict]) -> Dict[Tuple[str, str, str], float]:
+    """(profile, optimizer, phase) -> median seconds per step."""
+    return {(r["profile"], r["optimizer"], ph): v["step_s"]
+            for r in timing_rows for ph, v in r["summary"]["phases"].items()}
+
+
+def price(row: dict, profile: str, costs: dict, aliases: Dict[str, str]) -> List[float]:
+    """Seconds of each step of a loss row on `profile`; KeyError names what was not timed."""
+    out = []
+    for ph in row["phase"]:
+        o = row["optimizer"]
+        src = aliases.get(f"{o}:{ph}") or aliases.get(o) or f"{o}:{ph}"
+        name, _, sph = src.partition(":")
+        key = (profile, name, sph or ph)
+        if key not in costs:
+            raise KeyError(f"no timing for {o} phase {ph!r} on {profile} (looked for {key}); add --price")
+        out.append(costs[key])
+    return out
+
+
+def time_to(row: dict, step_costs: List[float], target: float):
+    """(step, seconds) of the first evaluation at or below `target`, or None."""
+    for step, val, *_ in row["val_curve"]:
+        if val <= target:
+            return int(step), sum(step_costs[:int(step)])
+    return None
+
+
+def table(loss_rows, costs, aliases, targets, profiles) -> str:
+    lines = ["| target val loss | link | optimizer | final val loss | step | time s | tokens/s to target | x slowest |",
+             "|---:|---|---|---:|---:|---:|---:|---:|"]
+    for t in targets:
+        for p in profiles:
+            res = []
+            for r in loss_rows:
+                hit = time_to(r, price(r, p, costs, aliases), t)
+                tokens = r["batch"] * r["seq"] * r["world_size"]
+                res.append((r, hit, tokens))
+            slowest = max((h[1] for _, h, _ in res if h), default=None)
+            for r, hit, tokens in sorted(res, key=lambda x: x[1][1] if x[1] else float("inf")):
+                if hit is None:
+                    lines.append(f"| {t} | {p} | {r['optimizer']} | {r['final_val_loss']:.4f} | not reached | | | |")
+                    continue
+                step, sec = hit
+                lines.append(f"| {t} | {p} | {r['optimizer']} | {r['final_val_loss']:.4f} | {step} | {sec:.0f} | "
+                             f"{step * tokens / sec:,.0f} | {slowest / sec:.1f}x |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--loss", nargs="+", required=True, help="loss-run JSONs (compcomm-bench train)")
+    ap.add_argument("--timing", nargs="+", required=True, help="timing-run JSONs on the shaped links")
+    ap.add_argument("--price", action="append", default=[], help="ROW[:PHASE]=TIMED_ROW:PHASE")
+    ap.add_argument("--targets", required=True, help="comma list of validation losses")
+    ap.add_argument("--skip", default="", help="comma list of loss rows to leave out")
+    a = ap.parse_args(argv)
+    aliases = dict(p.split("=", 1) for p in a.price)
+    skip = set(filter(None, a.skip.split(",")))
+    loss_rows = [r for r in load_rows(a.loss) if r["optimizer"] not in skip]
+    timing = load_rows(a.timing)
+    profiles = sorted({r["profile"] for r in timing}, key=lambda p: (len(p), p))
+    print(table(loss_rows, phase_costs(timing), aliases,
+                [float(t) for t in a.targets.split(",")], profiles))
+
+
+if __name__ == "__main__":
+    main()
