@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import _fsdp_momentum_cases as M
+from _fsdp_optim_cases import Recorder
 
 KW = M.KW
 LOCAL = "local_momentum"
@@ -39,7 +40,7 @@ def onebit_cases(rank: int, world: int, dtype_name: str, limit) -> Dict[str, Any
     mods = {"0": model[0], "3": model[3], "<root>": model}
     recs = {}
     for name, m in mods.items():
-        recs[name] = M._Recorder(LocalMomentumReduceScatter(
+        recs[name] = Recorder(LocalMomentumReduceScatter(
             state, name, m, M._segments_of(state, name, m, limit)))
         m.set_custom_reduce_scatter(recs[name])
     opt = cf.FrozenVarianceAdam(model.parameters(), freeze_step=state, **KW)
@@ -61,7 +62,7 @@ def onebit_cases(rank: int, world: int, dtype_name: str, limit) -> Dict[str, Any
         before = state.state_dict()["errors"]  # this rank's worker errors (CPU copies)
         M._run(model, opt, rank, [t], dtype)
         for name, ps in owned.items():
-            inp = recs[name].calls[-1].double()
+            inp = recs[name].calls[-1][0].double()
             s = inp.numel() // world
             ref_m[name] = b1 * ref_m[name] + (1 - b1) * inp.view(world, s)
             segs, keys = state.segments_for(name, s)

@@ -8,6 +8,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from _fsdp_optim_cases import Recorder
+
 KW = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.1)
 
 
@@ -73,20 +75,6 @@ def exact_cases(rank: int, world: int, dtype_name: str, force_sum: bool,
             "moved": any(not torch.equal(a, b) for a, b in zip(got[1], got[-1]))}
 
 
-class _Recorder:
-    """Wraps a module's ReduceScatter: keeps each call's input (a copy) and op."""
-
-    def __init__(self, inner) -> None:
-        self.inner, self.calls = inner, []
-
-    def allocate(self, size, *, dtype, device):
-        return self.inner.allocate(size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        self.calls.append(input_tensor.clone())
-        return self.inner(output_tensor, input_tensor, group, op, async_op)
-
-
 def _rows_of(full: torch.Tensor, world: int) -> torch.Tensor:
     """A whole parameter (its full tensor) as FSDP's reduce-scatter rows: dim 0 padded to a
     multiple of W, rank r's piece in row r."""
@@ -113,7 +101,7 @@ def onebit_cases(rank: int, world: int, dtype_name: str, limit) -> Dict[str, Any
     model, state = _model(world, dtype, "momentum", limit=limit)
     recs = {}
     for name, m in (("0", model[0]), ("3", model[3]), ("<root>", model)):
-        recs[name] = _Recorder(MomentumReduceScatter(state, name, m,
+        recs[name] = Recorder(MomentumReduceScatter(state, name, m,
                                                      _segments_of(state, name, m, limit)))
         m.set_custom_reduce_scatter(recs[name])
     opt = cf.FrozenVarianceAdam(model.parameters(), freeze_step=state, **KW)
@@ -132,7 +120,7 @@ def onebit_cases(rank: int, world: int, dtype_name: str, limit) -> Dict[str, Any
         before = [p.detach().to_local().double().clone() for p in model.parameters()]
         _run(model, opt, rank, [t], dtype)
         for name in mods:
-            inp = recs[name].calls[-1]
+            inp = recs[name].calls[-1][0]
             everyone = [torch.zeros_like(inp) for _ in range(world)]
             dist.all_gather(everyone, inp)
             s = inp.numel() // world

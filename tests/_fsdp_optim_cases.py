@@ -123,8 +123,8 @@ def onebit_dcp_cases(rank: int, world: int, path: str) -> Dict[str, Any]:
             "moved": any(not torch.equal(a, b) for a, b in zip(cont[0], cont[-1]))}
 
 
-class _Recorder:
-    """Wraps a module's ReduceScatter: keeps each call's input and output (copies)."""
+class Recorder:
+    """Wraps a module's ReduceScatter: keeps each call's input and output (copies), as pairs."""
 
     def __init__(self, inner) -> None:
         self.inner, self.calls = inner, []
@@ -165,7 +165,7 @@ def segment_cases(rank: int, world: int, dtype_name: str, limit) -> Dict[str, An
         fully_shard(model, mesh=mesh)
         state = cf.onebit(model, warmup_steps=0, segment_elements=limit, mode="gradient")
         state.batch_segments = batched
-        rec = _Recorder(cf.OneBitReduceScatter(state, "<root>"))
+        rec = Recorder(cf.OneBitReduceScatter(state, "<root>"))
         model.set_custom_reduce_scatter(rec)
         for t in range(2):
             x = torch.randn(4, 13, generator=torch.Generator().manual_seed(10 * t + rank)).to(dtype)
