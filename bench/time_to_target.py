@@ -1,7 +1,7 @@
 """Time and tokens/s to a validation loss on a shaped link, computed from two kinds of runs of
 ``compcomm-bench train``: loss runs (curves, each step's phase; on any link, they do not depend on
-it) and timing runs on the shaped links (median step time of each phase). Each step of a loss run is
-priced at its row's median for that phase on the link; the time to a loss is the sum up to the first
+it) and timing runs on the shaped links (median step time of each phase, the run's first step left
+out). Each step of a loss run is priced at its row's median for that phase on the link and W; the time to a loss is the sum up to the first
 evaluation at or below it. Computed, not run end to end: a 1 Gbit DDP run of 300 steps would take
 half an hour of device time.
 
@@ -17,33 +17,46 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from typing import Dict, List, Tuple
 
 
-def load_rows(paths: List[str]) -> List[dict]:
+def load_rows(paths: List[str], keys: Tuple[str, ...]) -> List[dict]:
+    """The rows of the JSONs that have every key (a failed row has only its name and the error)."""
     rows = []
     for p in paths:
         with open(p) as fh:
-            rows += json.load(fh)["rows"]
+            rows += [r for r in json.load(fh)["rows"] if all(r.get(k) is not None for k in keys)]
     return rows
 
 
-def phase_costs(timing_rows: List[dict]) -> Dict[Tuple[str, str, str], float]:
-    """(profile, optimizer, phase) -> median seconds per step."""
-    return {(r["profile"], r["optimizer"], ph): v["step_s"]
-            for r in timing_rows for ph, v in r["summary"]["phases"].items()}
+def phase_costs(timing_rows: List[dict]) -> Dict[Tuple[str, int, str, str], float]:
+    """(profile, W, optimizer, phase) -> median seconds per step, without the row's first step (it
+    pays the warm-up of the process: a 2-step phase's own median would include it)."""
+    costs: Dict[Tuple[str, int, str, str], float] = {}
+    for r in timing_rows:
+        by: Dict[str, List[float]] = {}
+        for ph, s in list(zip(r["phase"], r["step_s"]))[1:]:
+            by.setdefault(ph, []).append(s)
+        for ph, v in by.items():
+            key = (r["profile"], r["world_size"], r["optimizer"], ph)
+            if key in costs:
+                raise SystemExit(f"time_to_target: {key} is in two timing rows; pass one")
+            costs[key] = statistics.median(v)
+    return costs
 
 
 def price(row: dict, profile: str, costs: dict, aliases: Dict[str, str]) -> List[float]:
-    """Seconds of each step of a loss row on `profile`; KeyError names what was not timed."""
+    """Seconds of each step of a loss row on `profile`; SystemExit names what was not timed."""
     out = []
     for ph in row["phase"]:
         o = row["optimizer"]
         src = aliases.get(f"{o}:{ph}") or aliases.get(o) or f"{o}:{ph}"
         name, _, sph = src.partition(":")
-        key = (profile, name, sph or ph)
+        key = (profile, row["world_size"], name, sph or ph)
         if key not in costs:
-            raise KeyError(f"no timing for {o} phase {ph!r} on {profile} (looked for {key}); add --price")
+            raise SystemExit(f"time_to_target: no timing for {o} phase {ph!r} on {profile} "
+                             f"(looked for {key}); add --price")
         out.append(costs[key])
     return out
 
@@ -85,10 +98,13 @@ def main(argv=None) -> None:
     ap.add_argument("--targets", required=True, help="comma list of validation losses")
     ap.add_argument("--skip", default="", help="comma list of loss rows to leave out")
     a = ap.parse_args(argv)
+    if any("=" not in p for p in a.price):
+        ap.error("argument --price: need ROW[:PHASE]=TIMED_ROW:PHASE")
     aliases = dict(p.split("=", 1) for p in a.price)
     skip = set(filter(None, a.skip.split(",")))
-    loss_rows = [r for r in load_rows(a.loss) if r["optimizer"] not in skip]
-    timing = load_rows(a.timing)
+    loss_rows = [r for r in load_rows(a.loss, ("phase", "val_curve", "final_val_loss"))
+                 if r["optimizer"] not in skip]
+    timing = load_rows(a.timing, ("phase", "step_s"))
     profiles = sorted({r["profile"] for r in timing}, key=lambda p: (len(p), p))
     print(table(loss_rows, phase_costs(timing), aliases,
                 [float(t) for t in a.targets.split(",")], profiles))

@@ -309,7 +309,8 @@ def test_lamb_row_is_onebitlamb_twin():
 
 def test_time_to_target_script(tmp_path):
     """bench/time_to_target.py prices each step of a loss run by its phase's median on the link
-    (aliases for rows or phases not timed) and stops at the first evaluation at or below the target."""
+    (the timing run's first step left out; aliases for rows or phases not timed), stops at the
+    first evaluation at or below the target, and leaves failed rows out."""
     import json
     import subprocess
     import sys
@@ -318,13 +319,17 @@ def test_time_to_target_script(tmp_path):
         return {"optimizer": name, "phase": phases, "val_curve": curve, "final_val_loss": curve[-1][1],
                 "batch": 2, "seq": 4, "world_size": 2}
 
-    def timing_row(name, phases):
-        return {"profile": "eth1g", "optimizer": name,
-                "summary": {"phases": {k: {"step_s": v} for k, v in phases.items()}}}
+    def timing_row(name, phases, step_s):
+        return {"profile": "eth1g", "world_size": 2, "optimizer": name, "phase": phases, "step_s": step_s}
 
+    failed = {"profile": "eth1g", "world_size": 2, "optimizer": "broken", "error": "boom"}
     loss = {"rows": [loss_row("onebit", ["warmup"] * 2 + ["compressed"] * 4, [[2, 3.0], [4, 2.4], [6, 2.2]]),
-                     loss_row("twin", ["full"] * 6, [[2, 3.0], [4, 2.5], [6, 2.3]])]}
-    timing = {"rows": [timing_row("onebit", {"warmup": 5.0, "compressed": 0.5})]}
+                     loss_row("twin", ["full"] * 6, [[2, 3.0], [4, 2.5], [6, 2.3]]),
+                     loss_row("zo", ["var", "var", "g1", "sync", "sync", "sync"], [[3, 2.3], [6, 2.2]]),
+                     failed]}
+    # the first step (9.0) is left out: warm-up 5.0, compressed median of 0.4, 0.5, 0.6
+    timing = {"rows": [timing_row("onebit", ["warmup"] * 3 + ["compressed"] * 3, [9.0, 5.0, 5.0, 0.4, 0.6, 0.5]),
+                       timing_row("zo", ["var", "var", "sync", "sync"], [9.0, 4.0, 1.0, 1.0]), failed]}
     (tmp_path / "l.json").write_text(json.dumps(loss))
     (tmp_path / "t.json").write_text(json.dumps(timing))
     script = os.path.join(os.path.dirname(__file__), "..", "bench", "time_to_target.py")
@@ -332,9 +337,11 @@ def test_time_to_target_script(tmp_path):
            "--targets", "2.4,2.25"]
     bad = subprocess.run(cmd, capture_output=True, text=True)
     assert bad.returncode != 0 and "no timing for twin" in bad.stderr, bad.stderr
-    out = subprocess.run(cmd + ["--price", "twin=onebit:warmup"], capture_output=True, text=True,
-                         check=True).stdout
-    # onebit: 2 x 5.0 + 2 x 0.5 = 11 s to step 4 (2.4); twin: 6 x 5.0 = 30 s to step 6 (2.3 <= 2.4)
+    out = subprocess.run(cmd + ["--price", "twin=onebit:warmup", "--price", "zo:g1=zo:sync"],
+                         capture_output=True, text=True, check=True).stdout
+    # onebit: 2 x 5.0 + 2 x 0.5 = 11 s to step 4 (2.4); twin: 6 x 5.0 = 30 s to step 6 (2.3 <= 2.4);
+    # zo: 2 x 4.0 + 1 x 1.0 (g1 priced as sync) = 9 s to step 3
+    assert "| 2.4 | eth1g | zo | 2.2000 | 3 | 9 | 5 | 3.3x |" in out, out
     assert "| 2.4 | eth1g | onebit | 2.2000 | 4 | 11 | 6 | 2.7x |" in out, out
     assert "| 2.4 | eth1g | twin | 2.3000 | 6 | 30 | 3 | 1.0x |" in out, out
-    assert "| 2.25 | eth1g | twin | 2.3000 | not reached |" in out, out
+    assert "| 2.25 | eth1g | twin | 2.3000 | not reached |" in out and "broken" not in out, out
