@@ -102,7 +102,7 @@ def onebit_cases(rank: int, world: int, dtype_name: str, limit) -> Dict[str, Any
     recs = {}
     for name, m in (("0", model[0]), ("3", model[3]), ("<root>", model)):
         recs[name] = Recorder(MomentumReduceScatter(state, name, m,
-                                                     _segments_of(state, name, m, limit)))
+                                                    _segments_of(state, name, m, limit)))
         m.set_custom_reduce_scatter(recs[name])
     opt = cf.FrozenVarianceAdam(model.parameters(), freeze_step=state, **KW)
     _run(model, opt, rank, range(2), dtype)
