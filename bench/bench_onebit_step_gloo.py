@@ -3,7 +3,9 @@ the whole ``step()`` (momentum, compressed exchange, update), median of ``--repe
 slowest rank's, as now and as before the C++ momentum and finiteness passes (``_before``: the
 torch ops they replaced, same bits), runs in turn; with each, the CPU time per step of the rank
 (all its threads) and that of the bare ``compcomm.compressed_allreduce`` of one tensor of the same
-size (what the exchange costs without the optimizer's staging and update).
+size (what the exchange costs without the optimizer's staging and update). ``--split`` adds each
+rank's CPU time per step in the step's parts (the momentum staged for the exchange, the exchange,
+its commit, the update), measured by wrapping the functions that do them.
 
 Run: python bench/bench_onebit_step_gloo.py --world 2 3 --repeats 7
 """
@@ -59,12 +61,44 @@ def _timed(fn, repeats: int):
     return statistics.median(wall), statistics.median(cpu)
 
 
-def _rank(rank: int, world: int, numel: int, tensors: int, repeats: int, before: bool):
+def _split(repeats: int):
+    """Wraps the parts of the compressed step with CPU-time counters; returns the totals' dict."""
+    import functools
+
+    import compcomm.compress as cc
+    from compcomm import _C
+    from compcomm.optim import cpu_multi
+
+    acc: dict = {}
+
+    def wrap(owner, name, label):
+        f = getattr(owner, name)
+
+        @functools.wraps(f)
+        def timed(*a, **k):
+            c0 = time.process_time()
+            try:
+                return f(*a, **k)
+            finally:
+                acc[label] = acc.get(label, 0.0) + (time.process_time() - c0) / repeats
+
+        setattr(owner, name, timed)
+
+    wrap(cpu_multi, "onebit_momentums_", "stage")
+    wrap(_C.zero, "compressed_allreduce_commit_many", "commit")
+    wrap(cc.OneBitCompressor, "average_", "average")
+    wrap(cpu_multi, "onebit_compressed_steps_", "update")
+    return acc
+
+
+def _rank(rank: int, world: int, numel: int, tensors: int, repeats: int, before: bool,
+          split: bool = False):
     import compcomm
     from compcomm.optim import OneBitAdam
 
     if before:
         _before()
+    parts = _split(repeats) if split and not before else None
 
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(rank)
@@ -74,12 +108,16 @@ def _rank(rank: int, world: int, numel: int, tensors: int, repeats: int, before:
     opt = OneBitAdam(params, lr=1e-3, freeze_step=1, weight_decay=0.01)
     opt.step()  # warm-up (full precision)
     opt.step()  # first compressed step: allocates the buckets and workspaces
+    if parts is not None:
+        parts.clear()
     wall, cpu = _timed(opt.step, repeats)
+    if parts is not None:  # the exchange is what the average does besides staging and commit
+        parts = dict(parts, exchange=parts.pop("average") - parts["stage"] - parts["commit"])
     t = torch.randn(numel, generator=gen)
     we, se = compcomm.error_buffers(t)
     compcomm.compressed_allreduce(t, we, se)
     _, bare_cpu = _timed(lambda: compcomm.compressed_allreduce(t, we, se), repeats)
-    return wall, cpu, bare_cpu
+    return wall, cpu, bare_cpu, parts
 
 
 def main() -> None:
@@ -89,6 +127,8 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--rounds", type=int, default=2, help="before/after pairs, in turn")
+    ap.add_argument("--split", action="store_true",
+                    help="also each rank's CPU time per step in the step's parts (now only)")
     args = ap.parse_args()
     import compcomm
     from compcomm.testing import run_ranks
@@ -99,7 +139,7 @@ def main() -> None:
             got = {}
             for before in (True, False):
                 meds = run_ranks(w, _rank, args.numel, args.tensors, args.repeats, before,
-                                 timeout=600)
+                                 args.split, timeout=600)
                 got[before] = max(m[0] for m in meds)
                 cpu = [m[1] * 1e3 for m in meds]
                 bare = [m[2] * 1e3 for m in meds]
@@ -109,6 +149,9 @@ def main() -> None:
                   f"{got[True] / got[False]:.2f}x; now per rank {min(cpu):.1f}-{max(cpu):.1f} ms "
                   f"of CPU a step, the bare compressed allreduce {min(bare):.1f}-{max(bare):.1f}; "
                   f"load {os.getloadavg()[0]:.1f}")
+            for rank, m in enumerate(meds if args.split else []):
+                print(f"  rank {rank} CPU ms per step: " + ", ".join(
+                    f"{k} {v * 1e3:.1f}" for k, v in m[3].items()))
 
 
 if __name__ == "__main__":
