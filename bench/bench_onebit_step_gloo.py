@@ -1,11 +1,12 @@
 """OneBitAdam's compressed-phase step over gloo on the CPU (W ranks on this machine, no shaping):
 the whole ``step()`` (momentum, compressed exchange, update), median of ``--repeats`` steps, the
-slowest rank's, as now and as before the C++ momentum and finiteness passes (``_before``: the
-torch ops they replaced, same bits), runs in turn; with each, the CPU time per step of the rank
+slowest rank's, as now and as before the C++ momentum pass (``_before``: the torch ops it
+replaced, same bits; the compressed phase has no separate finiteness pass at W > 1), runs in turn; with each, the CPU time per step of the rank
 (all its threads) and that of the bare ``compcomm.compressed_allreduce`` of one tensor of the same
 size (what the exchange costs without the optimizer's staging and update). ``--split`` adds each
 rank's CPU time per step in the step's parts (the momentum staged for the exchange, the exchange,
-its commit, the update), measured by wrapping the functions that do them.
+its commit, the update; means per step, where the whole step is a median), measured by wrapping
+the functions that do them (W > 1: one rank's step has no exchange).
 
 Run: python bench/bench_onebit_step_gloo.py --world 2 3 --repeats 7
 """
@@ -30,24 +31,15 @@ def _sizes(total: int, count: int) -> List[int]:  # bench_cpu_adam's list worklo
 
 
 def _before() -> None:
-    """This process steps as before the C++ momentum and finiteness passes (same bits): the
-    momentum as two torch ops, the exchange's finiteness check as torch's aminmax per tensor."""
-    import compcomm.compress as cc
-    from compcomm.optim import cpu_adam
+    """This process stages the compressed phase's momentum as before the C++ pass (same bits):
+    torch ops per tensor instead of ``cpu_multi.onebit_momentums_``."""
+    from compcomm.optim import cpu_multi
     from compcomm.optim import functional as F
 
-    def momentum(m, g, group, out, num_threads=None):
-        F.onebit_momentum(m, g, group, out)
+    def momentums(ms, gs, group, outs, num_threads=None, check=True):
+        F.onebit_momentum_multi(ms, gs, group, outs)
 
-    def all_finite(tensors):
-        ts = [t for t in tensors if t.numel()]
-        if not ts:
-            return True
-        ends = torch.stack([torch.stack(torch.aminmax(t.reshape(-1))) for t in ts])
-        return bool(torch.isfinite(ends.float()).all())
-
-    cpu_adam.onebit_momentum_ = momentum
-    cc.all_finite = all_finite
+    cpu_multi.onebit_momentums_ = momentums
 
 
 def _timed(fn, repeats: int):
@@ -98,7 +90,7 @@ def _rank(rank: int, world: int, numel: int, tensors: int, repeats: int, before:
 
     if before:
         _before()
-    parts = _split(repeats) if split and not before else None
+    parts = _split(repeats) if split and not before and world > 1 else None
 
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(rank)
@@ -149,8 +141,8 @@ def main() -> None:
                   f"{got[True] / got[False]:.2f}x; now per rank {min(cpu):.1f}-{max(cpu):.1f} ms "
                   f"of CPU a step, the bare compressed allreduce {min(bare):.1f}-{max(bare):.1f}; "
                   f"load {os.getloadavg()[0]:.1f}")
-            for rank, m in enumerate(meds if args.split else []):
-                print(f"  rank {rank} CPU ms per step: " + ", ".join(
+            for rank, m in enumerate(meds if args.split and w > 1 else []):
+                print(f"  rank {rank} CPU ms per step (means): " + ", ".join(
                     f"{k} {v * 1e3:.1f}" for k, v in m[3].items()))
 
 
