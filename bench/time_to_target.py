@@ -1,8 +1,8 @@
 """Time and tokens/s to a validation loss on a shaped link, computed from two kinds of runs of
 ``compcomm-bench train``: loss runs (curves, each step's phase; on any link, they do not depend on
 it) and timing runs on the shaped links (median step time of each phase, the run's first step left
-out). Each step of a loss run is priced at its row's median for that phase on the link and W; the time to a loss is the sum up to the first
-evaluation at or below it. Computed, not run end to end: a 1 Gbit DDP run of 300 steps would take
+out). Each step of a loss run is priced at its row's median for that phase on the link and W; the
+time to a loss is the sum up to the first evaluation at or below it. Computed, not run end to end: a 1 Gbit DDP run of 300 steps would take
 half an hour of device time.
 
     python bench/time_to_target.py --loss L1.json L2.json --timing T1.json T2.json \\
@@ -70,13 +70,15 @@ def time_to(row: dict, step_costs: List[float], target: float):
 
 
 def table(loss_rows, costs, aliases, targets, profiles) -> str:
+    """The markdown table: per target and link, every row's time to the target, fastest first."""
+    priced = {(i, p): price(r, p, costs, aliases) for i, r in enumerate(loss_rows) for p in profiles}
     lines = ["| target val loss | link | optimizer | final val loss | step | time s | tokens/s to target | x slowest |",
              "|---:|---|---|---:|---:|---:|---:|---:|"]
     for t in targets:
         for p in profiles:
             res = []
-            for r in loss_rows:
-                hit = time_to(r, price(r, p, costs, aliases), t)
+            for i, r in enumerate(loss_rows):
+                hit = time_to(r, priced[i, p], t)
                 tokens = r["batch"] * r["seq"] * r["world_size"]
                 res.append((r, hit, tokens))
             slowest = max((h[1] for _, h, _ in res if h), default=None)
