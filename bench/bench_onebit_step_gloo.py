@@ -1,9 +1,10 @@
 """OneBitAdam's compressed-phase step over gloo on the CPU (W ranks on this machine, no shaping):
 the whole ``step()`` (momentum, compressed exchange, update), median of ``--repeats`` steps, the
 slowest rank's, as now and as before the C++ momentum pass (``_before``: the torch ops it
-replaced, same bits; the compressed phase has no separate finiteness pass at W > 1), runs in turn; with each, the CPU time per step of the rank
-(all its threads) and that of the bare ``compcomm.compressed_allreduce`` of one tensor of the same
-size (what the exchange costs without the optimizer's staging and update). ``--split`` adds each
+replaced, same bits; the compressed phase has no separate finiteness pass at W > 1), runs in turn;
+with "now", the CPU time per step of each rank (all its threads) and that of the bare
+``compcomm.compressed_allreduce`` of one tensor of the same size (what the exchange costs without
+the optimizer's staging and update). ``--split`` adds each
 rank's CPU time per step in the step's parts (the momentum staged for the exchange, the exchange,
 its commit, the update; means per step, where the whole step is a median), measured by wrapping
 the functions that do them (W > 1: one rank's step has no exchange).
@@ -105,6 +106,8 @@ def _rank(rank: int, world: int, numel: int, tensors: int, repeats: int, before:
     wall, cpu = _timed(opt.step, repeats)
     if parts is not None:  # the exchange is what the average does besides staging and commit
         parts = dict(parts, exchange=parts.pop("average") - parts["stage"] - parts["commit"])
+    if before:  # the bare call does not depend on the staging: timed with "now" only
+        return wall, cpu, None, parts
     t = torch.randn(numel, generator=gen)
     we, se = compcomm.error_buffers(t)
     compcomm.compressed_allreduce(t, we, se)
@@ -133,8 +136,8 @@ def main() -> None:
                 meds = run_ranks(w, _rank, args.numel, args.tensors, args.repeats, before,
                                  args.split, timeout=600)
                 got[before] = max(m[0] for m in meds)
-                cpu = [m[1] * 1e3 for m in meds]
-                bare = [m[2] * 1e3 for m in meds]
+            cpu = [m[1] * 1e3 for m in meds]  # of the last launch: "now"
+            bare = [m[2] * 1e3 for m in meds]
             print(f"W={w} round {r + 1}: OneBitAdam.step (compressed phase, {args.numel} params in "
                   f"{args.tensors} tensors, 1 thread per rank, slowest rank's median): "
                   f"before {got[True] * 1e3:.1f} ms, now {got[False] * 1e3:.1f} ms, "

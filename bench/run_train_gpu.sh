@@ -107,7 +107,8 @@ log "phases: $PHASES; optimizer flags: '${FUSED_FLAG}', timing '${TIMING_FLAGS}'
 # 3. training timing runs: ~121M-parameter byte-level GPT, bf16 autocast, batch 8 x 256 per rank
 #    (in order of importance: eth1g holds most targets; unshaped is the efficiency reference)
 # LOCAL_STEP_SCALER: ZeroOneAdam local_step_scaler (default 1: local steps from the start; 32678 is
-# the optimizer default, no local steps in a short run). WORLD: ranks (emulated hosts); TIMING_EXTRA: more train flags (e.g. --reduce-bucket-size 16777216),
+# the optimizer default, no local steps in a short run). WORLD: ranks (emulated hosts);
+# TIMING_EXTRA: more train flags (e.g. --reduce-bucket-size 16777216),
 # TAG: a suffix for the result names so several calls of this script do not overwrite each other
 WORLD=${WORLD:-4}; TAG=${TAG:-}; [ "$WORLD" = 4 ] || TAG="_w$WORLD$TAG"
 TIMING_OPTS=${TIMING_OPTS:-ddp_adamw,ddp_adamw_bf16hook,onebitadam,zerooneadam,zero2_adamw,zero2_onebitadam}
