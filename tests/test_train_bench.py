@@ -28,12 +28,13 @@ ETH_OPTS = "ddp_adamw,onebitadam,zero2_onebitadam,fsdp2_adamw,fsdp2_onebit"
 UNCOMPRESSED_LN = math.log(256)  # the loss of a uniform guess over bytes
 
 
-def _run(tmp_path, profile: str, opts: str) -> dict:
+def _run(tmp_path, profile: str, opts: str, *extra: str) -> dict:
     cmd = [sys.executable, "-m", "compcomm.bench", "train", "--device", "cpu", "--profile",
            profile, "--world-size", "2", "--layers", "1", "--steps", "4", "--warmup", "2",
            "--optimizers", opts, "--bias-correction", "--local-step-scaler", "1",
            "--eval-every", "2", "--val-batches", "2", "--compute-steps", "1",
-           "--data-bytes", "400000", "--timeout", "120", "--out", str(tmp_path), "--name", "t"]
+           "--data-bytes", "400000", "--timeout", "120", "--out", str(tmp_path), "--name", "t",
+           *extra]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=170)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     with open(tmp_path / "t.json") as fh:
@@ -345,3 +346,35 @@ def test_time_to_target_script(tmp_path):
     assert "| 2.4 | eth1g | onebit | 2.2000 | 4 | 11 | 6 | 2.7x |" in out, out
     assert "| 2.4 | eth1g | twin | 2.3000 | 6 | 30 | 3 | 1.0x |" in out, out
     assert "| 2.25 | eth1g | twin | 2.3000 | not reached |" in out and "broken" not in out, out
+
+
+def test_seeds_and_loss_seeds_script(tmp_path):
+    """--seed changes the initialisation and the training batches (not the validation batches) and
+    is recorded; bench/loss_seeds.py gives each seed's gap to the twin (the report's own check)
+    and their mean, and reads the 2 % target on the mean."""
+    from compcomm.bench.train_report import loss_checks
+
+    opts = "onebitadam,onebitadam_nofreeze"
+    docs = {}
+    for seed in (0, 1):
+        d = tmp_path / f"s{seed}"
+        d.mkdir()
+        docs[seed] = _run(d, "loopback", opts, "--seed", str(seed))
+        assert docs[seed]["meta"]["seed"] == seed
+    r0, r1 = ({r["optimizer"]: r for r in docs[s]["rows"]} for s in (0, 1))
+    assert r0["onebitadam"]["loss"][0] != r1["onebitadam"]["loss"][0]
+    # one seed's two rows share the warm-up steps (the same model, batches and Adam steps)
+    assert r1["onebitadam"]["loss"][:2] == r1["onebitadam_nofreeze"]["loss"][:2]
+    rel = [next(c["rel"] for c in loss_checks(docs[s]["rows"]) if c["kind"] == "nofreeze")
+           for s in (0, 1)]
+    script = os.path.join(os.path.dirname(__file__), "..", "bench", "loss_seeds.py")
+    out = subprocess.run([sys.executable, script, str(tmp_path / "s0" / "t.json"),
+                          str(tmp_path / "s1" / "t.json"), "--target", "1.0"],
+                         capture_output=True, text=True, check=True).stdout
+    line = next(ln for ln in out.splitlines() if "| onebitadam | onebitadam_nofreeze |" in ln)
+    cells = [c.strip() for c in line.split("|")]
+    assert cells[7] == "2" and f"0: {rel[0]:+.2%}" in cells[8] and f"1: {rel[1]:+.2%}" in cells[8]
+    assert cells[9] == f"{(rel[0] + rel[1]) / 2:+.2%}" and cells[13] == "yes", line
+    bad = subprocess.run([sys.executable, script, str(tmp_path / "s0" / "t.json"), "--target",
+                          "-1.0"], capture_output=True, text=True, check=True).stdout
+    assert "| no |" in bad, bad

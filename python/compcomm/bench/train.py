@@ -138,6 +138,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                     help="keyword arguments of compcomm.fsdp.compressed_allgather for the rows "
                          "with compcomm's all-gather, e.g. 'exact_numel=0,rounding=nearest,"
                          "block=256' (default: its defaults)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="model initialisation and training batches (the validation batches are "
+                         "the same for every seed, so losses of different seeds compare)")
     ap.add_argument("--data-bytes", type=int, default=4_000_000)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per CPU rank")
     ap.add_argument("--timeout", type=float, default=1800.0,
@@ -226,7 +229,7 @@ def _meta(a: argparse.Namespace, argv: Sequence[str]) -> Dict[str, Any]:
         "command": "compcomm-bench train " + " ".join(argv),
         "device": a.device, "model": a.model, **a.mcfg, "batch": a.batch, "lr": a.lr,
         "lamb_lr": a.lamb_lr, "lr_schedule": a.lr_schedule, "lr_warmup": a.lr_warmup,
-        "warmup": a.warmup, "amp": a.amp, "backend": a.backend,
+        "warmup": a.warmup, "amp": a.amp, "backend": a.backend, "seed": a.seed,
         "non_default": ("; non-default: " + ", ".join(nd)) if nd else "",
         "params": param_count(**a.mcfg), "target_val_loss": a.target_val_loss,
     }
@@ -270,6 +273,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        bias_correction=a.bias_correction,
                        local_step_scaler=a.local_step_scaler,
                        local_step_clipper=a.local_step_clipper, data_bytes=a.data_bytes,
+                       seed=a.seed,
                        ag_options=a.ag_options, fsdp_bf16=a.fsdp_bf16,
                        fsdp_unbatched=a.fsdp_unbatched,
                        threads=a.threads, progress=a.progress,

@@ -131,7 +131,8 @@ def _train_one(name: str, cfg: Dict[str, Any], rank: int, world: int, dev: Any, 
         rec.setdefault("reduce_bytes", [])
     grad_bytes = nparams * (2 if name == "ddp_adamw_bf16hook" else 4)
     ddp_bytes = 2 * (world - 1) * grad_bytes // world if world > 1 else 0
-    gen = torch.Generator().manual_seed(10_000 * (rank + 1))  # the same batches in every run
+    # the same batches in every run of a seed (seed 0: the streams of runs before --seed)
+    gen = torch.Generator().manual_seed(10_000 * (rank + 1) + 1_000_003 * cfg.get("seed", 0))
     seq, bsz = cfg["seq"], cfg["batch"]
     steps = cfg["steps"] if (name in COMPRESSED + IDENTITY or cfg["baseline_steps"] is None) \
         else cfg["baseline_steps"]
@@ -273,7 +274,7 @@ def rank_main(cfg: Dict[str, Any]) -> int:
         return float(tot[0] / tot[1])
 
     def new_model() -> Any:
-        torch.manual_seed(0)
+        torch.manual_seed(cfg.get("seed", 0))
         return build_model(**mcfg).to(dev)
 
     # Compute reference: forward + backward, no communication, all ranks at once.

@@ -1,0 +1,77 @@
+"""The loss gap of each compressed optimizer to its uncompressed twin over several seeds, from loss
+runs of ``compcomm-bench train --seed N`` (one JSON per run; runs of one seed may be split across
+JSONs). One seed says little: two runs of the same algorithm that differ only in rounding (ZeRO's
+sharded step against the unsharded one) ended 2.3 % apart after 300 steps of the 121M GPT.
+
+    python bench/loss_seeds.py R0.json R1a.json R1b.json R2.json [--target 0.02]
+
+For each (profile, W, optimizer, twin): the gap at the last common evaluation per seed, their mean,
+sample standard deviation and range, and the gap of the mean final losses (the seeds' mean loss of
+the optimizer over the twin's); the 2 % target is read on the mean. Checks come from
+``compcomm.bench.train_report.loss_checks`` (the report's own table, one seed at a time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from typing import Dict, List, Tuple
+
+from compcomm.bench.train_report import loss_checks
+
+
+def by_seed(paths: List[str]) -> Dict[int, List[dict]]:
+    """seed -> the rows of every JSON of that seed (``meta.seed``, 0 for runs before --seed)."""
+    out: Dict[int, List[dict]] = {}
+    for p in paths:
+        with open(p) as fh:
+            doc = json.load(fh)
+        out.setdefault(int(doc["meta"].get("seed", 0)), []).extend(doc["rows"])
+    return out
+
+
+def gaps(runs: Dict[int, List[dict]]) -> Dict[Tuple, List[dict]]:
+    """(profile, W, optimizer, twin, kind) -> one check per seed that has both rows."""
+    out: Dict[Tuple, List[dict]] = {}
+    for seed in sorted(runs):
+        for c in loss_checks(runs[seed]):
+            if c["val_loss"] is None or c["stopped"] or c["twin_stopped"]:
+                continue  # no common evaluation, or a run cut short: not the same steps
+            key = (c["profile"], c["world_size"], c["optimizer"], c["twin"], c["kind"])
+            out.setdefault(key, []).append(dict(c, seed=seed))
+    return out
+
+
+def table(checks: Dict[Tuple, List[dict]], target: float) -> str:
+    lines = ["| profile | W | optimizer | twin | kind | step | seeds | gap per seed | mean gap | "
+             "std | range | gap of mean losses | within target |",
+             "|---|---:|---|---|---|---:|---:|---|---:|---:|---|---:|---|"]
+    for (p, w, o, t, kind), cs in sorted(checks.items()):
+        rel = [c["rel"] for c in cs]
+        sd = statistics.stdev(rel) if len(rel) > 1 else float("nan")
+        pooled = statistics.mean(c["val_loss"] for c in cs) / \
+            statistics.mean(c["twin_val_loss"] for c in cs) - 1
+        per = ", ".join(f"{c['seed']}: {c['rel']:+.2%}" for c in cs)
+        # a target only where the report sets one (a compressed optimizer against its no-freeze twin)
+        ok = "" if cs[0]["within_2pct"] is None else \
+            ("yes" if statistics.mean(rel) <= target else "no")
+        lines.append(f"| {p} | {w} | {o} | {t} | {kind} | {cs[0]['val_step']} | {len(cs)} | {per} | "
+                     f"{statistics.mean(rel):+.2%} | {sd:.2%} | {min(rel):+.2%} .. {max(rel):+.2%} | "
+                     f"{pooled:+.2%} | {ok} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+", help="loss-run JSONs (compcomm-bench train)")
+    ap.add_argument("--target", type=float, default=0.02, help="largest mean gap (0.02: 2 %%)")
+    a = ap.parse_args(argv)
+    checks = gaps(by_seed(a.runs))
+    if not checks:
+        raise SystemExit("loss_seeds: no optimizer and twin ran to a common evaluation")
+    print(table(checks, a.target))
+
+
+if __name__ == "__main__":
+    main()
