@@ -7,7 +7,7 @@ sharded step against the unsharded one) ended 2.3 % apart after 300 steps of the
 
 For each (profile, W, optimizer, twin): the gap at the last common evaluation per seed, their mean,
 sample standard deviation and range, and the gap of the mean final losses (the seeds' mean loss of
-the optimizer over the twin's); the 2 % target is read on the mean. Checks come from
+the optimizer over the twin's); the 2 % target is read on the mean. Then the mean gap at every shared evaluation. Checks come from
 ``compcomm.bench.train_report.loss_checks`` (the report's own table, one seed at a time).
 """
 
@@ -39,7 +39,10 @@ def gaps(runs: Dict[int, List[dict]]) -> Dict[Tuple, List[dict]]:
             if c["val_loss"] is None or c["stopped"] or c["twin_stopped"]:
                 continue  # no common evaluation, or a run cut short: not the same steps
             key = (c["profile"], c["world_size"], c["optimizer"], c["twin"], c["kind"])
-            out.setdefault(key, []).append(dict(c, seed=seed))
+            curves = {r["optimizer"]: dict((e[0], e[1]) for e in r["val_curve"]) for r in runs[seed]
+                      if (r["profile"], r["world_size"]) == key[:2] and r.get("val_curve")}
+            out.setdefault(key, []).append(dict(c, seed=seed, curve=curves[c["optimizer"]],
+                                                twin_curve=curves[c["twin"]]))
     return out
 
 
@@ -49,7 +52,7 @@ def table(checks: Dict[Tuple, List[dict]], target: float) -> str:
              "|---|---:|---|---|---|---:|---:|---|---:|---:|---|---:|---|"]
     for (p, w, o, t, kind), cs in sorted(checks.items()):
         rel = [c["rel"] for c in cs]
-        sd = statistics.stdev(rel) if len(rel) > 1 else float("nan")
+        sd = f"{statistics.stdev(rel):.2%}" if len(rel) > 1 else ""
         pooled = statistics.mean(c["val_loss"] for c in cs) / \
             statistics.mean(c["twin_val_loss"] for c in cs) - 1
         per = ", ".join(f"{c['seed']}: {c['rel']:+.2%}" for c in cs)
@@ -57,8 +60,24 @@ def table(checks: Dict[Tuple, List[dict]], target: float) -> str:
         ok = "" if cs[0]["within_2pct"] is None else \
             ("yes" if statistics.mean(rel) <= target else "no")
         lines.append(f"| {p} | {w} | {o} | {t} | {kind} | {cs[0]['val_step']} | {len(cs)} | {per} | "
-                     f"{statistics.mean(rel):+.2%} | {sd:.2%} | {min(rel):+.2%} .. {max(rel):+.2%} | "
+                     f"{statistics.mean(rel):+.2%} | {sd} | {min(rel):+.2%} .. {max(rel):+.2%} | "
                      f"{pooled:+.2%} | {ok} |")
+    return "\n".join(lines)
+
+
+def by_evaluation(checks: Dict[Tuple, List[dict]]) -> str:
+    """The mean gap over the seeds at every evaluation all of them share (no-freeze twins)."""
+    lines = ["| profile | W | optimizer | twin | step | mean gap | largest gap (seed) |",
+             "|---|---:|---|---|---:|---:|---|"]
+    for (p, w, o, t, kind), cs in sorted(checks.items()):
+        if kind != "nofreeze":
+            continue
+        steps = sorted(set.intersection(*(set(c["curve"]) & set(c["twin_curve"]) for c in cs)))
+        for step in steps:
+            rel = [(c["curve"][step] / c["twin_curve"][step] - 1, c["seed"]) for c in cs]
+            hi = max(rel)
+            lines.append(f"| {p} | {w} | {o} | {t} | {step} | "
+                         f"{statistics.mean(r for r, _ in rel):+.2%} | {hi[0]:+.2%} ({hi[1]}) |")
     return "\n".join(lines)
 
 
@@ -71,6 +90,8 @@ def main(argv=None) -> None:
     if not checks:
         raise SystemExit("loss_seeds: no optimizer and twin ran to a common evaluation")
     print(table(checks, a.target))
+    print()
+    print(by_evaluation(checks))
 
 
 if __name__ == "__main__":

@@ -375,6 +375,8 @@ def test_seeds_and_loss_seeds_script(tmp_path):
     cells = [c.strip() for c in line.split("|")]
     assert cells[7] == "2" and f"0: {rel[0]:+.2%}" in cells[8] and f"1: {rel[1]:+.2%}" in cells[8]
     assert cells[9] == f"{(rel[0] + rel[1]) / 2:+.2%}" and cells[13] == "yes", line
+    # the per-evaluation table: the last evaluation (step 4) has the same mean gap
+    assert f"| loopback | 2 | onebitadam | onebitadam_nofreeze | 4 | {cells[9]} |" in out, out
     bad = subprocess.run([sys.executable, script, str(tmp_path / "s0" / "t.json"), "--target",
                           "-1.0"], capture_output=True, text=True, check=True).stdout
     assert "| no |" in bad, bad
