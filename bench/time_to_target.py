@@ -26,7 +26,9 @@ def load_rows(paths: List[str], keys: Tuple[str, ...]) -> List[dict]:
     rows = []
     for p in paths:
         with open(p) as fh:
-            rows += [r for r in json.load(fh)["rows"] if all(r.get(k) is not None for k in keys)]
+            doc = json.load(fh)
+        seed = doc.get("meta", {}).get("seed", 0)  # compcomm-bench train --seed (0 before it)
+        rows += [dict(r, seed=seed) for r in doc["rows"] if all(r.get(k) is not None for k in keys)]
     return rows
 
 
@@ -72,8 +74,8 @@ def time_to(row: dict, step_costs: List[float], target: float):
 def table(loss_rows, costs, aliases, targets, profiles) -> str:
     """The markdown table: per target and link, every row's time to the target, fastest first."""
     priced = {(i, p): price(r, p, costs, aliases) for i, r in enumerate(loss_rows) for p in profiles}
-    lines = ["| target val loss | link | optimizer | final val loss | step | time s | tokens/s to target | x slowest |",
-             "|---:|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| target val loss | link | optimizer | seed | final val loss | step | time s | tokens/s to target | x slowest |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|"]
     for t in targets:
         for p in profiles:
             res = []
@@ -81,14 +83,17 @@ def table(loss_rows, costs, aliases, targets, profiles) -> str:
                 hit = time_to(r, priced[i, p], t)
                 tokens = r["batch"] * r["seq"] * r["world_size"]
                 res.append((r, hit, tokens))
-            slowest = max((h[1] for _, h, _ in res if h), default=None)
+            slowest = {}  # per seed: rows of one seed compare with each other
+            for r, h, _ in res:
+                if h:
+                    slowest[r["seed"]] = max(slowest.get(r["seed"], 0.0), h[1])
             for r, hit, tokens in sorted(res, key=lambda x: x[1][1] if x[1] else float("inf")):
                 if hit is None:
-                    lines.append(f"| {t} | {p} | {r['optimizer']} | {r['final_val_loss']:.4f} | not reached | | | |")
+                    lines.append(f"| {t} | {p} | {r['optimizer']} | {r['seed']} | {r['final_val_loss']:.4f} | not reached | | | |")
                     continue
                 step, sec = hit
-                lines.append(f"| {t} | {p} | {r['optimizer']} | {r['final_val_loss']:.4f} | {step} | {sec:.0f} | "
-                             f"{step * tokens / sec:,.0f} | {slowest / sec:.1f}x |")
+                lines.append(f"| {t} | {p} | {r['optimizer']} | {r['seed']} | {r['final_val_loss']:.4f} | {step} | {sec:.0f} | "
+                             f"{step * tokens / sec:,.0f} | {slowest[r['seed']] / sec:.1f}x |")
     return "\n".join(lines)
 
 

@@ -331,21 +331,27 @@ def test_time_to_target_script(tmp_path):
     # the first step (9.0) is left out: warm-up 5.0, compressed median of 0.4, 0.5, 0.6
     timing = {"rows": [timing_row("onebit", ["warmup"] * 3 + ["compressed"] * 3, [9.0, 5.0, 5.0, 0.4, 0.6, 0.5]),
                        timing_row("zo", ["var", "var", "sync", "sync"], [9.0, 4.0, 1.0, 1.0]), failed]}
+    # another seed's run (compcomm-bench train --seed 3): its rows are labelled and compared apart
+    seed3 = {"meta": {"seed": 3}, "rows": [loss_row("onebit", ["warmup"] * 2 + ["compressed"] * 4,
+                                                    [[2, 3.0], [4, 2.6], [6, 2.39]])]}
     (tmp_path / "l.json").write_text(json.dumps(loss))
+    (tmp_path / "l3.json").write_text(json.dumps(seed3))
     (tmp_path / "t.json").write_text(json.dumps(timing))
     script = os.path.join(os.path.dirname(__file__), "..", "bench", "time_to_target.py")
-    cmd = [sys.executable, script, "--loss", str(tmp_path / "l.json"), "--timing", str(tmp_path / "t.json"),
-           "--targets", "2.4,2.25"]
+    cmd = [sys.executable, script, "--loss", str(tmp_path / "l.json"), str(tmp_path / "l3.json"),
+           "--timing", str(tmp_path / "t.json"), "--targets", "2.4,2.25"]
     bad = subprocess.run(cmd, capture_output=True, text=True)
     assert bad.returncode != 0 and "no timing for twin" in bad.stderr, bad.stderr
     out = subprocess.run(cmd + ["--price", "twin=onebit:warmup", "--price", "zo:g1=zo:sync"],
                          capture_output=True, text=True, check=True).stdout
     # onebit: 2 x 5.0 + 2 x 0.5 = 11 s to step 4 (2.4); twin: 6 x 5.0 = 30 s to step 6 (2.3 <= 2.4);
     # zo: 2 x 4.0 + 1 x 1.0 (g1 priced as sync) = 9 s to step 3
-    assert "| 2.4 | eth1g | zo | 2.2000 | 3 | 9 | 5 | 3.3x |" in out, out
-    assert "| 2.4 | eth1g | onebit | 2.2000 | 4 | 11 | 6 | 2.7x |" in out, out
-    assert "| 2.4 | eth1g | twin | 2.3000 | 6 | 30 | 3 | 1.0x |" in out, out
-    assert "| 2.25 | eth1g | twin | 2.3000 | not reached |" in out and "broken" not in out, out
+    assert "| 2.4 | eth1g | zo | 0 | 2.2000 | 3 | 9 | 5 | 3.3x |" in out, out
+    assert "| 2.4 | eth1g | onebit | 0 | 2.2000 | 4 | 11 | 6 | 2.7x |" in out, out
+    assert "| 2.4 | eth1g | twin | 0 | 2.3000 | 6 | 30 | 3 | 1.0x |" in out, out
+    assert "| 2.25 | eth1g | twin | 0 | 2.3000 | not reached |" in out and "broken" not in out, out
+    # seed 3: 2 x 5.0 + 4 x 0.5 = 12 s to step 6, the only row of its seed to get there
+    assert "| 2.4 | eth1g | onebit | 3 | 2.3900 | 6 | 12 | 8 | 1.0x |" in out, out
 
 
 def test_seeds_and_loss_seeds_script(tmp_path):
