@@ -7,7 +7,7 @@ half an hour of device time.
 
     python bench/time_to_target.py --loss L1.json L2.json --timing T1.json T2.json \\
         --price onebitadam_nofreeze=onebitadam:warmup --price zerooneadam:grad1bit=zerooneadam:sync \\
-        --targets 2.35,2.30
+        --targets 2.35,2.30 [--plot loss_vs_time.png]
 
 ``--price ROW[:PHASE]=TIMED_ROW:PHASE`` prices a loss row (or one of its phases) by another timed
 row's phase (a row that was not timed, or a phase the short timing run did not reach).
@@ -71,6 +71,42 @@ def time_to(row: dict, step_costs: List[float], target: float):
     return None
 
 
+def priced_curve(row: dict, step_costs: List[float]) -> Tuple[List[float], List[float]]:
+    """(seconds, validation loss) at each evaluation of a loss row: the row's curve on the link."""
+    return ([sum(step_costs[:int(e[0])]) for e in row["val_curve"]],
+            [e[1] for e in row["val_curve"]])
+
+
+def plot(loss_rows, costs, aliases, targets, profiles, path: str) -> None:
+    """Validation loss against the computed time on each link, one colour per optimizer (every
+    seed of it a line), the targets as dotted lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = sorted({r["optimizer"] for r in loss_rows})
+    colour = {n: plt.get_cmap("tab10")(i % 10) for i, n in enumerate(names)}
+    fig, axes = plt.subplots(1, len(profiles), figsize=(7 * len(profiles), 4.5), squeeze=False)
+    for ax, p in zip(axes[0], profiles):
+        labelled = set()
+        for r in loss_rows:
+            x, y = priced_curve(r, price(r, p, costs, aliases))
+            o = r["optimizer"]
+            ax.plot(x, y, color=colour[o], alpha=0.8, label=None if o in labelled else o)
+            labelled.add(o)
+        for t in targets:
+            ax.axhline(t, color="k", linestyle=":", linewidth=0.8)
+        ax.set_xlabel(f"seconds on {p} (computed: each step at its phase's measured median)")
+        ax.set_ylabel("validation loss (nats/byte)")
+        ax.set_title(f"{p}, W={loss_rows[0]['world_size']}", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
 def table(loss_rows, costs, aliases, targets, profiles) -> str:
     """The markdown table: per target and link, every row's time to the target, fastest first."""
     priced = {(i, p): price(r, p, costs, aliases) for i, r in enumerate(loss_rows) for p in profiles}
@@ -104,6 +140,7 @@ def main(argv=None) -> None:
     ap.add_argument("--price", action="append", default=[], help="ROW[:PHASE]=TIMED_ROW:PHASE")
     ap.add_argument("--targets", required=True, help="comma list of validation losses")
     ap.add_argument("--skip", default="", help="comma list of loss rows to leave out")
+    ap.add_argument("--plot", default=None, help="PNG: validation loss against time per link")
     a = ap.parse_args(argv)
     if any("=" not in p for p in a.price):
         ap.error("argument --price: need ROW[:PHASE]=TIMED_ROW:PHASE")
@@ -113,8 +150,10 @@ def main(argv=None) -> None:
                  if r["optimizer"] not in skip]
     timing = load_rows(a.timing, ("phase", "step_s"))
     profiles = sorted({r["profile"] for r in timing}, key=lambda p: (len(p), p))
-    print(table(loss_rows, phase_costs(timing), aliases,
-                [float(t) for t in a.targets.split(",")], profiles))
+    costs, targets = phase_costs(timing), [float(t) for t in a.targets.split(",")]
+    print(table(loss_rows, costs, aliases, targets, profiles))
+    if a.plot:
+        plot(loss_rows, costs, aliases, targets, profiles, a.plot)
 
 
 if __name__ == "__main__":

@@ -342,14 +342,20 @@ def test_time_to_target_script(tmp_path):
            "--timing", str(tmp_path / "t.json"), "--targets", "2.4,2.25"]
     bad = subprocess.run(cmd, capture_output=True, text=True)
     assert bad.returncode != 0 and "no timing for twin" in bad.stderr, bad.stderr
-    out = subprocess.run(cmd + ["--price", "twin=onebit:warmup", "--price", "zo:g1=zo:sync"],
-                         capture_output=True, text=True, check=True).stdout
+    png = tmp_path / "ttt.png"
+    out = subprocess.run(cmd + ["--price", "twin=onebit:warmup", "--price", "zo:g1=zo:sync",
+                                "--plot", str(png)], capture_output=True, text=True, check=True).stdout
+    assert png.stat().st_size > 10_000  # a figure, not an empty file
     # onebit: 2 x 5.0 + 2 x 0.5 = 11 s to step 4 (2.4); twin: 6 x 5.0 = 30 s to step 6 (2.3 <= 2.4);
     # zo: 2 x 4.0 + 1 x 1.0 (g1 priced as sync) = 9 s to step 3
     assert "| 2.4 | eth1g | zo | 0 | 2.2000 | 3 | 9 | 5 | 3.3x |" in out, out
     assert "| 2.4 | eth1g | onebit | 0 | 2.2000 | 4 | 11 | 6 | 2.7x |" in out, out
     assert "| 2.4 | eth1g | twin | 0 | 2.3000 | 6 | 30 | 3 | 1.0x |" in out, out
     assert "| 2.25 | eth1g | twin | 0 | 2.3000 | not reached |" in out and "broken" not in out, out
+    sys.path.insert(0, os.path.dirname(script))
+    import time_to_target as ttt  # the plotted points: each evaluation at its priced time
+    assert ttt.priced_curve(loss["rows"][0], [5.0, 5.0] + [0.5] * 4) == ([10.0, 11.0, 12.0],
+                                                                        [3.0, 2.4, 2.2])
     # seed 3: 2 x 5.0 + 4 x 0.5 = 12 s to step 6, the only row of its seed to get there
     assert "| 2.4 | eth1g | onebit | 3 | 2.3900 | 6 | 12 | 8 | 1.0x |" in out, out
 
