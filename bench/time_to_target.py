@@ -2,12 +2,13 @@
 ``compcomm-bench train``: loss runs (curves, each step's phase; on any link, they do not depend on
 it) and timing runs on the shaped links (median step time of each phase, the run's first step left
 out). Each step of a loss run is priced at its row's median for that phase on the link and W; the
-time to a loss is the sum up to the first evaluation at or below it. Computed, not run end to end: a 1 Gbit DDP run of 300 steps would take
-half an hour of device time.
+time to a loss is the sum up to the first evaluation at or below it. Computed, not run end to end:
+a 1 Gbit DDP run of 300 steps would take half an hour of device time.
 
     python bench/time_to_target.py --loss L1.json L2.json --timing T1.json T2.json \\
-        --price onebitadam_nofreeze=onebitadam:warmup --price zerooneadam:grad1bit=zerooneadam:sync \\
-        --targets 2.35,2.30 [--plot loss_vs_time.png]
+        --price onebitadam_nofreeze=onebitadam:warmup \\
+        --price zerooneadam:grad1bit=zerooneadam:sync \\
+        --targets 2.35,2.30 [--vs ddp_adamw] [--plot loss_vs_time.png]
 
 ``--price ROW[:PHASE]=TIMED_ROW:PHASE`` prices a loss row (or one of its phases) by another timed
 row's phase (a row that was not timed, or a phase the short timing run did not reach).
@@ -99,7 +100,8 @@ def plot(loss_rows, costs, aliases, targets, profiles, path: str) -> None:
             ax.axhline(t, color="k", linestyle=":", linewidth=0.8)
         ax.set_xlabel(f"seconds on {p} (computed: each step at its phase's measured median)")
         ax.set_ylabel("validation loss (nats/byte)")
-        ax.set_title(f"{p}, W={loss_rows[0]['world_size']}", fontsize=10)
+        ws = ",".join(str(w) for w in sorted({r["world_size"] for r in loss_rows}))
+        ax.set_title(f"{p}, W={ws}", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -107,39 +109,45 @@ def plot(loss_rows, costs, aliases, targets, profiles, path: str) -> None:
     plt.close(fig)
 
 
-def table(loss_rows, costs, aliases, targets, profiles) -> str:
-    """The markdown table: per target and link, every row's time to the target, fastest first."""
-    priced = {(i, p): price(r, p, costs, aliases) for i, r in enumerate(loss_rows) for p in profiles}
-    lines = ["| target val loss | link | optimizer | seed | final val loss | step | time s | tokens/s to target | x slowest |",
+def table(loss_rows, costs, aliases, targets, profiles, vs=None) -> str:
+    """The markdown table: per target and link, every row's time to the target, fastest first, and
+    how many times faster than the row `vs` of the same seed (default: the seed's slowest row that
+    reached the target, whatever its optimizer)."""
+    priced = {(i, p): price(r, p, costs, aliases)
+              for i, r in enumerate(loss_rows) for p in profiles}
+    lines = ["| target val loss | link | optimizer | seed | final val loss | step | time s | "
+             f"tokens/s to target | x {vs or 'slowest'} |",
              "|---:|---|---|---:|---:|---:|---:|---:|---:|"]
     for t in targets:
         for p in profiles:
-            res = []
-            for i, r in enumerate(loss_rows):
-                hit = time_to(r, priced[i, p], t)
-                tokens = r["batch"] * r["seq"] * r["world_size"]
-                res.append((r, hit, tokens))
-            slowest = {}  # per seed: rows of one seed compare with each other
-            for r, h, _ in res:
-                if h:
-                    slowest[r["seed"]] = max(slowest.get(r["seed"], 0.0), h[1])
-            for r, hit, tokens in sorted(res, key=lambda x: x[1][1] if x[1] else float("inf")):
+            res = [(r, time_to(r, priced[i, p], t)) for i, r in enumerate(loss_rows)]
+            base: Dict[int, float] = {}  # per seed: rows of one seed compare with each other
+            for r, hit in res:
+                if hit and (r["optimizer"] == vs or vs is None):
+                    base[r["seed"]] = max(base.get(r["seed"], 0.0), hit[1])
+            for r, hit in sorted(res, key=lambda x: x[1][1] if x[1] else float("inf")):
+                head = f"| {t} | {p} | {r['optimizer']} | {r['seed']} | {r['final_val_loss']:.4f} |"
                 if hit is None:
-                    lines.append(f"| {t} | {p} | {r['optimizer']} | {r['seed']} | {r['final_val_loss']:.4f} | not reached | | | |")
+                    lines.append(f"{head} not reached | | | |")
                     continue
                 step, sec = hit
-                lines.append(f"| {t} | {p} | {r['optimizer']} | {r['seed']} | {r['final_val_loss']:.4f} | {step} | {sec:.0f} | "
-                             f"{step * tokens / sec:,.0f} | {slowest[r['seed']] / sec:.1f}x |")
+                tokens = r["batch"] * r["seq"] * r["world_size"]
+                x = f"{base[r['seed']] / sec:.1f}x" if r["seed"] in base else ""
+                lines.append(f"{head} {step} | {sec:.0f} | {step * tokens / sec:,.0f} | {x} |")
     return "\n".join(lines)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--loss", nargs="+", required=True, help="loss-run JSONs (compcomm-bench train)")
-    ap.add_argument("--timing", nargs="+", required=True, help="timing-run JSONs on the shaped links")
+    ap.add_argument("--loss", nargs="+", required=True,
+                    help="loss-run JSONs (compcomm-bench train)")
+    ap.add_argument("--timing", nargs="+", required=True,
+                    help="timing-run JSONs on the shaped links")
     ap.add_argument("--price", action="append", default=[], help="ROW[:PHASE]=TIMED_ROW:PHASE")
     ap.add_argument("--targets", required=True, help="comma list of validation losses")
     ap.add_argument("--skip", default="", help="comma list of loss rows to leave out")
+    ap.add_argument("--vs", default=None,
+                    help="the row each row's speed-up is against (same seed; default: the slowest)")
     ap.add_argument("--plot", default=None, help="PNG: validation loss against time per link")
     a = ap.parse_args(argv)
     if any("=" not in p for p in a.price):
@@ -151,7 +159,7 @@ def main(argv=None) -> None:
     timing = load_rows(a.timing, ("phase", "step_s"))
     profiles = sorted({r["profile"] for r in timing}, key=lambda p: (len(p), p))
     costs, targets = phase_costs(timing), [float(t) for t in a.targets.split(",")]
-    print(table(loss_rows, costs, aliases, targets, profiles))
+    print(table(loss_rows, costs, aliases, targets, profiles, a.vs))
     if a.plot:
         plot(loss_rows, costs, aliases, targets, profiles, a.plot)
 

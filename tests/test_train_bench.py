@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import os
 import subprocess
 import sys
@@ -308,7 +309,7 @@ def test_lamb_row_is_onebitlamb_twin():
     assert checks[0]["rel"] == pytest.approx(2.1346 / 2.2012 - 1) and checks[0]["within_2pct"]
 
 
-def test_time_to_target_script(tmp_path):
+def test_time_to_target_script(tmp_path, monkeypatch):
     """bench/time_to_target.py prices each step of a loss run by its phase's median on the link
     (the timing run's first step left out; aliases for rows or phases not timed), stops at the
     first evaluation at or below the target, and leaves failed rows out."""
@@ -352,12 +353,17 @@ def test_time_to_target_script(tmp_path):
     assert "| 2.4 | eth1g | onebit | 0 | 2.2000 | 4 | 11 | 6 | 2.7x |" in out, out
     assert "| 2.4 | eth1g | twin | 0 | 2.3000 | 6 | 30 | 3 | 1.0x |" in out, out
     assert "| 2.25 | eth1g | twin | 0 | 2.3000 | not reached |" in out and "broken" not in out, out
-    sys.path.insert(0, os.path.dirname(script))
+    monkeypatch.syspath_prepend(os.path.dirname(script))
     import time_to_target as ttt  # the plotted points: each evaluation at its priced time
     assert ttt.priced_curve(loss["rows"][0], [5.0, 5.0] + [0.5] * 4) == ([10.0, 11.0, 12.0],
                                                                         [3.0, 2.4, 2.2])
     # seed 3: 2 x 5.0 + 4 x 0.5 = 12 s to step 6, the only row of its seed to get there
     assert "| 2.4 | eth1g | onebit | 3 | 2.3900 | 6 | 12 | 8 | 1.0x |" in out, out
+    # --vs: against a named row of the same seed (seed 3 has no twin: no ratio)
+    vs = subprocess.run(cmd + ["--price", "twin=onebit:warmup", "--price", "zo:g1=zo:sync",
+                               "--vs", "twin"], capture_output=True, text=True, check=True).stdout
+    assert "| x twin |" in vs and "| 2.4 | eth1g | zo | 0 | 2.2000 | 3 | 9 | 5 | 3.3x |" in vs, vs
+    assert "| 2.4 | eth1g | onebit | 3 | 2.3900 | 6 | 12 | 8 |  |" in vs, vs
 
 
 def test_seeds_and_loss_seeds_script(tmp_path):
@@ -366,13 +372,22 @@ def test_seeds_and_loss_seeds_script(tmp_path):
     and their mean, and reads the 2 % target on the mean."""
     from compcomm.bench.train_report import loss_checks
 
+    import torch
+    from compcomm.bench.train_rank import train_batches
+
+    for rank in (0, 3):  # seed 0 draws the offsets of the runs made before --seed
+        old = torch.Generator().manual_seed(10_000 * (rank + 1))
+        assert torch.equal(torch.randint(0, 10**6, (8,), generator=train_batches(0, rank)),
+                           torch.randint(0, 10**6, (8,), generator=old))
+        assert not torch.equal(torch.randint(0, 10**6, (8,), generator=train_batches(1, rank)),
+                               torch.randint(0, 10**6, (8,), generator=train_batches(0, rank)))
     opts = "onebitadam,onebitadam_nofreeze"
     docs = {}
     for seed in (0, 1):
         d = tmp_path / f"s{seed}"
         d.mkdir()
-        docs[seed] = _run(d, "loopback", opts, "--seed", str(seed))
-        assert docs[seed]["meta"]["seed"] == seed
+        docs[seed] = _run(d, "loopback", opts, *(["--seed", "1"] if seed else []))
+        assert docs[seed]["meta"]["seed"] == seed  # 0 without the flag
     r0, r1 = ({r["optimizer"]: r for r in docs[s]["rows"]} for s in (0, 1))
     assert r0["onebitadam"]["loss"][0] != r1["onebitadam"]["loss"][0]
     # one seed's two rows share the warm-up steps (the same model, batches and Adam steps)
@@ -385,10 +400,59 @@ def test_seeds_and_loss_seeds_script(tmp_path):
                          capture_output=True, text=True, check=True).stdout
     line = next(ln for ln in out.splitlines() if "| onebitadam | onebitadam_nofreeze |" in ln)
     cells = [c.strip() for c in line.split("|")]
-    assert cells[7] == "2" and f"0: {rel[0]:+.2%}" in cells[8] and f"1: {rel[1]:+.2%}" in cells[8]
+    assert cells[7] == "2" and cells[8] == f"0: {rel[0]:+.2%}, 1: {rel[1]:+.2%}", line
     assert cells[9] == f"{(rel[0] + rel[1]) / 2:+.2%}" and cells[13] == "yes", line
+    assert cells[10] == f"{statistics.stdev(rel):.2%}", line
+    assert cells[11] == f"{min(rel):+.2%} .. {max(rel):+.2%}", line
     # the per-evaluation table: the last evaluation (step 4) has the same mean gap
     assert f"| loopback | 2 | onebitadam | onebitadam_nofreeze | 4 | {cells[9]} |" in out, out
-    bad = subprocess.run([sys.executable, script, str(tmp_path / "s0" / "t.json"), "--target",
-                          "-1.0"], capture_output=True, text=True, check=True).stdout
-    assert "| no |" in bad, bad
+    # the mean gap against a target between the two seeds' gaps: read on the mean, not per seed
+    mid = subprocess.run([sys.executable, script, str(tmp_path / "s0" / "t.json"),
+                          str(tmp_path / "s1" / "t.json"), "--target", str(sum(rel) / 2 - 1e-9)],
+                         capture_output=True, text=True, check=True).stdout
+    assert "| onebitadam_nofreeze | nofreeze | 4 | 2 |" in mid and mid.count("| no |") == 1, mid
+
+
+def test_loss_seeds_rejects_and_reports(tmp_path, capsys):
+    """bench/loss_seeds.py refuses runs of different configurations and a row given twice for one
+    seed, keeps gaps taken at different steps apart, names seeds left out (a row stopped early)
+    on stderr, and says when the seeds share no evaluation; a JSON without meta is seed 0."""
+    import json
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    try:
+        import loss_seeds
+    finally:
+        sys.path.pop(0)
+
+    def row(name, curve, stopped=False):
+        return {"profile": "eth1g", "world_size": 2, "optimizer": name, "loss": [3.0, curve[-1][1]],
+                "val_curve": curve, "stopped_early": stopped}
+
+    def write(name, seed, rows, lr=1e-3):
+        doc = {"rows": rows} if seed is None else {"meta": {"seed": seed, "lr": lr}, "rows": rows}
+        (tmp_path / name).write_text(json.dumps(doc))
+        return str(tmp_path / name)
+
+    twin = [[2, 3.0], [4, 2.0]]
+    a = write("a.json", None, [row("onebitadam", [[2, 3.0], [4, 2.1]]),
+                               row("onebitadam_nofreeze", twin)])
+    b = write("b.json", 1, [row("onebitadam", [[3, 3.0], [6, 2.2]]),
+                            row("onebitadam_nofreeze", [[3, 3.0], [6, 2.0]])], lr=2e-3)
+    with pytest.raises(SystemExit, match="differ in lr"):
+        loss_seeds.by_seed([write("m.json", 0, []), b])
+    with pytest.raises(SystemExit, match="onebitadam is in two runs of seed 0"):
+        loss_seeds.by_seed([a, write("a2.json", 0, [row("onebitadam", twin)], lr=None)])
+    b = write("b.json", 1, [row("onebitadam", [[3, 3.0], [6, 2.2]]),
+                            row("onebitadam_nofreeze", [[3, 3.0], [6, 2.0]])], lr=None)
+    c = write("c.json", 2, [row("onebitadam", [[2, 3.0], [4, 2.2]], stopped=True),
+                            row("onebitadam_nofreeze", twin)], lr=None)
+    checks = loss_seeds.gaps(loss_seeds.by_seed([a, b, c]))
+    assert "seed 2: onebitadam against onebitadam_nofreeze left out" in capsys.readouterr().err
+    nofreeze = {k[-1]: [x["seed"] for x in v] for k, v in checks.items() if k[4] == "nofreeze"}
+    assert nofreeze == {4: [0], 6: [1]}  # steps 4 and 6 are not averaged together
+    out = loss_seeds.table(checks, 0.02)
+    assert "| 4 | 1 | 0: +5.00% | +5.00% |" in out and "| 6 | 1 | 1: +10.00% |" in out, out
+    one = {k: v for k, v in checks.items() if k[-1] == 4}
+    one[next(iter(one))][0]["curve"] = {5: 2.0}  # no evaluation shared with the twin's
+    assert "no evaluation shared by every seed" in loss_seeds.by_evaluation(one)

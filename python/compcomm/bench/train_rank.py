@@ -65,6 +65,15 @@ def load_text(nbytes: int) -> bytes:
 # ------------------------------------------------------------------------------------------------
 # one rank
 # ------------------------------------------------------------------------------------------------
+def train_batches(seed: int, rank: int) -> Any:
+    """The generator of a rank's training batch offsets: the same batches in every run of a seed
+    (seed 0: the stream of the runs made before --seed existed). The model's initialisation is
+    ``torch.manual_seed(seed)``; the validation batches do not depend on the seed."""
+    import torch
+
+    return torch.Generator().manual_seed(10_000 * (rank + 1) + 1_000_003 * seed)
+
+
 def _sync(dev: Any) -> None:
     import torch
 
@@ -131,8 +140,7 @@ def _train_one(name: str, cfg: Dict[str, Any], rank: int, world: int, dev: Any, 
         rec.setdefault("reduce_bytes", [])
     grad_bytes = nparams * (2 if name == "ddp_adamw_bf16hook" else 4)
     ddp_bytes = 2 * (world - 1) * grad_bytes // world if world > 1 else 0
-    # the same batches in every run of a seed (seed 0: the streams of runs before --seed)
-    gen = torch.Generator().manual_seed(10_000 * (rank + 1) + 1_000_003 * cfg.get("seed", 0))
+    gen = train_batches(cfg.get("seed", 0), rank)
     seq, bsz = cfg["seq"], cfg["batch"]
     steps = cfg["steps"] if (name in COMPRESSED + IDENTITY or cfg["baseline_steps"] is None) \
         else cfg["baseline_steps"]
