@@ -43,6 +43,10 @@ constexpr uint32_t kHeaderMagic = 0xC0C0B175u;
 // Recognising them turns what would be a garbled exchange into RankMismatchError on every rank.
 constexpr uint32_t kBatchMagic = 0xC0C0BA7Cu;
 constexpr uint32_t kLayoutMagic = 0xC0C01A70u;  // = compcomm._agree._MAGIC
+// A rank whose own arguments failed their checks sends this record instead of a header (compcomm.
+// _agree.reject_exchange), so that its peers raise at once rather than wait for it or pair with its
+// next call.
+constexpr uint32_t kRejectMagic = 0xC0C0BAD5u;  // = compcomm._agree._REJECT_MAGIC
 constexpr uint32_t kFlagNonFinite = 1u;
 using Header = kernels::ExchangeHeader;
 constexpr int64_t kRecordScaleBytes = 16;  // the fp32 tau, padded so the signs stay 16-byte aligned
@@ -236,6 +240,9 @@ std::string out_of_step(const Header* h, int world, uint32_t expected) {
     else if (h[i].magic == kLayoutMagic)
       who += detail::concat(who.empty() ? "" : ", ", "rank ", i, ": a layout check (its parameters or "
                             "buckets changed on that rank only)");
+    else if (h[i].magic == kRejectMagic)
+      who += detail::concat(who.empty() ? "" : ", ", "rank ", i, ": rejected its arguments (its own "
+                            "TypeError or ValueError names them)");
     else
       return "";  // not a compcomm record: a malformed header
   }
@@ -244,19 +251,20 @@ std::string out_of_step(const Header* h, int world, uint32_t expected) {
 
 // Every rank sees every header, so every rank raises the same error.
 void check_headers(const Header* h, int world, int rank, const Header& mine) {
-  bool mismatch = false;
+  bool mismatch = false, dtypes = false;
   std::vector<int> nonfinite;
   for (int i = 0; i < world; ++i) {
     if (h[i].magic != kHeaderMagic && !out_of_step(h, world, kHeaderMagic).empty())
       throw RankMismatchError(detail::concat("[rank ", rank, "] compressed_allreduce: this rank passed one "
                                              "call, other ranks something else (",
-                                             out_of_step(h, world, kHeaderMagic), ")"),
+                                             out_of_step(h, world, kHeaderMagic), "); nothing was changed"),
                               "compressed_allreduce", "", 0, rank);
     if (h[i].magic != kHeaderMagic)
       throw BackendError(detail::concat("[rank ", rank, "] compressed_allreduce: rank ", i,
                                         " sent a malformed header (is every rank running compcomm?)"),
                          "compressed_allreduce", "", 0, rank);
     mismatch |= h[i].numel != mine.numel || h[i].padded != mine.padded || h[i].dtype != mine.dtype;
+    dtypes |= h[i].dtype != mine.dtype;
     if (h[i].flags & kFlagNonFinite) nonfinite.push_back(i);
   }
   if (mismatch) {
@@ -265,7 +273,8 @@ void check_headers(const Header* h, int world, int rank, const Header& mine) {
       sizes += detail::concat(i ? ", " : "", "rank ", i, ": numel=", h[i].numel, " padded=", h[i].padded,
                               " dtype=", dtype_name(static_cast<DType>(h[i].dtype)));
     throw RankMismatchError(detail::concat("[rank ", rank, "] compressed_allreduce: ranks passed "
-                                           "different tensor or error-buffer sizes (",
+                                           "different ", dtypes ? "tensor dtypes or sizes (" :
+                                           "tensor or error-buffer sizes (",
                                            sizes, ")"),
                             "compressed_allreduce", "", 0, rank);
   }
@@ -635,6 +644,27 @@ struct Call {
                    "decompress", rank);
   }
 
+  // After a whole call's commit on the host: a server scale that is not finite (a server_error holding
+  // NaN/Inf, or an overflow of the server's sum) made the guarded commit write nothing, so the call
+  // raises rather than return as if it had averaged. An allreduce's records are every rank's, so every
+  // rank raises alike; a reduce-scatter's rank sees only its own (the others' outputs were written).
+  // On a GPU the scales stay on the device (reading them would cost a second sync per call).
+  void check_server_scales() const {
+    if (cuda || padded == 0) return;
+    std::string who;
+    for (int j = 0; j < world; ++j) {
+      if (out != nullptr && j != rank) continue;
+      float tau_j;
+      std::memcpy(&tau_j, records + j * l.record_bytes, sizeof(float));
+      if (!std::isfinite(tau_j)) who += detail::concat(who.empty() ? "" : ", ", j);
+    }
+    if (!who.empty())
+      throw NonFiniteError(detail::concat("[rank ", rank, "] ", name, ": the server scale of the chunk(s) of "
+                                          "rank(s) ", who, " is not finite (that rank's server_error holds NaN "
+                                          "or Inf, or its sum overflows float32); nothing was changed"),
+                           name, "", 0, rank);
+  }
+
   // commit() of an allreduce (out == nullptr) as jobs of a batch: the gate of its record's scales
   // and the commit launch, whose guard is commit()'s (no_gate: commit()'s, for the caller's flag).
   kernels::GateJob gate_job() const {
@@ -702,6 +732,7 @@ void run_compressed(const char* name, Communicator& comm, const Buffer& tensor, 
   }
   if (phase & kCommit) c.commit();  // nothing to write when padded == 0
   if (defer && slot == nullptr) c.check();
+  if (phase == kWhole) c.check_server_scales();
 }
 
 // The staging of a batched exchange (byte offsets, each 256-byte aligned): headers, signs and records

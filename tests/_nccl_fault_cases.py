@@ -450,6 +450,37 @@ def torch_default_hung(side: Side) -> Dict[str, Any]:
     return res
 
 
+def one_rank_rejects(side: Side) -> Dict[str, Any]:
+    """The default path under init_process_group("nccl"): the last rank passes a bad argument (a
+    float64 CUDA tensor, then a CPU tensor), the others good ones. The last rank raises its own
+    TypeError/ValueError, the others RankMismatchError, each well within the timeout T (the
+    rejecting rank sends a record saying so in the header all-gather, on the GPU); nothing
+    changes; the next call pairs correctly (a constant input without padding is averaged
+    exactly)."""
+    import compcomm
+
+    odd = side.rank == side.world - 1
+    res: Dict[str, Any] = {"rank": side.rank}
+    dev = _device()
+    t, we, se = _compressed_inputs(side.rank, dev)
+    compcomm.compressed_allreduce(t, we, se)  # warm-up: makes the native communicator
+    torch.cuda.synchronize(dev)
+    res["exact"] = []
+    for case, bad in (("float64", lambda: t.double()), ("cpu", lambda: t.cpu())):
+        before = [x.clone() for x in (t, we, se)]
+        arg = bad() if odd else t
+        _attempt(res, case, lambda: compcomm.compressed_allreduce(arg, we, se, timeout=T))
+        torch.cuda.synchronize(dev)
+        res[case + "_unchanged"] = all(torch.equal(a, b) for a, b in zip(before, (t, we, se)))
+        u = torch.full((compcomm.padded_numel(1000, side.world),), float(side.rank + 1), device=dev)
+        ue, us = compcomm.error_buffers(u)
+        compcomm.compressed_allreduce(u, ue, us, timeout=T)
+        res["exact"].append(bool(torch.equal(u, torch.full_like(u, (side.world + 1) / 2))))
+    side.barrier("reject/done")
+    compcomm.shutdown()
+    return res
+
+
 # ---------------------------------------------------------------------------------------------
 # CPU check of the launcher itself (no NCCL, no GPU).
 

@@ -456,3 +456,28 @@ def staging_failure(rank: int, world: int) -> Dict[str, Any]:
     except Exception as e:  # noqa: BLE001
         res["again"] = type(e).__name__
     return res
+
+
+def lamb_resave(rank: int, world: int) -> bool:
+    """OneBitLamb (exact_resume) past its freeze, saved, loaded into a new optimizer and saved
+    again before a step: the second checkpoint's 'fused_pad' equals the first's."""
+    from compcomm import padded_numel
+    from compcomm.optim import OneBitLamb
+
+    def make():
+        ps = [torch.nn.Parameter(torch.full((5,), 1.0)), torch.nn.Parameter(torch.full((8,), 2.0))]
+        return ps, OneBitLamb(ps, lr=0.01, freeze_step=2, exact_resume=True)
+
+    ps, opt = make()
+    for i in range(4):
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * i + rank))
+        opt.step()
+    saved = opt.state_dict()
+    pad = saved["compcomm"]["fused_pad"]
+    assert pad.numel() == padded_numel(13, world) - 13, pad.numel()
+    pad.fill_(0.25)  # as a padding may hold after compression
+    _, again = make()
+    again.load_state_dict(saved)
+    resaved = again.state_dict()["compcomm"]
+    return "fused_pad" in resaved and torch.equal(resaved["fused_pad"], pad)

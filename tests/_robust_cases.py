@@ -68,8 +68,60 @@ def _collective_bad_inputs(rank: int, world: int) -> int:
     comm.reset_bytes_sent()
     for exc, match, fn in cases:
         _expect(exc, rf"\[rank {rank}\].*{match}", lambda: (t, we, se), fn)
-    assert comm.bytes_sent == 0, "a rejected call communicated"
+    # a rejected call sends only the 32-byte record that tells the peers so
+    assert comm.bytes_sent == len(cases) * compcomm.wire_bytes(0, world, padded=0), comm.bytes_sent
     ar(t, we, se)  # the buffers still work, and the ranks are still in step
+    return len(cases)
+
+
+# --------------------------------------------------------------------------------------------
+# one rank rejects its own arguments: the peers raise at once, and the ranks stay in step
+# --------------------------------------------------------------------------------------------
+ONE_SIDED_TIMEOUT = 60.0  # a regression (the peer waits for the rejecting rank) fails the test
+
+
+def _one_rank_rejects(rank: int, world: int) -> int:
+    """The last rank passes a bad argument, the others good ones: the last rank raises its own
+    TypeError/ValueError naming the argument, every other rank RankMismatchError naming the last
+    rank, well within the timeout; nothing changes; the next call pairs correctly."""
+    from compcomm.zero import compressed_reduce_scatter as crs
+
+    odd = rank == world - 1
+    g = torch.Generator().manual_seed(rank)
+    t = torch.randn(N, generator=g)
+    we, se = compcomm.error_buffers(t)
+    we.normal_(generator=g)
+    ar = compcomm.compressed_allreduce
+    leaf = t.clone().requires_grad_()
+    cases = [
+        (TypeError, "'tensor' must be float32.*got torch.float64",
+         lambda: ar(t.double() if odd else t, we, se, timeout=ONE_SIDED_TIMEOUT)),
+        (ValueError, "'worker_error' has 8 elements",
+         lambda: ar(t, we[:8] if odd else we, se, timeout=ONE_SIDED_TIMEOUT)),
+        (ValueError, "'server_error' must be 1-D",
+         lambda: ar(t, we, se.view(-1, 1) if odd else se, timeout=ONE_SIDED_TIMEOUT)),
+        (ValueError, "'tensor' requires grad",
+         lambda: ar(leaf if odd else t, we, se, timeout=ONE_SIDED_TIMEOUT)),
+        (ValueError, "'timeout' must be positive",
+         lambda: ar(t, we, se, timeout=-1.0 if odd else ONE_SIDED_TIMEOUT)),
+        (TypeError, "compressed_reduce_scatter: argument 'tensor' must be float32.*got torch.int32",
+         lambda: crs(t.int() if odd else t, we, se, timeout=ONE_SIDED_TIMEOUT)),
+    ]
+    for exc, match, fn in cases:
+        start = time.monotonic()
+        if odd:
+            _expect(exc, rf"\[rank {rank}\].*{match}", lambda: (t, we, se), fn)
+        else:
+            _expect(errors.RankMismatchError,
+                    rf"\[rank {rank}\].*rank {world - 1}: rejected its arguments",
+                    lambda: (t, we, se), fn)
+        assert time.monotonic() - start < ONE_SIDED_TIMEOUT / 2, (match, "the peers waited")
+        # in step: the next call is the same call on every rank (its result identical everywhere)
+        # (no padding, so a constant tensor is compressed exactly)
+        u = torch.full((compcomm.padded_numel(N, world),), float(rank + 1))
+        ue, us = compcomm.error_buffers(u)
+        ar(u, ue, us, timeout=ONE_SIDED_TIMEOUT)
+        assert torch.equal(u, torch.full_like(u, (world + 1) / 2)), u[:4]
     return len(cases)
 
 
@@ -553,3 +605,35 @@ def _rank_zero_onebit_failed_exchange(rank: int, world: int, stage: int) -> dict
                        "state": z.optimizer.state_dict()["state"],
                        "errors": {str(k): v[:2] for k, v in buffers.items()}})
     return {"raised": raised, "unchanged": before == after}
+
+
+# --------------------------------------------------------------------------------------------
+# a server_error that is not finite: a typed error, not a call that returns without averaging
+# --------------------------------------------------------------------------------------------
+def _nonfinite_server_error(rank: int, world: int) -> int:
+    """The last rank's server_error holds NaN (Inf for the reduce-scatter): compressed_allreduce
+    raises NonFiniteError on every rank naming that rank, compressed_reduce_scatter on that rank
+    only (the others' outputs are written); nothing changes where it raised."""
+    from compcomm.zero import compressed_reduce_scatter as crs
+
+    odd = rank == world - 1
+    t = torch.randn(N, generator=torch.Generator().manual_seed(rank))
+    we, se = compcomm.error_buffers(t)
+    if odd:
+        se[3] = float("nan")
+    who = (rf"\[rank {rank}\] compressed_allreduce: the server scale of the chunk\(s\) of "
+           rf"rank\(s\) {world - 1} ")
+    _expect(errors.NonFiniteError, who, lambda: (t, we, se),
+            compcomm.compressed_allreduce, t, we, se)
+    if odd:
+        se[3] = float("inf")
+        _expect(errors.NonFiniteError,
+                rf"\[rank {rank}\] compressed_reduce_scatter: .*rank\(s\) {rank} ",
+                lambda: (t, we, se), crs, t, we, se)
+        se.zero_()
+    else:
+        out = crs(t.clone(), we.clone(), se.clone())
+        assert torch.isfinite(out).all()
+    compcomm.compressed_allreduce(t, we, se)  # in step, and the buffers work again
+    assert torch.isfinite(t).all()
+    return 2

@@ -135,9 +135,11 @@ def check(rank: int, world: int, directory: str, scratch: str) -> List[str]:
         z.close()
         # The files are compared bit for bit above; the continued steps only to a few ulps: the
         # expected trajectory was computed on one machine, and torch's vectorized CPU math (sqrt,
-        # division) differs by an ulp between CPUs (seen in CI: 2.4e-7 relative at one element).
+        # division) differs by an ulp between CPUs, and the steps compound it (seen in CI: 2.4e-7
+        # relative at one element; on an AMD EPYC VM 2.8e-6 at an element of 0.027 after 8 steps).
+        # A change of the update's formula moves elements by far more than 1e-5.
         for t, (a, e) in enumerate(zip(got, expected[name]), start=case["save_at"] + 1):
-            np.testing.assert_allclose(a, e, rtol=2e-6, atol=1e-8,
+            np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-7,
                                        err_msg=f"{name}: rank {rank} step {t}")
         done.append(name)
     return done

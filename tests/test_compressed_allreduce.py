@@ -94,12 +94,14 @@ def test_accepts_any_multiple_of_8w():
 
 def test_server_overflow_writes_nothing():
     """Finite inputs whose server sum overflows (a huge server error): the commit is guarded by
-    the server scale on every backend (as on NCCL), so nothing is written and nothing raises."""
+    the server scale on every backend (as on NCCL), so nothing is written; on the CPU the call
+    then raises NonFiniteError (it used to return as if it had averaged)."""
     t = torch.full((16,), 5e37)
     t[::2] *= -1  # sigma = 5e37, finite
     we, se = compcomm.error_buffers(t)
     se.fill_(3.3e38)  # c = +-5e37 + 3.3e38 overflows float32 (the unguarded commit wrote inf, NaN)
     before = [x.clone() for x in (t, we, se)]
-    compcomm.compressed_allreduce(t, we, se)
+    with pytest.raises(compcomm.errors.NonFiniteError, match="server scale.*overflows"):
+        compcomm.compressed_allreduce(t, we, se)
     for got, want in zip((t, we, se), before):
         assert torch.equal(got, want)

@@ -161,6 +161,27 @@ def test_default_path_under_torch_hung_peer_times_out(world):
     launch.assert_clean_exit()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 3])
+def test_one_rank_with_a_bad_argument_makes_every_rank_raise(world):
+    """On the native NCCL communicator (the default path under torch): the peers raise
+    RankMismatchError at once rather than wait until T or pair with the next call."""
+    skip_unless(_no_native_nccl())
+    if not torch.distributed.is_nccl_available():
+        pytest.skip("torch was built without NCCL (torch.distributed.is_nccl_available() is False)")
+    launch = C.launch(world, C.one_rank_rejects, pg_backend="nccl", timeout=240)
+    for r, res in enumerate(launch.results):
+        for case, want in (("float64", "TypeError"), ("cpu", "ValueError")):
+            if r == world - 1:
+                assert res[case] == want, res
+            else:
+                assert res[case] == "RankMismatchError", res
+                assert f"rank {world - 1}: rejected its arguments" in res[case + "_msg"], res
+            assert res[case + "_s"] < C.T / 2 and res[case + "_unchanged"], res
+        assert res["exact"] == [True, True], res
+    launch.assert_clean_exit()
+
+
 # ---------------------------------------------------------------------------------------------
 # The launcher, on CPU (runs everywhere: no NCCL, no GPU).
 

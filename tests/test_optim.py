@@ -184,6 +184,13 @@ def test_exact_resume_reproduces_uninterrupted_run():
         assert ck["mask_new_wins"] and ck["mask_dropped"] and ck["freeze_key_after_load"]
 
 
+def test_lamb_state_dict_right_after_a_load_is_the_loaded_one():
+    """OneBitLamb keeps its fused momentum's padding for exact resume; saved again before any
+    step, the checkpoint still holds it (a regression: 'fused_pad' is dropped, so a resume from
+    the re-saved file is not exact)."""
+    assert run_ranks(2, C.lamb_resave, timeout=120) == [True, True]
+
+
 def test_exact_checkpoint_on_other_world_size_warns_and_resets():
     blob = results(EXTRAS_WORLD)[0]["ckpt"]["adam_exact_sd_rank0"]
     sd = torch.load(io.BytesIO(blob), weights_only=False)
@@ -275,6 +282,32 @@ def test_bad_arguments_raise(cls):
         cls([{"params": [_p(3, 4)], "exp_avg_mask": torch.ones(5)}])
     with pytest.raises(ValueError, match="comm_backend_name"):
         cls([_p(3)], comm_backend_name="carrier-pigeon")
+    # the rank is named; non-finite values, a bare number for betas, per-group values, unknown
+    # keys and float64 parameters are refused when the optimizer is built (before any step)
+    with pytest.raises(ValueError,
+                       match=rf"^\[rank 0\] {cls.__name__}: argument 'lr' must be a finite"):
+        cls([_p(3)], lr=float("inf"))
+    with pytest.raises(ValueError, match="argument 'weight_decay' must be a finite"):
+        cls([_p(3)], weight_decay=float("inf"))
+    with pytest.raises(TypeError, match=r"\[rank 0\].*argument 'betas' must be a pair"):
+        cls([_p(3)], betas=0.9)
+    with pytest.raises(TypeError, match="argument 'eps' must be a number"):
+        cls([_p(3)], eps="1e-8")
+    with pytest.raises(ValueError,
+                       match=r"param group 1: 'lr' must be a finite number >= 0, got -0.5"):
+        cls([{"params": [_p(3)]}, {"params": [_p(2)], "lr": -0.5}])
+    with pytest.raises(ValueError, match=r"param group 0: 'betas' must be two numbers"):
+        cls([{"params": [_p(3)], "betas": (0.9, 0.999, 0.5)}])
+    with pytest.raises(ValueError, match=r"param group 0 has unknown key\(s\) \['weight_decy'\]"):
+        cls([{"params": [_p(3)], "weight_decy": 0.1}])
+    with pytest.raises(TypeError, match=r"param group 0: parameter 1 is torch.float64"):
+        cls([_p(3), torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))])
+    opt = cls([_p(3)])  # add_param_group after construction: checked too, nothing added on error
+    with pytest.raises(TypeError, match=r"param group 1: parameter 0 is torch.float64"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))]})
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": [_p(2)], "lr": 0.5, "name": "head"})
+    assert len(opt.param_groups) == 2
 
 
 def test_bad_schedule_arguments_raise():
@@ -288,6 +321,12 @@ def test_bad_schedule_arguments_raise():
         ZeroOneAdam([_p(3)], local_step_clipper=0)
     with pytest.raises(ValueError, match="'min_coeff'"):
         OneBitLamb([_p(3)], min_coeff=2.0, max_coeff=1.0)
+    with pytest.raises(ValueError, match="'max_coeff' must be a finite number > 0"):
+        OneBitLamb([_p(3)], max_coeff=float("inf"))
+    with pytest.raises(TypeError, match="'coeff_beta' must be a number"):
+        OneBitLamb([_p(3)], coeff_beta="0.9")
+    with pytest.raises(ValueError, match="'factor_threshold' must be a finite number"):
+        OneBitLamb([_p(3)], factor_threshold=float("nan"))
 
 
 def test_unavailable_backend_raises_unsupported():

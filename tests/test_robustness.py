@@ -20,6 +20,8 @@ import torch
 import compcomm
 from _robust_cases import (
     _collective_bad_inputs,
+    _nonfinite_server_error,
+    _one_rank_rejects,
     _rank_from_config,
     _rank_one_communicator_two_threads,
     _rank_optimizer_bad_loads,
@@ -43,6 +45,40 @@ def test_collective_overlap_and_timeout_rejected_on_every_rank(world):
         assert _collective_bad_inputs(0, 1) == 10
     else:
         assert run_ranks(world, _collective_bad_inputs, timeout=240) == [10] * world
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_one_rank_with_a_bad_argument_makes_every_rank_raise(world):
+    """A regression: the peers wait in the header exchange until their timeout, or pair with the
+    rejecting rank's next call (silently wrong averages)."""
+    assert run_ranks(world, _one_rank_rejects, timeout=240) == [6] * world
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_nonfinite_server_error_raises(world):
+    """A regression: the call returns normally with nothing averaged (the commit skipped)."""
+    if world == 1:
+        assert _nonfinite_server_error(0, 1) == 2
+    else:
+        assert run_ranks(world, _nonfinite_server_error, timeout=240) == [2] * world
+
+
+def test_tensor_that_requires_grad():
+    """Rejected under grad mode (an in-place write autograd cannot follow); under no_grad written
+    as an in-place op: its version is bumped, so a graph that saved it raises at backward."""
+    x = torch.randn(100, requires_grad=True)
+    we, se = compcomm.error_buffers(x)
+    with pytest.raises(ValueError,
+                       match=r"\[rank 0\] compressed_allreduce: argument 'tensor' requires grad"):
+        compcomm.compressed_allreduce(x, we, se)
+    y = x * 2
+    loss = (y * y).sum()  # saves y
+    version = y._version
+    with torch.no_grad():
+        compcomm.compressed_allreduce(y, we, se)
+    assert y._version == version + 1
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
 
 
 def test_two_threads_on_two_communicators_match_sequential():

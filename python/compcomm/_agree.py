@@ -30,12 +30,16 @@ from ._comm import wait_cancellable
 from ._defaults import DEFAULT_TIMEOUT
 from .errors import RankMismatchError
 
-__all__ = ["LayoutCheck", "digest", "agree_layout", "schedule_fields"]
+__all__ = ["LayoutCheck", "digest", "agree_layout", "schedule_fields", "reject_exchange"]
 
 # The magic numbers of the 32-byte records a first all-gather of compcomm can carry (cpp/
 # compressed_allreduce.cpp): this check's, a compressed call's header, a batch's call count.
 _MAGIC = 0xC0C01A70
-_PEER_CALLS = {0xC0C0B175: "a compressed_allreduce call", 0xC0C0BA7C: "a batch of compressed calls"}
+# A rank that rejected its own arguments sends this record where its header would go (the C++ core's
+# kRejectMagic): see reject_exchange.
+_REJECT_MAGIC = 0xC0C0BAD5
+_PEER_CALLS = {0xC0C0B175: "a compressed_allreduce call", 0xC0C0BA7C: "a batch of compressed calls",
+               _REJECT_MAGIC: "a compressed call whose arguments it rejected"}
 
 #: A field: (name, value, hashed). Hashed values are shown as "differs" rather than printed.
 Field = Tuple[str, int, bool]
@@ -73,6 +77,16 @@ def _gather(comm: Any, values: List[int], device: Optional[torch.device],
     # raise that abort's typed error instead of reading what the buffer held
     wait_cancellable(comm, timeout)
     return recv.view(comm.size(), len(values)).tolist()
+
+
+def reject_exchange(comm: Any, device: Optional[torch.device], timeout: float) -> None:
+    """This rank's arguments to a compressed call failed their checks: take part in the call's first
+    collective (the 32-byte header all-gather) with a record saying so, so that the peers, checking
+    the headers, raise :class:`~compcomm.errors.RankMismatchError` at once instead of waiting for
+    this rank until their timeout or pairing with its next call. The caller then raises its own
+    error. ``device``: where the communicator's buffers must be (a CUDA device for NCCL)."""
+    if comm.size() > 1:
+        _gather(comm, [0, -1, -1, _REJECT_MAGIC << 32], device, timeout)
 
 
 def agree_layout(comm: Any, call: str, fields: Sequence[Field],

@@ -10,6 +10,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from . import _C
+from ._agree import reject_exchange
 from ._buffers import DTYPES, buffer_of
 from ._comm import Group, resolve
 from ._defaults import DEFAULT_TIMEOUT
@@ -107,8 +108,9 @@ def allreduce_wire_bytes(numel: int, world_size: int, element_size: int = 4) -> 
     return 2 * (world_size - 1) * numel * element_size // world_size
 
 
-def _fail(cls: type, rank: int, arg: str, problem: str) -> Exception:
-    return cls(f"[rank {rank}] compressed_allreduce: argument '{arg}' {problem}")
+def _fail(cls: type, rank: int, arg: str, problem: str,
+          call: str = "compressed_allreduce") -> Exception:
+    return cls(f"[rank {rank}] {call}: argument '{arg}' {problem}")
 
 
 def _check_timeout(call: str, rank: int, timeout: object) -> float:
@@ -124,22 +126,83 @@ def _check_timeout(call: str, rank: int, timeout: object) -> float:
     return float(timeout)
 
 
-def _check_float32_vector(t: object, name: str, rank: int, numel: int, device: torch.device) -> None:
+def _check_float32_vector(t: object, name: str, rank: int, numel: int, device: torch.device,
+                          call: str = "compressed_allreduce") -> None:
     if not isinstance(t, torch.Tensor):
-        raise _fail(TypeError, rank, name, f"must be a torch.Tensor, got {type(t).__name__}")
+        raise _fail(TypeError, rank, name, f"must be a torch.Tensor, got {type(t).__name__}", call)
     if t.dtype != torch.float32:
-        raise _fail(TypeError, rank, name, f"must be torch.float32, got {t.dtype}")
+        raise _fail(TypeError, rank, name, f"must be torch.float32, got {t.dtype}", call)
     if t.device != device:
-        raise _fail(ValueError, rank, name, f"is on {t.device} but tensor is on {device}")
+        raise _fail(ValueError, rank, name, f"is on {t.device} but tensor is on {device}", call)
+    if t.dim() != 1:
+        raise _fail(ValueError, rank, name, f"must be 1-D, got shape {tuple(t.shape)} "
+                    "(allocate it with compcomm.error_buffers)", call)
     if not t.is_contiguous():
-        raise _fail(ValueError, rank, name, "must be contiguous")
+        raise _fail(ValueError, rank, name, "must be contiguous", call)
     if t.numel() != numel:
-        raise _fail(
-            ValueError,
-            rank,
-            name,
-            f"has {t.numel()} elements, expected {numel} (allocate it with compcomm.error_buffers)",
-        )
+        raise _fail(ValueError, rank, name, f"has {t.numel()} elements, expected {numel} "
+                    "(allocate it with compcomm.error_buffers)", call)
+
+
+def _check_input(call: str, rank: int, world: int, tensor: object, worker_error: object,
+                 server_error: object) -> int:
+    """The checks compressed_allreduce and compressed_reduce_scatter share; returns P."""
+    if not isinstance(tensor, torch.Tensor):
+        raise _fail(TypeError, rank, "tensor",
+                    f"must be a torch.Tensor, got {type(tensor).__name__}", call)
+    if tensor.dtype not in _FLOATS:
+        raise _fail(TypeError, rank, "tensor",
+                    f"must be float32, float16 or bfloat16, got {tensor.dtype}", call)
+    if not tensor.is_contiguous():
+        raise _fail(ValueError, rank, "tensor", "must be contiguous (call .contiguous() first)",
+                    call)
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise _fail(ValueError, rank, "tensor",
+                    f"must be on the CPU or a CUDA device, not {tensor.device}", call)
+    if not isinstance(worker_error, torch.Tensor):
+        raise _fail(TypeError, rank, "worker_error",
+                    f"must be a torch.Tensor, got {type(worker_error).__name__}", call)
+    padded = worker_error.numel()
+    if padded < tensor.numel() or padded % (8 * world):
+        raise _fail(ValueError, rank, "worker_error",
+                    f"has {padded} elements; it needs a multiple of 8*world_size={8 * world} that "
+                    f"is >= tensor.numel()={tensor.numel()} (allocate it with "
+                    "compcomm.error_buffers)", call)
+    _check_float32_vector(worker_error, "worker_error", rank, padded, tensor.device, call)
+    _check_float32_vector(server_error, "server_error", rank, padded // world, tensor.device, call)
+    _check_autograd(call, rank, tensor)
+    return padded
+
+
+def _check_autograd(call: str, rank: int, tensor: torch.Tensor) -> None:
+    """ValueError if ``tensor`` requires grad while grad mode is on: the call overwrites it in
+    place, which autograd could not follow (torch itself refuses in-place ops on such leaves)."""
+    if tensor.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"[rank {rank}] {call}: argument 'tensor' requires grad; it is "
+                         "overwritten in place, so pass tensor.detach() (or a gradient) or call "
+                         "it under torch.no_grad()")
+
+
+def _reject(comm: object, tensor: object, timeout: object, error: Exception) -> None:
+    """This rank rejected its arguments (``error``): say so in the call's first collective, so
+    that peers raise RankMismatchError at once rather than wait for this rank or pair with its
+    next call (:func:`compcomm._agree.reject_exchange`). If that exchange fails too, ``error``
+    is still what the caller raises (with a note)."""
+    if comm.size() == 1:
+        return
+    device = None
+    if "nccl" in comm.backend_name():  # NCCL moves device memory only
+        cuda = isinstance(tensor, torch.Tensor) and tensor.is_cuda
+        device = tensor.device if cuda else torch.device("cuda", torch.cuda.current_device())
+    try:
+        seconds = _check_timeout("", 0, timeout)
+    except (TypeError, ValueError):
+        seconds = DEFAULT_TIMEOUT
+    try:
+        reject_exchange(comm, device, seconds)
+    except Exception as e:  # noqa: BLE001 -- the argument error is the one to raise
+        if hasattr(error, "add_note"):
+            error.add_note(f"(telling the other ranks failed too: {e!r})")
 
 
 def _check_disjoint(call: str, rank: int, **tensors: Optional[torch.Tensor]) -> None:
@@ -225,20 +288,27 @@ def compressed_allreduce(
     Raises
     ------
     TypeError, ValueError
-        Wrong type, dtype, device, contiguity or size of an argument, or two arguments that share
-        memory (message names them and the rank).
+        Wrong type, dtype, device, shape, contiguity or size of an argument, two arguments that
+        share memory, or a ``tensor`` that requires grad while grad mode is on (the message names
+        the argument and the rank). The rank still takes part in the call's first collective with
+        a record saying it rejected its arguments, so its peers raise ``RankMismatchError`` at once.
     compcomm.errors.CommError
         Another thread is running a compressed call on the same communicator (one call at a time
         per communicator; different communicators may run concurrently from different threads).
     compcomm.errors.RankMismatchError
-        Ranks passed different numels, padded sizes or dtypes (raised on every rank).
+        Ranks passed different numels, padded sizes or dtypes, or another rank rejected its own
+        arguments (raised on every rank that got past its own checks).
     compcomm.errors.NonFiniteError
-        ``tensor + worker_error`` holds NaN/Inf on some rank (raised on every rank).
+        ``tensor + worker_error`` holds NaN/Inf on some rank, or (CPU tensors) a rank's
+        ``server_error`` does or its server sum overflows (raised on every rank). On a GPU a
+        non-finite ``server_error`` is not reported: the call then leaves all three buffers
+        unchanged on every rank, as with ``check=False``.
     compcomm.errors.CommTimeoutError, compcomm.errors.BackendError
         A peer did not answer in time, or the communication library failed.
 
-    On any error, ``tensor``, ``worker_error`` and ``server_error`` are left unchanged. The call
-    works outside autograd (``tensor`` is written through its storage).
+    On any error, ``tensor``, ``worker_error`` and ``server_error`` are left unchanged. The write
+    is an in-place write for autograd (``tensor``'s version counter is bumped), so a graph that
+    saved ``tensor`` raises at backward rather than use the overwritten values.
     """
     comm = resolve(group)
     try:  # what the checks depend on; an argument that is no plain tensor fails here
@@ -246,14 +316,19 @@ def compressed_allreduce(
         prep = _prepared.get(key)
     except Exception:  # then the checks themselves say what is wrong
         key = prep = None
-    if prep is None:
-        prep = _prepare_allreduce(comm, tensor, worker_error, server_error)
-        if key is not None:
-            if len(_prepared) >= _PREPARED_MAX:
-                _prepared.clear()
-            _prepared[key] = prep
-    timeout_s = DEFAULT_TIMEOUT if timeout is None else _check_timeout(
-        "compressed_allreduce", prep.rank, timeout)
+    try:
+        if prep is None:
+            prep = _prepare_allreduce(comm, tensor, worker_error, server_error)
+            if key is not None:
+                if len(_prepared) >= _PREPARED_MAX:
+                    _prepared.clear()
+                _prepared[key] = prep
+        timeout_s = DEFAULT_TIMEOUT if timeout is None else _check_timeout(
+            "compressed_allreduce", prep.rank, timeout)
+        _check_autograd("compressed_allreduce", prep.rank, tensor)  # not part of the cached key
+    except (TypeError, ValueError) as e:
+        _reject(comm, tensor, timeout, e)
+        raise
     # On torch's current stream of the tensor's device (the core switches to that device itself).
     stream = _current_stream(prep.device) if prep.cuda else 0
     if not prep.lock.acquire(blocking=False):
@@ -264,13 +339,14 @@ def compressed_allreduce(
                                 bool(check) or not prep.cuda)
     finally:
         prep.lock.release()
+    torch.autograd.graph.increment_version(tensor)  # it was written in place: autograd must know
     return tensor
 
 
 def _arg_key(t: torch.Tensor) -> tuple:
     """What compressed_allreduce's checks of one tensor argument depend on (AttributeError if
     ``t`` is no tensor)."""
-    return (type(t), t.data_ptr(), t.numel(), t.dtype, t.is_contiguous(), t.device)
+    return (type(t), t.data_ptr(), t.numel(), t.dim(), t.dtype, t.is_contiguous(), t.device)
 
 
 # Validated compressed_allreduce calls: (communicator id, _arg_key of each tensor) -> _Prepared. A
@@ -314,27 +390,7 @@ def _prepare_allreduce(comm: object, tensor: object, worker_error: object,
     """Every check of compressed_allreduce's tensor arguments (typed errors naming the argument
     and the rank), then what a call needs."""
     world, rank = comm.size(), comm.rank()
-    if not isinstance(tensor, torch.Tensor):
-        raise _fail(TypeError, rank, "tensor", f"must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dtype not in _FLOATS:
-        raise _fail(TypeError, rank, "tensor", f"must be float32, float16 or bfloat16, got {tensor.dtype}")
-    if not tensor.is_contiguous():
-        raise _fail(ValueError, rank, "tensor", "must be contiguous (call .contiguous() first)")
-    if tensor.device.type not in ("cpu", "cuda"):
-        raise _fail(ValueError, rank, "tensor", f"must be on the CPU or a CUDA device, not {tensor.device}")
-    if not isinstance(worker_error, torch.Tensor):
-        raise _fail(TypeError, rank, "worker_error", f"must be a torch.Tensor, got {type(worker_error).__name__}")
-    padded = worker_error.numel()
-    if padded < tensor.numel() or padded % (8 * world):
-        raise _fail(
-            ValueError,
-            rank,
-            "worker_error",
-            f"has {padded} elements; it needs a multiple of 8*world_size={8 * world} that is >= "
-            f"tensor.numel()={tensor.numel()} (allocate it with compcomm.error_buffers)",
-        )
-    _check_float32_vector(worker_error, "worker_error", rank, padded, tensor.device)
-    _check_float32_vector(server_error, "server_error", rank, padded // world, tensor.device)
+    padded = _check_input("compressed_allreduce", rank, world, tensor, worker_error, server_error)
     _check_disjoint("compressed_allreduce", rank, tensor=tensor, worker_error=worker_error,
                     server_error=server_error)
     p = _Prepared()
@@ -386,9 +442,15 @@ def compressed_reduce_scatter(
     Raises
     ------
     TypeError, ValueError
-        A bad argument, or two arguments sharing memory (the message names them and the rank).
+        A bad argument, or two arguments sharing memory (the message names them and the rank);
+        as in :func:`compressed_allreduce` the peers then raise ``RankMismatchError``.
     compcomm.errors.CommError
         Another thread is running a compressed call on the same communicator.
+    compcomm.errors.RankMismatchError, compcomm.errors.NonFiniteError
+        As :func:`compressed_allreduce`, except that a non-finite server scale (CPU) is raised
+        only on the rank whose chunk it is (the other ranks' ``out`` is written).
+    compcomm.errors.CommTimeoutError, compcomm.errors.BackendError
+        A peer did not answer in time, or the communication library failed.
 
     Returns
     -------
@@ -398,32 +460,18 @@ def compressed_reduce_scatter(
     """
     comm = resolve(group)
     world, rank = comm.size(), comm.rank()
-    if not isinstance(tensor, torch.Tensor) or tensor.dtype not in (
-        torch.float32, torch.float16, torch.bfloat16
-    ):
-        raise TypeError(f"[rank {rank}] compressed_reduce_scatter: argument 'tensor' must be a "
-                        "float32/float16/bfloat16 torch.Tensor")
-    if tensor.device.type not in ("cpu", "cuda") or not tensor.is_contiguous():
-        raise ValueError(f"[rank {rank}] compressed_reduce_scatter: argument 'tensor' must be a "
-                         f"contiguous CPU or CUDA tensor (got {tensor.device}, contiguous="
-                         f"{tensor.is_contiguous()})")
-    if not isinstance(worker_error, torch.Tensor):
-        raise TypeError(f"[rank {rank}] compressed_reduce_scatter: argument 'worker_error' must be a tensor")
-    padded = worker_error.numel()
-    if padded < tensor.numel() or padded % (8 * world):
-        raise ValueError(
-            f"[rank {rank}] compressed_reduce_scatter: argument 'worker_error' has {padded} elements; "
-            f"it needs a multiple of 8*world_size={8 * world} that is >= tensor.numel()={tensor.numel()}"
-        )
-    _check_float32_vector(worker_error, "worker_error", rank, padded, tensor.device)
-    _check_float32_vector(server_error, "server_error", rank, padded // world, tensor.device)
-    if out is None:
-        out = torch.empty(padded // world, dtype=torch.float32, device=tensor.device)
-    _check_float32_vector(out, "out", rank, padded // world, tensor.device)
     call = "compressed_reduce_scatter"
-    _check_disjoint(call, rank, tensor=tensor, worker_error=worker_error,
-                    server_error=server_error, out=out)
-    timeout_s = _check_timeout(call, rank, timeout)
+    try:
+        padded = _check_input(call, rank, world, tensor, worker_error, server_error)
+        if out is None:
+            out = torch.empty(padded // world, dtype=torch.float32, device=tensor.device)
+        _check_float32_vector(out, "out", rank, padded // world, tensor.device, call)
+        _check_disjoint(call, rank, tensor=tensor, worker_error=worker_error,
+                        server_error=server_error, out=out)
+        timeout_s = _check_timeout(call, rank, timeout)
+    except (TypeError, ValueError) as e:
+        _reject(comm, tensor, timeout, e)
+        raise
     with _exclusive(comm, call, rank):  # the workspace is the communicator's: one call at a time
         total = _layout_total(padded, world, tensor.device.type == "cuda")
         ws = _workspace(comm, tensor.device, total)
@@ -433,4 +481,5 @@ def compressed_reduce_scatter(
             comm, buffer_of(tensor), buffer_of(worker_error), buffer_of(server_error),
             buffer_of(out), buffer_of(ws), timeout_s, stream,
         )
+    torch.autograd.graph.increment_version(tensor)
     return out

@@ -4,6 +4,8 @@ communicates (:func:`layout_fields`)."""
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any, Dict, List, Tuple
 
 import torch
@@ -11,24 +13,88 @@ import torch
 from .._agree import Field, digest, schedule_fields
 from ..compress import plan_buckets
 from ..errors import UnsupportedError
+from ._grads import resolve_comm
 
-__all__ = ["check_common", "check_int", "check_positive", "check_masks", "layout_fields"]
+__all__ = ["who", "check_common", "check_group", "check_last_group", "check_number", "check_int",
+           "check_positive", "check_masks", "layout_fields"]
 
 
-def check_common(name: str, lr: float, betas: Tuple[float, float], eps: float, weight_decay: float,
+def check_number(who: str, arg: str, value: Any) -> None:
+    """``value`` is a finite real number >= 0, else a TypeError/ValueError naming ``arg``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{who}: {arg} must be a number, got {value!r}")
+    if not (math.isfinite(value) and value >= 0.0):
+        raise ValueError(f"{who}: {arg} must be a finite number >= 0, got {value!r}")
+
+
+def _check_betas(who: str, arg: str, betas: Any) -> None:
+    try:
+        pair = tuple(betas)
+    except TypeError:
+        raise TypeError(f"{who}: {arg} must be a pair of numbers in [0, 1), "
+                        f"got {betas!r}") from None
+    if len(pair) != 2 or not all(isinstance(b, numbers.Real) and not isinstance(b, bool)
+                                 and 0.0 <= b < 1.0 for b in pair):
+        raise ValueError(f"{who}: {arg} must be two numbers in [0, 1), got {betas!r}")
+
+
+def check_common(who: str, lr: float, betas: Tuple[float, float], eps: float, weight_decay: float,
                  amsgrad: bool) -> None:
-    """Raise ValueError/UnsupportedError naming the bad argument of optimizer ``name``."""
+    """Raise TypeError/ValueError/UnsupportedError naming the bad argument (``who``: the
+    optimizer, and the rank, as messages start)."""
     if amsgrad:
-        raise UnsupportedError(f"{name}: argument 'amsgrad' is not supported by 1-bit optimizers "
+        raise UnsupportedError(f"{who}: argument 'amsgrad' is not supported by 1-bit optimizers "
                                "(the frozen variance makes it meaningless); pass amsgrad=False")
-    if not (isinstance(lr, (int, float)) and lr >= 0.0):
-        raise ValueError(f"{name}: argument 'lr' must be a number >= 0, got {lr!r}")
-    if not (isinstance(eps, (int, float)) and eps >= 0.0):
-        raise ValueError(f"{name}: argument 'eps' must be >= 0, got {eps!r}")
-    if not (isinstance(weight_decay, (int, float)) and weight_decay >= 0.0):
-        raise ValueError(f"{name}: argument 'weight_decay' must be >= 0, got {weight_decay!r}")
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"{name}: argument 'betas' must be two numbers in [0, 1), got {betas!r}")
+    for arg, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+        check_number(who, f"argument '{arg}'", value)
+    _check_betas(who, "argument 'betas'", betas)
+
+
+#: keys a param group may hold besides the optimizer's defaults
+_GROUP_KEYS = {"params", "param_names", "exp_avg_mask", "initial_lr", "name"}
+_PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def who(name: str, comm_backend_name: str, process_group: Any) -> str:
+    """``"[rank r] Name"``, how an optimizer constructor's errors start: the rank in the group it
+    will run on (the bare name if that group does not resolve; the constructor then says why)."""
+    try:
+        return f"[rank {resolve_comm(name, comm_backend_name, process_group).rank()}] {name}"
+    except Exception:  # noqa: BLE001 -- raised again, with its own message, by _init_common
+        return name
+
+
+def check_last_group(opt: Any) -> None:
+    """:func:`check_group` of ``opt``'s last param group (just added); a bad one is removed
+    again before the error propagates."""
+    try:
+        check_group(getattr(opt, "_who", opt._name), len(opt.param_groups) - 1,
+                    opt.param_groups[-1], opt.defaults)
+    except Exception:
+        opt.param_groups.pop()
+        raise
+
+
+def check_group(who: str, index: int, group: Dict[str, Any], defaults: Dict[str, Any]) -> None:
+    """One param group (defaults filled in): no unknown key, valid ``lr``/``eps``/
+    ``weight_decay``/``betas``, and parameters of float32, float16 or bfloat16 on the CPU or a GPU
+    (the update's kernels and the fp32 master copies take those); TypeError/ValueError naming
+    the group, the key or the parameter."""
+    where = f"param group {index}"
+    unknown = sorted(set(group) - set(defaults) - _GROUP_KEYS)
+    if unknown:
+        raise ValueError(f"{who}: {where} has unknown key(s) {unknown}; known: "
+                         f"{sorted(set(defaults) | _GROUP_KEYS)}")
+    for key in ("lr", "eps", "weight_decay"):
+        check_number(who, f"{where}: '{key}'", group[key])
+    _check_betas(who, f"{where}: 'betas'", group["betas"])
+    for pi, p in enumerate(group["params"]):
+        if p.dtype not in _PARAM_DTYPES:
+            raise TypeError(f"{who}: {where}: parameter {pi} is {p.dtype}; 1-bit optimizers take "
+                            "float32, float16 or bfloat16 parameters")
+        if p.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{who}: {where}: parameter {pi} is on {p.device}; 1-bit optimizers "
+                             "take parameters on the CPU or a CUDA device")
 
 
 def check_int(name: str, arg: str, value: Any, minimum: int) -> int:
@@ -40,8 +106,9 @@ def check_int(name: str, arg: str, value: Any, minimum: int) -> int:
 
 def check_positive(name: str, arg: str, value: Any) -> float:
     """``value`` as a float ``> 0`` or a ValueError naming ``arg``."""
-    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
-        raise ValueError(f"{name}: argument '{arg}' must be a number > 0, got {value!r}")
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+            and math.isfinite(value)):
+        raise ValueError(f"{name}: argument '{arg}' must be a finite number > 0, got {value!r}")
     return float(value)
 
 

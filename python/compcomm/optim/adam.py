@@ -13,7 +13,7 @@ from . import _fused, cpu_adam, cpu_multi
 from . import functional as F
 from ._grads import fp32_grad
 from ._params import group_chunks, mask_, master, moments, write_back_multi
-from ._validation import check_common, check_int
+from ._validation import who, check_common, check_int
 from .base import OneBitBase
 
 
@@ -128,8 +128,9 @@ class OneBitAdam(OneBitBase):
                  reduce_bucket_size: Optional[int] = None, per_parameter: bool = False,
                  fused: Optional[bool] = None, check_finite: bool = True,
                  compressor: Any = None, overlap_backward: Any = "auto") -> None:
-        check_common(self._name, lr, betas, eps, weight_decay, amsgrad)
-        self.freeze_step = check_int(self._name, "freeze_step", freeze_step, 0)
+        n = self._who = who(self._name, comm_backend_name, process_group)
+        check_common(n, lr, betas, eps, weight_decay, amsgrad)
+        self.freeze_step = check_int(n, "freeze_step", freeze_step, 0)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bool(bias_correction))
         super().__init__(params, defaults)

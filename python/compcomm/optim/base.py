@@ -36,7 +36,7 @@ from ._staging import staged_plan
 from ._step_on import step_on_inputs
 from .overlap import BackwardOverlap, resolve_overlap
 from ._state import ERROR_KEYS, validate_state_dict
-from ._validation import check_int, check_masks, layout_fields
+from ._validation import check_int, check_last_group, check_masks, layout_fields
 
 __all__ = ["OneBitBase"]
 
@@ -51,6 +51,10 @@ class OneBitBase(torch.optim.Optimizer):
     #: ``make_fill(grads)``: the compressed phase's staging over ``{p: fp32 gradient}`` (the
     #: optimizers that can send it from the backward set it)
     _momentum_fill: Optional[Callable[..., Any]] = None
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        check_last_group(self)  # a bad group (dtype, lr, betas, unknown key) raises, not added
 
     def _init_common(self, comm_backend_name: str, process_group: Any, cuda_aware: bool,
                      grads_averaged: bool, exact_resume: bool, fused: Optional[bool] = None,
@@ -147,7 +151,6 @@ class OneBitBase(torch.optim.Optimizer):
 
     def _bucket_plan(self, items: List[Tuple[Dict[str, Any], torch.Tensor]]) -> List[List[int]]:
         """Buckets (indices into ``items``) for the compressed average of ``items``' tensors.
-
         The plan is kept while the same parameters communicate; when they change (a parameter
         without gradient), the error buffers restart at zero, as their layout no longer fits.
         """
@@ -206,9 +209,8 @@ class OneBitBase(torch.optim.Optimizer):
         if self.world_size == 1 or self._local is not None:
             # nothing is sent (one rank, or step_on): no buckets, no staging kept between steps
             # (ZeroOptimizer steps on shards: a kept buffer would cost a shard-sized fp32 copy)
-            views = {}
-            for group, p in items:
-                views[p] = torch.empty(p.shape, dtype=torch.float32, device=p.device)
+            views = {p: torch.empty(p.shape, dtype=torch.float32, device=p.device)
+                     for _, p in items}
             fill([(group, p, views[p]) for group, p in items])
             return views
         buckets = self._bucket_plan(items)

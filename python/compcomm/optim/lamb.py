@@ -11,7 +11,7 @@ from ..collectives import padded_numel
 from ..schedule import FreezeSchedule, StepKind
 from . import functional as F
 from ._params import mask_, master, write_back
-from ._validation import check_common, check_int, check_positive
+from ._validation import who, check_common, check_int, check_number, check_positive
 from .base import OneBitBase
 
 
@@ -63,7 +63,7 @@ class OneBitLamb(OneBitBase):
                  factor_threshold: float = 0.1, process_group: Any = None,
                  grads_averaged: bool = False, exact_resume: bool = False,
                  compressor: Any = None) -> None:
-        n = self._name
+        n = self._who = who(self._name, comm_backend_name, process_group)
         check_common(n, lr, betas, eps, weight_decay, amsgrad)
         self.freeze_step = check_int(n, "freeze_step", freeze_step, 0)
         self.max_coeff = check_positive(n, "max_coeff", max_coeff)
@@ -71,7 +71,8 @@ class OneBitLamb(OneBitBase):
         if self.min_coeff > self.max_coeff:
             raise ValueError(f"{n}: argument 'min_coeff' ({min_coeff}) must be <= 'max_coeff' "
                              f"({max_coeff})")
-        if not (0.0 <= coeff_beta < 1.0):
+        check_number(n, "argument 'coeff_beta'", coeff_beta)
+        if not coeff_beta < 1.0:
             raise ValueError(f"{n}: argument 'coeff_beta' must be in [0, 1), got {coeff_beta!r}")
         self.coeff_beta = float(coeff_beta)
         self.factor_max = check_positive(n, "factor_max", factor_max)
@@ -79,9 +80,7 @@ class OneBitLamb(OneBitBase):
         if self.factor_min > self.factor_max:
             raise ValueError(f"{n}: argument 'factor_min' ({factor_min}) must be <= 'factor_max' "
                              f"({factor_max})")
-        if not (isinstance(factor_threshold, (int, float)) and factor_threshold >= 0):
-            raise ValueError(f"{n}: argument 'factor_threshold' must be >= 0, got "
-                             f"{factor_threshold!r}")
+        check_number(n, "argument 'factor_threshold'", factor_threshold)
         self.factor_threshold = float(factor_threshold)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bool(bias_correction))
@@ -231,6 +230,8 @@ class OneBitLamb(OneBitBase):
         out: Dict[str, Any] = {}
         if self._flat is not None:
             out["fused_pad"] = self._flat[self._total:].clone()
+        elif self._pad_restore is not None:  # loaded, no step since: saved again as it came
+            out["fused_pad"] = self._pad_restore.clone()
         return out
 
     def _saved_errors(self, extra: Dict[str, Any]) -> Optional[Tuple[Any, Dict[Any, Any]]]:

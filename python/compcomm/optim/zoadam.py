@@ -10,7 +10,7 @@ from ..schedule import StepKind, ZeroOneSchedule, legacy_kind_name
 from . import functional as F
 from ._params import (group_chunks, group_mask, mask_, master, moments, write_back,
                       write_back_multi)
-from ._validation import check_common, check_int
+from ._validation import who, check_common, check_int
 from .base import OneBitBase
 
 
@@ -80,7 +80,7 @@ class ZeroOneAdam(OneBitBase):
                  reduce_bucket_size: Optional[int] = None, per_parameter: bool = False,
                  fused: Optional[bool] = None, check_finite: bool = True,
                  wd_in_momentum: bool = True, compressor: Any = None) -> None:
-        n = self._name
+        n = self._who = who(self._name, comm_backend_name, process_group)
         check_common(n, lr, betas, eps, weight_decay, amsgrad)
         self.var_freeze_step = check_int(n, "var_freeze_step", var_freeze_step, 0)
         self.var_update_scaler = check_int(n, "var_update_scaler", var_update_scaler, 1)
