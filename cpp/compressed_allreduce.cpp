@@ -250,19 +250,19 @@ std::string out_of_step(const Header* h, int world, uint32_t expected) {
 }
 
 // Every rank sees every header, so every rank raises the same error.
-void check_headers(const Header* h, int world, int rank, const Header& mine) {
+void check_headers(const Header* h, int world, int rank, const Header& mine, const char* name) {
   bool mismatch = false, dtypes = false;
   std::vector<int> nonfinite;
   for (int i = 0; i < world; ++i) {
     if (h[i].magic != kHeaderMagic && !out_of_step(h, world, kHeaderMagic).empty())
-      throw RankMismatchError(detail::concat("[rank ", rank, "] compressed_allreduce: this rank passed one "
+      throw RankMismatchError(detail::concat("[rank ", rank, "] ", name, ": this rank passed one "
                                              "call, other ranks something else (",
                                              out_of_step(h, world, kHeaderMagic), "); nothing was changed"),
-                              "compressed_allreduce", "", 0, rank);
+                              name, "", 0, rank);
     if (h[i].magic != kHeaderMagic)
-      throw BackendError(detail::concat("[rank ", rank, "] compressed_allreduce: rank ", i,
+      throw BackendError(detail::concat("[rank ", rank, "] ", name, ": rank ", i,
                                         " sent a malformed header (is every rank running compcomm?)"),
-                         "compressed_allreduce", "", 0, rank);
+                         name, "", 0, rank);
     mismatch |= h[i].numel != mine.numel || h[i].padded != mine.padded || h[i].dtype != mine.dtype;
     dtypes |= h[i].dtype != mine.dtype;
     if (h[i].flags & kFlagNonFinite) nonfinite.push_back(i);
@@ -272,20 +272,20 @@ void check_headers(const Header* h, int world, int rank, const Header& mine) {
     for (int i = 0; i < world; ++i)
       sizes += detail::concat(i ? ", " : "", "rank ", i, ": numel=", h[i].numel, " padded=", h[i].padded,
                               " dtype=", dtype_name(static_cast<DType>(h[i].dtype)));
-    throw RankMismatchError(detail::concat("[rank ", rank, "] compressed_allreduce: ranks passed "
+    throw RankMismatchError(detail::concat("[rank ", rank, "] ", name, ": ranks passed "
                                            "different ", dtypes ? "tensor dtypes or sizes (" :
                                            "tensor or error-buffer sizes (",
                                            sizes, ")"),
-                            "compressed_allreduce", "", 0, rank);
+                            name, "", 0, rank);
   }
   if (!nonfinite.empty()) {
     std::string who;
     for (size_t i = 0; i < nonfinite.size(); ++i) who += detail::concat(i ? ", " : "", nonfinite[i]);
-    throw NonFiniteError(detail::concat("[rank ", rank, "] compressed_allreduce: tensor + worker_error "
+    throw NonFiniteError(detail::concat("[rank ", rank, "] ", name, ": tensor + worker_error "
                                         "is not finite (NaN or Inf, or its norm overflows float32) on "
                                         "rank(s) ",
                                         who, "; nothing was changed"),
-                         "compressed_allreduce", "", 0, rank);
+                         name, "", 0, rank);
   }
 }
 
@@ -580,7 +580,7 @@ struct Call {
 
   // The verdict on every rank's header, `h` (world headers in host memory).
   void check_host(const Header* h) {
-    check_headers(h, world, rank, Header{0.0f, 0u, n, padded, dtype, kHeaderMagic});
+    check_headers(h, world, rank, Header{0.0f, 0u, n, padded, dtype, kHeaderMagic}, name);
     if (cuda) remember(key);
   }
 
@@ -644,16 +644,20 @@ struct Call {
                    "decompress", rank);
   }
 
-  // After a whole call's commit on the host: a server scale that is not finite (a server_error holding
-  // NaN/Inf, or an overflow of the server's sum) made the guarded commit write nothing, so the call
-  // raises rather than return as if it had averaged. An allreduce's records are every rank's, so every
-  // rank raises alike; a reduce-scatter's rank sees only its own (the others' outputs were written).
-  // On a GPU the scales stay on the device (reading them would cost a second sync per call).
+  // After a whole allreduce's commit on the host: a server scale that is not finite (a server_error
+  // holding NaN/Inf, or an overflow of the server's sum) made the guarded commit write nothing, so the
+  // call raises rather than return as if it had averaged; the records are every rank's, so every rank
+  // raises alike. Not a reduce-scatter: its rank sees only its own scale, and raising on that rank
+  // alone would leave its peers in the caller's next exchange (FSDP's segment loop). On a GPU the
+  // scales stay on the device (reading them would cost a second sync per call).
   void check_server_scales() const {
-    if (cuda || padded == 0) return;
+    if (cuda || padded == 0 || out != nullptr) return;
+    // A cancelled exchange (the abort flag set) has its scales turned into NaN by the gate: not the
+    // inputs' fault, and its error is the abort's, raised by the communicator.
+    const int* abort_flag = comm.abort_flag();
+    if (abort_flag != nullptr && *abort_flag != 0) return;
     std::string who;
     for (int j = 0; j < world; ++j) {
-      if (out != nullptr && j != rank) continue;
       float tau_j;
       std::memcpy(&tau_j, records + j * l.record_bytes, sizeof(float));
       if (!std::isfinite(tau_j)) who += detail::concat(who.empty() ? "" : ", ", j);

@@ -452,7 +452,7 @@ def torch_default_hung(side: Side) -> Dict[str, Any]:
 
 def one_rank_rejects(side: Side) -> Dict[str, Any]:
     """The default path under init_process_group("nccl"): the last rank passes a bad argument (a
-    float64 CUDA tensor, then a CPU tensor), the others good ones. The last rank raises its own
+    float64 CUDA tensor, a CPU tensor, then all three on the CPU), the others good ones. The last rank raises its own
     TypeError/ValueError, the others RankMismatchError, each well within the timeout T (the
     rejecting rank sends a record saying so in the header all-gather, on the GPU); nothing
     changes; the next call pairs correctly (a constant input without padding is averaged
@@ -466,10 +466,12 @@ def one_rank_rejects(side: Side) -> Dict[str, Any]:
     compcomm.compressed_allreduce(t, we, se)  # warm-up: makes the native communicator
     torch.cuda.synchronize(dev)
     res["exact"] = []
-    for case, bad in (("float64", lambda: t.double()), ("cpu", lambda: t.cpu())):
+    cases = (("float64", lambda: (t.double(), we, se)), ("cpu", lambda: (t.cpu(), we, se)),
+             ("all_cpu", lambda: (t.cpu(), we.cpu(), se.cpu())))  # (the core refused that one)
+    for case, bad in cases:
         before = [x.clone() for x in (t, we, se)]
-        arg = bad() if odd else t
-        _attempt(res, case, lambda: compcomm.compressed_allreduce(arg, we, se, timeout=T))
+        args = bad() if odd else (t, we, se)
+        _attempt(res, case, lambda: compcomm.compressed_allreduce(*args, timeout=T))
         torch.cuda.synchronize(dev)
         res[case + "_unchanged"] = all(torch.equal(a, b) for a, b in zip(before, (t, we, se)))
         u = torch.full((compcomm.padded_numel(1000, side.world),), float(side.rank + 1), device=dev)

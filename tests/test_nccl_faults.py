@@ -171,14 +171,16 @@ def test_one_rank_with_a_bad_argument_makes_every_rank_raise(world):
         pytest.skip("torch was built without NCCL (torch.distributed.is_nccl_available() is False)")
     launch = C.launch(world, C.one_rank_rejects, pg_backend="nccl", timeout=240)
     for r, res in enumerate(launch.results):
-        for case, want in (("float64", "TypeError"), ("cpu", "ValueError")):
+        for case, want in (("float64", "TypeError"), ("cpu", "ValueError"),
+                           ("all_cpu", "ValueError")):
             if r == world - 1:
                 assert res[case] == want, res
             else:
                 assert res[case] == "RankMismatchError", res
                 assert f"rank {world - 1}: rejected its arguments" in res[case + "_msg"], res
             assert res[case + "_s"] < C.T / 2 and res[case + "_unchanged"], res
-        assert res["exact"] == [True, True], res
+        assert res["exact"] == [True, True, True], res
+    assert "the NCCL communicator is on cuda:" in launch.results[-1]["all_cpu_msg"]
     launch.assert_clean_exit()
 
 

@@ -298,8 +298,10 @@ def test_bad_arguments_raise(cls):
         cls([{"params": [_p(3)]}, {"params": [_p(2)], "lr": -0.5}])
     with pytest.raises(ValueError, match=r"param group 0: 'betas' must be two numbers"):
         cls([{"params": [_p(3)], "betas": (0.9, 0.999, 0.5)}])
-    with pytest.raises(ValueError, match=r"param group 0 has unknown key\(s\) \['weight_decy'\]"):
+    with pytest.raises(ValueError, match=r"param group 0 has key 'weight_decy': did you mean "
+                       r"'weight_decay'\?"):
         cls([{"params": [_p(3)], "weight_decy": 0.1}])
+    cls([{"params": [_p(3)], "lr_scale": 0.5, "max_lr": 1.0}])  # keys of the caller's: allowed
     with pytest.raises(TypeError, match=r"param group 0: parameter 1 is torch.float64"):
         cls([_p(3), torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))])
     opt = cls([_p(3)])  # add_param_group after construction: checked too, nothing added on error

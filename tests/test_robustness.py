@@ -63,6 +63,14 @@ def test_nonfinite_server_error_raises(world):
         assert run_ranks(world, _nonfinite_server_error, timeout=240) == [2] * world
 
 
+def test_check_must_be_a_flag():
+    t = torch.randn(100)
+    we, se = compcomm.error_buffers(t)
+    with pytest.raises(TypeError, match=r"\[rank 0\] compressed_allreduce: argument 'check' "
+                       "must be true or false, got Tensor"):
+        compcomm.compressed_allreduce(t, we, se, check=torch.ones(2))
+
+
 def test_tensor_that_requires_grad():
     """Rejected under grad mode (an in-place write autograd cannot follow); under no_grad written
     as an in-place op: its version is bumped, so a graph that saved it raises at backward."""

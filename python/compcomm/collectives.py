@@ -10,7 +10,8 @@ from typing import Optional, Tuple, Union
 import torch
 
 from . import _C
-from ._agree import reject_exchange
+from ._arguments import (check_autograd, check_disjoint, check_flag, check_float32_vector,
+                         check_input, check_timeout, reject)
 from ._buffers import DTYPES, buffer_of
 from ._comm import Group, resolve
 from ._defaults import DEFAULT_TIMEOUT
@@ -33,9 +34,6 @@ __all__ = [
     "allreduce_wire_bytes",
     "DEFAULT_TIMEOUT",
 ]
-
-
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def padded_numel(numel: int, world_size: int) -> int:
@@ -106,123 +104,6 @@ def wire_bytes(numel: int, world_size: int, padded: Optional[int] = None) -> int
 def allreduce_wire_bytes(numel: int, world_size: int, element_size: int = 4) -> int:
     """Bytes one rank sends in a ring allreduce of ``numel`` elements: ``2 (W-1)/W * numel * size``."""
     return 2 * (world_size - 1) * numel * element_size // world_size
-
-
-def _fail(cls: type, rank: int, arg: str, problem: str,
-          call: str = "compressed_allreduce") -> Exception:
-    return cls(f"[rank {rank}] {call}: argument '{arg}' {problem}")
-
-
-def _check_timeout(call: str, rank: int, timeout: object) -> float:
-    """``timeout`` in seconds (``None``: the default) or a TypeError/ValueError naming it."""
-    if timeout is None:
-        return DEFAULT_TIMEOUT
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
-        raise TypeError(f"[rank {rank}] {call}: argument 'timeout' must be a number of seconds, "
-                        f"got {type(timeout).__name__}")
-    if not timeout > 0:  # also rejects NaN
-        raise ValueError(
-            f"[rank {rank}] {call}: argument 'timeout' must be positive, got {timeout}")
-    return float(timeout)
-
-
-def _check_float32_vector(t: object, name: str, rank: int, numel: int, device: torch.device,
-                          call: str = "compressed_allreduce") -> None:
-    if not isinstance(t, torch.Tensor):
-        raise _fail(TypeError, rank, name, f"must be a torch.Tensor, got {type(t).__name__}", call)
-    if t.dtype != torch.float32:
-        raise _fail(TypeError, rank, name, f"must be torch.float32, got {t.dtype}", call)
-    if t.device != device:
-        raise _fail(ValueError, rank, name, f"is on {t.device} but tensor is on {device}", call)
-    if t.dim() != 1:
-        raise _fail(ValueError, rank, name, f"must be 1-D, got shape {tuple(t.shape)} "
-                    "(allocate it with compcomm.error_buffers)", call)
-    if not t.is_contiguous():
-        raise _fail(ValueError, rank, name, "must be contiguous", call)
-    if t.numel() != numel:
-        raise _fail(ValueError, rank, name, f"has {t.numel()} elements, expected {numel} "
-                    "(allocate it with compcomm.error_buffers)", call)
-
-
-def _check_input(call: str, rank: int, world: int, tensor: object, worker_error: object,
-                 server_error: object) -> int:
-    """The checks compressed_allreduce and compressed_reduce_scatter share; returns P."""
-    if not isinstance(tensor, torch.Tensor):
-        raise _fail(TypeError, rank, "tensor",
-                    f"must be a torch.Tensor, got {type(tensor).__name__}", call)
-    if tensor.dtype not in _FLOATS:
-        raise _fail(TypeError, rank, "tensor",
-                    f"must be float32, float16 or bfloat16, got {tensor.dtype}", call)
-    if not tensor.is_contiguous():
-        raise _fail(ValueError, rank, "tensor", "must be contiguous (call .contiguous() first)",
-                    call)
-    if tensor.device.type not in ("cpu", "cuda"):
-        raise _fail(ValueError, rank, "tensor",
-                    f"must be on the CPU or a CUDA device, not {tensor.device}", call)
-    if not isinstance(worker_error, torch.Tensor):
-        raise _fail(TypeError, rank, "worker_error",
-                    f"must be a torch.Tensor, got {type(worker_error).__name__}", call)
-    padded = worker_error.numel()
-    if padded < tensor.numel() or padded % (8 * world):
-        raise _fail(ValueError, rank, "worker_error",
-                    f"has {padded} elements; it needs a multiple of 8*world_size={8 * world} that "
-                    f"is >= tensor.numel()={tensor.numel()} (allocate it with "
-                    "compcomm.error_buffers)", call)
-    _check_float32_vector(worker_error, "worker_error", rank, padded, tensor.device, call)
-    _check_float32_vector(server_error, "server_error", rank, padded // world, tensor.device, call)
-    _check_autograd(call, rank, tensor)
-    return padded
-
-
-def _check_autograd(call: str, rank: int, tensor: torch.Tensor) -> None:
-    """ValueError if ``tensor`` requires grad while grad mode is on: the call overwrites it in
-    place, which autograd could not follow (torch itself refuses in-place ops on such leaves)."""
-    if tensor.requires_grad and torch.is_grad_enabled():
-        raise ValueError(f"[rank {rank}] {call}: argument 'tensor' requires grad; it is "
-                         "overwritten in place, so pass tensor.detach() (or a gradient) or call "
-                         "it under torch.no_grad()")
-
-
-def _reject(comm: object, tensor: object, timeout: object, error: Exception) -> None:
-    """This rank rejected its arguments (``error``): say so in the call's first collective, so
-    that peers raise RankMismatchError at once rather than wait for this rank or pair with its
-    next call (:func:`compcomm._agree.reject_exchange`). If that exchange fails too, ``error``
-    is still what the caller raises (with a note)."""
-    if comm.size() == 1:
-        return
-    device = None
-    if "nccl" in comm.backend_name():  # NCCL moves device memory only
-        cuda = isinstance(tensor, torch.Tensor) and tensor.is_cuda
-        device = tensor.device if cuda else torch.device("cuda", torch.cuda.current_device())
-    try:
-        seconds = _check_timeout("", 0, timeout)
-    except (TypeError, ValueError):
-        seconds = DEFAULT_TIMEOUT
-    try:
-        reject_exchange(comm, device, seconds)
-    except Exception as e:  # noqa: BLE001 -- the argument error is the one to raise
-        if hasattr(error, "add_note"):
-            error.add_note(f"(telling the other ranks failed too: {e!r})")
-
-
-def _check_disjoint(call: str, rank: int, **tensors: Optional[torch.Tensor]) -> None:
-    """ValueError naming two arguments whose memory overlaps (all are contiguous tensors).
-
-    The call reads and writes every buffer, so shared memory would be read after it was written.
-    """
-    spans = []
-    for name, t in tensors.items():
-        if t is None or t.numel() == 0:
-            continue
-        lo = t.data_ptr()
-        spans.append((name, t.device, lo, lo + t.numel() * t.element_size()))
-    for i, (a, dev_a, lo_a, hi_a) in enumerate(spans):
-        for b, dev_b, lo_b, hi_b in spans[i + 1 :]:
-            if dev_a == dev_b and lo_a < hi_b and lo_b < hi_a:
-                raise ValueError(
-                    f"[rank {rank}] {call}: arguments '{a}' and '{b}' overlap in memory; they must "
-                    "be distinct buffers (allocate the errors with compcomm.error_buffers)"
-                )
 
 
 def workspace_bytes(padded: int, world: int, cuda: bool) -> int:
@@ -323,11 +204,12 @@ def compressed_allreduce(
                 if len(_prepared) >= _PREPARED_MAX:
                     _prepared.clear()
                 _prepared[key] = prep
-        timeout_s = DEFAULT_TIMEOUT if timeout is None else _check_timeout(
+        timeout_s = DEFAULT_TIMEOUT if timeout is None else check_timeout(
             "compressed_allreduce", prep.rank, timeout)
-        _check_autograd("compressed_allreduce", prep.rank, tensor)  # not part of the cached key
+        check_autograd("compressed_allreduce", prep.rank, tensor)  # not part of the cached key
+        checked = check_flag("compressed_allreduce", prep.rank, "check", check) or not prep.cuda
     except (TypeError, ValueError) as e:
-        _reject(comm, tensor, timeout, e)
+        reject(comm, tensor, timeout, e)
         raise
     # On torch's current stream of the tensor's device (the core switches to that device itself).
     stream = _current_stream(prep.device) if prep.cuda else 0
@@ -335,8 +217,7 @@ def compressed_allreduce(
         raise _busy(comm, "compressed_allreduce", prep.rank)
     try:
         _C.compressed_allreduce(comm, prep.tensor, prep.worker_error, prep.server_error,
-                                prep.workspace_buffer(comm), timeout_s, stream,
-                                bool(check) or not prep.cuda)
+                                prep.workspace_buffer(comm), timeout_s, stream, checked)
     finally:
         prep.lock.release()
     torch.autograd.graph.increment_version(tensor)  # it was written in place: autograd must know
@@ -390,9 +271,9 @@ def _prepare_allreduce(comm: object, tensor: object, worker_error: object,
     """Every check of compressed_allreduce's tensor arguments (typed errors naming the argument
     and the rank), then what a call needs."""
     world, rank = comm.size(), comm.rank()
-    padded = _check_input("compressed_allreduce", rank, world, tensor, worker_error, server_error)
-    _check_disjoint("compressed_allreduce", rank, tensor=tensor, worker_error=worker_error,
-                    server_error=server_error)
+    padded = check_input("compressed_allreduce", comm, tensor, worker_error, server_error)
+    check_disjoint("compressed_allreduce", rank, tensor=tensor, worker_error=worker_error,
+                   server_error=server_error)
     p = _Prepared()
     p.world, p.rank, p.cuda, p.device = world, rank, tensor.device.type == "cuda", tensor.device
     p.tensor, p.worker_error = _raw_buffer(tensor), _raw_buffer(worker_error)
@@ -447,8 +328,10 @@ def compressed_reduce_scatter(
     compcomm.errors.CommError
         Another thread is running a compressed call on the same communicator.
     compcomm.errors.RankMismatchError, compcomm.errors.NonFiniteError
-        As :func:`compressed_allreduce`, except that a non-finite server scale (CPU) is raised
-        only on the rank whose chunk it is (the other ranks' ``out`` is written).
+        As :func:`compressed_allreduce`, except for a non-finite server scale (a rank's
+        ``server_error`` holds NaN/Inf): not raised, as only that rank sees it (raising there
+        alone would leave its peers waiting in the caller's next exchange); that rank's ``out``
+        and errors are left unchanged, the other ranks' are written.
     compcomm.errors.CommTimeoutError, compcomm.errors.BackendError
         A peer did not answer in time, or the communication library failed.
 
@@ -462,15 +345,15 @@ def compressed_reduce_scatter(
     world, rank = comm.size(), comm.rank()
     call = "compressed_reduce_scatter"
     try:
-        padded = _check_input(call, rank, world, tensor, worker_error, server_error)
+        padded = check_input(call, comm, tensor, worker_error, server_error)
         if out is None:
             out = torch.empty(padded // world, dtype=torch.float32, device=tensor.device)
-        _check_float32_vector(out, "out", rank, padded // world, tensor.device, call)
-        _check_disjoint(call, rank, tensor=tensor, worker_error=worker_error,
+        check_float32_vector(out, "out", rank, padded // world, tensor.device, call)
+        check_disjoint(call, rank, tensor=tensor, worker_error=worker_error,
                         server_error=server_error, out=out)
-        timeout_s = _check_timeout(call, rank, timeout)
+        timeout_s = check_timeout(call, rank, timeout)
     except (TypeError, ValueError) as e:
-        _reject(comm, tensor, timeout, e)
+        reject(comm, tensor, timeout, e)
         raise
     with _exclusive(comm, call, rank):  # the workspace is the communicator's: one call at a time
         total = _layout_total(padded, world, tensor.device.type == "cuda")

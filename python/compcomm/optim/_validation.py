@@ -4,6 +4,7 @@ communicates (:func:`layout_fields`)."""
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
 from typing import Any, Dict, List, Tuple
@@ -50,8 +51,6 @@ def check_common(who: str, lr: float, betas: Tuple[float, float], eps: float, we
     _check_betas(who, "argument 'betas'", betas)
 
 
-#: keys a param group may hold besides the optimizer's defaults
-_GROUP_KEYS = {"params", "param_names", "exp_avg_mask", "initial_lr", "name"}
 _PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -76,15 +75,17 @@ def check_last_group(opt: Any) -> None:
 
 
 def check_group(who: str, index: int, group: Dict[str, Any], defaults: Dict[str, Any]) -> None:
-    """One param group (defaults filled in): no unknown key, valid ``lr``/``eps``/
-    ``weight_decay``/``betas``, and parameters of float32, float16 or bfloat16 on the CPU or a GPU
-    (the update's kernels and the fp32 master copies take those); TypeError/ValueError naming
-    the group, the key or the parameter."""
+    """One param group (defaults filled in): valid ``lr``/``eps``/``weight_decay``/``betas``, no
+    key that looks like a misspelt setting (``weight_decy``: other extra keys, such as a layer
+    decay's ``lr_scale``, are the caller's, as torch allows), and parameters of float32, float16
+    or bfloat16 on the CPU or a GPU (the update's kernels and the fp32 master copies take those);
+    TypeError/ValueError naming the group, the key or the parameter."""
     where = f"param group {index}"
-    unknown = sorted(set(group) - set(defaults) - _GROUP_KEYS)
-    if unknown:
-        raise ValueError(f"{who}: {where} has unknown key(s) {unknown}; known: "
-                         f"{sorted(set(defaults) | _GROUP_KEYS)}")
+    for key in sorted(set(group) - set(defaults)):
+        near = difflib.get_close_matches(key, list(defaults), n=1, cutoff=0.8)
+        if near:
+            raise ValueError(f"{who}: {where} has key '{key}': did you mean '{near[0]}'? (the "
+                             f"settings are {sorted(defaults)})")
     for key in ("lr", "eps", "weight_decay"):
         check_number(who, f"{where}: '{key}'", group[key])
     _check_betas(who, f"{where}: 'betas'", group["betas"])

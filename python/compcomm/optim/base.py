@@ -209,8 +209,7 @@ class OneBitBase(torch.optim.Optimizer):
         if self.world_size == 1 or self._local is not None:
             # nothing is sent (one rank, or step_on): no buckets, no staging kept between steps
             # (ZeroOptimizer steps on shards: a kept buffer would cost a shard-sized fp32 copy)
-            views = {p: torch.empty(p.shape, dtype=torch.float32, device=p.device)
-                     for _, p in items}
+            views = {p: p.new_empty(p.shape, dtype=torch.float32) for _, p in items}
             fill([(group, p, views[p]) for group, p in items])
             return views
         buckets = self._bucket_plan(items)
