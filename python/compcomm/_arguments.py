@@ -18,6 +18,7 @@ __all__ = ["fail", "check_timeout", "check_float32_vector", "check_input", "chec
            "check_flag", "check_autograd", "check_disjoint", "reject", "FLOATS"]
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_CUDA_BUILT = bool(_C.build_info().get("cuda"))
 
 
 def fail(cls: type, rank: int, arg: str, problem: str,
@@ -140,9 +141,6 @@ def check_disjoint(call: str, rank: int, **tensors: Optional[torch.Tensor]) -> N
                     f"[rank {rank}] {call}: arguments '{a}' and '{b}' overlap in memory; they must "
                     "be distinct buffers (allocate the errors with compcomm.error_buffers)"
                 )
-
-
-_CUDA_BUILT = bool(_C.build_info().get("cuda"))
 
 
 def _reject_device(comm: object, tensor: object) -> Optional[torch.device]:
