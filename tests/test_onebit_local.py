@@ -264,7 +264,7 @@ def _count_local_steps(monkeypatch) -> list:
 @pytest.mark.parametrize("on", [False, True], ids=["step", "step_on"])
 @pytest.mark.parametrize("lowp", [False, True], ids=["fp32", "bf16"])
 def test_onebit_adam_w1_fast_path_keeps_the_bits(monkeypatch, lowp, on):
-    if not cpu_adam.matches_torch_rules():
+    if not cpu_adam.matches_torch_rules(denom=True):
         pytest.skip("the CPU kernels do not reproduce torch's ops here: no kernel path at all")
     calls = _count_local_steps(monkeypatch)
     fast, _ = _trajectory(6, lowp, on=on)
@@ -303,7 +303,7 @@ def test_onebit_adam_w1_fast_path_scaled_and_stateless_starts(monkeypatch, freez
     """GradScaler's scaled gradients (unscaled into copies, p.grad untouched) and a compressed
     phase from step 1 (no momentum yet: the general path makes it, the fast path follows): the
     torch ops' bits."""
-    if not cpu_adam.matches_torch_rules():
+    if not cpu_adam.matches_torch_rules(denom=True):
         pytest.skip("the CPU kernels do not reproduce torch's ops here: no kernel path at all")
     calls = _count_local_steps(monkeypatch)
     fast = _scaled_trajectory(5, freeze_step, scale)
@@ -380,7 +380,7 @@ def _w2_trajectories(rank, world):
             traj.append([p.detach().clone() for p in params])
         out[env] = traj
         out["calls" + env] = sum(calls)
-    return out, cpu_adam.matches_torch_rules()
+    return out, cpu_adam.matches_torch_rules(denom=True)
 
 
 @pytest.mark.parametrize("world", [2, 3])

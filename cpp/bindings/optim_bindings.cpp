@@ -154,7 +154,7 @@ void run_steps(const char* fn, K::AdamRule rule, const std::vector<int64_t>& num
                const std::vector<uintptr_t>& outs, const std::vector<DType>& out_types, double lr,
                double b1, double b2, double eps, double wd, bool bias_correction, int64_t bc1_t,
                int64_t bc2_t, int num_threads, const std::string& isa, const std::string& sqrt,
-               const std::vector<DType>& g_types) {
+               const std::vector<DType>& g_types, bool v_is_denom) {
   const size_t k = numels.size();
   if (!g_types.empty() && g_types.size() != k)
     value_error(concat(fn, ": g_types must be empty (all float32) or hold ", k, " entries"));
@@ -168,8 +168,11 @@ void run_steps(const char* fn, K::AdamRule rule, const std::vector<int64_t>& num
   const K::AdamIsa which = isa_of(isa);
   if (!K::adam_isa_supported(which))
     value_error(concat(fn, ": isa '", isa, "' is not available on this machine or in this build"));
+  if (v_is_denom && rule == K::AdamRule::kOneBitWarmup)
+    value_error(concat(fn, ": v_is_denom needs a frozen variance (the warm-up step updates v)"));
   K::AdamCoeffs c = K::onebit_coeffs(rule, lr, b1, b2, eps, wd, bias_correction, bc1_t, bc2_t);
   c.sqrt = sqrt_of(sqrt);
+  c.v_is_denom = v_is_denom;
   std::vector<K::AdamTensors> ts(k);
   for (size_t i = 0; i < k; ++i) {
     if (numels[i] < 0) value_error(concat(fn, ": numels[", i, "] is negative"));
@@ -307,31 +310,33 @@ void bind_optim(py::module_& parent) {
                      const std::vector<DType>& out_types, double lr, double b1, double b2,
                      double eps, double wd, bool bias_correction, int64_t bc1_t, int64_t bc2_t,
                      int num_threads, const std::string& isa, const std::string& sqrt,
-                     const std::vector<DType>& g_types) {
+                     const std::vector<DType>& g_types, bool v_is_denom) {
           run_steps(name, rule, numels, ws, ms, vs, gs, outs, out_types, lr, b1, b2, eps, wd,
-                    bias_correction, bc1_t, bc2_t, num_threads, isa, sqrt, g_types);
+                    bias_correction, bc1_t, bc2_t, num_threads, isa, sqrt, g_types, v_is_denom);
         },
         py::arg("numels"), py::arg("ws"), py::arg("ms"), py::arg("vs"), py::arg("gs"),
         py::arg("outs"), py::arg("out_types"), py::arg("lr"), py::arg("b1"), py::arg("b2"),
         py::arg("eps"), py::arg("wd"), py::arg("bias_correction"), py::arg("bc1_t"),
         py::arg("bc2_t"), py::arg("num_threads") = 0, py::arg("isa") = "auto",
-        py::arg("sqrt") = "ieee", py::arg("g_types") = std::vector<DType>{}, doc);
+        py::arg("sqrt") = "ieee", py::arg("g_types") = std::vector<DType>{},
+        py::arg("v_is_denom") = false, doc);
   };
   def_steps("onebit_local_steps", K::AdamRule::kOneBitLocal,
             "onebit_local_step over a list of tensors given as data pointers (fp32 w, m, v; g of "
             "g_types: fp32, fp16 or bf16, empty for all fp32; outs: optional parameter copies of "
             "out_types, 0 for none) in one call, the GIL released once. The pointers are not "
             "checked beyond null: the caller validates the tensors "
-            "(compcomm.optim.cpu_adam.onebit_local_steps_).");
+            "(compcomm.optim.cpu_adam.onebit_local_steps_). v_is_denom: vs hold the frozen "
+            "denominators functional.adam_denom(v, group, bc2_t), used as they are.");
   def_steps("onebit_warmup_steps", K::AdamRule::kOneBitWarmup,
             "onebit_warmup_step over a list of tensors given as data pointers (fp32 w, m, v; g "
             "and outs as onebit_local_steps) in one call, the GIL released once. The pointers are not "
             "checked beyond null: the caller validates the tensors "
             "(compcomm.optim.cpu_multi.onebit_warmup_steps_).");
   def_steps("onebit_compressed_steps", K::AdamRule::kOneBitCompressed,
-            "onebit_compressed_step (no mask, v not a denominator) over a list of tensors given as "
-            "data pointers (fp32 w, m, v, averaged as gs; outs as onebit_local_steps) in one call, "
-            "the GIL released once. The pointers are not checked beyond null: the caller validates "
+            "onebit_compressed_step (no mask) over a list of tensors given as data pointers (fp32 "
+            "w, m, v, averaged as gs; outs and v_is_denom as onebit_local_steps) in one call, the "
+            "GIL released once. The pointers are not checked beyond null: the caller validates "
             "the tensors (compcomm.optim.cpu_multi.onebit_compressed_steps_).");
 
   m.def(

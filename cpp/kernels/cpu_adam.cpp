@@ -814,8 +814,9 @@ Status adam_update(const AdamCoeffs& c, const AdamTensors& t, int64_t n, int num
   if (n < 0) return Status::kInvalidArgument;
   if (n == 0) return Status::kSuccess;
   if (!t.w || !t.m || !t.v || !t.g) return Status::kInvalidArgument;
-  // only the compressed rule has a frozen variance to hold as its denominator
-  if (c.v_is_denom && c.rule != AdamRule::kOneBitCompressed) return Status::kInvalidArgument;
+  // only the compressed rules have a frozen variance to hold as its denominator
+  if (c.v_is_denom && c.rule != AdamRule::kOneBitCompressed && c.rule != AdamRule::kOneBitLocal)
+    return Status::kInvalidArgument;
   if (isa == AdamIsa::kAuto) isa = adam_best_isa();
   if (!adam_isa_supported(isa)) return Status::kInvalidArgument;
   const AdamRangeFn f = pick_for(isa, c, t);

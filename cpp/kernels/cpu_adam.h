@@ -91,8 +91,9 @@ struct AdamCoeffs {
   float neg_lr = 0.f;  // fl(-lr)
   bool bias_correction = false;
   bool weight_decay = false;  // wd > 0
-  // kOneBitCompressed: v holds the frozen denominator d = sqrt(v) [/ bc2_sqrt] + eps, computed once
-  // (ZeRO's no_allgather mode), and is read as d instead of recomputing it every step
+  // kOneBitCompressed / kOneBitLocal: v holds the frozen denominator d = sqrt(v) [/ bc2_sqrt] + eps,
+  // computed once (ZeRO's no_allgather mode; the optimizers where torch's sqrt is not one of the
+  // modes), and is read as d instead of recomputing it every step
   bool v_is_denom = false;
   SqrtMode sqrt = SqrtMode::kIeee;
 };

@@ -7,6 +7,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import os
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..schedule import FreezeSchedule, StepKind
 from . import _fused, cpu_adam, cpu_multi
@@ -182,15 +183,17 @@ class OneBitAdam(OneBitBase):
                 step = _fused.adam_warmup_step_ if warm else _fused.onebit_compressed_step_
                 step(ws, ms, vs, xs, group, t, bc2_t, lowps, check=False)
                 continue
-            if cpu_kernels_usable(group, [p.data for p in ps] + ws):  # one C++ pass per tensor
-                if warm and not all(x.dtype == torch.float32 for x in xs):
+            # one C++ pass per tensor
+            if cpu_kernels_usable(group, [p.data for p in ps] + ws, frozen=not warm):
+                if not warm:  # the whole chunk in one C++ call (fp32 lists)
+                    vs, denom = self._denominators(vs, group, bc2_t)
+                    cpu_multi.onebit_compressed_steps_(ws, ms, vs, xs, group, t, bc2_t, lowps,
+                                                       denom=denom)
+                elif all(x.dtype == torch.float32 for x in xs):
+                    cpu_multi.onebit_warmup_steps_(ws, ms, vs, xs, group, t, bc2_t, lowps)
+                else:
                     for w, m, v, x, lowp in zip(ws, ms, vs, xs, lowps):
                         cpu_adam.onebit_warmup_step_(w, m, v, x, group, t, bc2_t, param_out=lowp)
-                    continue
-                # the whole chunk in one C++ call (fp32 lists; the same kernel per tensor)
-                step = cpu_multi.onebit_warmup_steps_ if warm else \
-                    cpu_multi.onebit_compressed_steps_
-                step(ws, ms, vs, xs, group, t, bc2_t, lowps)
                 continue
             if warm:
                 F.adam_moments_multi_(ms, vs, xs, group)
@@ -217,7 +220,7 @@ class OneBitAdam(OneBitBase):
                     _fused.onebit_momentum(ms, gs, group, outs, check=False)
                     continue
                 ps = [p for _, p, _ in run]
-                if None not in ms and cpu_kernels_usable(group, [p.data for p in ps]):
+                if None not in ms and cpu_kernels_usable(group, [p.data for p in ps], frozen=True):
                     cpu_multi.onebit_momentums_(ms, gs, group, outs)  # one C++ call
                     continue
                 ms = [out.zero_() if m is None else m for m, out in zip(ms, outs)]
@@ -267,7 +270,7 @@ class OneBitAdam(OneBitBase):
                 outs.append(out)
                 sts.append(st)
             if ws:
-                if not cpu_kernels_usable(group):
+                if not cpu_kernels_usable(group, frozen=True):
                     return None
                 runs.append((group, cols))
         if scale is not None:
@@ -289,7 +292,31 @@ class OneBitAdam(OneBitBase):
         for group, (ws, ms, vs, gs, outs, sts) in runs:
             for st in sts:
                 st["step"] = t
-            cpu_adam.onebit_local_steps_(ws, ms, vs, gs, group, t, bc2_t, outs, check=False)
+            ds, denom = self._denominators(vs, group, bc2_t)
+            cpu_adam.onebit_local_steps_(ws, ms, ds, gs, group, t, bc2_t, outs, check=False,
+                                         denom=denom)
+
+    def _denominators(self, vs: List[torch.Tensor], group: Dict[str, Any],
+                      bc2_t: int) -> Tuple[List[torch.Tensor], bool]:
+        """What the compressed phase's CPU kernels read as ``v``: ``(vs, False)`` where they
+        compute torch's square root themselves, else ``(denominators, True)``: the frozen
+        ``functional.adam_denom(v, group, bc2_t)`` of each variance, computed by torch (so the
+        torch ops' bits on any CPU) once per freeze and kept (one fp32 tensor per parameter,
+        dropped with its ``v``) until ``v`` is written (its version counter) or eps, beta2, bias
+        correction or ``bc2_t`` change."""
+        if cpu_adam.matches_torch_rules():
+            return vs, False
+        cache = self.__dict__.get("_frozen_denoms")
+        if cache is None:
+            cache = self._frozen_denoms = WeakIdKeyDictionary()
+        how = (group["eps"], group["betas"][1], group["bias_correction"], bc2_t)
+        out = []
+        for v in vs:
+            hit = cache.get(v)
+            if hit is None or hit[0] != (v._version, how):
+                hit = cache[v] = ((v._version, how), F.adam_denom(v, group, bc2_t))
+            out.append(hit[1])
+        return out, True
 
 
 # the gradients the W=1 C++ step reads as they are
@@ -304,12 +331,16 @@ def _fits(x: Optional[torch.Tensor], n: int, dtypes: Tuple[torch.dtype, ...] = (
             and x.numel() == n)
 
 
-def cpu_kernels_usable(group: Dict[str, Any], tensors: Sequence[torch.Tensor] = ()) -> bool:
+def cpu_kernels_usable(group: Dict[str, Any], tensors: Sequence[torch.Tensor] = (),
+                       frozen: bool = False) -> bool:
     """Whether the C++ CPU kernels may update ``tensors`` (parameters, master weights) of param
     group ``group``: all on the CPU and contiguous, no ``exp_avg_mask``, not switched off
-    (``COMPCOMM_FUSED_OPTIM=0``) and bit-identical to the torch-op rules on this machine. (ZeRO's
-    replicated momentum asks the same.)"""
+    (``COMPCOMM_FUSED_OPTIM=0``) and bit-identical to the torch-op rules on this machine.
+    ``frozen``: the compressed phase's rules (variance frozen), which are bit-identical also where
+    the kernels' square root is not torch's, given the frozen denominators computed by torch
+    (``OneBitAdam._denominators``). (ZeRO's replicated momentum asks the same.)"""
     return (group.get("exp_avg_mask") is None
             and all(t.is_cpu and t.is_contiguous() for t in tensors)
             and os.environ.get("COMPCOMM_FUSED_OPTIM", "1") != "0"
-            and cpu_adam.matches_torch_rules())
+            and (cpu_adam.matches_torch_rules()
+                 or (frozen and cpu_adam.matches_torch_rules(denom=True))))

@@ -53,20 +53,24 @@ def kernel_isa() -> str:
     return _K.isa()
 
 
-_matches: Optional[bool] = None
+_matches: Dict[bool, bool] = {}
 
 
-def matches_torch_rules() -> bool:
+def matches_torch_rules(denom: bool = False) -> bool:
     """Whether the 1-bit kernels give, on this machine, the bits of the torch-op rules of
     :mod:`compcomm.optim.functional` (what the optimizers' trajectory tests pin down). Checked once
     by running both on the same random tensors (odd sizes: vector bodies and scalar tails; with and
-    without bias correction and weight decay); the optimizers use the kernels only if it holds."""
-    global _matches
-    if _matches is None:
+    without bias correction and weight decay); the optimizers use the kernels only if it holds.
+
+    ``denom=True`` asks it of the compressed phase's rules given the frozen denominator
+    (``functional.adam_denom``, computed by torch): no square root in the kernels, so it can hold
+    where :func:`torch_sqrt_mode` is None (an AMD EPYC's MKL sqrt); the optimizers then compute
+    the denominators once with torch and run the compressed phase's kernels on them."""
+    if denom not in _matches:
         from . import functional as F
 
         gen = torch.Generator().manual_seed(1)
-        ok = torch_sqrt_mode() is not None
+        ok = denom or torch_sqrt_mode() is not None
         for n, bc, wd in ((7, False, 0.0), (4099, True, 0.01), (1031, True, 0.0)):
             if not ok:
                 break
@@ -74,26 +78,35 @@ def matches_torch_rules() -> bool:
                      "bias_correction": bc}
             w, m, g, a = (torch.randn(n, generator=gen) for _ in range(4))
             v = torch.rand(n, generator=gen)
-            ref = [t.clone() for t in (w, m, v)]
-            F.adam_moments_(ref[1], ref[2], g, group)
-            F.adam_step_(ref[0], ref[1], ref[2], group, 3, 3)
-            got = [t.clone() for t in (w, m, v)]
-            onebit_warmup_step_(got[0], got[1], got[2], g, group, 3, 3, num_threads=1)
-            ok = all(torch.equal(x, y) for x, y in zip(ref, got))
+            d = F.adam_denom(v, group, 2) if denom else v  # what the kernels read as v
+            if not denom:
+                ref = [t.clone() for t in (w, m, v)]
+                F.adam_moments_(ref[1], ref[2], g, group)
+                F.adam_step_(ref[0], ref[1], ref[2], group, 3, 3)
+                got = [t.clone() for t in (w, m, v)]
+                onebit_warmup_step_(got[0], got[1], got[2], g, group, 3, 3, num_threads=1)
+                ok = all(torch.equal(x, y) for x, y in zip(ref, got))
             ref = [t.clone() for t in (w, m, v)]
             ref[1].copy_(a)
             F.adam_step_(ref[0], ref[1], ref[2], group, 5, 2)
-            got = [t.clone() for t in (w, m, v)]
-            onebit_compressed_step_(got[0], got[1], got[2], a, group, 5, 2, num_threads=1)
+            got = [t.clone() for t in (w, m)]
+            onebit_compressed_step_(got[0], got[1], d, a, group, 5, 2, num_threads=1,
+                                    denom=denom)
             ok = ok and all(torch.equal(x, y) for x, y in zip(ref, got))
             ref = [t.clone() for t in (w, m, v)]
             F.onebit_momentum(ref[1], g, group, ref[1])
             F.adam_step_(ref[0], ref[1], ref[2], group, 5, 2)
-            got = [t.clone() for t in (w, m, v)]
-            onebit_local_step_(got[0], got[1], got[2], g, group, 5, 2, num_threads=1)
+            got = [t.clone() for t in (w, m)]
+            onebit_local_steps_([got[0]], [got[1]], [d], [g], group, 5, 2, num_threads=1,
+                                denom=denom)
             ok = ok and all(torch.equal(x, y) for x, y in zip(ref, got))
-        _matches = ok
-    return _matches
+            out = torch.empty_like(m)
+            onebit_momentum_(m, g, group, out, num_threads=1)
+            ref = torch.empty_like(m)
+            F.onebit_momentum(m, g, group, ref)
+            ok = ok and torch.equal(out, ref)
+        _matches[denom] = ok
+    return _matches[denom]
 
 
 def adam_step_(w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, group: Group,
@@ -245,13 +258,14 @@ def onebit_local_steps_(ws: Sequence[torch.Tensor], ms: Sequence[torch.Tensor],
                         bc1_t: int, bc2_t: int,
                         param_outs: Optional[Sequence[Optional[torch.Tensor]]] = None,
                         num_threads: Optional[int] = None, sqrt: Optional[str] = None,
-                        check: bool = True) -> None:
+                        check: bool = True, denom: bool = False) -> None:
     """:func:`onebit_local_step_` over lists of tensors in one call (one crossing into C++, not
     one per tensor): fp32 ``ws``, ``ms``, ``vs``; ``gs[i]`` fp32, fp16 or bf16 (read as is);
     ``param_outs[i]``: None or a copy to write. ``check``: validate every tensor as
-    :func:`onebit_local_step_` does (False: the caller has; raw pointers go down)."""
+    :func:`onebit_local_step_` does (False: the caller has; raw pointers go down). ``denom``:
+    ``vs`` hold the frozen denominators (as :func:`onebit_compressed_step_`'s ``denom``)."""
     steps_("onebit_local_steps_", _K.onebit_local_steps, ws, ms, vs, gs, group, bc1_t, bc2_t,
-           param_outs, num_threads, sqrt, check)
+           param_outs, num_threads, sqrt, check, denom)
 
 
 def onebit_momentum_(m: torch.Tensor, g: torch.Tensor, group: Group, out: torch.Tensor,

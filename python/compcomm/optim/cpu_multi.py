@@ -41,21 +41,22 @@ def onebit_compressed_steps_(ws: Sequence[torch.Tensor], ms: Sequence[torch.Tens
                              group: Group, bc1_t: int, bc2_t: int,
                              param_outs: Optional[Sequence[Optional[torch.Tensor]]] = None,
                              num_threads: Optional[int] = None, sqrt: Optional[str] = None,
-                             check: bool = True) -> None:
-    """:func:`onebit_compressed_step_` (no mask, ``v`` the variance) over lists of fp32 tensors in
-    one call; arguments as :func:`onebit_local_steps_`, ``averaged[i]`` the averaged momentum of
-    tensor ``i`` (it may be ``ms[i]``)."""
+                             check: bool = True, denom: bool = False) -> None:
+    """:func:`onebit_compressed_step_` (no mask) over lists of fp32 tensors in one call; arguments
+    as :func:`onebit_local_steps_`, ``averaged[i]`` the averaged momentum of tensor ``i`` (it may
+    be ``ms[i]``); ``denom``: ``vs`` hold the frozen denominators, not the variances."""
     steps_("onebit_compressed_steps_", _K.onebit_compressed_steps, ws, ms, vs, averaged, group,
-           bc1_t, bc2_t, param_outs, num_threads, sqrt, check)
+           bc1_t, bc2_t, param_outs, num_threads, sqrt, check, denom)
 
 
 def steps_(fn: str, kernel: Callable[..., None], ws: Sequence[torch.Tensor],
            ms: Sequence[torch.Tensor], vs: Sequence[torch.Tensor], gs: Sequence[torch.Tensor],
            group: Group, bc1_t: int, bc2_t: int,
            param_outs: Optional[Sequence[Optional[torch.Tensor]]], num_threads: Optional[int],
-           sqrt: Optional[str], check: bool) -> None:
+           sqrt: Optional[str], check: bool, denom: bool = False) -> None:
     """The list forms' common body: validate (``check``), then ``kernel`` (a ``_C.optim`` list
-    entry point) over the tensors' data pointers; ``fn`` names the caller in errors."""
+    entry point) over the tensors' data pointers; ``fn`` names the caller in errors, ``denom``:
+    ``vs`` hold frozen denominators (the compressed-phase rules)."""
     k = len(ws)
     if not (len(ms) == len(vs) == len(gs) == k):
         raise ValueError(f"{fn}: ws, ms, vs and gs must have one length, got {k}, {len(ms)}, "
@@ -87,7 +88,7 @@ def steps_(fn: str, kernel: Callable[..., None], ws: Sequence[torch.Tensor],
            [v.data_ptr() for v in vs], [g.data_ptr() for g in gs], out_ptrs, out_types,
            float(group["lr"]), float(b1), float(b2), float(group["eps"]),
            float(group["weight_decay"]), bool(group["bias_correction"]), int(bc1_t), int(bc2_t),
-           _threads(num_threads), sqrt=_sqrt_mode(sqrt), g_types=g_types)
+           _threads(num_threads), sqrt=_sqrt_mode(sqrt), g_types=g_types, v_is_denom=bool(denom))
 
 
 def onebit_momentums_(ms: Sequence[torch.Tensor], gs: Sequence[torch.Tensor], group: Group,

@@ -291,7 +291,7 @@ class ReplicatedMomentum:
         ops' bits here; otherwise the torch ops."""
         half = gi in self.w
         w = self.w[gi] if half else grp.flat
-        fused = cpu_kernels_usable(group, [w])
+        fused = cpu_kernels_usable(group, [w], frozen=True)  # the kernels read d, not v
         if gi not in self.d:  # sqrt(v) + eps is frozen too: once, in v's place
             self.d[gi] = adam_denom(self.v.pop(gi), group, bc2_t)
         for bi, b in enumerate(grp.buckets):
