@@ -51,7 +51,7 @@ def test_all_finite_16_every_pattern(dtype):
 
 
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("n", [0, 1, 3, 4, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 97, 4099])
+@pytest.mark.parametrize("n", [0, 1, 3, 4, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 97, 4099, 5000])
 def test_all_finite_16_positions(dtype, n):
     gen = torch.Generator().manual_seed(n)
     base = (torch.randn(n, generator=gen) * 100).to(dtype)
@@ -64,7 +64,8 @@ def test_all_finite_16_positions(dtype, n):
         # every position of a short array; else the ends of the four read streams and the tail
         q = n // 32 * 8
         for pos in range(n) if n <= 100 else sorted(
-                {0, n - 1, max(0, n - 9)} | {k * q + d for k in range(1, 4) for d in (-1, 0)}):
+                {0, n - 1, max(0, n - 9)} | {k * q + d for k in range(1, 5) for d in (-1, 0)
+                                             if k * q + d < n}):
             x = base.clone()
             x[pos] = bad
             assert _ptr_check([base, x]) is False, (bad, pos)

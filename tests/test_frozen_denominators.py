@@ -101,32 +101,57 @@ def _run(steps, poke=None):
 
 def _poke(step, opt, params):
     """Step 5: v written in place (its version moves); step 6: the first group's eps changes;
-    step 7: a reload (new v tensors)."""
+    step 7: a reload (new v tensors); step 8: v given new storage through ``.data`` (the version
+    stays); step 9: the second group's beta2 changes; step 10: the first group's bias
+    correction is switched on."""
     if step == 4:
         opt.state[params[0]]["exp_avg_sq"].mul_(2.0)
     if step == 5:
         opt.param_groups[0]["eps"] = 1e-6
     if step == 6:
         opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    if step == 7:
+        v = opt.state[params[1]]["exp_avg_sq"]
+        v.data = v.data * 3.0
+    if step == 8:
+        opt.param_groups[1]["betas"] = (0.9, 0.99)
+    if step == 9:
+        opt.param_groups[0]["bias_correction"] = True
 
 
 def test_onebit_adam_w1_denominators_keep_the_bits(monkeypatch):
     _force_denominators(monkeypatch)
     local = _count(monkeypatch, cpu_adam, "onebit_local_steps_")
     denoms = _count(monkeypatch, F, "adam_denom")
-    fast = _run(8, _poke)
+    fast = _run(11, _poke)
     n = len(SHAPES)
-    # compressed steps 3..8: one kernel call per param group per step, reading denominators
-    assert len(local) == 6 * 2
-    # made at step 3, then for params[0] (v written), group 0 (eps), all (reload)
-    assert len(denoms) == n + 1 + 2 + n
+    # compressed steps 3..11: one kernel call per param group per step, reading denominators
+    assert len(local) == 9 * 2
+    # made at step 3, then for params[0] (v written), group 0 (eps), all (reload), params[1]
+    # (new storage), group 1 (beta2), group 0 (bias correction)
+    assert len(denoms) == n + 1 + 2 + n + 1 + 2 + 2
     monkeypatch.setenv("COMPCOMM_FUSED_OPTIM", "0")
     del local[:]
-    ref = _run(8, _poke)
+    ref = _run(11, _poke)
     assert not local
     for step, (a, b) in enumerate(zip(fast, ref)):
         for i, (x, y) in enumerate(zip(a, b)):
             assert torch.equal(x, y), f"step {step + 1}, tensor {i}"
+
+
+def test_inference_mode_state_gets_fresh_denominators(monkeypatch):
+    """State made under inference_mode has no version counter: the denominators are made anew
+    every compressed step, still the torch ops' bits."""
+    _force_denominators(monkeypatch)
+    denoms = _count(monkeypatch, F, "adam_denom")
+    with torch.inference_mode():
+        fast = _run(5)
+    assert len(denoms) == 3 * len(SHAPES)  # compressed steps 3..5
+    monkeypatch.setenv("COMPCOMM_FUSED_OPTIM", "0")
+    with torch.inference_mode():
+        ref = _run(5)
+    for a, b in zip(fast, ref):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def _w2(rank, world):

@@ -168,15 +168,16 @@ def test_onebit_local_steps_arguments():
 
 def _positions(n):
     """Every position of a short array; else both ends of each of the check's four read streams
-    (quarters of the whole vectors) and the tail."""
+    (quarters of the whole vectors of width 1, 8 or 16) and the tail."""
     if n <= 160:
         return range(n)
-    q = n // 64 * 16
-    return sorted({0, n - 1, max(0, n - 17)} | {k * q + d for k in range(1, 4) for d in (-1, 0)})
+    qs = {n // (4 * w) * w for w in (1, 8, 16)}
+    return sorted({0, n - 1, max(0, n - 17)} | {k * q + d for q in qs for k in range(1, 5)
+                                                 for d in (-1, 0) if k * q + d < n})
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("n", [0, 1, 7, 15, 16, 17, 63, 64, 65, 127, 129, 4099])
+@pytest.mark.parametrize("n", [0, 1, 7, 15, 16, 17, 63, 64, 65, 127, 129, 4099, 5000])
 def test_all_finite_matches_numpy(isa, n):
     gen = torch.Generator().manual_seed(n)
     base = torch.randn(n, generator=gen) * 1e30  # large finite values, also 3.4e38

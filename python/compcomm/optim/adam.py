@@ -302,8 +302,10 @@ class OneBitAdam(OneBitBase):
         compute torch's square root themselves, else ``(denominators, True)``: the frozen
         ``functional.adam_denom(v, group, bc2_t)`` of each variance, computed by torch (so the
         torch ops' bits on any CPU) once per freeze and kept (one fp32 tensor per parameter,
-        dropped with its ``v``) until ``v`` is written (its version counter) or eps, beta2, bias
-        correction or ``bc2_t`` change."""
+        dropped with its ``v``) until ``v`` is written (its version counter), given other storage
+        (``v.data = ...``) or eps, beta2, bias correction or ``bc2_t`` change. Writes that
+        bypass the version counter (``v.data.mul_(...)``, raw pointers) are not seen; inference
+        tensors (no counter) get fresh denominators every step."""
         if cpu_adam.matches_torch_rules():
             return vs, False
         cache = self.__dict__.get("_frozen_denoms")
@@ -312,9 +314,13 @@ class OneBitAdam(OneBitBase):
         how = (group["eps"], group["betas"][1], group["bias_correction"], bc2_t)
         out = []
         for v in vs:
+            if v.is_inference():
+                out.append(F.adam_denom(v, group, bc2_t))
+                continue
+            key = (v._version, v.data_ptr(), how)
             hit = cache.get(v)
-            if hit is None or hit[0] != (v._version, how):
-                hit = cache[v] = ((v._version, how), F.adam_denom(v, group, bc2_t))
+            if hit is None or hit[0] != key:
+                hit = cache[v] = (key, F.adam_denom(v, group, bc2_t))
             out.append(hit[1])
         return out, True
 
