@@ -154,8 +154,13 @@ void run_steps(const char* fn, K::AdamRule rule, const std::vector<int64_t>& num
                const std::vector<uintptr_t>& outs, const std::vector<DType>& out_types, double lr,
                double b1, double b2, double eps, double wd, bool bias_correction, int64_t bc1_t,
                int64_t bc2_t, int num_threads, const std::string& isa, const std::string& sqrt,
-               const std::vector<DType>& g_types, bool v_is_denom) {
+               const std::vector<DType>& g_types, bool v_is_denom,
+               const std::vector<uintptr_t>& accs) {
   const size_t k = numels.size();
+  if ((rule == K::AdamRule::kZeroOneLocal) != !accs.empty() || (!accs.empty() && accs.size() != k))
+    value_error(concat(fn, rule == K::AdamRule::kZeroOneLocal
+                               ? concat(": accs must hold ", k, " pointers (one per numel)")
+                               : std::string(": accs is only for zero_one_local_steps")));
   if (!g_types.empty() && g_types.size() != k)
     value_error(concat(fn, ": g_types must be empty (all float32) or hold ", k, " entries"));
   if (ws.size() != k || ms.size() != k || vs.size() != k || gs.size() != k)
@@ -176,9 +181,10 @@ void run_steps(const char* fn, K::AdamRule rule, const std::vector<int64_t>& num
   std::vector<K::AdamTensors> ts(k);
   for (size_t i = 0; i < k; ++i) {
     if (numels[i] < 0) value_error(concat(fn, ": numels[", i, "] is negative"));
-    if (numels[i] > 0 && (!ws[i] || !ms[i] || !vs[i] || !gs[i]))
+    if (numels[i] > 0 && (!ws[i] || !ms[i] || !vs[i] || !gs[i] || (!accs.empty() && !accs[i])))
       value_error(concat(fn, ": a null pointer for tensor ", i));
     K::AdamTensors& t = ts[i];
+    if (!accs.empty()) t.acc = reinterpret_cast<float*>(accs[i]);
     t.w = reinterpret_cast<float*>(ws[i]);
     t.m = reinterpret_cast<float*>(ms[i]);
     t.v = reinterpret_cast<float*>(vs[i]);
@@ -310,16 +316,18 @@ void bind_optim(py::module_& parent) {
                      const std::vector<DType>& out_types, double lr, double b1, double b2,
                      double eps, double wd, bool bias_correction, int64_t bc1_t, int64_t bc2_t,
                      int num_threads, const std::string& isa, const std::string& sqrt,
-                     const std::vector<DType>& g_types, bool v_is_denom) {
+                     const std::vector<DType>& g_types, bool v_is_denom,
+                     const std::vector<uintptr_t>& accs) {
           run_steps(name, rule, numels, ws, ms, vs, gs, outs, out_types, lr, b1, b2, eps, wd,
-                    bias_correction, bc1_t, bc2_t, num_threads, isa, sqrt, g_types, v_is_denom);
+                    bias_correction, bc1_t, bc2_t, num_threads, isa, sqrt, g_types, v_is_denom,
+                    accs);
         },
         py::arg("numels"), py::arg("ws"), py::arg("ms"), py::arg("vs"), py::arg("gs"),
         py::arg("outs"), py::arg("out_types"), py::arg("lr"), py::arg("b1"), py::arg("b2"),
         py::arg("eps"), py::arg("wd"), py::arg("bias_correction"), py::arg("bc1_t"),
         py::arg("bc2_t"), py::arg("num_threads") = 0, py::arg("isa") = "auto",
         py::arg("sqrt") = "ieee", py::arg("g_types") = std::vector<DType>{},
-        py::arg("v_is_denom") = false, doc);
+        py::arg("v_is_denom") = false, py::arg("accs") = std::vector<uintptr_t>{}, doc);
   };
   def_steps("onebit_local_steps", K::AdamRule::kOneBitLocal,
             "onebit_local_step over a list of tensors given as data pointers (fp32 w, m, v; g of "
@@ -328,6 +336,12 @@ void bind_optim(py::module_& parent) {
             "checked beyond null: the caller validates the tensors "
             "(compcomm.optim.cpu_adam.onebit_local_steps_). v_is_denom: vs hold the frozen "
             "denominators functional.adam_denom(v, group, bc2_t), used as they are.");
+  def_steps("zero_one_local_steps", K::AdamRule::kZeroOneLocal,
+            "0/1 Adam's local step (functional.zero_one_local_multi_ with a frozen variance and "
+            "accumulators) over a list of tensors given as data pointers: arguments as "
+            "onebit_local_steps, and accs (fp32, one per tensor, required) receive the step too. "
+            "The pointers are not checked beyond null: the caller validates the tensors "
+            "(compcomm.optim.cpu_multi.zero_one_local_steps_).");
   def_steps("onebit_warmup_steps", K::AdamRule::kOneBitWarmup,
             "onebit_warmup_step over a list of tensors given as data pointers (fp32 w, m, v; g "
             "and outs as onebit_local_steps) in one call, the GIL released once. The pointers are not "

@@ -148,7 +148,7 @@ struct AdamBody {
         ieee_sqrt(c.sqrt == SqrtMode::kIeee),
         v_is_denom(c.v_is_denom) {}
 
-  void operator()(float* w, float* m, float* v, const G* g, const float* mask, O* out,
+  void operator()(float* w, float* m, float* v, const G* g, const float* mask, O* out, float* acc,
                   bool stream_m, bool stream_out) const {
     T wv = V::load(w);
     T mv, vv = V::load(v);
@@ -163,7 +163,8 @@ struct AdamBody {
       const T den = V::add(V::div(sqrt_of<V>(vv, ieee_sqrt), bc2_sqrt), eps);
       wv = V::add(wv, V::div(V::mul(neg_step, mv), den));
     } else {
-      if constexpr (R == AdamRule::kOneBitWarmup || R == AdamRule::kOneBitLocal) {
+      if constexpr (R == AdamRule::kOneBitWarmup || R == AdamRule::kOneBitLocal ||
+                    R == AdamRule::kZeroOneLocal) {
         const T gv = V::load(g);
         mv = V::fma(gv, c1, V::mul(V::load(m), b1));
         if constexpr (R == AdamRule::kOneBitWarmup) vv = V::fma(V::mul(c2, gv), gv, V::mul(vv, b2));
@@ -180,7 +181,13 @@ struct AdamBody {
       T u = V::div(mv, den);
       if (div_bc1) u = V::div(u, bc1);
       if (weight_decay) u = V::fma(wv, wd, u);
-      wv = V::fma(u, neg_lr, wv);
+      if constexpr (R == AdamRule::kZeroOneLocal) {  // the step is rounded, then added twice
+        const T s = V::mul(u, neg_lr);
+        wv = V::add(wv, s);
+        V::store(acc, V::add(V::load(acc), s));
+      } else {
+        wv = V::fma(u, neg_lr, wv);
+      }
     }
     V::store(w, wv);
     if (stream_m)
@@ -221,7 +228,7 @@ void adam_range(const AdamCoeffs& c, const AdamTensors& t, int64_t begin, int64_
   // back): the partial vectors at the ends of the range run the same vector code.
   auto partial = [&](int64_t i, int64_t r) {
     if (r <= 0) return;
-    float wb[W] = {}, mb[W] = {}, vb[W] = {}, kb[W] = {};
+    float wb[W] = {}, mb[W] = {}, vb[W] = {}, kb[W] = {}, ab[W] = {};
     G gb[W] = {};
     O ob[W] = {};
     std::memcpy(wb, t.w + i, r * sizeof(float));
@@ -229,9 +236,11 @@ void adam_range(const AdamCoeffs& c, const AdamTensors& t, int64_t begin, int64_
     std::memcpy(vb, t.v + i, r * sizeof(float));
     std::memcpy(gb, g + i, r * sizeof(G));
     if (mask) std::memcpy(kb, mask + i, r * sizeof(float));
-    body(wb, mb, vb, gb, mask ? kb : nullptr, ob, false, false);
+    if constexpr (R == AdamRule::kZeroOneLocal) std::memcpy(ab, t.acc + i, r * sizeof(float));
+    body(wb, mb, vb, gb, mask ? kb : nullptr, ob, ab, false, false);
     std::memcpy(t.w + i, wb, r * sizeof(float));
     std::memcpy(t.m + i, mb, r * sizeof(float));
+    if constexpr (R == AdamRule::kZeroOneLocal) std::memcpy(t.acc + i, ab, r * sizeof(float));
     if constexpr (kWritesV<R>) std::memcpy(t.v + i, vb, r * sizeof(float));
     if constexpr (kOut) std::memcpy(out + i, ob, r * sizeof(O));
   };
@@ -263,6 +272,7 @@ void adam_range(const AdamCoeffs& c, const AdamTensors& t, int64_t begin, int64_
   float* const w = t.w;
   float* const m = t.m;
   float* const v = t.v;
+  float* const acc = t.acc;
   for (; i + W <= end; i += W) {
     if constexpr (W > 1) {
       // the streams the pass reads, kPrefetch elements ahead; not m where it is only written.
@@ -274,10 +284,11 @@ void adam_range(const AdamCoeffs& c, const AdamTensors& t, int64_t begin, int64_
         if constexpr (R != AdamRule::kOneBitCompressed) __builtin_prefetch(m + i + kPrefetch, 1);
         __builtin_prefetch(v + i + kPrefetch, kWritesV<R> ? 1 : 0);
         __builtin_prefetch(g + i + kPrefetch, 0);
+        if constexpr (R == AdamRule::kZeroOneLocal) __builtin_prefetch(acc + i + kPrefetch, 1);
       }
     }
-    body(w + i, m + i, v + i, g + i, mask ? mask + i : nullptr, kOut ? out + i : nullptr, stream_m,
-         stream_out);
+    body(w + i, m + i, v + i, g + i, mask ? mask + i : nullptr, kOut ? out + i : nullptr,
+         R == AdamRule::kZeroOneLocal ? acc + i : nullptr, stream_m, stream_out);
   }
   if constexpr (W > 1) partial(i, end - i);
   if (stream_m || stream_out) V::fence();  // order the non-temporal stores before the caller's sync
@@ -320,6 +331,8 @@ AdamRangeFn pick(const AdamCoeffs& c, const AdamTensors& t) {
       return pick_grad<V, AdamRule::kOneBitWarmup>(t);
     case AdamRule::kOneBitLocal:
       return pick_grad<V, AdamRule::kOneBitLocal>(t);
+    case AdamRule::kZeroOneLocal:
+      return pick_grad<V, AdamRule::kZeroOneLocal>(t);
     case AdamRule::kOneBitCompressed:  // the averaged momentum is fp32
       return t.g_type == InputType::kFloat32 ? pick_out<V, AdamRule::kOneBitCompressed, float>(t)
                                              : nullptr;
@@ -819,8 +832,9 @@ Status adam_update(const AdamCoeffs& c, const AdamTensors& t, int64_t n, int num
   if (n == 0) return Status::kSuccess;
   if (!t.w || !t.m || !t.v || !t.g) return Status::kInvalidArgument;
   // only the compressed rules have a frozen variance to hold as its denominator
-  if (c.v_is_denom && c.rule != AdamRule::kOneBitCompressed && c.rule != AdamRule::kOneBitLocal)
+  if (c.v_is_denom && (c.rule == AdamRule::kTorchAdam || c.rule == AdamRule::kOneBitWarmup))
     return Status::kInvalidArgument;
+  if ((c.rule == AdamRule::kZeroOneLocal) != (t.acc != nullptr)) return Status::kInvalidArgument;
   if (isa == AdamIsa::kAuto) isa = adam_best_isa();
   if (!adam_isa_supported(isa)) return Status::kInvalidArgument;
   const AdamRangeFn f = pick_for(isa, c, t);

@@ -25,6 +25,10 @@
 //   kOneBitLocal (a world of one rank: onebit_momentum, then kOneBitCompressed with that momentum as
 //   the average; v read only):
 //     m = fma(g, c1, m * b1);  then the 1-bit step below
+//   kZeroOneLocal (0/1 Adam's local step: functional.zero_one_local_multi_ with accumulators; v
+//   read only):
+//     m = fma(g, c1, m * b1);  d and u as in the 1-bit step;  s = u * neg_lr;  w = w + s;
+//     acc = acc + s
 //   1-bit step (adam_denom / adam_update / adam_step_):
 //     d = sqrt(v); if bias_correction: d = d / bc2_sqrt;  d = d + eps
 //     u = m / d;   if bias_correction: u = u / bc1;        if weight_decay: u = fma(w, wd, u)
@@ -62,7 +66,10 @@ enum class AdamRule : int {
   kTorchAdam = 0,
   kOneBitWarmup = 1,
   kOneBitCompressed = 2,
-  kOneBitLocal = 3
+  kOneBitLocal = 3,
+  // 0/1 Adam's local step (variance frozen): m = b1 m + (1-b1) g, s = fl(-lr) * update,
+  // w += s, acc += s (the update accumulated since the last sync)
+  kZeroOneLocal = 4
 };
 
 // The instruction set of the vector loop. kAuto: the widest the CPU supports (chosen at run time).
@@ -91,7 +98,7 @@ struct AdamCoeffs {
   float neg_lr = 0.f;  // fl(-lr)
   bool bias_correction = false;
   bool weight_decay = false;  // wd > 0
-  // kOneBitCompressed / kOneBitLocal: v holds the frozen denominator d = sqrt(v) [/ bc2_sqrt] + eps,
+  // kOneBitCompressed / kOneBitLocal / kZeroOneLocal: v holds the frozen denominator d = sqrt(v) [/ bc2_sqrt] + eps,
   // computed once (ZeRO's no_allgather mode; the optimizers where torch's sqrt is not one of the
   // modes), and is read as d instead of recomputing it every step
   bool v_is_denom = false;
@@ -122,6 +129,7 @@ struct AdamTensors {
   const float* mask = nullptr;  // kOneBitCompressed: exp_avg_mask, or nullptr for none
   void* param_out = nullptr;    // optional: the new w converted (round to nearest even) to out_type
   InputType out_type = InputType::kFloat32;
+  float* acc = nullptr;  // kZeroOneLocal: the accumulated update, updated in place (required)
 };
 
 // Applies c.rule to n elements. num_threads <= 0: the OpenMP default (or the hardware concurrency

@@ -162,21 +162,28 @@ class _Optim:
         outs: List[int], out_types: List[DType], lr: float, b1: float, b2: float, eps: float,
         wd: float, bias_correction: bool, bc1_t: int, bc2_t: int, num_threads: int = 0,
         isa: str = "auto", sqrt: str = "ieee", g_types: List[DType] = ...,
-        v_is_denom: bool = False,
+        v_is_denom: bool = False, accs: List[int] = ...,
+    ) -> None: ...
+    def zero_one_local_steps(
+        self, numels: List[int], ws: List[int], ms: List[int], vs: List[int], gs: List[int],
+        outs: List[int], out_types: List[DType], lr: float, b1: float, b2: float, eps: float,
+        wd: float, bias_correction: bool, bc1_t: int, bc2_t: int, num_threads: int = 0,
+        isa: str = "auto", sqrt: str = "ieee", g_types: List[DType] = ...,
+        v_is_denom: bool = False, accs: List[int] = ...,
     ) -> None: ...
     def onebit_warmup_steps(
         self, numels: List[int], ws: List[int], ms: List[int], vs: List[int], gs: List[int],
         outs: List[int], out_types: List[DType], lr: float, b1: float, b2: float, eps: float,
         wd: float, bias_correction: bool, bc1_t: int, bc2_t: int, num_threads: int = 0,
         isa: str = "auto", sqrt: str = "ieee", g_types: List[DType] = ...,
-        v_is_denom: bool = False,
+        v_is_denom: bool = False, accs: List[int] = ...,
     ) -> None: ...
     def onebit_compressed_steps(
         self, numels: List[int], ws: List[int], ms: List[int], vs: List[int], gs: List[int],
         outs: List[int], out_types: List[DType], lr: float, b1: float, b2: float, eps: float,
         wd: float, bias_correction: bool, bc1_t: int, bc2_t: int, num_threads: int = 0,
         isa: str = "auto", sqrt: str = "ieee", g_types: List[DType] = ...,
-        v_is_denom: bool = False,
+        v_is_denom: bool = False, accs: List[int] = ...,
     ) -> None: ...
     def onebit_momentum(
         self, m: Buffer, g: Buffer, out: Buffer, b1: float, num_threads: int = 0, isa: str = "auto",

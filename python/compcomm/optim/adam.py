@@ -298,32 +298,37 @@ class OneBitAdam(OneBitBase):
 
     def _denominators(self, vs: List[torch.Tensor], group: Dict[str, Any],
                       bc2_t: int) -> Tuple[List[torch.Tensor], bool]:
-        """What the compressed phase's CPU kernels read as ``v``: ``(vs, False)`` where they
-        compute torch's square root themselves, else ``(denominators, True)``: the frozen
-        ``functional.adam_denom(v, group, bc2_t)`` of each variance, computed by torch (so the
-        torch ops' bits on any CPU) once per freeze and kept (one fp32 tensor per parameter,
-        dropped with its ``v``) until ``v`` is written (its version counter), given other storage
-        (``v.data = ...``) or eps, beta2, bias correction or ``bc2_t`` change. Writes that
-        bypass the version counter (``v.data.mul_(...)``, raw pointers) are not seen; inference
-        tensors (no counter) get fresh denominators every step."""
-        if cpu_adam.matches_torch_rules():
-            return vs, False
-        cache = self.__dict__.get("_frozen_denoms")
-        if cache is None:
-            cache = self._frozen_denoms = WeakIdKeyDictionary()
-        how = (group["eps"], group["betas"][1], group["bias_correction"], bc2_t)
-        out = []
-        for v in vs:
-            if v.is_inference():
-                out.append(F.adam_denom(v, group, bc2_t))
-                continue
-            key = (v._version, v.data_ptr(), how)
-            hit = cache.get(v)
-            if hit is None or hit[0] != key:
-                hit = cache[v] = (key, F.adam_denom(v, group, bc2_t))
-            out.append(hit[1])
-        return out, True
+        """:func:`frozen_denominators` with this optimizer's cache."""
+        return frozen_denominators(self, vs, group, bc2_t)
 
+
+def frozen_denominators(opt: torch.optim.Optimizer, vs: List[torch.Tensor],
+                        group: Dict[str, Any], bc2_t: int) -> Tuple[List[torch.Tensor], bool]:
+    """What the frozen-variance CPU kernels read as ``v``: ``(vs, False)`` where they compute
+    torch's square root themselves, else ``(denominators, True)``: the frozen
+    ``functional.adam_denom(v, group, bc2_t)`` of each variance, computed by torch (so the torch
+    ops' bits on any CPU) once per freeze and kept in ``opt`` (one fp32 tensor per parameter,
+    dropped with its ``v``) until ``v`` is written (its version counter), given other storage
+    (``v.data = ...``) or eps, beta2, bias correction or ``bc2_t`` change. Writes that bypass the
+    version counter (``v.data.mul_(...)``, raw pointers) are not seen; inference tensors (no
+    counter) get fresh denominators every step."""
+    if cpu_adam.matches_torch_rules():
+        return vs, False
+    cache = opt.__dict__.get("_frozen_denoms")
+    if cache is None:
+        cache = opt._frozen_denoms = WeakIdKeyDictionary()
+    how = (group["eps"], group["betas"][1], group["bias_correction"], bc2_t)
+    out = []
+    for v in vs:
+        if v.is_inference():
+            out.append(F.adam_denom(v, group, bc2_t))
+            continue
+        key = (v._version, v.data_ptr(), how)
+        hit = cache.get(v)
+        if hit is None or hit[0] != key:
+            hit = cache[v] = (key, F.adam_denom(v, group, bc2_t))
+        out.append(hit[1])
+    return out, True
 
 # the gradients the W=1 C++ step reads as they are
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

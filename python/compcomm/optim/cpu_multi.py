@@ -21,7 +21,8 @@ from ._cpu_args import sqrt_mode as _sqrt_mode
 from ._cpu_args import state_args as _state_args
 from ._cpu_args import threads as _threads
 
-__all__ = ["onebit_warmup_steps_", "onebit_compressed_steps_", "onebit_momentums_", "steps_"]
+__all__ = ["onebit_warmup_steps_", "onebit_compressed_steps_", "zero_one_local_steps_",
+           "onebit_momentums_", "steps_"]
 
 
 def onebit_warmup_steps_(ws: Sequence[torch.Tensor], ms: Sequence[torch.Tensor],
@@ -49,14 +50,38 @@ def onebit_compressed_steps_(ws: Sequence[torch.Tensor], ms: Sequence[torch.Tens
            bc1_t, bc2_t, param_outs, num_threads, sqrt, check, denom)
 
 
+def zero_one_local_steps_(ws: Sequence[torch.Tensor], ms: Sequence[torch.Tensor],
+                          vs: Sequence[torch.Tensor], gs: Sequence[torch.Tensor],
+                          accs: Sequence[torch.Tensor], group: Group, bc1_t: int, bc2_t: int,
+                          num_threads: Optional[int] = None, sqrt: Optional[str] = None,
+                          check: bool = True, denom: bool = False) -> None:
+    """0/1 Adam's local step (``functional.zero_one_local_multi_`` with the variance frozen and
+    accumulators ``accs``) over lists of tensors in one call, the same bits: ``m = b1 m + (1-b1)
+    g``; ``s = -lr * update``; ``w += s``; ``accs[i] += s``. Arguments as
+    :func:`onebit_local_steps_` (no parameter copies); ``accs``: fp32, one per tensor."""
+    fn = "zero_one_local_steps_"
+    if len(accs) != len(ws):
+        raise ValueError(f"{fn}: accs must hold {len(ws)} tensors, got {len(accs)}")
+    if check:
+        for i, (a, w) in enumerate(zip(accs, ws)):
+            n = w.numel() if isinstance(w, torch.Tensor) else -1
+            _check(f"{fn}[{i}]", "acc", a, _F32, n)
+            if any(a.data_ptr() == t.data_ptr() for t in (w, ms[i], vs[i], gs[i])):
+                raise ValueError(f"{fn}[{i}]: acc must not share memory with w, m, v or g")
+    steps_(fn, _K.zero_one_local_steps, ws, ms, vs, gs, group, bc1_t, bc2_t, None, num_threads,
+           sqrt, check, denom, accs=[a.data_ptr() for a in accs])
+
+
 def steps_(fn: str, kernel: Callable[..., None], ws: Sequence[torch.Tensor],
            ms: Sequence[torch.Tensor], vs: Sequence[torch.Tensor], gs: Sequence[torch.Tensor],
            group: Group, bc1_t: int, bc2_t: int,
            param_outs: Optional[Sequence[Optional[torch.Tensor]]], num_threads: Optional[int],
-           sqrt: Optional[str], check: bool, denom: bool = False) -> None:
+           sqrt: Optional[str], check: bool, denom: bool = False,
+           accs: Sequence[int] = ()) -> None:
     """The list forms' common body: validate (``check``), then ``kernel`` (a ``_C.optim`` list
     entry point) over the tensors' data pointers; ``fn`` names the caller in errors, ``denom``:
-    ``vs`` hold frozen denominators (the compressed-phase rules)."""
+    ``vs`` hold frozen denominators (the compressed-phase rules); ``accs``: the accumulators'
+    pointers (0/1 Adam's local step only)."""
     k = len(ws)
     if not (len(ms) == len(vs) == len(gs) == k):
         raise ValueError(f"{fn}: ws, ms, vs and gs must have one length, got {k}, {len(ms)}, "
@@ -88,7 +113,8 @@ def steps_(fn: str, kernel: Callable[..., None], ws: Sequence[torch.Tensor],
            [v.data_ptr() for v in vs], [g.data_ptr() for g in gs], out_ptrs, out_types,
            float(group["lr"]), float(b1), float(b2), float(group["eps"]),
            float(group["weight_decay"]), bool(group["bias_correction"]), int(bc1_t), int(bc2_t),
-           _threads(num_threads), sqrt=_sqrt_mode(sqrt), g_types=g_types, v_is_denom=bool(denom))
+           _threads(num_threads), sqrt=_sqrt_mode(sqrt), g_types=g_types, v_is_denom=bool(denom),
+           accs=list(accs))
 
 
 def onebit_momentums_(ms: Sequence[torch.Tensor], gs: Sequence[torch.Tensor], group: Group,

@@ -7,7 +7,9 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from ..schedule import StepKind, ZeroOneSchedule, legacy_kind_name
+from . import cpu_multi
 from . import functional as F
+from .adam import cpu_kernels_usable, frozen_denominators
 from ._params import (group_chunks, group_mask, mask_, master, moments, write_back,
                       write_back_multi)
 from ._validation import who, check_common, check_int
@@ -140,9 +142,16 @@ class ZeroOneAdam(OneBitBase):
                 accs = [self._accumulator(p, st) for p, st in zip(ps, states)]
                 for st in states:
                     st["lrs"] += group["lr"]
-            F.zero_one_local_multi_([master(p, st) for p, st in zip(ps, states)], ms, vs,
-                                    [grads[p] for p in ps], group, bc1_t, bc2_t,
-                                    update_variance=kind is StepKind.FULL_AVERAGE, accs=accs)
+            ws = [master(p, st) for p, st in zip(ps, states)]
+            gs = [grads[p] for p in ps]
+            if kind is StepKind.LOCAL and _kernels_fit(group, ws, ms, vs, gs, accs):
+                # one C++ pass per tensor (the torch ops' bits): 32 bytes per parameter
+                ds, denom = frozen_denominators(self, vs, group, bc2_t)
+                cpu_multi.zero_one_local_steps_(ws, ms, ds, gs, accs, group, bc1_t, bc2_t,
+                                                check=False, denom=denom)
+            else:
+                F.zero_one_local_multi_(ws, ms, vs, gs, group, bc1_t, bc2_t,
+                                        update_variance=kind is StepKind.FULL_AVERAGE, accs=accs)
             write_back_multi(ps, states)
         sched.advance(kind)  # once per step, as DeepSpeed does per parameter
         if sched.frozen and not frozen:
@@ -187,3 +196,16 @@ class ZeroOneAdam(OneBitBase):
                                     mask=group_mask(group, acc))
             state["lrs"] = 0.0
             write_back(p, state)
+
+
+def _kernels_fit(group: Dict[str, Any], *columns: Optional[List[torch.Tensor]]) -> bool:
+    """Whether a local step's tensors (w, m, v, g, acc of each parameter) can go to the C++ pass:
+    all fp32, contiguous, on the CPU, one size per parameter, and the kernels usable here."""
+    if any(c is None for c in columns):
+        return False
+    for ts in zip(*columns):
+        n = ts[0].numel()
+        if not all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() and not t.is_sparse
+                   and t.numel() == n for t in ts):
+            return False
+    return cpu_kernels_usable(group, columns[0], frozen=True)
