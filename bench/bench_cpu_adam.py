@@ -130,7 +130,7 @@ def onebitadam_step(sizes: List[int], kernels: bool, bias_correction: bool = Tru
     return step
 
 
-ZERO_ONE = "ZeroOneAdam.step, local phase, W=1 (torch ops: no CPU kernel of its own)"
+ZERO_ONE = "ZeroOneAdam.step, local phase, W=1 (kernels)"
 LAMB = "OneBitLamb.step, compressed phase, W=1 (torch ops: no CPU kernel of its own)"
 
 
