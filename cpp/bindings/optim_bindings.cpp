@@ -157,10 +157,10 @@ void run_steps(const char* fn, K::AdamRule rule, const std::vector<int64_t>& num
                const std::vector<DType>& g_types, bool v_is_denom,
                const std::vector<uintptr_t>& accs) {
   const size_t k = numels.size();
-  if ((rule == K::AdamRule::kZeroOneLocal) != !accs.empty() || (!accs.empty() && accs.size() != k))
-    value_error(concat(fn, rule == K::AdamRule::kZeroOneLocal
-                               ? concat(": accs must hold ", k, " pointers (one per numel)")
-                               : std::string(": accs is only for zero_one_local_steps")));
+  if (rule == K::AdamRule::kZeroOneLocal && accs.size() != k)
+    value_error(concat(fn, ": accs must hold ", k, " pointers (one per numel)"));
+  if (rule != K::AdamRule::kZeroOneLocal && !accs.empty())
+    value_error(concat(fn, ": accs is only for zero_one_local_steps"));
   if (!g_types.empty() && g_types.size() != k)
     value_error(concat(fn, ": g_types must be empty (all float32) or hold ", k, " entries"));
   if (ws.size() != k || ms.size() != k || vs.size() != k || gs.size() != k)

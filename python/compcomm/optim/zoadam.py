@@ -121,10 +121,11 @@ class ZeroOneAdam(OneBitBase):
         bc1_t, bc2_t = sched.bias_steps(kind)
         grads = self._grads(average=kind.averages)
         items = list(self._params())
-        if kind is StepKind.LOCAL and self._local is None and self.world_size > 1:
+        if kind is StepKind.LOCAL:
             # nothing else is sent: agree on skipping with one 4-byte all-reduce (a world of one
             # rank, or step_on, had its gradients checked by _grads)
-            self._check_finite(grads.values(), agree=True)
+            if self._local is None and self.world_size > 1:
+                self._check_finite(grads.values(), agree=True)
         elif kind is StepKind.ONEBIT_GRAD:
             grads = self._compressed_average(items, lambda entries: torch._foreach_copy_(
                 [out for _, _, out in entries], [grads[p] for _, p, _ in entries]))
