@@ -43,6 +43,10 @@ class ZeroOneAdam(OneBitBase):
     is also applied with one rank; weight decay is kept out of the momentum rebuilt at a sync
     (``wd_in_momentum``).
 
+    On the CPU a local step of fp32 tensors is one C++ pass per tensor
+    (:func:`compcomm.optim.cpu_multi.zero_one_local_steps_`, the torch ops' bits), where
+    :func:`~compcomm.optim.adam.cpu_kernels_usable` allows it; the other steps are torch ops.
+
     Parameters
     ----------
     params, lr, betas, eps, weight_decay, amsgrad, cuda_aware, comm_backend_name, process_group,
