@@ -182,6 +182,7 @@ def _trajectory(dtype, steps, bad=None, on=False, record=None):
 def test_onebit_adam_w1_16bit_gradients_go_down_as_they_are(monkeypatch, dtype):
     if not cpu_adam.matches_torch_rules(denom=True):
         pytest.skip("the CPU kernels do not reproduce torch's ops here: no kernel path at all")
+    cpu_adam.matches_torch_rules()  # its one-time probe calls onebit_local_steps_ too: first
     given: list = []
     seen = []
     real = cpu_adam.onebit_local_steps_

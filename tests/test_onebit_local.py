@@ -263,7 +263,10 @@ def _trajectory(steps, lowp=False, nan_at=None, on=False):
 
 
 def _count_local_steps(monkeypatch) -> list:
-    """Record the number of tensors of every onebit_local_steps_ call (the fast path's)."""
+    """Record the number of tensors of every onebit_local_steps_ call (the fast path's). The
+    kernels' one-time probes (``matches_torch_rules``) call it too: they run first."""
+    cpu_adam.matches_torch_rules()
+    cpu_adam.matches_torch_rules(denom=True)
     calls = []
     real = cpu_adam.onebit_local_steps_
     monkeypatch.setattr(cpu_adam, "onebit_local_steps_", lambda ws, *a, **k: (
