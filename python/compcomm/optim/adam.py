@@ -186,7 +186,7 @@ class OneBitAdam(OneBitBase):
             # one C++ pass per tensor
             if cpu_kernels_usable(group, [p.data for p in ps] + ws, frozen=not warm):
                 if not warm:  # the whole chunk in one C++ call (fp32 lists)
-                    vs, denom = self._denominators(vs, group, bc2_t)
+                    vs, denom = frozen_denominators(self, vs, group, bc2_t)
                     cpu_multi.onebit_compressed_steps_(ws, ms, vs, xs, group, t, bc2_t, lowps,
                                                        denom=denom)
                 elif all(x.dtype == torch.float32 for x in xs):
@@ -292,14 +292,9 @@ class OneBitAdam(OneBitBase):
         for group, (ws, ms, vs, gs, outs, sts) in runs:
             for st in sts:
                 st["step"] = t
-            ds, denom = self._denominators(vs, group, bc2_t)
+            ds, denom = frozen_denominators(self, vs, group, bc2_t)
             cpu_adam.onebit_local_steps_(ws, ms, ds, gs, group, t, bc2_t, outs, check=False,
                                          denom=denom)
-
-    def _denominators(self, vs: List[torch.Tensor], group: Dict[str, Any],
-                      bc2_t: int) -> Tuple[List[torch.Tensor], bool]:
-        """:func:`frozen_denominators` with this optimizer's cache."""
-        return frozen_denominators(self, vs, group, bc2_t)
 
 
 def frozen_denominators(opt: torch.optim.Optimizer, vs: List[torch.Tensor],
@@ -349,7 +344,7 @@ def cpu_kernels_usable(group: Dict[str, Any], tensors: Sequence[torch.Tensor] = 
     (``COMPCOMM_FUSED_OPTIM=0``) and bit-identical to the torch-op rules on this machine.
     ``frozen``: the compressed phase's rules (variance frozen), which are bit-identical also where
     the kernels' square root is not torch's, given the frozen denominators computed by torch
-    (``OneBitAdam._denominators``). (ZeRO's replicated momentum asks the same.)"""
+    (:func:`frozen_denominators`). (ZeRO's replicated momentum asks the same.)"""
     return (group.get("exp_avg_mask") is None
             and all(t.is_cpu and t.is_contiguous() for t in tensors)
             and os.environ.get("COMPCOMM_FUSED_OPTIM", "1") != "0"
