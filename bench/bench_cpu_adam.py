@@ -115,23 +115,29 @@ def onebitadam_step(sizes: List[int], kernels: bool, bias_correction: bool = Tru
     opt = OneBitAdam(params, lr=1e-3, freeze_step=1, weight_decay=0.01,
                      bias_correction=bias_correction, check_finite=check_finite)
 
-    def step() -> None:
+    step = with_kernels(opt.step, kernels)
+    step()  # the warm-up step; every timed one is compressed
+    return step
+
+
+def with_kernels(fn: Callable[[], object], kernels: bool) -> Callable[[], None]:
+    """``fn`` run with the C++ kernels on, or off (``COMPCOMM_FUSED_OPTIM=0`` while it runs)."""
+    def call() -> None:
         saved = os.environ.get("COMPCOMM_FUSED_OPTIM")
         os.environ["COMPCOMM_FUSED_OPTIM"] = "1" if kernels else "0"
         try:
-            opt.step()
+            fn()
         finally:
             if saved is None:
                 del os.environ["COMPCOMM_FUSED_OPTIM"]
             else:
                 os.environ["COMPCOMM_FUSED_OPTIM"] = saved
-
-    step()  # the warm-up step; every timed one is compressed
-    return step
+    return call
 
 
 ZERO_ONE = "ZeroOneAdam.step, local phase, W=1 (kernels)"
-LAMB = "OneBitLamb.step, compressed phase, W=1 (torch ops: no CPU kernel of its own)"
+LAMB = "OneBitLamb.step, compressed phase, W=1 (kernels)"
+LAMB_TORCH = "OneBitLamb.step, compressed phase, W=1 (COMPCOMM_FUSED_OPTIM=0)"
 
 
 def sibling_step(impl: str, sizes: List[int]) -> Callable[[], None]:
@@ -151,6 +157,7 @@ def sibling_step(impl: str, sizes: List[int]) -> Callable[[], None]:
     else:
         opt = OneBitLamb(params, lr=1e-3, weight_decay=0.01, freeze_step=1)
         opt.step()  # the warm-up step; every timed one is compressed
+        return with_kernels(opt.step, impl == LAMB)
     return opt.step
 
 
@@ -219,6 +226,7 @@ def bench_workload(name: str, sizes: List[int], threads: int, repeats: int) -> L
         sizes, True, bias_correction=False, check_finite=False, dtype=torch.bfloat16)
     steps[ZERO_ONE] = sibling_step(ZERO_ONE, sizes)
     steps[LAMB] = sibling_step(LAMB, sizes)
+    steps[LAMB_TORCH] = sibling_step(LAMB_TORCH, sizes)
     med = interleaved_medians({k: f for k, f in steps.items() if f is not None}, repeats)
     rows = []
     for impl in steps:

@@ -17,6 +17,28 @@ using namespace compcomm;
 namespace K = compcomm::kernels::cpu;
 using compcomm::detail::concat;
 
+// The isa / sqrt arguments' names (shared with lamb_bindings.cpp).
+namespace compcomm::optim_bindings {
+
+K::AdamIsa isa_of(const std::string& s) {
+  if (s == "auto") return K::AdamIsa::kAuto;
+  if (s == "generic") return K::AdamIsa::kGeneric;
+  if (s == "avx2") return K::AdamIsa::kAvx2;
+  if (s == "avx512") return K::AdamIsa::kAvx512;
+  throw py::value_error(concat("isa must be 'auto', 'generic', 'avx2' or 'avx512', got '", s, "'"));
+}
+
+K::SqrtMode sqrt_of(const std::string& s) {
+  if (s == "ieee") return K::SqrtMode::kIeee;
+  if (s == "rsqrt14") return K::SqrtMode::kRsqrt14;
+  throw py::value_error(concat("sqrt must be 'ieee' or 'rsqrt14', got '", s, "'"));
+}
+
+}  // namespace compcomm::optim_bindings
+
+using compcomm::optim_bindings::isa_of;
+using compcomm::optim_bindings::sqrt_of;
+
 namespace {
 
 [[noreturn]] void type_error(const std::string& s) { throw py::type_error(s); }
@@ -64,20 +86,6 @@ void check_aliasing(const char* fn, std::initializer_list<Named> written,
           !(i->buf->data == r.buf->data && i->buf->bytes() == r.buf->bytes()))
         value_error(concat(fn, ": ", r.name, " partly overlaps ", i->name));
   }
-}
-
-K::AdamIsa isa_of(const std::string& s) {
-  if (s == "auto") return K::AdamIsa::kAuto;
-  if (s == "generic") return K::AdamIsa::kGeneric;
-  if (s == "avx2") return K::AdamIsa::kAvx2;
-  if (s == "avx512") return K::AdamIsa::kAvx512;
-  value_error(concat("isa must be 'auto', 'generic', 'avx2' or 'avx512', got '", s, "'"));
-}
-
-K::SqrtMode sqrt_of(const std::string& s) {
-  if (s == "ieee") return K::SqrtMode::kIeee;
-  if (s == "rsqrt14") return K::SqrtMode::kRsqrt14;
-  value_error(concat("sqrt must be 'ieee' or 'rsqrt14', got '", s, "'"));
 }
 
 const char* isa_name(K::AdamIsa isa) {
@@ -219,6 +227,8 @@ void run_steps(const char* fn, K::AdamRule rule, const std::vector<int64_t>& num
 }
 
 }  // namespace
+
+void bind_optim_lamb(py::module_& m);  // lamb_bindings.cpp
 
 void bind_optim(py::module_& parent) {
   py::module_ m = parent.def_submodule(
@@ -533,4 +543,5 @@ void bind_optim(py::module_& parent) {
   m.def(
       "threading", [] { return std::string(K::adam_threading()); },
       "How the kernels use threads: 'openmp' or 'std::thread'.");
+  bind_optim_lamb(m);
 }

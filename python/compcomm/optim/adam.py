@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import os
 
@@ -302,28 +302,36 @@ def frozen_denominators(opt: torch.optim.Optimizer, vs: List[torch.Tensor],
     """What the frozen-variance CPU kernels read as ``v``: ``(vs, False)`` where they compute
     torch's square root themselves, else ``(denominators, True)``: the frozen
     ``functional.adam_denom(v, group, bc2_t)`` of each variance, computed by torch (so the torch
-    ops' bits on any CPU) once per freeze and kept in ``opt`` (one fp32 tensor per parameter,
-    dropped with its ``v``) until ``v`` is written (its version counter), given other storage
-    (``v.data = ...``) or eps, beta2, bias correction or ``bc2_t`` change. Writes that bypass the
-    version counter (``v.data.mul_(...)``, raw pointers) are not seen; inference tensors (no
-    counter) get fresh denominators every step."""
+    ops' bits on any CPU) and kept as :func:`frozen_of` keeps them (also rebuilt when eps, beta2,
+    bias correction or ``bc2_t`` change)."""
     if cpu_adam.matches_torch_rules():
         return vs, False
-    cache = opt.__dict__.get("_frozen_denoms")
-    if cache is None:
-        cache = opt._frozen_denoms = WeakIdKeyDictionary()
     how = (group["eps"], group["betas"][1], group["bias_correction"], bc2_t)
+    return frozen_of(opt, "_frozen_denoms", vs, how, lambda v: F.adam_denom(v, group, bc2_t)), True
+
+
+def frozen_of(opt: torch.optim.Optimizer, attr: str, vs: List[torch.Tensor], how: Any,
+              compute: Callable[[torch.Tensor], torch.Tensor]) -> List[torch.Tensor]:
+    """``compute(v)`` of each frozen variance in ``vs``, computed once per freeze and kept in
+    ``opt.<attr>`` (one tensor per variance, dropped with it) until ``v`` is written (its version
+    counter), given other storage (``v.data = ...``) or ``how`` changes. Writes that bypass the
+    version counter (``v.data.mul_(...)``, raw pointers) are not seen; inference tensors (no
+    counter) get a fresh result every call."""
+    cache = opt.__dict__.get(attr)
+    if cache is None:
+        cache = WeakIdKeyDictionary()
+        setattr(opt, attr, cache)
     out = []
     for v in vs:
         if v.is_inference():
-            out.append(F.adam_denom(v, group, bc2_t))
+            out.append(compute(v))
             continue
         key = (v._version, v.data_ptr(), how)
         hit = cache.get(v)
         if hit is None or hit[0] != key:
-            hit = cache[v] = (key, F.adam_denom(v, group, bc2_t))
+            hit = cache[v] = (key, compute(v))
         out.append(hit[1])
-    return out, True
+    return out
 
 # the gradients the W=1 C++ step reads as they are
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -245,21 +245,32 @@ def onebit_lamb_update(w: torch.Tensor, m: torch.Tensor, m_last: torch.Tensor, v
     v_fresh.mul_(b2).addcmul_(ghat, ghat, value=1 - b2)
     denom = v.sqrt().add_(group["eps"])
     denom_real = v_fresh.sqrt().add_(group["eps"])
-    factor = float((denom / denom_real).max())
+    max_ratio = float((denom / denom_real).max())
     if group["bias_correction"]:
         bc2 = sqrt_bc(b2, freeze_step)
         u_pre = m / (v.sqrt().div_(bc2).add_(group["eps"]))
         u_pre.div_(1.0 - b1 ** t)
     else:
         u_pre = m / denom
+    update = u_pre + group["weight_decay"] * w if group["weight_decay"] > 0 else u_pre
+    u_norm = float(u_pre.norm()) if group["weight_decay"] > 0 else 0.0
+    un = float(update.norm()) if group["weight_decay"] > 0 else 0.0
+    return update, lamb_factor(max_ratio, u_norm, un, group, last_factor, factor_min, factor_max,
+                               factor_threshold)
+
+
+def lamb_factor(max_ratio: float, u_norm: float, update_norm: float, group: Group,
+                last_factor: float, factor_min: float, factor_max: float,
+                factor_threshold: float) -> float:
+    """1-bit LAMB's factor from ``max((sqrt(v)+eps) / (sqrt(v_fresh)+eps))`` and the norms of the
+    direction without and with weight decay (the norms are read only when ``weight_decay > 0``):
+    pulled towards 1 by the weight decay's share, clipped to ``[factor_min, factor_max]`` and to
+    ``last_factor (1 +- factor_threshold)``."""
+    factor = max_ratio
     if group["weight_decay"] > 0:
-        update = u_pre + group["weight_decay"] * w
-        un = float(update.norm())
-        ratio = min(1.0, float(u_pre.norm()) / un) if un > 0 else 1.0
+        ratio = min(1.0, u_norm / update_norm) if update_norm > 0 else 1.0
         factor = factor * ratio + (1.0 - ratio)
-    else:
-        update = u_pre
     factor = min(max(factor, factor_min), factor_max)
     factor = min(factor, last_factor * (1.0 + factor_threshold))
     factor = max(factor, last_factor * (1.0 - factor_threshold))
-    return update, factor
+    return factor

@@ -3,16 +3,37 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 import torch
 
 from ..collectives import padded_numel
 from ..schedule import FreezeSchedule, StepKind
+from . import cpu_lamb
 from . import functional as F
-from ._params import mask_, master, write_back
+from ._cpu_args import torch_sqrt_mode
+from ._params import group_chunks, mask_, master, write_back
 from ._validation import who, check_common, check_int, check_number, check_positive
+from .adam import frozen_of
 from .base import OneBitBase
+
+
+# elements per run of the C++ passes: a run's m, sqrt(v) and w (12 MiB) are still in a
+# server's last-level cache when the apply pass follows the statistics pass
+_RUN_ELEMENTS = 1 << 20
+
+
+class _Item(NamedTuple):
+    """A parameter in the C++ passes: its state, fp32 weights, offset in the fused momentum and
+    what the passes read as its variance."""
+    p: torch.Tensor
+    st: Dict[str, Any]
+    w: torch.Tensor
+    off: int
+    v: torch.Tensor
+
+    def last(self, m_last: torch.Tensor) -> torch.Tensor:
+        return m_last[self.off:self.off + self.p.numel()]
 
 
 class OneBitLamb(OneBitBase):
@@ -90,6 +111,7 @@ class OneBitLamb(OneBitBase):
         self.schedule = FreezeSchedule(self.freeze_step)
         self._flat: Optional[torch.Tensor] = None
         self._pad_restore: Optional[torch.Tensor] = None
+        self._m_last: Optional[torch.Tensor] = None  # the C++ passes' copy of the old momentum
         self.lamb_coeffs: List[float] = []
 
     @property
@@ -180,11 +202,22 @@ class OneBitLamb(OneBitBase):
             united = sum(scales) / len(scales)
             for p, s in zip(params, scales):
                 self.state[p]["scaling_coeff"] = united / s if s > 0 and united > 0 else 1.0
-        m_last = self._flat.clone()
-        for group, p in self._params():
-            st = self.state[p]
-            b1 = group["betas"][0]
-            st["exp_avg"].mul_(b1).add_(grads[p], alpha=1 - b1).mul_(st["scaling_coeff"])
+        runs = self._cpu_runs(params, grads, t)
+        if runs is None:
+            m_last = self._flat.clone()
+            for group, p in self._params():
+                st = self.state[p]
+                b1 = group["betas"][0]
+                st["exp_avg"].mul_(b1).add_(grads[p], alpha=1 - b1).mul_(st["scaling_coeff"])
+        else:  # the same bits in one C++ pass, the old momentum kept in a buffer of its own
+            if self._m_last is None or self._m_last.numel() != self._flat.numel():
+                self._m_last = torch.empty_like(self._flat)
+            m_last = self._m_last
+            m_last[self._total:].copy_(self._flat[self._total:])
+            for c, _, items in runs:
+                cpu_lamb.momentums_(c, [it.st["exp_avg"] for it in items],
+                                    [grads[it.p] for it in items], [it.last(m_last) for it in items],
+                                    [it.st["scaling_coeff"] for it in items], check=False)
         # one compressed allreduce of the whole fused momentum; if it fails (on any rank), the
         # momentum and the coefficients frozen just now are put back: the step changed nothing
         try:
@@ -197,6 +230,9 @@ class OneBitLamb(OneBitBase):
                 for p in params:
                     self.state[p].pop("scaling_coeff", None)
             raise
+        if runs is not None:
+            self._cpu_update(runs, m_last, t)
+            return
         off = 0
         offsets = {}
         for p in params:
@@ -224,6 +260,56 @@ class OneBitLamb(OneBitBase):
                 self.lamb_coeffs.append(coeff)
                 w.add_(update * (-group["lr"] * coeff))
                 write_back(p, st)
+
+    def _cpu_runs(self, params: List[torch.Tensor], grads: Dict[torch.Tensor, torch.Tensor],
+                  t: int) -> Optional[List[Tuple[Any, Dict[str, Any], List["_Item"]]]]:
+        """The compressed step's work for the C++ passes (:mod:`compcomm.optim.cpu_lamb`), or None
+        where they do not apply (not all fp32 on the CPU, a mask, a parameter without gradient,
+        another result than the torch ops here): ``[(coefficients, group, items)]`` in runs of one
+        group of at most ``_RUN_ELEMENTS``."""
+        if not params or any(p not in grads for p in params):
+            return None
+        ws = [master(p, self.state[p]) for p in params]
+        if not cpu_lamb.usable([self._flat] + ws + [grads[p] for p in params], self.param_groups):
+            return None
+        # the variance is frozen: where the kernels' square root is not torch's, torch's sqrt(v)
+        # is computed once and read instead (then only the factor's max may differ, by an ulp)
+        v_is_sqrt = torch_sqrt_mode() is None
+        vs = [self.state[p]["exp_avg_sq"] for p in params]
+        if v_is_sqrt:
+            vs = frozen_of(self, "_frozen_sqrts", vs, (), torch.sqrt)
+        items, off = [], 0
+        groups = {id(p): g for g in self.param_groups for p in g["params"]}
+        for p, w, v in zip(params, ws, vs):
+            items.append((groups[id(p)], p, _Item(p, self.state[p], w, off, v)))
+            off += p.numel()
+        return [(cpu_lamb.coeffs(group, t, self.freeze_step, v_is_sqrt), group,
+                 [it for _, _, it in run]) for group, run in group_chunks(items, _RUN_ELEMENTS)]
+
+    def _cpu_update(self, runs: List[Tuple[Any, Dict[str, Any], List["_Item"]]],
+                    m_last: torch.Tensor, t: int) -> None:
+        """The compressed step after the exchange through the C++ passes: per run, the statistics
+        pass, the factors (:func:`functional.lamb_factor`), the apply pass."""
+        for c, group, items in runs:
+            ms = [it.st["exp_avg"] for it in items]
+            vs = [it.v for it in items]
+            ws = [it.w for it in items]
+            stats = cpu_lamb.stats_(c, ms, [it.last(m_last) for it in items], vs,
+                                    [it.st["exp_avg_sq_fresh"] for it in items], ws,
+                                    [it.st["scaling_coeff"] for it in items], check=False)
+            steps = []
+            for it, (ratio, u_norm, update_norm) in zip(items, stats):
+                st = it.st
+                st["step"] = t
+                factor = F.lamb_factor(ratio, u_norm, update_norm, group, st["last_factor"],
+                                       self.factor_min, self.factor_max, self.factor_threshold)
+                st["last_factor"] = factor
+                coeff = st["lamb_coeff_freeze"] * factor
+                self.lamb_coeffs.append(coeff)
+                steps.append(-group["lr"] * coeff)
+            cpu_lamb.applies_(c, ms, vs, ws, steps, check=False)
+            for it in items:
+                write_back(it.p, it.st)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def _extra_state(self) -> Dict[str, Any]:
