@@ -103,6 +103,24 @@ def test_passes_match_torch_ops(isa, bc, wd, scale, v_is_sqrt):
             assert d == u
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("scale", [1.0, 1.7])
+def test_one_rank_pass_equals_momentum_then_stats(isa, scale):
+    """With one rank the statistics pass takes the gradient and updates the momentum itself: the
+    same bits as the momentum pass followed by the statistics pass."""
+    group = _group(True, 0.01)
+    for n in SIZES:
+        ts = _tensors(n, n + 1)
+        (_, _, m, vf, w), stats = _passes(ts, group, 9, 4, scale, -2e-3, isa)
+        w1, m1, grad, v, vf1 = (x.clone() for x in ts)
+        c = cpu_lamb.coeffs(group, 9, 4, False, "ieee")
+        (s1,) = K.lamb_stats(c, [n], [m1.data_ptr()], [], [v.data_ptr()], [vf1.data_ptr()],
+                             [w1.data_ptr()], [scale], 1, isa, gs=[grad.data_ptr()])
+        K.lamb_applies(c, [n], [m1.data_ptr()], [v.data_ptr()], [w1.data_ptr()], [-2e-3], 1, isa)
+        assert s1 == stats, n
+        assert torch.equal(m1, m) and torch.equal(vf1, vf) and torch.equal(w1, w), n
+
+
 @pytest.mark.parametrize("bc,wd", [(False, 0.0), (True, 0.01)])
 def test_stats_are_the_same_on_every_isa_and_thread_count(bc, wd):
     group = _group(bc, wd)
@@ -161,6 +179,10 @@ def test_argument_errors():
         K.lamb_applies(c, [4], [p], [p], [p], [1.0], -1)
     with pytest.raises(ValueError, match="isa must be"):
         K.lamb_applies(c, [4], [p], [p], [p], [1.0], 1, "sse9")
+    with pytest.raises(ValueError, match="lasts or gs, not both"):
+        K.lamb_stats(c, [4], [p], [p], [p], [p], [p], [1.0], gs=[p])
+    with pytest.raises(ValueError, match="gs\\[0\\] is a null pointer"):
+        K.lamb_stats(c, [4], [p], [], [p], [p], [p], [1.0], gs=[0])
     with pytest.raises(ValueError, match="sqrt must be"):
         cpu_lamb.coeffs(_group(False, 0.0), 3, 2, False, "fast")
     with pytest.raises(TypeError, match="g must be float32"):

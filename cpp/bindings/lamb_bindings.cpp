@@ -110,10 +110,15 @@ void bind_optim_lamb(py::module_& m) {
       "lamb_stats",
       [](const K::LambCoeffs& c, const std::vector<int64_t>& numels, const Ptrs& ms,
          const Ptrs& lasts, const Ptrs& vs, const Ptrs& vfs, const Ptrs& ws,
-         const std::vector<double>& scales, int num_threads, const std::string& isa) {
+         const std::vector<double>& scales, int num_threads, const std::string& isa,
+         const Ptrs& gs) {
         const char* fn = "lamb_stats";
+        const bool local = !gs.empty();
+        if (local && !lasts.empty()) value_error(concat(fn, ": pass lasts or gs, not both"));
         const K::AdamIsa which = check_lists(
-            fn, numels, {{"ms", &ms}, {"lasts", &lasts}, {"vs", &vs}, {"vfs", &vfs}, {"ws", &ws}},
+            fn, numels,
+            {{"ms", &ms}, local ? std::pair{"gs", &gs} : std::pair{"lasts", &lasts}, {"vs", &vs},
+             {"vfs", &vfs}, {"ws", &ws}},
             scales.size(), num_threads, isa);
         std::vector<K::LambStats> out(numels.size());
         bool ok = true;
@@ -122,7 +127,10 @@ void bind_optim_lamb(py::module_& m) {
           for (size_t i = 0; i < numels.size() && ok; ++i) {
             K::LambTensors t;
             t.m = ptr<float>(ms[i]);
-            t.last = ptr<const float>(lasts[i]);
+            if (local)
+              t.g = ptr<const float>(gs[i]);
+            else
+              t.last = ptr<const float>(lasts[i]);
             t.v = ptr<const float>(vs[i]);
             t.vf = ptr<float>(vfs[i]);
             t.w = ptr<float>(ws[i]);
@@ -141,10 +149,11 @@ void bind_optim_lamb(py::module_& m) {
       },
       py::arg("c"), py::arg("numels"), py::arg("ms"), py::arg("lasts"), py::arg("vs"),
       py::arg("vfs"), py::arg("ws"), py::arg("scales"), py::arg("num_threads") = 0,
-      py::arg("isa") = "auto",
+      py::arg("isa") = "auto", py::arg("gs") = Ptrs{},
       "After the exchange, per array i: ms[i] /= scales[i], the fresh variance vfs[i] updated, and "
       "(max ratio, ||u||, ||update||) returned, the norms from fp64 sums rounded to fp32 "
-      "(cpp/kernels/cpu_lamb.h).");
+      "(cpp/kernels/cpu_lamb.h). gs (with lasts empty): a world of one rank, the momentum "
+      "update of lamb_momentums done in this pass.");
 
   m.def(
       "lamb_applies",

@@ -44,6 +44,9 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+// Software prefetch distance of the statistics pass, in elements (as cpu_adam.cpp's).
+constexpr int64_t kPrefetch = 256;
+
 // NaN-keeping max of two floats (as V::max_nan)
 inline float max_nan1(float a, float b) { return (a > b || a != a) ? a : b; }
 
@@ -86,15 +89,24 @@ struct LambBody {
     return weight_decay ? V::add(u, V::mul(w, wd)) : u;
   }
 
-  // One vector of lamb_stats: writes m (unscaled) and vf; ratio, u and the update out.
-  void stats(float* m, const float* last, const float* v, float* vf, const float* w, T* ratio,
-             T* u, T* upd) const {
-    T mv = V::load(m);
-    if (unscale) {
-      mv = V::div(mv, scale);
+  // One vector of lamb_stats: writes m (unscaled) and vf; ratio, u and the update out. With g,
+  // the momentum is updated first (last: the old m).
+  void stats(float* m, const float* last, const float* g, const float* v, float* vf,
+             const float* w, T* ratio, T* u, T* upd) const {
+    T mv = V::load(m), lv;
+    if (g) {
+      lv = mv;
+      mv = V::fma(V::load(g), c1, V::mul(mv, b1));
+      if (unscale) mv = V::div(V::mul(mv, scale), scale);
       V::store(m, mv);
+    } else {
+      lv = V::load(last);
+      if (unscale) {
+        mv = V::div(mv, scale);
+        V::store(m, mv);
+      }
     }
-    const T gh = V::div(V::sub(mv, V::mul(V::load(last), b1)), c1);
+    const T gh = V::div(V::sub(mv, V::mul(lv, b1)), c1);
     const T f = V::fma(V::mul(c2, gh), gh, V::mul(V::load(vf), b2));
     V::store(vf, f);
     const T s = root(V::load(v));
@@ -137,8 +149,16 @@ LambPartial stats_range(const LambCoeffs& c, float scale, const LambTensors& t, 
   typename V::Sums su, sd;
   int64_t i = begin;
   for (; i + W <= end; i += W) {
+    if (W > 1 && i + kPrefetch < end) {  // the streams read, ahead (a hint: no effect on results)
+      __builtin_prefetch(t.m + i + kPrefetch, 1);
+      __builtin_prefetch((t.g ? t.g : t.last) + i + kPrefetch, 0);
+      __builtin_prefetch(t.v + i + kPrefetch, 0);
+      __builtin_prefetch(t.vf + i + kPrefetch, 1);
+      __builtin_prefetch(t.w + i + kPrefetch, 0);
+    }
     T r, u, d;
-    body.stats(t.m + i, t.last + i, t.v + i, t.vf + i, t.w + i, &r, &u, &d);
+    body.stats(t.m + i, t.g ? nullptr : t.last + i, t.g ? t.g + i : nullptr, t.v + i, t.vf + i,
+               t.w + i, &r, &u, &d);
     mx = V::max_nan(r, mx);
     V::add_squares(su, u, i);
     if (c.weight_decay) V::add_squares(sd, d, i);
@@ -146,12 +166,12 @@ LambPartial stats_range(const LambCoeffs& c, float scale, const LambTensors& t, 
   if (const int64_t r = end - i; W > 1 && r > 0) {
     float mb[W] = {}, lb[W] = {}, vb[W] = {}, fb[W] = {}, wb[W] = {};
     std::memcpy(mb, t.m + i, r * sizeof(float));
-    std::memcpy(lb, t.last + i, r * sizeof(float));
+    std::memcpy(lb, t.g ? t.g + i : t.last + i, r * sizeof(float));  // g, or last
     std::memcpy(vb, t.v + i, r * sizeof(float));
     std::memcpy(fb, t.vf + i, r * sizeof(float));
     std::memcpy(wb, t.w + i, r * sizeof(float));
     T rv, u, d;
-    body.stats(mb, lb, vb, fb, wb, &rv, &u, &d);
+    body.stats(mb, t.g ? nullptr : lb, t.g ? lb : nullptr, vb, fb, wb, &rv, &u, &d);
     std::memcpy(t.m + i, mb, r * sizeof(float));
     std::memcpy(t.vf + i, fb, r * sizeof(float));
     float rb[W], ub[W], db[W];  // the padding lanes: out of the max and the sums
@@ -289,7 +309,8 @@ Status lamb_momentum(const LambCoeffs& c, float scale, float* m, const float* g,
 Status lamb_stats(const LambCoeffs& c, float scale, const LambTensors& t, int64_t n, LambStats* out,
                   int num_threads, AdamIsa isa) {
   detail::LambFns f;
-  if (n < 0 || !out || (n > 0 && (!t.m || !t.last || !t.v || !t.vf || !t.w)) || !pick(isa, &f))
+  if (n < 0 || !out || (n > 0 && (!t.m || !(t.last || t.g) || !t.v || !t.vf || !t.w)) ||
+      !pick(isa, &f))
     return Status::kInvalidArgument;
   // blocks that depend on n only (at most kMaxBlocks, multiples of 64), their results added in
   // block order: the same sums whatever the thread count

@@ -6,6 +6,8 @@
 //     last = m;  m = fma(g, c1, m * b1);  if scale != 1: m = m * scale
 //   lamb_stats, after it, per parameter (m holds the averaged scaled momentum):
 //     if scale != 1: m = m / scale                                  (written back)
+//     (with g, a world of one rank where the average is the momentum itself: last = m, then
+//     m = fma(g, c1, m * b1), and if scale != 1: m = (m * scale) / scale, all in the one pass)
 //     gh = (m - last * b1) / c1
 //     vf = fma(c2 * gh, gh, vf * b2)                                (written back)
 //     s = v_is_sqrt ? v : sqrt(v)
@@ -48,7 +50,8 @@ struct LambCoeffs {
 // One parameter's arrays, n fp32 elements each.
 struct LambTensors {
   float* m = nullptr;           // momentum (a view of the fused buffer), written by lamb_stats
-  const float* last = nullptr;  // the momentum before this step
+  const float* last = nullptr;  // the momentum before this step (lamb_stats without g)
+  const float* g = nullptr;     // lamb_stats: the gradient (the momentum is updated in the pass)
   const float* v = nullptr;     // frozen variance (or its square root: v_is_sqrt)
   float* vf = nullptr;          // fresh variance, written by lamb_stats
   float* w = nullptr;           // parameter, written by lamb_apply

@@ -57,17 +57,20 @@ def momentums_(c: Any, ms: Tensors, gs: Tensors, lasts: Tensors, scales: Sequenc
                      threads(num_threads))
 
 
-def stats_(c: Any, ms: Tensors, lasts: Tensors, vs: Tensors, vfs: Tensors, ws: Tensors,
-           scales: Sequence[float], num_threads: Optional[int] = None,
-           check: bool = True) -> List[Tuple[float, float, float]]:
+def stats_(c: Any, ms: Tensors, lasts: Optional[Tensors], vs: Tensors, vfs: Tensors, ws: Tensors,
+           scales: Sequence[float], num_threads: Optional[int] = None, check: bool = True,
+           gs: Optional[Tensors] = None) -> List[Tuple[float, float, float]]:
     """After the exchange, per parameter: ``ms[i] /= scales[i]``, the fresh variance ``vfs[i]``
     updated from the reconstructed gradient; returns ``(max ratio, ||u||, ||u + wd w||)`` per
-    parameter (the norms rounded to fp32, as torch's)."""
+    parameter (the norms rounded to fp32, as torch's). ``gs`` instead of ``lasts``: a world of one
+    rank (the average is the momentum itself), :func:`momentums_` done in this pass."""
     n = [m.numel() for m in ms]
     if check:
-        _checked("lamb stats_", {"m": ms, "last": lasts, "v": vs, "v_fresh": vfs, "w": ws}, n)
-    return K.lamb_stats(c, n, _ptrs(ms), _ptrs(lasts), _ptrs(vs), _ptrs(vfs), _ptrs(ws),
-                        [float(s) for s in scales], threads(num_threads))
+        prev = {"g": gs} if gs is not None else {"last": lasts}
+        _checked("lamb stats_", {"m": ms, **prev, "v": vs, "v_fresh": vfs, "w": ws}, n)
+    return K.lamb_stats(c, n, _ptrs(ms), [] if gs is not None else _ptrs(lasts), _ptrs(vs),
+                        _ptrs(vfs), _ptrs(ws), [float(s) for s in scales], threads(num_threads),
+                        gs=[] if gs is None else _ptrs(gs))
 
 
 def applies_(c: Any, ms: Tensors, vs: Tensors, ws: Tensors, neg_steps: Sequence[float],
