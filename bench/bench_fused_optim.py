@@ -10,7 +10,8 @@ tensors, cut into lists as the optimizer cuts them (optim._params.group_chunks).
 - ``warm-up step``: both moments from g, then the step (reads m, v, g, w; writes m, v, w);
 - each with bf16 parameters too (fp32 master updated, bf16 copy written: +2 bytes/element);
 - ``OneBitAdam.step``: a whole compressed-phase step at W=1 (gradient checks included), with
-  ``COMPCOMM_FUSED_OPTIM=0`` for the foreach column.
+  ``COMPCOMM_FUSED_OPTIM=0`` for the foreach column; and ``OneBitLamb.step``'s (torch ops on the
+  GPU), printed under the table.
 
 The floor is the bytes the row must move (listed per element) at 4.2 TB/s (the H200's copy
 bandwidth measured by earlier runs; this run's own copy bandwidth is printed under the table).
@@ -70,7 +71,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure")
         return 0
-    from compcomm.optim import OneBitAdam
+    from compcomm.optim import OneBitAdam, OneBitLamb
     from compcomm.optim import _fused
     from compcomm.optim import functional as F
     from compcomm.optim._params import group_chunks
@@ -155,6 +156,12 @@ def main(argv=None) -> int:
         step_ms[env] = timed(opt.step, args.iters)
     os.environ.pop("COMPCOMM_FUSED_OPTIM")
     rows.append(("OneBitAdam.step, compressed phase, W=1 (fp32)", 32, step_ms["0"], step_ms["1"]))
+    # OneBitLamb's compressed step on the GPU is torch ops (no CUDA kernel of its own)
+    del opt
+    lamb = OneBitLamb(params, lr=1e-4, freeze_step=1, weight_decay=0.01)
+    lamb.step()
+    lamb_ms = timed(lamb.step, args.iters)
+    del lamb
     bw = copy_bandwidth(args.iters)
 
     name = torch.cuda.get_device_name(dev)
@@ -172,7 +179,10 @@ def main(argv=None) -> int:
     lines += ["", f"Copy bandwidth measured in this run (1 GiB fp32, read + write): "
               f"{bw / 1e12:.2f} TB/s. The foreach column is torch {torch.__version__}'s "
               "_foreach ops in the order of compcomm/optim/functional.py; the OneBitAdam.step row "
-              "includes its gradient checks (one host sync) and Python overhead in both columns."]
+              "includes its gradient checks (one host sync) and Python overhead in both columns.",
+              "", f"OneBitLamb.step, compressed phase, W=1 (fp32; torch ops, one host sync per run "
+              f"of parameters): {lamb_ms:.3f} ms, {lamb_ms / (n * 32 / HBM * 1e3):.2f}x the "
+              "32 bytes/elem floor above."]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

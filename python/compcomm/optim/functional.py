@@ -228,35 +228,49 @@ def onebit_lamb_update(w: torch.Tensor, m: torch.Tensor, m_last: torch.Tensor, v
                        v_fresh: torch.Tensor, group: Group, t: int, freeze_step: int,
                        last_factor: float, factor_min: float, factor_max: float,
                        factor_threshold: float) -> Tuple[torch.Tensor, float]:
-    """1-bit LAMB's compressed-stage direction and factor for one parameter.
-
-    The gradient reconstructed from the averaged momentum ``m`` and the previous one ``m_last``
-    updates the fresh variance ``v_fresh`` (in place); the factor is
-    ``max((sqrt(v)+eps) / (sqrt(v_fresh)+eps))``, pulled towards 1 by the weight decay's share of
-    the update, clipped to ``[factor_min, factor_max]`` and to ``last_factor (1 +- threshold)``.
+    """1-bit LAMB's compressed-stage direction and factor for one parameter:
+    :func:`onebit_lamb_direction`, then :func:`lamb_factor` (one host sync).
 
     Returns
     -------
     (torch.Tensor, float)
         The direction (``w`` moves by ``-lr * lamb_coeff_freeze * factor`` times it) and the factor.
     """
+    update, stats = onebit_lamb_direction(w, m, m_last, v, v_fresh, group, t, freeze_step)
+    max_ratio, u_norm, update_norm = stats.tolist()
+    return update, lamb_factor(max_ratio, u_norm, update_norm, group, last_factor, factor_min,
+                               factor_max, factor_threshold)
+
+
+def onebit_lamb_direction(w: torch.Tensor, m: torch.Tensor, m_last: torch.Tensor,
+                          v: torch.Tensor, v_fresh: torch.Tensor, group: Group, t: int,
+                          freeze_step: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """1-bit LAMB's compressed-stage direction for one parameter, and what its factor needs, with
+    no host sync (a caller reads the statistics of many parameters at once).
+
+    The gradient reconstructed from the averaged momentum ``m`` and the previous one ``m_last``
+    updates the fresh variance ``v_fresh`` (in place). Returns the direction ``u`` (plus
+    ``weight_decay * w``) and an fp32 tensor of three on ``m``'s device: ``max((sqrt(v)+eps) /
+    (sqrt(v_fresh)+eps))``, ``||u||`` and ``||u + weight_decay * w||`` (the norms 0 without weight
+    decay: :func:`lamb_factor` does not read them then).
+    """
     b1, b2 = group["betas"]
     ghat = (m - m_last * b1) / (1 - b1)
     v_fresh.mul_(b2).addcmul_(ghat, ghat, value=1 - b2)
     denom = v.sqrt().add_(group["eps"])
     denom_real = v_fresh.sqrt().add_(group["eps"])
-    max_ratio = float((denom / denom_real).max())
+    max_ratio = (denom / denom_real).max()
     if group["bias_correction"]:
         bc2 = sqrt_bc(b2, freeze_step)
         u_pre = m / (v.sqrt().div_(bc2).add_(group["eps"]))
         u_pre.div_(1.0 - b1 ** t)
     else:
         u_pre = m / denom
-    update = u_pre + group["weight_decay"] * w if group["weight_decay"] > 0 else u_pre
-    u_norm = float(u_pre.norm()) if group["weight_decay"] > 0 else 0.0
-    un = float(update.norm()) if group["weight_decay"] > 0 else 0.0
-    return update, lamb_factor(max_ratio, u_norm, un, group, last_factor, factor_min, factor_max,
-                               factor_threshold)
+    if group["weight_decay"] > 0:
+        update = u_pre + group["weight_decay"] * w
+        return update, torch.stack([max_ratio, u_pre.norm(), update.norm()])
+    zero = max_ratio.new_zeros(())
+    return u_pre, torch.stack([max_ratio, zero, zero])
 
 
 def lamb_factor(max_ratio: float, u_norm: float, update_norm: float, group: Group,

@@ -242,6 +242,7 @@ class OneBitLamb(OneBitBase):
         for p in params:
             offsets[p] = off
             off += p.numel()
+        todo = []
         for group in self.param_groups:
             for p in group["params"]:
                 if p.numel() == 0:
@@ -250,19 +251,28 @@ class OneBitLamb(OneBitBase):
                 m = st["exp_avg"]
                 m.div_(st["scaling_coeff"])
                 mask_(m, group)
-                if p not in grads:  # no gradient this step
-                    continue
+                if p in grads:  # else no gradient this step
+                    todo.append((group, p))
+        # the factors' statistics of a run of parameters are read in one host sync (a GPU step
+        # paid three per parameter); a run holds its directions until then (CHUNK_ELEMENTS)
+        for group, run in group_chunks(todo):
+            pending = []
+            for _, p in run:
+                st = self.state[p]
                 st["step"] = t
-                w = master(p, st)
                 last = m_last[offsets[p]:offsets[p] + p.numel()].view(p.shape)
-                update, factor = F.onebit_lamb_update(
-                    w, m, last, st["exp_avg_sq"], st["exp_avg_sq_fresh"], group, t,
-                    self.freeze_step, st["last_factor"], self.factor_min, self.factor_max,
-                    self.factor_threshold)
+                pending.append(F.onebit_lamb_direction(
+                    master(p, st), st["exp_avg"], last, st["exp_avg_sq"],
+                    st["exp_avg_sq_fresh"], group, t, self.freeze_step))
+            values = torch.stack([stats for _, stats in pending]).tolist()
+            for (_, p), (update, _), (ratio, u_norm, update_norm) in zip(run, pending, values):
+                st = self.state[p]
+                factor = F.lamb_factor(ratio, u_norm, update_norm, group, st["last_factor"],
+                                       self.factor_min, self.factor_max, self.factor_threshold)
                 st["last_factor"] = factor
                 coeff = st["lamb_coeff_freeze"] * factor
                 self.lamb_coeffs.append(coeff)
-                w.add_(update * (-group["lr"] * coeff))
+                master(p, st).add_(update * (-group["lr"] * coeff))
                 write_back(p, st)
 
     def _cpu_runs(self, params: List[torch.Tensor], grads: Dict[torch.Tensor, torch.Tensor],
