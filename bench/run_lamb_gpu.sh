@@ -2,8 +2,8 @@
 # The GPU machine's side of the OneBitLamb work (issue 12, the 1-bit optimizers' step): on the lent
 # H200 host,
 #   tests   the LAMB CPU passes on the host's AVX-512 CPU (bits against the torch ops, the rsqrt14
-#           sqrt), OneBitLamb on CUDA against the CPU, and the CPU-kernel tests the passes share
-#           cpp/kernels/cpu_vec.h with
+#           sqrt), the CUDA passes against the CPU passes, OneBitLamb on CUDA against the CPU, and
+#           the CPU-kernel tests the passes share cpp/kernels/cpu_vec.h with
 #   cpu     bench/bench_cpu_adam.py --skip flat on one pinned core of that CPU
 #   gpu     bench/bench_fused_optim.py (OneBitAdam's update; OneBitLamb's step under the table)
 # From the repository root:  OUT=... bash bench/run_lamb_gpu.sh
@@ -19,7 +19,8 @@ timeout 300 python3 -m pip install --no-build-isolation --no-deps . >"$OUT/build
 { lscpu | grep -E 'Model name|^CPU\(s\)|L3'; uptime; } >"$OUT/cpu.md"
 timeout 240 python3 -m pytest -q -rs -p no:cacheprovider tests/test_lamb_cpu_kernel.py \
   tests/test_cpu_adam.py tests/test_zero_one_cpu_kernel.py tests/test_frozen_denominators.py \
-  "tests/test_cuda.py::test_optimizers_on_cuda_match_cpu" >"$OUT/tests.log" 2>&1 || status=1
+  tests/test_cuda_lamb.py "tests/test_cuda.py::test_optimizers_on_cuda_match_cpu" \
+  >"$OUT/tests.log" 2>&1 || status=1
 for i in 1 2; do
   timeout 120 taskset -c 3 python3 bench/bench_cpu_adam.py --repeats 11 --skip flat \
     --json "$OUT/cpu_adam_$i.json" >>"$OUT/cpu.md" 2>&1 || status=1

@@ -1,4 +1,4 @@
-"""1-bit LAMB's compressed step on the CPU as C++ passes (``compcomm.optim.cpu_lamb``).
+"""1-bit LAMB's compressed step on the CPU as C++ passes (``compcomm.optim.lamb_passes``).
 
 - The passes against the torch ops of ``functional.onebit_lamb_update`` (with a correctly rounded
   square root, the kernels' 'ieee' mode) bit for bit on every instruction set: the momentum, the
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from compcomm import _C
-from compcomm.optim import OneBitLamb, cpu_lamb
+from compcomm.optim import OneBitLamb, lamb_passes
 from compcomm.optim import functional as F
 from compcomm.optim._cpu_args import torch_sqrt_mode
 
@@ -72,7 +72,7 @@ def _reference(w, m, grad, v, vf, group, t, freeze, scale, neg):
 def _passes(ts, group, t, freeze, scale, neg, isa, threads=1, v_is_sqrt=False):
     w, m, grad, v, vf = (x.clone() for x in ts)
     last = torch.empty_like(m)
-    c = cpu_lamb.coeffs(group, t, freeze, v_is_sqrt, "ieee")
+    c = lamb_passes.coeffs(group, t, freeze, v_is_sqrt, "ieee")
     n = [m.numel()]
     K.lamb_momentums(c, n, [m.data_ptr()], [grad.data_ptr()], [last.data_ptr()], [scale],
                      threads, isa)
@@ -113,7 +113,7 @@ def test_one_rank_pass_equals_momentum_then_stats(isa, scale):
         ts = _tensors(n, n + 1)
         (_, _, m, vf, w), stats = _passes(ts, group, 9, 4, scale, -2e-3, isa)
         w1, m1, grad, v, vf1 = (x.clone() for x in ts)
-        c = cpu_lamb.coeffs(group, 9, 4, False, "ieee")
+        c = lamb_passes.coeffs(group, 9, 4, False, "ieee")
         (s1,) = K.lamb_stats(c, [n], [m1.data_ptr()], [], [v.data_ptr()], [vf1.data_ptr()],
                              [w1.data_ptr()], [scale], 1, isa, gs=[grad.data_ptr()])
         K.lamb_applies(c, [n], [m1.data_ptr()], [v.data_ptr()], [w1.data_ptr()], [-2e-3], 1, isa)
@@ -164,7 +164,7 @@ def test_nan_propagates_through_the_max(isa):
 
 
 def test_argument_errors():
-    c = cpu_lamb.coeffs(_group(False, 0.0), 3, 2, False, "ieee")
+    c = lamb_passes.coeffs(_group(False, 0.0), 3, 2, False, "ieee")
     x = torch.zeros(4)
     p = x.data_ptr()
     with pytest.raises(ValueError, match="gs must hold 1 pointers"):
@@ -184,20 +184,20 @@ def test_argument_errors():
     with pytest.raises(ValueError, match="gs\\[0\\] is a null pointer"):
         K.lamb_stats(c, [4], [p], [], [p], [p], [p], [1.0], gs=[0])
     with pytest.raises(ValueError, match="sqrt must be"):
-        cpu_lamb.coeffs(_group(False, 0.0), 3, 2, False, "fast")
+        lamb_passes.coeffs(_group(False, 0.0), 3, 2, False, "fast")
     with pytest.raises(TypeError, match="g must be float32"):
-        cpu_lamb.momentums_(c, [x], [x.double()], [x.clone()], [1.0])
+        lamb_passes.momentums_(c, [x], [x.double()], [x.clone()], [1.0])
     with pytest.raises(ValueError, match="w has 4"):
-        cpu_lamb.applies_(c, [x], [torch.zeros(3)], [x.clone()], [1.0])
+        lamb_passes.applies_(c, [x], [torch.zeros(3)], [x.clone()], [1.0])
     with pytest.raises(ValueError, match="contiguous"):
-        cpu_lamb.stats_(c, [x], [x.clone()], [x.clone()], [torch.zeros(8)[::2]], [x.clone()],
+        lamb_passes.stats_(c, [x], [x.clone()], [x.clone()], [torch.zeros(8)[::2]], [x.clone()],
                         [1.0])
 
 
 def test_the_passes_give_torch_bits_here():
     """The probe the optimizer trusts: on x86 the passes must reproduce the torch ops (the
     fallback would hide a broken kernel behind slow steps)."""
-    assert cpu_lamb.kernels_match_torch()
+    assert lamb_passes.kernels_match_torch()
 
 
 def _run(monkeypatch, fused, wd, bc, dtype=torch.float32, calls=None):
@@ -220,8 +220,8 @@ def _run(monkeypatch, fused, wd, bc, dtype=torch.float32, calls=None):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_onebit_lamb_runs_the_passes_and_follows_the_torch_ops(monkeypatch, bc, wd, dtype):
     calls = []
-    real = cpu_lamb.stats_
-    monkeypatch.setattr(cpu_lamb, "stats_", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = lamb_passes.stats_
+    monkeypatch.setattr(lamb_passes, "stats_", lambda *a, **k: calls.append(1) or real(*a, **k))
     fused, c_fused = _run(monkeypatch, True, wd, bc, dtype)
     assert len(calls) == 6  # every compressed step (steps 4..9, one run of tensors each)
     calls.clear()

@@ -135,4 +135,80 @@ void bind_optim_cuda(py::module_& parent) {
        },
        "g", true,
        "m = m*b1 + (1-b1)*g; v = v*b2 + ((1-b2)*g)*g; then the step of onebit_compressed_step.");
+
+  // 1-bit LAMB's passes (cpp/kernels/cpu_lamb.h; c: compcomm._C.optim.LambCoeffs)
+  using LambCoeffs = kernels::cpu::LambCoeffs;
+  m.def(
+      "lamb_partials",
+      [](const std::vector<int64_t>& numels) {
+        return kernels::cuda::lamb_partials(static_cast<int>(numels.size()), numels.data());
+      },
+      py::arg("numels"), "The partial results lamb_stats needs room for (3 doubles each).");
+  m.def(
+      "lamb_momentum",
+      [](const LambCoeffs& c, const std::vector<int64_t>& numels, const Ptrs& mm, const Ptrs& g,
+         const Ptrs& last, const std::vector<float>& scales, int device, uintptr_t stream) {
+        const size_t n = numels.size();
+        auto ms = list_of<float>(mm, n, "m");
+        auto gs = list_of<const float>(g, n, "g");
+        auto ls = list_of<float>(last, n, "last");
+        if (scales.size() != n) throw InvalidArgument("argument 'scales' must hold one per count");
+        const kernels::ScopedDevice on(device);
+        check(kernels::cuda::lamb_momentum(c, static_cast<int>(n), numels.data(), ms.data(),
+                                           gs.data(), ls.data(), scales.data(),
+                                           reinterpret_cast<kernels::Stream>(stream)),
+              "lamb_momentum");
+      },
+      py::arg("c"), py::arg("numels"), py::arg("m"), py::arg("g"), py::arg("last"),
+      py::arg("scales"), py::arg("device"), py::arg("stream") = 0,
+      py::call_guard<py::gil_scoped_release>(),
+      "last[i] = m[i]; m[i] = (b1 m + (1-b1) g) * scales[i].");
+  m.def(
+      "lamb_stats",
+      [](const LambCoeffs& c, const std::vector<int64_t>& numels, const Ptrs& mm, const Ptrs& last,
+         const Ptrs& g, const Ptrs& v, const Ptrs& vf, const Ptrs& w,
+         const std::vector<float>& scales, uintptr_t partials, uintptr_t out, int device,
+         uintptr_t stream) {
+        const size_t n = numels.size();
+        if (last.empty() == g.empty())
+          throw InvalidArgument("lamb_stats: pass last (after an exchange) or g (one rank)");
+        auto ms = list_of<float>(mm, n, "m");
+        auto ls = list_of<const float>(last, n, "last", true);
+        auto gs = list_of<const float>(g, n, "g", true);
+        auto vs = list_of<const float>(v, n, "v");
+        auto fs = list_of<float>(vf, n, "v_fresh");
+        auto ws = list_of<const float>(w, n, "w");
+        if (scales.size() != n) throw InvalidArgument("argument 'scales' must hold one per count");
+        const kernels::ScopedDevice on(device);
+        check(kernels::cuda::lamb_stats(c, static_cast<int>(n), numels.data(), ms.data(),
+                                        last.empty() ? nullptr : ls.data(),
+                                        g.empty() ? nullptr : gs.data(), vs.data(), fs.data(),
+                                        ws.data(), scales.data(), reinterpret_cast<double*>(partials),
+                                        reinterpret_cast<float*>(out),
+                                        reinterpret_cast<kernels::Stream>(stream)),
+              "lamb_stats");
+      },
+      py::arg("c"), py::arg("numels"), py::arg("m"), py::arg("last"), py::arg("g"), py::arg("v"),
+      py::arg("v_fresh"), py::arg("w"), py::arg("scales"), py::arg("partials"), py::arg("out"),
+      py::arg("device"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+      "m[i] /= scales[i] (or, with g, the momentum updated), v_fresh[i] updated; out[3 i ..] = "
+      "max ratio, ||u||, ||update|| (fp32); partials: lamb_partials(numels) * 3 doubles.");
+  m.def(
+      "lamb_apply",
+      [](const LambCoeffs& c, const std::vector<int64_t>& numels, const Ptrs& mm, const Ptrs& v,
+         const Ptrs& w, const std::vector<float>& steps, int device, uintptr_t stream) {
+        const size_t n = numels.size();
+        auto ms = list_of<const float>(mm, n, "m");
+        auto vs = list_of<const float>(v, n, "v");
+        auto ws = list_of<float>(w, n, "w");
+        if (steps.size() != n) throw InvalidArgument("argument 'steps' must hold one per count");
+        const kernels::ScopedDevice on(device);
+        check(kernels::cuda::lamb_apply(c, static_cast<int>(n), numels.data(), ms.data(), vs.data(),
+                                        ws.data(), steps.data(),
+                                        reinterpret_cast<kernels::Stream>(stream)),
+              "lamb_apply");
+      },
+      py::arg("c"), py::arg("numels"), py::arg("m"), py::arg("v"), py::arg("w"), py::arg("steps"),
+      py::arg("device"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+      "w[i] += update * steps[i] (steps[i] = -lr * coefficient).");
 }

@@ -14,4 +14,18 @@ Status adam_warmup_step(int, const int64_t*, float* const*, float* const*, const
                         float* const*, void* const*, const InputType*, const AdamHyper&, Stream) {
   return Status::kNotBuilt;
 }
+int64_t lamb_partials(int, const int64_t*) { return 0; }
+Status lamb_momentum(const cpu::LambCoeffs&, int, const int64_t*, float* const*, const float* const*,
+                     float* const*, const float*, Stream) {
+  return Status::kNotBuilt;
+}
+Status lamb_stats(const cpu::LambCoeffs&, int, const int64_t*, float* const*, const float* const*,
+                  const float* const*, const float* const*, float* const*, const float* const*,
+                  const float*, double*, float*, Stream) {
+  return Status::kNotBuilt;
+}
+Status lamb_apply(const cpu::LambCoeffs&, int, const int64_t*, const float* const*,
+                  const float* const*, float* const*, const float*, Stream) {
+  return Status::kNotBuilt;
+}
 }  // namespace compcomm::kernels::cuda

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 
+#include "cpu_lamb.h"
 #include "kernels.h"
 
 namespace compcomm::kernels {
@@ -50,6 +51,21 @@ Status onebit_compressed_step(int count, const int64_t* numels, const float* con
 Status adam_warmup_step(int count, const int64_t* numels, float* const* m, float* const* v,
                         const float* const* g, float* const* w, void* const* lowp,
                         const InputType* lowp_types, const AdamHyper& hyper, Stream stream);
+
+// 1-bit LAMB's passes over lists of tensors (cpu_lamb.h's per-element operations, bit for bit, with
+// the IEEE sqrt; c.sqrt is ignored): scales / steps are per tensor (count floats, host memory).
+// lamb_stats takes last (after an exchange) or g (one rank: the momentum is updated in the pass),
+// not both; partials: lamb_partials(count, numels) * 3 doubles of device scratch; out: 3 floats per
+// tensor (device), the max ratio and the norms of u and of the update rounded to fp32.
+int64_t lamb_partials(int count, const int64_t* numels);
+Status lamb_momentum(const cpu::LambCoeffs& c, int count, const int64_t* numels, float* const* m,
+                     const float* const* g, float* const* last, const float* scales, Stream stream);
+Status lamb_stats(const cpu::LambCoeffs& c, int count, const int64_t* numels, float* const* m,
+                  const float* const* last, const float* const* g, const float* const* v,
+                  float* const* vf, const float* const* w, const float* scales, double* partials,
+                  float* out, Stream stream);
+Status lamb_apply(const cpu::LambCoeffs& c, int count, const int64_t* numels, const float* const* m,
+                  const float* const* v, float* const* w, const float* steps, Stream stream);
 
 }  // namespace cuda
 }  // namespace compcomm::kernels

@@ -26,7 +26,7 @@ from ..errors import UnsupportedError
 from .functional import sqrt_bc
 
 __all__ = ["available", "enabled", "supported", "usable", "onebit_momentum",
-           "onebit_compressed_step_", "adam_warmup_step_"]
+           "onebit_compressed_step_", "adam_warmup_step_", "ptrs", "stream", "require"]
 
 _K = getattr(_C, "optim_cuda", None)
 _LOWP = {torch.float16: _C.DType.float16, torch.bfloat16: _C.DType.bfloat16}
@@ -89,7 +89,7 @@ def _device(ts: Tensors, name: str) -> int:
     return t.get_device()
 
 
-def _ptrs(ts: OptTensors, name: str, numels: List[int], device: int, check: bool,
+def ptrs(ts: OptTensors, name: str, numels: List[int], device: int, check: bool,
           optional: bool = False, dtypes: Sequence[torch.dtype] = (torch.float32,)) -> List[int]:
     """The data pointers of a list (0 for None where ``optional``), checked when ``check``:
     one per element count, dtype, device, contiguity, size."""
@@ -119,11 +119,11 @@ def _ptrs(ts: OptTensors, name: str, numels: List[int], device: int, check: bool
     return out
 
 
-def _stream(device: int) -> int:
+def stream(device: int) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
-def _require() -> Any:
+def require() -> Any:
     if _K is None or not _K.built():
         raise UnsupportedError("compcomm was built without CUDA kernels (no fused optimizer)")
     return _K
@@ -148,30 +148,30 @@ def onebit_momentum(ms: OptTensors, gs: Tensors, group: Mapping[str, Any], outs:
         Validate dtypes, devices, contiguity and sizes (False: the caller has, e.g. with
         :func:`supported`).
     """
-    k = _require()
+    k = require()
     dev = _device(gs, "gs")
     numels = [g.numel() for g in gs]
-    k.onebit_momentum(numels, _ptrs(outs, "outs", numels, dev, check),
-                      _ptrs(ms, "ms", numels, dev, check, optional=True),
-                      _ptrs(gs, "gs", numels, dev, check), float(group["betas"][0]), dev,
-                      _stream(dev) if numels else 0)
+    k.onebit_momentum(numels, ptrs(outs, "outs", numels, dev, check),
+                      ptrs(ms, "ms", numels, dev, check, optional=True),
+                      ptrs(gs, "gs", numels, dev, check), float(group["betas"][0]), dev,
+                      stream(dev) if numels else 0)
 
 
 def _step(fn: str, ws: Tensors, ms: Tensors, vs: Tensors, xs: Tensors, x_name: str,
           group: Mapping[str, Any], bc1_t: int, bc2_t: int, lowps: Optional[OptTensors],
           check: bool) -> None:
-    k = _require()
+    k = require()
     dev = _device(ws, "ws")
     numels = [w.numel() for w in ws]
     lp: List[int] = []
     types: List[Any] = []
     if lowps is not None and any(t is not None for t in lowps):
-        lp = _ptrs(lowps, "lowps", numels, dev, check, optional=True, dtypes=tuple(_LOWP))
+        lp = ptrs(lowps, "lowps", numels, dev, check, optional=True, dtypes=tuple(_LOWP))
         types = [_C.DType.float32 if t is None else _LOWP[t.dtype] for t in lowps]
-    getattr(k, fn)(numels, _ptrs(xs, x_name, numels, dev, check),
-                   _ptrs(ms, "ms", numels, dev, check), _ptrs(vs, "vs", numels, dev, check),
-                   _ptrs(ws, "ws", numels, dev, check), lp, types, **_hyper(group, bc1_t, bc2_t),
-                   device=dev, stream=_stream(dev) if numels else 0)
+    getattr(k, fn)(numels, ptrs(xs, x_name, numels, dev, check),
+                   ptrs(ms, "ms", numels, dev, check), ptrs(vs, "vs", numels, dev, check),
+                   ptrs(ws, "ws", numels, dev, check), lp, types, **_hyper(group, bc1_t, bc2_t),
+                   device=dev, stream=stream(dev) if numels else 0)
 
 
 def onebit_compressed_step_(ws: Tensors, ms: Tensors, vs: Tensors, avgs: Tensors,

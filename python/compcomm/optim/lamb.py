@@ -9,10 +9,10 @@ import torch
 
 from ..collectives import padded_numel
 from ..schedule import FreezeSchedule, StepKind
-from . import cpu_lamb
+from . import lamb_passes
 from . import functional as F
 from ._cpu_args import torch_sqrt_mode
-from ._params import group_chunks, mask_, master, write_back
+from ._params import CHUNK_ELEMENTS, group_chunks, mask_, master, write_back
 from ._validation import who, check_common, check_int, check_number, check_positive
 from .adam import frozen_of
 from .base import OneBitBase
@@ -203,9 +203,9 @@ class OneBitLamb(OneBitBase):
             united = sum(scales) / len(scales)
             for p, s in zip(params, scales):
                 self.state[p]["scaling_coeff"] = united / s if s > 0 and united > 0 else 1.0
-        runs = self._cpu_runs(params, grads, t)
+        runs = self._kernel_runs(params, grads, t)
         if runs is not None and (self._local is not None or self.world_size == 1):
-            self._cpu_update(runs, None, t, grads)  # nothing to exchange: one pass for all
+            self._kernel_update(runs, None, t, grads)  # nothing to exchange: one pass for all
             return
         if runs is None:
             m_last = self._flat.clone()
@@ -213,15 +213,16 @@ class OneBitLamb(OneBitBase):
                 st = self.state[p]
                 b1 = group["betas"][0]
                 st["exp_avg"].mul_(b1).add_(grads[p], alpha=1 - b1).mul_(st["scaling_coeff"])
-        else:  # the same bits in one C++ pass, the old momentum kept in a buffer of its own
+        else:  # the same bits in one pass, the old momentum kept in a buffer of its own
             if self._m_last is None or self._m_last.numel() != self._flat.numel():
                 self._m_last = torch.empty_like(self._flat)
             m_last = self._m_last
             m_last[self._total:].copy_(self._flat[self._total:])
             for c, _, items in runs:
-                cpu_lamb.momentums_(c, [it.st["exp_avg"] for it in items],
-                                    [grads[it.p] for it in items], [it.last(m_last) for it in items],
-                                    [it.st["scaling_coeff"] for it in items], check=False)
+                lamb_passes.momentums_(c, [it.st["exp_avg"] for it in items],
+                                       [grads[it.p] for it in items],
+                                       [it.last(m_last) for it in items],
+                                       [it.st["scaling_coeff"] for it in items], check=False)
         # one compressed allreduce of the whole fused momentum; if it fails (on any rank), the
         # momentum and the coefficients frozen just now are put back: the step changed nothing
         try:
@@ -235,7 +236,7 @@ class OneBitLamb(OneBitBase):
                     self.state[p].pop("scaling_coeff", None)
             raise
         if runs is not None:
-            self._cpu_update(runs, m_last, t)
+            self._kernel_update(runs, m_last, t)
             return
         off = 0
         offsets = {}
@@ -275,20 +276,24 @@ class OneBitLamb(OneBitBase):
                 master(p, st).add_(update * (-group["lr"] * coeff))
                 write_back(p, st)
 
-    def _cpu_runs(self, params: List[torch.Tensor], grads: Dict[torch.Tensor, torch.Tensor],
-                  t: int) -> Optional[List[Tuple[Any, Dict[str, Any], List["_Item"]]]]:
-        """The compressed step's work for the C++ passes (:mod:`compcomm.optim.cpu_lamb`), or None
-        where they do not apply (not all fp32 on the CPU, a mask, a parameter without gradient,
-        another result than the torch ops here): ``[(coefficients, group, items)]`` in runs of one
-        group of at most ``_RUN_ELEMENTS``."""
+    def _kernel_runs(self, params: List[torch.Tensor], grads: Dict[torch.Tensor, torch.Tensor],
+                     t: int) -> Optional[List[Tuple[Any, Dict[str, Any], List["_Item"]]]]:
+        """The compressed step's work for the C++ or CUDA passes
+        (:mod:`compcomm.optim.lamb_passes`), or None where they do not apply (not all fp32 on the
+        CPU or one GPU, a mask, a parameter without gradient, another result than the torch ops
+        on this CPU): ``[(coefficients, group, items)]`` in runs of one group of at most
+        ``_RUN_ELEMENTS`` on the CPU (``CHUNK_ELEMENTS`` on a GPU: one host sync a run)."""
         if not params or any(p not in grads for p in params):
             return None
         ws = [master(p, self.state[p]) for p in params]
-        if not cpu_lamb.usable([self._flat] + ws + [grads[p] for p in params], self.param_groups):
+        if not lamb_passes.usable([self._flat] + ws + [grads[p] for p in params],
+                                  self.param_groups):
             return None
-        # the variance is frozen: where the kernels' square root is not torch's, torch's sqrt(v)
-        # is computed once and read instead (then only the factor's max may differ, by an ulp)
-        v_is_sqrt = torch_sqrt_mode() is None
+        cuda = self._flat.is_cuda
+        # the variance is frozen: where the CPU kernels' square root is not torch's, torch's
+        # sqrt(v) is computed once and read instead (then only the factor's max may differ, by an
+        # ulp); a GPU's is the correctly rounded one, as the CUDA passes'
+        v_is_sqrt = not cuda and torch_sqrt_mode() is None
         vs = [self.state[p]["exp_avg_sq"] for p in params]
         if v_is_sqrt:
             vs = frozen_of(self, "_frozen_sqrts", vs, (), torch.sqrt)
@@ -297,13 +302,14 @@ class OneBitLamb(OneBitBase):
         for p, w, v in zip(params, ws, vs):
             items.append((groups[id(p)], p, _Item(p, self.state[p], w, off, v)))
             off += p.numel()
-        return [(cpu_lamb.coeffs(group, t, self.freeze_step, v_is_sqrt), group,
-                 [it for _, _, it in run]) for group, run in group_chunks(items, _RUN_ELEMENTS)]
+        limit, sqrt = (CHUNK_ELEMENTS, "ieee") if cuda else (_RUN_ELEMENTS, None)
+        return [(lamb_passes.coeffs(group, t, self.freeze_step, v_is_sqrt, sqrt), group,
+                 [it for _, _, it in run]) for group, run in group_chunks(items, limit)]
 
-    def _cpu_update(self, runs: List[Tuple[Any, Dict[str, Any], List["_Item"]]],
+    def _kernel_update(self, runs: List[Tuple[Any, Dict[str, Any], List["_Item"]]],
                     m_last: Optional[torch.Tensor], t: int,
                     grads: Optional[Dict[torch.Tensor, torch.Tensor]] = None) -> None:
-        """The compressed step after the exchange through the C++ passes: per run, the statistics
+        """The compressed step after the exchange through the passes: per run, the statistics
         pass, the factors (:func:`functional.lamb_factor`), the apply pass. ``m_last`` None: a
         world of one rank, the momentum updated from ``grads`` in the statistics pass."""
         for c, group, items in runs:
@@ -311,7 +317,7 @@ class OneBitLamb(OneBitBase):
             vs = [it.v for it in items]
             ws = [it.w for it in items]
             local = m_last is None
-            stats = cpu_lamb.stats_(c, ms, None if local else [it.last(m_last) for it in items],
+            stats = lamb_passes.stats_(c, ms, None if local else [it.last(m_last) for it in items],
                                     vs, [it.st["exp_avg_sq_fresh"] for it in items], ws,
                                     [it.st["scaling_coeff"] for it in items], check=False,
                                     gs=[grads[it.p] for it in items] if local else None)
@@ -325,7 +331,7 @@ class OneBitLamb(OneBitBase):
                 coeff = st["lamb_coeff_freeze"] * factor
                 self.lamb_coeffs.append(coeff)
                 steps.append(-group["lr"] * coeff)
-            cpu_lamb.applies_(c, ms, vs, ws, steps, check=False)
+            lamb_passes.applies_(c, ms, vs, ws, steps, check=False)
             for it in items:
                 write_back(it.p, it.st)
 

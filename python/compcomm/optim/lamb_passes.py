@@ -1,12 +1,16 @@
-"""1-bit LAMB's compressed-phase step on the CPU in C++ (``cpp/kernels/cpu_lamb.h``): a momentum
-pass before the exchange, then per parameter a statistics pass (the fresh variance, the max ratio
-and the direction's norms) and an apply pass, where the torch ops take about twenty passes per
-parameter. Per element the passes give the bits of the torch ops of
-:func:`compcomm.optim.functional.onebit_lamb_update` and the step, for the same scalars; the norms
-are fp64 sums of the exact squares rounded to fp32 (torch's are fp32 sums), so the factor, and
-with it the step's coefficient, can differ from the torch ops' in its last bits. The lists are
-passed as data pointers, one crossing into C++ per list; ``check=False`` skips the tensor checks
-where the caller made the tensors itself.
+"""1-bit LAMB's compressed-phase step as C++ passes on the CPU (``cpp/kernels/cpu_lamb.h``) and
+their multi-tensor CUDA twins (``cpp/kernels/cuda_lamb.cu``): a momentum pass before the exchange,
+then a statistics pass (the fresh variance, the max ratio and the direction's norms) and an apply
+pass, where the torch ops take about twenty passes (and on a GPU as many launches) per parameter.
+Per element the passes give the bits of the torch ops of
+:func:`compcomm.optim.functional.onebit_lamb_update` and the step, for the same scalars (with the
+square root the CPU's torch computes, the correctly rounded one on a GPU: there the CUDA passes
+equal the CPU passes bit for bit, while torch's own CUDA ops round some divisions differently); the
+norms are fp64 sums of the exact squares rounded to fp32 (torch's are fp32 sums), so the factor,
+and with it the step's coefficient, can differ from the torch ops' in its last bits. The lists are
+passed as data pointers, one crossing into C++ per list (on CUDA: one launch per ~20M elements, the
+statistics read back in one host sync); ``check=False`` skips the tensor checks where the caller
+made the tensors itself. The tensors of a call are all on the CPU or all on one CUDA device.
 """
 
 from __future__ import annotations
@@ -16,10 +20,14 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .. import _C
+from . import _fused
 from . import functional as F
 from ._cpu_args import F32, K, Group, check, sqrt_mode, threads, torch_sqrt_mode
 
 __all__ = ["coeffs", "momentums_", "stats_", "applies_", "kernels_match_torch", "usable"]
+
+_CK = getattr(_C, "optim_cuda", None)
 
 Tensors = Sequence[torch.Tensor]
 
@@ -46,11 +54,27 @@ def _ptrs(ts: Tensors) -> List[int]:
     return [x.data_ptr() for x in ts]
 
 
+def _on_cuda(ts: Tensors) -> bool:
+    return bool(ts) and isinstance(ts[0], torch.Tensor) and ts[0].is_cuda
+
+
+def _cuda_ptrs(ts: Tensors, name: str, n: List[int], device: int, check: bool) -> List[int]:
+    _fused.require()
+    return _fused.ptrs(ts, name, n, device, check)
+
+
 def momentums_(c: Any, ms: Tensors, gs: Tensors, lasts: Tensors, scales: Sequence[float],
                num_threads: Optional[int] = None, check: bool = True) -> None:
     """Before the exchange: ``lasts[i] = ms[i]``, then ``ms[i] = (b1 m + (1-b1) g) * scales[i]``
     (``m.mul_(b1).add_(g, alpha=1-b1).mul_(scale)``)."""
     n = [m.numel() for m in ms]
+    if _on_cuda(ms):
+        dev = ms[0].get_device()
+        _CK.lamb_momentum(c, n, _cuda_ptrs(ms, "ms", n, dev, check),
+                          _cuda_ptrs(gs, "gs", n, dev, check),
+                          _cuda_ptrs(lasts, "lasts", n, dev, check), [float(s) for s in scales],
+                          dev, _fused.stream(dev))
+        return
     if check:
         _checked("lamb momentums_", {"m": ms, "g": gs, "last": lasts}, n)
     K.lamb_momentums(c, n, _ptrs(ms), _ptrs(gs), _ptrs(lasts), [float(s) for s in scales],
@@ -65,6 +89,17 @@ def stats_(c: Any, ms: Tensors, lasts: Optional[Tensors], vs: Tensors, vfs: Tens
     parameter (the norms rounded to fp32, as torch's). ``gs`` instead of ``lasts``: a world of one
     rank (the average is the momentum itself), :func:`momentums_` done in this pass."""
     n = [m.numel() for m in ms]
+    if _on_cuda(ms):
+        dev = ms[0].get_device()
+        partials = torch.empty(3 * _CK.lamb_partials(n), dtype=torch.float64, device=ms[0].device)
+        out = torch.empty(3 * len(n), dtype=torch.float32, device=ms[0].device)
+        _CK.lamb_stats(c, n, _cuda_ptrs(ms, "ms", n, dev, check),
+                       [] if gs is not None else _cuda_ptrs(lasts, "lasts", n, dev, check),
+                       [] if gs is None else _cuda_ptrs(gs, "gs", n, dev, check),
+                       _cuda_ptrs(vs, "vs", n, dev, check), _cuda_ptrs(vfs, "vfs", n, dev, check),
+                       _cuda_ptrs(ws, "ws", n, dev, check), [float(s) for s in scales],
+                       partials.data_ptr(), out.data_ptr(), dev, _fused.stream(dev))
+        return [tuple(r) for r in out.view(-1, 3).tolist()]  # the one host sync
     if check:
         prev = {"g": gs} if gs is not None else {"last": lasts}
         _checked("lamb stats_", {"m": ms, **prev, "v": vs, "v_fresh": vfs, "w": ws}, n)
@@ -77,6 +112,12 @@ def applies_(c: Any, ms: Tensors, vs: Tensors, ws: Tensors, neg_steps: Sequence[
              num_threads: Optional[int] = None, check: bool = True) -> None:
     """``ws[i] += (u + wd w) * neg_steps[i]`` (``w.add_(update * (-lr * coeff))``)."""
     n = [w.numel() for w in ws]
+    if _on_cuda(ws):
+        dev = ws[0].get_device()
+        _CK.lamb_apply(c, n, _cuda_ptrs(ms, "ms", n, dev, check),
+                       _cuda_ptrs(vs, "vs", n, dev, check), _cuda_ptrs(ws, "ws", n, dev, check),
+                       [float(s) for s in neg_steps], dev, _fused.stream(dev))
+        return
     if check:
         _checked("lamb applies_", {"m": ms, "v": vs, "w": ws}, n)
     K.lamb_applies(c, n, _ptrs(ms), _ptrs(vs), _ptrs(ws), [float(s) for s in neg_steps],
@@ -126,11 +167,15 @@ def kernels_match_torch() -> bool:
 
 
 def usable(tensors: Sequence[torch.Tensor], groups: Sequence[Dict[str, Any]]) -> bool:
-    """Whether the C++ passes may run 1-bit LAMB's compressed step over ``tensors`` (the fused
-    momentum, the parameters' fp32 weights and gradients): all fp32, contiguous and on the CPU,
-    no ``exp_avg_mask`` in ``groups``, not switched off (``COMPCOMM_FUSED_OPTIM=0``), and the
-    torch ops' bits here (:func:`kernels_match_torch`)."""
-    return (os.environ.get("COMPCOMM_FUSED_OPTIM", "1") != "0"
-            and all(g.get("exp_avg_mask") is None for g in groups)
-            and all(x.is_cpu and x.dtype == torch.float32 and x.is_contiguous() for x in tensors)
+    """Whether the passes may run 1-bit LAMB's compressed step over ``tensors`` (the fused
+    momentum, the parameters' fp32 weights and gradients): all fp32 and contiguous, no
+    ``exp_avg_mask`` in ``groups``, not switched off (``COMPCOMM_FUSED_OPTIM=0``), and either all
+    on the CPU with the torch ops' bits here (:func:`kernels_match_torch`) or all on one CUDA
+    device of a build with the CUDA kernels."""
+    if (os.environ.get("COMPCOMM_FUSED_OPTIM", "1") == "0" or not tensors
+            or any(g.get("exp_avg_mask") is not None for g in groups)):
+        return False
+    if tensors[0].is_cuda:
+        return _fused.available() and _fused.supported(tensors)
+    return (all(x.is_cpu and x.dtype == torch.float32 and x.is_contiguous() for x in tensors)
             and kernels_match_torch())
