@@ -13,8 +13,8 @@ tensors, cut into lists as the optimizer cuts them (optim._params.group_chunks).
   ``COMPCOMM_FUSED_OPTIM=0`` for the foreach column; and ``OneBitLamb.step``'s (its CUDA passes and
   its torch ops), printed under the table.
 
-The floor is the bytes the row must move (listed per element) at 4.2 TB/s (the H200's copy
-bandwidth measured by earlier runs; this run's own copy bandwidth is printed under the table).
+The floor is the bytes the row must move (listed per element) at this run's own
+device-to-device copy bandwidth (1 GiB, read + write; about 4.2 TB/s on an H200, 3.0 on an H100).
 
 Run: python bench/bench_fused_optim.py --out results.md [--iters 20]
 """
@@ -29,7 +29,6 @@ from typing import Callable, List, Tuple
 
 import torch
 
-HBM = 4.2e12  # bytes/s
 DEVICE = "cuda"
 
 
@@ -173,11 +172,11 @@ def main(argv=None) -> int:
              f"({len(chunks)} lists); CUDA events, median of {args.iters}; "
              f"torch {torch.__version__}",
              "",
-             "| row | bytes/elem | foreach ms | fused ms | speedup | floor ms (4.2 TB/s) "
-             "| fused / floor |",
+             "| row | bytes/elem | foreach ms | fused ms | speedup "
+             f"| floor ms ({bw / 1e12:.2f} TB/s) | fused / floor |",
              "|---|---|---|---|---|---|---|"]
     for row, b, fe, fu in rows:
-        floor = n * b / HBM * 1e3
+        floor = n * b / bw * 1e3
         lines.append(f"| {row} | {b} | {fe:.3f} | {fu:.3f} | {fe / fu:.2f}x | {floor:.3f} | "
                      f"{fu / floor:.2f}x |")
     lines += ["", f"Copy bandwidth measured in this run (1 GiB fp32, read + write): "
@@ -185,7 +184,7 @@ def main(argv=None) -> int:
               "_foreach ops in the order of compcomm/optim/functional.py; the OneBitAdam.step row "
               "includes its gradient checks (one host sync) and Python overhead in both columns.",
               "", f"OneBitLamb.step, compressed phase, W=1 (fp32, gradient checks included): "
-              f"CUDA passes {lamb_ms['1']:.3f} ms ({lamb_ms['1'] / (n * 32 / HBM * 1e3):.2f}x the "
+              f"CUDA passes {lamb_ms['1']:.3f} ms ({lamb_ms['1'] / (n * 32 / bw * 1e3):.2f}x the "
               f"32 bytes/elem floor above), torch ops (COMPCOMM_FUSED_OPTIM=0) "
               f"{lamb_ms['0']:.3f} ms, {lamb_ms['0'] / lamb_ms['1']:.2f}x slower."]
     text = "\n".join(lines) + "\n"

@@ -21,6 +21,7 @@ namespace compcomm::kernels::cuda {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kIlp = 4;  // elements a thread loads before computing (loads in flight)
 constexpr int64_t kChunk = 65536;
 constexpr int kMaxBlocks = 320;
 constexpr int kT = 32;
@@ -71,11 +72,21 @@ __global__ void __launch_bounds__(kThreads) momentum_kernel(const Launch L, cons
   const float* g = static_cast<const float*>(L.p[1][r.t]);
   float* last = static_cast<float*>(L.p[2][r.t]);
   const float sc = L.scalar[r.t];
-  for (int64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
-    float x = m[i];
-    last[i] = x;
-    x = __fmaf_rn(g[i], c.c1, x * c.b1);
-    m[i] = sc != 1.f ? x * sc : x;
+  for (int64_t base = r.begin + threadIdx.x; base < r.end; base += kIlp * blockDim.x) {
+    float x[kIlp], y[kIlp];
+#pragma unroll
+    for (int j = 0; j < kIlp; ++j) {
+      const int64_t i = base + j * blockDim.x;
+      if (i < r.end) x[j] = m[i], y[j] = g[i];
+    }
+#pragma unroll
+    for (int j = 0; j < kIlp; ++j) {
+      const int64_t i = base + j * blockDim.x;
+      if (i >= r.end) continue;
+      last[i] = x[j];
+      const float z = __fmaf_rn(y[j], c.c1, x[j] * c.b1);
+      m[i] = sc != 1.f ? z * sc : z;
+    }
   }
 }
 
@@ -91,29 +102,42 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(const Launch L, const c
   const float sc = L.scalar[r.t];
   float mx = -__int_as_float(0x7f800000);
   double su = 0.0, sd = 0.0;
-  for (int64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
-    float mv = m[i], lv;
-    if (local) {
-      lv = mv;
-      mv = __fmaf_rn(aux[i], c.c1, mv * c.b1);
-      if (sc != 1.f) mv = (mv * sc) / sc;
-      m[i] = mv;
-    } else {
-      lv = aux[i];
-      if (sc != 1.f) {
-        mv = mv / sc;
-        m[i] = mv;
-      }
+  // kIlp elements a thread and iteration, every load issued before the arithmetic (the stores to
+  // m and v_fresh would otherwise keep the compiler from hoisting the next loads)
+  for (int64_t base = r.begin + threadIdx.x; base < r.end; base += kIlp * blockDim.x) {
+    float xm[kIlp], xa[kIlp], xv[kIlp], xf[kIlp], xw[kIlp];
+#pragma unroll
+    for (int j = 0; j < kIlp; ++j) {
+      const int64_t i = base + j * blockDim.x;
+      if (i < r.end) xm[j] = m[i], xa[j] = aux[i], xv[j] = v[i], xf[j] = vf[i], xw[j] = w[i];
     }
-    const float gh = (mv - lv * c.b1) / c.c1;
-    const float f = __fmaf_rn(c.c2 * gh, gh, vf[i] * c.b2);
-    vf[i] = f;
-    const float s = c.v_is_sqrt ? v[i] : sqrtf(v[i]);
-    mx = max_nan((s + c.eps) / (sqrtf(f) + c.eps), mx);
-    float u;
-    const float d = direction(c, mv, s, w[i], &u);
-    su += static_cast<double>(u) * static_cast<double>(u);
-    sd += static_cast<double>(d) * static_cast<double>(d);
+#pragma unroll
+    for (int j = 0; j < kIlp; ++j) {
+      const int64_t i = base + j * blockDim.x;
+      if (i >= r.end) continue;
+      float mv = xm[j], lv;
+      if (local) {
+        lv = mv;
+        mv = __fmaf_rn(xa[j], c.c1, mv * c.b1);
+        if (sc != 1.f) mv = (mv * sc) / sc;
+        m[i] = mv;
+      } else {
+        lv = xa[j];
+        if (sc != 1.f) {
+          mv = mv / sc;
+          m[i] = mv;
+        }
+      }
+      const float gh = (mv - lv * c.b1) / c.c1;
+      const float f = __fmaf_rn(c.c2 * gh, gh, xf[j] * c.b2);
+      vf[i] = f;
+      const float s = c.v_is_sqrt ? xv[j] : sqrtf(xv[j]);
+      mx = max_nan((s + c.eps) / (sqrtf(f) + c.eps), mx);
+      float u;
+      const float d = direction(c, mv, s, xw[j], &u);
+      su += static_cast<double>(u) * static_cast<double>(u);
+      sd += static_cast<double>(d) * static_cast<double>(d);
+    }
   }
   __shared__ float smx[kThreads];
   __shared__ double ssu[kThreads], ssd[kThreads];
@@ -158,11 +182,21 @@ __global__ void __launch_bounds__(kThreads) apply_kernel(const Launch L, const c
   const float* v = static_cast<const float*>(L.p[1][r.t]);
   float* w = static_cast<float*>(L.p[2][r.t]);
   const float step = L.scalar[r.t];
-  for (int64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
-    const float s = c.v_is_sqrt ? v[i] : sqrtf(v[i]);
-    const float wi = w[i];
-    float u;
-    w[i] = wi + direction(c, m[i], s, wi, &u) * step;
+  for (int64_t base = r.begin + threadIdx.x; base < r.end; base += kIlp * blockDim.x) {
+    float xm[kIlp], xv[kIlp], xw[kIlp];
+#pragma unroll
+    for (int j = 0; j < kIlp; ++j) {
+      const int64_t i = base + j * blockDim.x;
+      if (i < r.end) xm[j] = m[i], xv[j] = v[i], xw[j] = w[i];
+    }
+#pragma unroll
+    for (int j = 0; j < kIlp; ++j) {
+      const int64_t i = base + j * blockDim.x;
+      if (i >= r.end) continue;
+      const float s = c.v_is_sqrt ? xv[j] : sqrtf(xv[j]);
+      float u;
+      w[i] = xw[j] + direction(c, xm[j], s, xw[j], &u) * step;
+    }
   }
 }
 
