@@ -9,6 +9,8 @@ tensors, cut into lists as the optimizer cuts them (optim._params.group_chunks).
   writes m, w);
 - ``warm-up step``: both moments from g, then the step (reads m, v, g, w; writes m, v, w);
 - each with bf16 parameters too (fp32 master updated, bf16 copy written: +2 bytes/element);
+- ``one-rank compressed step``: the momentum from g, then the step, in one pass (what a world of
+  one rank runs: reads m, v, g, w; writes m, w);
 - ``OneBitAdam.step``: a whole compressed-phase step at W=1 (gradient checks included), with
   ``COMPCOMM_FUSED_OPTIM=0`` for the foreach column; and ``OneBitLamb.step``'s (its CUDA passes and
   its torch ops), printed under the table.
@@ -139,6 +141,20 @@ def main(argv=None) -> int:
                      timed(fused_step(True, low), args.iters)))
     rows.append(("momentum + compressed step (fp32)", 32, rows[0][2] + rows[1][2],
                  rows[0][3] + rows[1][3]))
+
+    def foreach_local():
+        for c in chunks:
+            m = pick(ms, c)
+            F.onebit_momentum_multi(m, pick(gs, c), group, m)
+            F.adam_step_multi_(pick(ws, c), m, pick(vs, c), group, 10, 10)
+
+    def fused_local():
+        for c in chunks:
+            _fused.onebit_local_step_(pick(ws, c), pick(ms, c), pick(vs, c), pick(gs, c), group,
+                                      10, 10, check=False)
+
+    rows.append(("one-rank compressed step (fp32)", 24, timed(foreach_local, args.iters),
+                 timed(fused_local, args.iters)))
     for ts in (ms, vs, gs, avgs, outs, lowps, ws):
         ts.clear()  # free the micro-benchmark's tensors
     torch.cuda.empty_cache()

@@ -191,14 +191,14 @@ LOWP = {"fp32": [None], "bf16": [torch.bfloat16], "fp16": [torch.float16],
 
 @pytest.mark.parametrize("case,align,variant", _cases("bc_wd/mixed", "plain/fp32", "plain/bf16",
                                                       "bc_wd/fp16"))
-@pytest.mark.parametrize("kind", ["compressed", "warmup"])
+@pytest.mark.parametrize("kind", ["compressed", "warmup", "local"])
 @gpu
 def test_step_bit_exact(kind, case, align, variant):
     group, lowp = variant.split("/")
     sizes, hp = SIZE_CASES[case], GROUPS[group]
     gen = torch.Generator().manual_seed(2)
     L = Lists(sizes, 4, ALIGN[align], gen)
-    xs, ms, vs, ws = L.lists  # xs: averaged momenta (compressed) or gradients (warm-up)
+    xs, ms, vs, ws = L.lists  # xs: averaged momenta (compressed) or gradients (warm-up, local)
     _positive(vs)
     lowps = _lowp_list(ws, LOWP[lowp])
     if align == "misaligned":  # odd 2-byte offsets: the scalar path for the low-precision output
@@ -206,14 +206,15 @@ def test_step_bit_exact(kind, case, align, variant):
                  for t in lowps]
     x0, m0, v0, w0 = (_np(t) for t in (xs, ms, vs, ws))
     t1, t2 = 7, (3 if kind == "compressed" else 7)
-    if kind == "compressed":
-        _fused.onebit_compressed_step_(ws, ms, vs, xs, hp, t1, t2, lowps)
-    else:
-        _fused.adam_warmup_step_(ws, ms, vs, xs, hp, t1, t2, lowps)
+    step = {"compressed": _fused.onebit_compressed_step_, "warmup": _fused.adam_warmup_step_,
+            "local": _fused.onebit_local_step_}[kind]
+    step(ws, ms, vs, xs, hp, t1, t2, lowps)
     torch.cuda.synchronize()
     for i in range(len(sizes)):
         if kind == "compressed":
             m_ref, v_ref = x0[i], v0[i]
+        elif kind == "local":  # the momentum, then the compressed step with it as the average
+            m_ref, v_ref = ref_momentum(m0[i], x0[i], hp["betas"][0]), v0[i]
         else:
             m_ref, v_ref = ref_moments(m0[i], v0[i], x0[i], hp)
         w_ref = ref_step(m_ref, v_ref, w0[i], hp, t1, t2)
@@ -308,6 +309,26 @@ def test_onebit_adam_fused_matches_foreach_and_cpu(dtype, monkeypatch):
             torch.testing.assert_close(x, z, **tol, msg=f"fused vs CPU, step {step}")
     for x, y in zip(fm, em):
         torch.testing.assert_close(x, y, rtol=8 * 2.0 ** -23, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16],
+                         ids=lambda d: str(d).split(".")[-1])
+@gpu
+def test_one_rank_compressed_step_is_one_pass_with_the_staged_bits(dtype, monkeypatch):
+    """At W=1 the compressed phase runs _fused.onebit_local_step_ (one pass, no staging), and
+    the trajectory and moments are the staged path's (momentum kernel, then the compressed
+    step) bit for bit."""
+    calls = []
+    real = _fused.onebit_local_step_
+    monkeypatch.setattr(_fused, "onebit_local_step_",
+                        lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    one_pass, m1 = _trajectory(DEV, dtype)
+    assert len(calls) == 3 * 3  # 3 compressed steps x 3 param groups
+    monkeypatch.setattr(OneBitAdam, "_cuda_local_step", lambda self, items, grads, t: False)
+    staged, m2 = _trajectory(DEV, dtype)
+    assert len(calls) == 9
+    for a, b in zip(one_pass[-1] + m1, staged[-1] + m2):
+        assert torch.equal(a, b)
 
 
 @gpu

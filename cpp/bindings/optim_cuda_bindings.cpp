@@ -127,6 +127,13 @@ void bind_optim_cuda(py::module_& parent) {
        "a", false,
        "m = a; w += -lr * (m / (sqrt(v) [/ sqrt_bc2] + eps) [/ bc1] [+ wd*w]); lowp = w rounded (v read "
        "only).");
+  step("onebit_local_step",
+       [](int c, const int64_t* n, const float* const* g, float* const* mm, const float* const* v,
+          float* const* w, void* const* l, const kernels::InputType* t, const kernels::AdamHyper& h,
+          kernels::Stream s) { return kernels::cuda::onebit_local_step(c, n, mm, v, g, w, l, t, h, s); },
+       "g", true,
+       "One rank's compressed step: m = m*b1 + (1-b1)*g (onebit_momentum), then the step of "
+       "onebit_compressed_step with that m (v read only), one pass.");
   step("adam_warmup_step",
        [](int c, const int64_t* n, const float* const* g, float* const* mm, const float* const* v,
           float* const* w, void* const* l, const kernels::InputType* t, const kernels::AdamHyper& h,

@@ -101,6 +101,17 @@ struct CompressedStepOp {
   }
 };
 
+// 0 m, 1 v, 2 g, 3 w (+ 4 low-precision w): the compressed phase with nothing to exchange (one
+// rank), MomentumOp's momentum then CompressedStepOp's step in registers (v only read).
+struct LocalStepOp {
+  static constexpr int kDepth = 4, kLoad = 0b1111, kStore = 0b1001, kOptional = 0, kLowpFrom = 3;
+  Scalars s;
+  __device__ __forceinline__ void operator()(float (&x)[kDepth]) const {
+    x[0] = x[0] * s.beta1 + s.one_minus_beta1 * x[2];
+    x[3] = adam_step(x[0], x[1], x[3], s);
+  }
+};
+
 // 0 m, 1 v, 2 g, 3 w (+ 4 low-precision w).
 struct WarmupStepOp {
   static constexpr int kDepth = 4, kLoad = 0b1111, kStore = 0b1011, kOptional = 0, kLowpFrom = 3;
@@ -290,6 +301,16 @@ Status onebit_compressed_step(int count, const int64_t* numels, const float* con
                           reinterpret_cast<void* const*>(w), lowp};
   return apply<CompressedStepOp, 40>(count, numels, lists, lowp_types, CompressedStepOp{scalars_of(hyper)},
                                      stream);
+}
+
+Status onebit_local_step(int count, const int64_t* numels, float* const* m, const float* const* v,
+                         const float* const* g, float* const* w, void* const* lowp,
+                         const InputType* lowp_types, const AdamHyper& hyper, Stream stream) {
+  void* const* lists[] = {reinterpret_cast<void* const*>(m),
+                          reinterpret_cast<void* const*>(const_cast<float* const*>(v)),
+                          reinterpret_cast<void* const*>(const_cast<float* const*>(g)),
+                          reinterpret_cast<void* const*>(w), lowp};
+  return apply<LocalStepOp, 40>(count, numels, lists, lowp_types, LocalStepOp{scalars_of(hyper)}, stream);
 }
 
 Status adam_warmup_step(int count, const int64_t* numels, float* const* m, float* const* v,

@@ -10,6 +10,10 @@ Status onebit_compressed_step(int, const int64_t*, const float* const*, float* c
                               float* const*, void* const*, const InputType*, const AdamHyper&, Stream) {
   return Status::kNotBuilt;
 }
+Status onebit_local_step(int, const int64_t*, float* const*, const float* const*, const float* const*,
+                         float* const*, void* const*, const InputType*, const AdamHyper&, Stream) {
+  return Status::kNotBuilt;
+}
 Status adam_warmup_step(int, const int64_t*, float* const*, float* const*, const float* const*,
                         float* const*, void* const*, const InputType*, const AdamHyper&, Stream) {
   return Status::kNotBuilt;

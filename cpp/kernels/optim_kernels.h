@@ -46,6 +46,12 @@ Status onebit_compressed_step(int count, const int64_t* numels, const float* con
                               const float* const* v, float* const* w, void* const* lowp,
                               const InputType* lowp_types, const AdamHyper& hyper, Stream stream);
 
+// The compressed phase at one rank (nothing to exchange), one pass: m = m*b1 + (1-b1)*g (as
+// onebit_momentum), then the step of onebit_compressed_step with that m (the same bits as the two).
+Status onebit_local_step(int count, const int64_t* numels, float* const* m, const float* const* v,
+                         const float* const* g, float* const* w, void* const* lowp,
+                         const InputType* lowp_types, const AdamHyper& hyper, Stream stream);
+
 // The warm-up (plain Adam) step, one pass: m = m*b1 + (1-b1)*g; v = v*b2 + ((1-b2)*g)*g; then the step
 // of onebit_compressed_step with these m, v.
 Status adam_warmup_step(int count, const int64_t* numels, float* const* m, float* const* v,

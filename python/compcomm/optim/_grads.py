@@ -56,6 +56,8 @@ def fp32_grad(p: torch.Tensor, copy: bool = True) -> torch.Tensor:
     g = p.grad
     if g.is_sparse:
         raise UnsupportedError("compcomm optimizers do not support sparse gradients")
+    if not copy and g.dtype == torch.float32 and g.is_contiguous() and not g.requires_grad:
+        return g  # the common case without torch's dispatch (~3 us a tensor on a GPU step)
     return g.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=copy)
 
 

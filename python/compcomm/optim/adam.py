@@ -167,6 +167,10 @@ class OneBitAdam(OneBitBase):
         items = list(self._params())
         averaged: Dict[torch.Tensor, torch.Tensor] = {}
         if not warm:
+            if ((self.world_size == 1 or self._local is not None)
+                    and self._cuda_local_step(items, grads, t)):
+                self.schedule.advance(kind)
+                return
             averaged = self._compressed_average(items, self._momentum_fill(grads))
         for group, run in group_chunks(items):
             ps = [p for _, p in run]
@@ -204,6 +208,33 @@ class OneBitAdam(OneBitBase):
             F.adam_step_multi_(ws, ms, vs, group, t, bc2_t)
             write_back_multi(ps, states)
         self.schedule.advance(kind)
+
+    def _cuda_local_step(self, items: List[Tuple[Dict[str, Any], torch.Tensor]],
+                         grads: Dict[torch.Tensor, torch.Tensor], t: int) -> bool:
+        """The compressed step where nothing is sent, on a GPU: one CUDA pass per run of
+        parameters (:func:`_fused.onebit_local_step_`), the bits of the staged momentum then the
+        compressed step, with no staging buffer and no per-parameter allocation. False, with
+        nothing written, where the kernels do not take every run (the general path then runs)."""
+        runs = []
+        for group, run in group_chunks(items):
+            ps = [p for _, p in run]
+            states = [self.state[p] for p in ps]
+            if any("exp_avg" not in st for st in states):
+                return False  # no warm-up step yet: the general path makes the moments
+            ms = [st["exp_avg"] for st in states]
+            vs = [st["exp_avg_sq"] for st in states]
+            ws = [master(p, st) for p, st in zip(ps, states)]
+            gs = [grads[p] for p in ps]
+            lowps = [None if p.dtype == torch.float32 else p.data for p in ps]
+            if not _fused.usable(group, ws, ms, vs, gs, lowp=lowps):
+                return False
+            runs.append((group, states, ws, ms, vs, gs, lowps))
+        bc2_t = min(t, self.freeze_step)  # the variance (and its correction) frozen after warm-up
+        for group, states, ws, ms, vs, gs, lowps in runs:
+            for st in states:
+                st["step"] = t
+            _fused.onebit_local_step_(ws, ms, vs, gs, group, t, bc2_t, lowps, check=False)
+        return True
 
     def _momentum_fill(self, grads: Dict[torch.Tensor, torch.Tensor]) -> Any:
         """The staging of the compressed average: ``fill(entries)`` writes ``b1 m + (1-b1) g``

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -12,7 +13,7 @@ from ..schedule import FreezeSchedule, StepKind
 from . import lamb_passes
 from . import functional as F
 from ._cpu_args import torch_sqrt_mode
-from ._params import CHUNK_ELEMENTS, group_chunks, mask_, master, write_back
+from ._params import group_chunks, mask_, master, write_back
 from ._validation import who, check_common, check_int, check_number, check_positive
 from .adam import frozen_of
 from .base import OneBitBase
@@ -282,7 +283,7 @@ class OneBitLamb(OneBitBase):
         (:mod:`compcomm.optim.lamb_passes`), or None where they do not apply (not all fp32 on the
         CPU or one GPU, a mask, a parameter without gradient, another result than the torch ops
         on this CPU): ``[(coefficients, group, items)]`` in runs of one group of at most
-        ``_RUN_ELEMENTS`` on the CPU (``CHUNK_ELEMENTS`` on a GPU: one host sync a run)."""
+        ``_RUN_ELEMENTS`` on the CPU (on a GPU one run a group: one host sync a run)."""
         if not params or any(p not in grads for p in params):
             return None
         ws = [master(p, self.state[p]) for p in params]
@@ -302,7 +303,8 @@ class OneBitLamb(OneBitBase):
         for p, w, v in zip(params, ws, vs):
             items.append((groups[id(p)], p, _Item(p, self.state[p], w, off, v)))
             off += p.numel()
-        limit, sqrt = (CHUNK_ELEMENTS, "ieee") if cuda else (_RUN_ELEMENTS, None)
+        # a GPU: one run a group, so one host sync a step (the passes hold no temporaries)
+        limit, sqrt = (sys.maxsize, "ieee") if cuda else (_RUN_ELEMENTS, None)
         return [(lamb_passes.coeffs(group, t, self.freeze_step, v_is_sqrt, sqrt), group,
                  [it for _, _, it in run]) for group, run in group_chunks(items, limit)]
 
