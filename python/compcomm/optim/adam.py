@@ -167,10 +167,6 @@ class OneBitAdam(OneBitBase):
         items = list(self._params())
         averaged: Dict[torch.Tensor, torch.Tensor] = {}
         if not warm:
-            if ((self.world_size == 1 or self._local is not None)
-                    and self._cuda_local_step(items, grads, t)):
-                self.schedule.advance(kind)
-                return
             averaged = self._compressed_average(items, self._momentum_fill(grads))
         for group, run in group_chunks(items):
             ps = [p for _, p in run]
@@ -209,33 +205,6 @@ class OneBitAdam(OneBitBase):
             write_back_multi(ps, states)
         self.schedule.advance(kind)
 
-    def _cuda_local_step(self, items: List[Tuple[Dict[str, Any], torch.Tensor]],
-                         grads: Dict[torch.Tensor, torch.Tensor], t: int) -> bool:
-        """The compressed step where nothing is sent, on a GPU: one CUDA pass per run of
-        parameters (:func:`_fused.onebit_local_step_`), the bits of the staged momentum then the
-        compressed step, with no staging buffer and no per-parameter allocation. False, with
-        nothing written, where the kernels do not take every run (the general path then runs)."""
-        runs = []
-        for group, run in group_chunks(items):
-            ps = [p for _, p in run]
-            states = [self.state[p] for p in ps]
-            if any("exp_avg" not in st for st in states):
-                return False  # no warm-up step yet: the general path makes the moments
-            ms = [st["exp_avg"] for st in states]
-            vs = [st["exp_avg_sq"] for st in states]
-            ws = [master(p, st) for p, st in zip(ps, states)]
-            gs = [grads[p] for p in ps]
-            lowps = [None if p.dtype == torch.float32 else p.data for p in ps]
-            if not _fused.usable(group, ws, ms, vs, gs, lowp=lowps):
-                return False
-            runs.append((group, states, ws, ms, vs, gs, lowps))
-        bc2_t = min(t, self.freeze_step)  # the variance (and its correction) frozen after warm-up
-        for group, states, ws, ms, vs, gs, lowps in runs:
-            for st in states:
-                st["step"] = t
-            _fused.onebit_local_step_(ws, ms, vs, gs, group, t, bc2_t, lowps, check=False)
-        return True
-
     def _momentum_fill(self, grads: Dict[torch.Tensor, torch.Tensor]) -> Any:
         """The staging of the compressed average: ``fill(entries)`` writes ``b1 m + (1-b1) g``
         (``g = grads[p]``, the local gradient) into each entry's buffer; ``m`` itself waits for the
@@ -260,16 +229,20 @@ class OneBitAdam(OneBitBase):
         return momentum
 
     def _local_runs(self) -> Optional[List[Tuple[Dict[str, Any], List[List[Any]]]]]:
-        """The compressed step where nothing is sent (one rank, or ``step_on``) as the CPU kernels
+        """The compressed step where nothing is sent (one rank, or ``step_on``) as the kernels
         take it: per param group, ``(group, [ws, ms, vs, gs, param_outs, states])`` over its
-        parameters with a gradient, everything checked that ``onebit_local_steps_`` takes on
-        trust (fp32, contiguous, on the CPU, sizes; the kernels usable for the group; momenta
-        exist). None where anything does not qualify: nothing has been written, the general path
-        runs. One loop over the parameters (the Python of a 100-tensor step: 0.75 -> 0.27 ms)."""
+        parameters with a gradient, everything checked that the C++ passes
+        (``onebit_local_steps_``) or the CUDA kernel (``_fused.onebit_local_step_``) take on
+        trust: fp32 state, contiguous, sizes, all on the CPU or all on one GPU, momenta exist, the
+        kernels usable for the group. None where anything does not qualify: nothing has been
+        written, the general path runs. One loop over the parameters (the Python of a 100-tensor
+        step: 0.75 -> 0.27 ms on the CPU; on a GPU it replaces the staged path's per-parameter
+        buffers, lists and checks)."""
         local, f32 = self._local, torch.float32
         scale = getattr(self, "_grad_scale", None) if local is None else None
         state = self.state
         runs = []
+        dev: Optional[torch.device] = None  # every tensor's device: the first weight's
         for group in self.param_groups:
             ws, ms, vs, gs, outs, sts = cols = [[], [], [], [], [], []]
             for p in group["params"]:
@@ -282,17 +255,21 @@ class OneBitAdam(OneBitBase):
                     return None
                 # p itself, not p.data (a new alias per read): only its pointer and size are used
                 w, out = (p, None) if p.dtype == f32 else (st.get("master_param"), p)
+                if dev is None:
+                    dev = p.device
                 m, v = st.get("exp_avg"), st.get("exp_avg_sq")
-                if not (_fits(w, n) and _fits(m, n) and _fits(v, n)):
-                    return None  # before any gradient copy (a CUDA run never gets this far)
-                # a bf16/fp16 gradient goes down as is: checked and read in its own dtype (2
-                # bytes per element, converted exactly in registers), not copied to fp32 first
-                if local is None and (scale is not None or g.dtype not in _GRAD_DTYPES
+                if not (_fits(w, n, dev) and _fits(m, n, dev) and _fits(v, n, dev)):
+                    return None  # before any gradient copy
+                # on the CPU a bf16/fp16 gradient goes down as is: checked and read in its own
+                # dtype (2 bytes per element, converted exactly in registers), not copied to fp32
+                # first; the CUDA kernel reads fp32
+                ok = _GRAD_DTYPES if dev.type == "cpu" else (f32,)
+                if local is None and (scale is not None or g.dtype not in ok
                                       or not g.is_contiguous()):
                     g = fp32_grad(p, copy=scale is not None)  # as _grads does
-                if not _fits(g, n, _GRAD_DTYPES):
+                if not _fits(g, n, dev, ok):
                     return None
-                if out is not None and not (out.is_cpu and out.is_contiguous()):
+                if out is not None and not _fits(out, n, dev, _OUT_DTYPES):
                     return None
                 ws.append(w)
                 ms.append(m)
@@ -301,7 +278,10 @@ class OneBitAdam(OneBitBase):
                 outs.append(out)
                 sts.append(st)
             if ws:
-                if not cpu_kernels_usable(group, frozen=True):
+                usable = (cpu_kernels_usable(group, frozen=True) if dev.type == "cpu" else
+                          dev.type == "cuda" and _fused.enabled()
+                          and group.get("exp_avg_mask") is None)
+                if not usable:
                     return None
                 runs.append((group, cols))
         if scale is not None:
@@ -313,16 +293,20 @@ class OneBitAdam(OneBitBase):
 
     def _local_step(self, runs: List[Tuple[Dict[str, Any], List[List[Any]]]], t: int) -> None:
         """Step ``t`` of the compressed phase with nothing sent, on ``_local_runs()``: the
-        average is the rank's own momentum, so momentum and step are one C++ pass per tensor
-        (``onebit_local_steps_``, one call per param group; 24 bytes of memory traffic per
-        parameter), bit for bit the staged momentum then the compressed step. The finiteness
-        check of every gradient (one C++ pass; a bf16/fp16 gradient in its own dtype) runs before
-        anything is written."""
+        average is the rank's own momentum, so momentum and step are one pass per tensor
+        (``onebit_local_steps_``, one C++ call per param group; on a GPU
+        ``_fused.onebit_local_step_``, one multi-tensor kernel per ~20M elements; 24 bytes of
+        memory traffic per fp32 parameter), bit for bit the staged momentum then the compressed
+        step. The finiteness check of every gradient (on the CPU one C++ pass, a bf16/fp16
+        gradient in its own dtype) runs before anything is written."""
         self._check_finite([g for _, cols in runs for g in cols[3]], agree=False)
         bc2_t = min(t, self.freeze_step)  # the variance (and its correction) frozen after warm-up
         for group, (ws, ms, vs, gs, outs, sts) in runs:
             for st in sts:
                 st["step"] = t
+            if not ws[0].is_cpu:
+                _fused.onebit_local_step_(ws, ms, vs, gs, group, t, bc2_t, outs, check=False)
+                continue
             ds, denom = frozen_denominators(self, vs, group, bc2_t)
             cpu_adam.onebit_local_steps_(ws, ms, ds, gs, group, t, bc2_t, outs, check=False,
                                          denom=denom)
@@ -366,13 +350,14 @@ def frozen_of(opt: torch.optim.Optimizer, attr: str, vs: List[torch.Tensor], how
 
 # the gradients the W=1 C++ step reads as they are
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_OUT_DTYPES = (torch.bfloat16, torch.float16)  # the low-precision parameters the kernels write
 
 
-def _fits(x: Optional[torch.Tensor], n: int, dtypes: Tuple[torch.dtype, ...] = (torch.float32,)
-          ) -> bool:
-    """Whether ``x`` is a contiguous CPU tensor of ``n`` elements of one of ``dtypes`` (what the
-    C++ passes take on trust)."""
-    return (x is not None and x.dtype in dtypes and x.is_cpu and x.is_contiguous()
+def _fits(x: Optional[torch.Tensor], n: int, dev: torch.device,
+          dtypes: Tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
+    """Whether ``x`` is a contiguous tensor of ``n`` elements of one of ``dtypes`` on ``dev``
+    (what the C++ passes and the CUDA kernel take on trust)."""
+    return (x is not None and x.dtype in dtypes and x.device == dev and x.is_contiguous()
             and x.numel() == n)
 
 
