@@ -235,3 +235,50 @@ def test_onebit_lamb_runs_the_passes_and_follows_the_torch_ops(monkeypatch, bc, 
         # no norms, and the max ratio from torch's own square root: the same bits
         assert c_fused == c_ref
         assert all(torch.equal(a, b) for a, b in zip(fused, ref))
+
+
+def _noncontiguous(x: torch.Tensor) -> torch.Tensor:
+    return x.t().contiguous().t() if x.dim() == 2 else x[::1]
+
+
+@pytest.mark.parametrize("bad", ["v_bf16", "v_fresh_noncontiguous", "v_fresh_short"])
+def test_state_the_passes_cannot_take_goes_to_the_torch_ops(monkeypatch, bad):
+    """A variance of another dtype, layout or size (e.g. from a checkpoint) is never handed to the
+    passes as a raw pointer: that step takes the torch ops, as with COMPCOMM_FUSED_OPTIM=0."""
+    calls = []
+    real = lamb_passes.stats_
+    monkeypatch.setattr(lamb_passes, "stats_", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def run(fused):
+        monkeypatch.setenv("COMPCOMM_FUSED_OPTIM", "1" if fused else "0")
+        g = torch.Generator().manual_seed(3)
+        ps = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in [(33, 17), (129,)]]
+        opt = OneBitLamb(ps, lr=1e-2, freeze_step=1, weight_decay=0.01)
+        for step in range(4):  # step 0 warms up; 1, 2 and 3 are compressed
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g)
+            if step == 2:  # after one compressed step with the state as the optimizer made it
+                st = opt.state[ps[0]]
+                if bad == "v_bf16":
+                    st["exp_avg_sq"] = st["exp_avg_sq"].to(torch.bfloat16)
+                elif bad == "v_fresh_noncontiguous":
+                    st["exp_avg_sq_fresh"] = _noncontiguous(st["exp_avg_sq_fresh"])
+                    assert not st["exp_avg_sq_fresh"].is_contiguous()
+                else:
+                    st["exp_avg_sq_fresh"] = st["exp_avg_sq_fresh"].reshape(-1)[:-1]
+            if bad == "v_fresh_short" and step >= 2:
+                with pytest.raises(RuntimeError):  # the torch ops refuse the size, loudly
+                    opt.step()
+                return None
+            opt.step()
+        return [p.detach().clone() for p in ps]
+
+    fused = run(True)
+    first = len(calls)
+    assert first == 1  # step 1 (compressed, state intact) ran the passes; steps 2 and 3 did not
+    ref = run(False)
+    assert len(calls) == first
+    if fused is not None:
+        for a, b in zip(fused, ref):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+

@@ -1,7 +1,8 @@
 // compcomm._C.optim: 1-bit LAMB's CPU passes (cpp/kernels/cpu_lamb.h) over lists of host arrays given
 // as data pointers and element counts, one crossing into C++ per list. Checked here: list lengths,
-// counts, null pointers, threads and isa. The Python layer (compcomm.optim.cpu_lamb) validates the
-// tensors behind the pointers (host, fp32, contiguous, sizes).
+// counts, null pointers, threads and isa. The Python layer (compcomm.optim.lamb_passes with
+// check=True, or its caller OneBitLamb._kernel_runs) validates the tensors behind the pointers
+// (host, fp32, contiguous, sizes).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 

@@ -302,14 +302,14 @@ class OneBitAdam(OneBitBase):
         self._check_finite([g for _, cols in runs for g in cols[3]], agree=False)
         bc2_t = min(t, self.freeze_step)  # the variance (and its correction) frozen after warm-up
         for group, (ws, ms, vs, gs, outs, sts) in runs:
-            for st in sts:
-                st["step"] = t
             if not ws[0].is_cpu:
                 _fused.onebit_local_step_(ws, ms, vs, gs, group, t, bc2_t, outs, check=False)
-                continue
-            ds, denom = frozen_denominators(self, vs, group, bc2_t)
-            cpu_adam.onebit_local_steps_(ws, ms, ds, gs, group, t, bc2_t, outs, check=False,
-                                         denom=denom)
+            else:
+                ds, denom = frozen_denominators(self, vs, group, bc2_t)
+                cpu_adam.onebit_local_steps_(ws, ms, ds, gs, group, t, bc2_t, outs, check=False,
+                                             denom=denom)
+            for st in sts:
+                st["step"] = t
 
 
 def frozen_denominators(opt: torch.optim.Optimizer, vs: List[torch.Tensor],

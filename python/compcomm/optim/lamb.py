@@ -215,7 +215,8 @@ class OneBitLamb(OneBitBase):
                 b1 = group["betas"][0]
                 st["exp_avg"].mul_(b1).add_(grads[p], alpha=1 - b1).mul_(st["scaling_coeff"])
         else:  # the same bits in one pass, the old momentum kept in a buffer of its own
-            if self._m_last is None or self._m_last.numel() != self._flat.numel():
+            if (self._m_last is None or self._m_last.shape != self._flat.shape
+                    or self._m_last.device != self._flat.device):
                 self._m_last = torch.empty_like(self._flat)
             m_last = self._m_last
             m_last[self._total:].copy_(self._flat[self._total:])
@@ -286,8 +287,16 @@ class OneBitLamb(OneBitBase):
         ``_RUN_ELEMENTS`` on the CPU (on a GPU one run a group: one host sync a run)."""
         if not params or any(p not in grads for p in params):
             return None
-        ws = [master(p, self.state[p]) for p in params]
-        if not lamb_passes.usable([self._flat] + ws + [grads[p] for p in params],
+        sts = [self.state[p] for p in params]
+        ws = [master(p, st) for p, st in zip(params, sts)]
+        vs = [st["exp_avg_sq"] for st in sts]
+        vfs = [st["exp_avg_sq_fresh"] for st in sts]
+        # every tensor the passes get as a raw pointer is checked here (a loaded checkpoint may
+        # hold a variance of another dtype, layout or size: that step takes the torch ops)
+        if any(v.numel() != p.numel() or vf.numel() != p.numel()
+               for p, v, vf in zip(params, vs, vfs)):
+            return None
+        if not lamb_passes.usable([self._flat] + ws + [grads[p] for p in params] + vs + vfs,
                                   self.param_groups):
             return None
         cuda = self._flat.is_cuda
@@ -295,15 +304,14 @@ class OneBitLamb(OneBitBase):
         # sqrt(v) is computed once and read instead (then only the factor's max may differ, by an
         # ulp); a GPU's is the correctly rounded one, as the CUDA passes'
         v_is_sqrt = not cuda and torch_sqrt_mode() is None
-        vs = [self.state[p]["exp_avg_sq"] for p in params]
         if v_is_sqrt:
             vs = frozen_of(self, "_frozen_sqrts", vs, (), torch.sqrt)
         items, off = [], 0
         groups = {id(p): g for g in self.param_groups for p in g["params"]}
-        for p, w, v in zip(params, ws, vs):
-            items.append((groups[id(p)], p, _Item(p, self.state[p], w, off, v)))
+        for p, st, w, v in zip(params, sts, ws, vs):
+            items.append((groups[id(p)], p, _Item(p, st, w, off, v)))
             off += p.numel()
-        # a GPU: one run a group, so one host sync a step (the passes hold no temporaries)
+        # a GPU: one run a param group, so one host sync a group (the passes hold no temporaries)
         limit, sqrt = (sys.maxsize, "ieee") if cuda else (_RUN_ELEMENTS, None)
         return [(lamb_passes.coeffs(group, t, self.freeze_step, v_is_sqrt, sqrt), group,
                  [it for _, _, it in run]) for group, run in group_chunks(items, limit)]
@@ -354,6 +362,7 @@ class OneBitLamb(OneBitBase):
 
     def _load_extra_state(self, extra: Dict[str, Any], exact: bool) -> None:
         self._flat = None  # rebuilt from the loaded exp_avg at the next step
+        self._m_last = None  # (on the device of the loaded state)
         self._pad_restore = None
         if exact and extra.get("fused_pad") is not None:
             self._pad_restore = extra["fused_pad"].clone()
