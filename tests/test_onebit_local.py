@@ -329,6 +329,141 @@ def test_onebit_adam_w1_fast_path_scaled_and_stateless_starts(monkeypatch, freez
             assert torch.equal(x, y), f"step {step + 1}, tensor {i}"
 
 
+def _disturbed_trajectory(monkeypatch):
+    """OneBitAdam at W=1 with something changed between most steps that the kept layout
+    (``KeptLayout``) must notice: new storage for a parameter or a master weight, a replaced or
+    moved moment, a missing or non-contiguous gradient, a mask, a loaded state dict, a new
+    param group. Returns the trajectory and how many steps the plan served."""
+    from compcomm.optim import _kept_layout
+
+    served = []
+    real = _kept_layout.KeptLayout.runs
+    monkeypatch.setattr(_kept_layout.KeptLayout, "runs", lambda self, *a: (
+        lambda got: (served.append(got is not None), got)[1])(real(self, *a)))
+    gen = torch.Generator().manual_seed(5)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
+    params[1] = torch.nn.Parameter(params[1].detach().to(torch.bfloat16))
+    extra = torch.nn.Parameter(torch.randn(9, generator=gen))
+    opt = OneBitAdam([{"params": params[:3], "weight_decay": 0.01},
+                      {"params": params[3:], "bias_correction": True}], lr=1e-2, freeze_step=2)
+    st = lambda i: opt.state[params[i]]  # noqa: E731
+    disturb = {
+        4: lambda: setattr(params[0], "data", params[0].detach().clone()),  # new storage
+        6: lambda: st(3).__setitem__("exp_avg", st(3)["exp_avg"].clone()),  # a replaced moment
+        7: lambda: st(4)["exp_avg_sq"].set_(st(4)["exp_avg_sq"].clone()),  # same tensor, moved
+        8: lambda: setattr(params[2], "grad", None),  # no gradient this step
+        9: lambda: setattr(params[3], "grad", params[3].grad.t().contiguous().t()),  # strided
+        10: lambda: st(1).__setitem__("master_param", st(1)["master_param"].clone()),
+        11: lambda: setattr(params[1], "data", params[1].detach().clone()),  # the bf16 copy
+        13: lambda: opt.load_state_dict(opt.state_dict()),
+        15: lambda: opt.param_groups[0].__setitem__("exp_avg_mask", torch.ones(1)),
+        16: lambda: opt.param_groups[0].pop("exp_avg_mask"),
+        17: lambda: opt.add_param_group({"params": [extra]}),
+        18: lambda: setattr(params[0], "data", torch.randn(SHAPES[0], generator=gen)),
+    }
+    out = []
+    for step in range(20):
+        grads = [torch.randn(p.shape, generator=gen).to(p.dtype) for p in params + [extra]]
+        for p, g in zip(params + [extra], grads):
+            p.grad = g
+        if step in disturb:
+            disturb[step]()
+        opt.step()
+        out.append([p.detach().clone() for p in params + [extra]]
+                   + [opt.state[p]["exp_avg"].clone() for p in params]
+                   + [st(1)["master_param"].clone()])
+    return out, served
+
+
+def test_onebit_adam_w1_kept_layout_follows_every_change(monkeypatch):
+    """The kept layout is re-checked at every step: each change above makes that step check
+    from scratch (the plan declines), and the trajectory is the torch ops' bit for bit -- a
+    stale pointer (the old storage of a parameter, a replaced moment) would update memory the
+    model no longer reads, and differ."""
+    if not cpu_adam.matches_torch_rules(denom=True):
+        pytest.skip("the CPU kernels do not reproduce torch's ops here: no kernel path at all")
+    fast, served = _disturbed_trajectory(monkeypatch)
+    # steps 3..20 compressed: the plan is asked from the second on (step 4 on); it declines at
+    # each change that reaches it (not the mask's steps: the group is off the kernels, no plan)
+    assert served.count(True) >= 5 and served.count(False) >= 8, served
+    monkeypatch.setenv("COMPCOMM_FUSED_OPTIM", "0")
+    ref, _ = _disturbed_trajectory(monkeypatch)
+    for step, (a, b) in enumerate(zip(fast, ref)):
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert torch.equal(x, y), f"step {step + 1}, tensor {i}"
+
+
+CHANGES = {
+    "param_smaller": lambda p, st: setattr(p[0], "data", torch.randn(7)),
+    "param_new_storage": lambda p, st: setattr(p[0], "data", p[0].detach().clone()),
+    "momentum_replaced": lambda p, st: st(3).__setitem__("exp_avg", st(3)["exp_avg"].clone()),
+    "momentum_shorter": lambda p, st: st(3)["exp_avg"].set_(torch.zeros(3)),
+    "variance_moved": lambda p, st: st(4)["exp_avg_sq"].set_(st(4)["exp_avg_sq"].clone()),
+    "variance_dropped": lambda p, st: st(4).pop("exp_avg_sq"),
+    "master_replaced": lambda p, st: st(1).__setitem__("master_param", st(1)["master_param"] + 0),
+    "master_moved": lambda p, st: st(1)["master_param"].set_(st(1)["master_param"].clone()),
+    "lowp_param_moved": lambda p, st: setattr(p[1], "data", p[1].detach().clone()),
+    "state_entry_copied": None,  # the same tensors in a new dict: its "step" would be lost
+    "grad_none": lambda p, st: setattr(p[2], "grad", None),
+    "grad_new_on_skipped": lambda p, st: None,  # see below: a parameter that had none
+    "grad_strided": lambda p, st: setattr(p[3], "grad", p[3].grad.t().contiguous().t()),
+    "grad_fp64": lambda p, st: setattr(p[0].grad, "data", p[0].grad.double()),
+    "grad_short": lambda p, st: setattr(p[0].grad, "data", torch.zeros(3)),
+    "state_reloaded": None,  # load_state_dict: a new state dict
+    "group_added": None,
+    "param_list_changed": None,
+    "mask_set": None,
+    "kernels_off": None,
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_kept_layout_declines_each_change(monkeypatch, change):
+    """KeptLayout.runs gives the kept layout while nothing changed and None (check from scratch)
+    after any change that would make a kept pointer, size or tensor wrong -- including those
+    the launch would survive by reading fresh pointers (a new storage of the right size) and
+    those it would not (a smaller parameter or momentum: the kernel would write past it)."""
+    if not cpu_adam.matches_torch_rules(denom=True):
+        pytest.skip("the CPU kernels do not reproduce torch's ops here: no kernel path at all")
+    gen = torch.Generator().manual_seed(8)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
+    params[1] = torch.nn.Parameter(params[1].detach().to(torch.bfloat16))
+    spare = torch.nn.Parameter(torch.randn(6, generator=gen))
+    opt = OneBitAdam([{"params": params[:3] + [spare]}, {"params": params[3:]}], lr=1e-2,
+                     freeze_step=1)
+    st = lambda i: opt.state[params[i]]  # noqa: E731
+
+    def grads():
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+
+    for _ in range(3):  # one warm-up step, two compressed: the plan is kept
+        grads()
+        opt.step()
+    plan = opt._local_plan
+    assert plan is not None
+    grads()
+    assert plan.runs(opt, lambda gs: None) is not None  # nothing changed
+    if change == "grad_new_on_skipped":
+        spare.grad = torch.ones(6)
+    elif change == "state_entry_copied":
+        opt.state[params[3]] = dict(st(3))
+    elif change == "state_reloaded":
+        opt.load_state_dict(opt.state_dict())
+    elif change == "group_added":
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))]})
+    elif change == "param_list_changed":
+        new = opt.param_groups[1]["params"][0] = torch.nn.Parameter(torch.ones(SHAPES[3]))
+        new.grad = torch.ones(SHAPES[3])  # its gradient alone would pass
+    elif change == "mask_set":
+        opt.param_groups[0]["exp_avg_mask"] = torch.ones(1)
+    elif change == "kernels_off":
+        monkeypatch.setenv("COMPCOMM_FUSED_OPTIM", "0")
+    else:
+        CHANGES[change](params, st)
+    assert plan.runs(opt, lambda gs: None) is None
+
+
 @pytest.mark.parametrize("on", [False, True], ids=["step", "step_on"])
 def test_onebit_adam_w1_nonfinite_gradient_changes_nothing(on):
     before, _ = _trajectory(3, on=on)

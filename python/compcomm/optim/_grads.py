@@ -58,7 +58,11 @@ def fp32_grad(p: torch.Tensor, copy: bool = True) -> torch.Tensor:
         raise UnsupportedError("compcomm optimizers do not support sparse gradients")
     if not copy and g.dtype == torch.float32 and g.is_contiguous() and not g.requires_grad:
         return g  # the common case without torch's dispatch (~3 us a tensor on a GPU step)
-    return g.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=copy)
+    if copy:
+        return g.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+    # not .to(memory_format=contiguous_format, copy=False): a transposed fp32 matrix counts as
+    # "contiguous format" there and came back as it was, strided
+    return g.detach().to(torch.float32).contiguous()
 
 
 def average_(tensors: List[torch.Tensor], comm: Any, timeout: float = DEFAULT_TIMEOUT) -> None:
