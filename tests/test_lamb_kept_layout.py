@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from compcomm.optim import OneBitLamb, lamb_passes
-from compcomm.optim import _kept_layout
+from compcomm.optim import _kept_layout, lamb
 
 SHAPES = [(33,), (7, 5), (4099,), (16, 9), (1,)]
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -74,17 +74,21 @@ def _trajectory(monkeypatch, device: str, keep: bool):
     return out, served
 
 
+@pytest.mark.parametrize("run_elements", [None, 64], ids=["runs_default", "runs_of_64"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_onebit_lamb_w1_kept_layout_follows_every_change(monkeypatch, device):
+def test_onebit_lamb_w1_kept_layout_follows_every_change(monkeypatch, device, run_elements):
     """Each change above makes that step check from scratch (the layout declines), changed
     hyperparameters are read at every step, and the trajectory (weights, momenta, fresh
     variances, factors, coefficients) is that of the fully checked step bit for bit: a stale
     pointer (the old storage of a parameter, a replaced fresh variance) or a stale coefficient
     would differ."""
     _kernels_here(device)
+    if run_elements is not None:
+        if device == "cuda":
+            pytest.skip("a GPU takes one run a group")
+        monkeypatch.setattr(lamb, "_RUN_ELEMENTS", run_elements)  # several runs a group
     fast, served = _trajectory(monkeypatch, device, keep=True)
     assert served.count(True) >= 5 and served.count(False) >= 6, served
-    monkeypatch.undo()
     ref, never = _trajectory(monkeypatch, device, keep=False)
     assert never == []
     for step, (a, b) in enumerate(zip(fast, ref)):
@@ -128,6 +132,19 @@ CHANGES = {
     "variance_dropped": lambda o, p: _st(o, p, 4).pop("exp_avg_sq"),
     "scaling_coeff_dropped": lambda o, p: _st(o, p, 1).pop("scaling_coeff"),
     "state_entry_copied": lambda o, p: o.state.__setitem__(p[3], dict(_st(o, p, 3))),
+    # same address, other size, dtype or layout: only the tensor's signature tells
+    "variance_resized": lambda o, p: _st(o, p, 2)["exp_avg_sq"].resize_(3),
+    "fresh_variance_sliced": lambda o, p: setattr(_st(o, p, 2)["exp_avg_sq_fresh"], "data",
+                                                  _st(o, p, 2)["exp_avg_sq_fresh"].data[:3]),
+    "fresh_variance_int32": lambda o, p: setattr(_st(o, p, 2)["exp_avg_sq_fresh"], "data",
+                                                 _st(o, p, 2)["exp_avg_sq_fresh"].data.view(
+                                                     torch.int32)),
+    "variance_transposed": lambda o, p: setattr(_st(o, p, 3)["exp_avg_sq"], "data",
+                                                _st(o, p, 3)["exp_avg_sq"].data.t()),
+    "param_sliced": lambda o, p: setattr(p[2], "data", p[2].data[:7]),
+    "empty_param_grown": lambda o, p: setattr(o.param_groups[1]["params"][-1], "data",
+                                              torch.ones(6, device=p[0].device)),
+    "state_swapped": lambda o, p: setattr(o, "state", type(o.state)(dict, o.state)),
     "grad_none": lambda o, p: setattr(p[2], "grad", None),
     "grad_strided": lambda o, p: setattr(p[3], "grad", p[3].grad.t().contiguous().t()),
     "grad_fp64": lambda o, p: setattr(p[0].grad, "data", p[0].grad.double()),
@@ -156,16 +173,30 @@ def test_kept_step_declines_each_change_and_writes_nothing(monkeypatch, change):
         monkeypatch.setenv("COMPCOMM_FUSED_OPTIM", "0")
     elif change != "nothing":
         CHANGES[change](opt, params)
-    before = [p.detach().clone() for p in params]
-    steps = [opt.state[p].get("step") for p in params]
+    before = _snapshot(opt, params)
     ran = opt._kept_step(opt.schedule.step + 1)
     assert ran is (change == "nothing")
     if not ran:
         assert opt._kept is None
-        assert all(torch.equal(p, b) for p, b in zip(params, before))
-        assert [opt.state[p].get("step") for p in params] == steps
+        _assert_same(_snapshot(opt, params), before)
     else:
-        assert not any(torch.equal(p, b) for p, b in zip(params, before))
+        assert not any(torch.equal(p, b) for p, b in zip(params, before[0]))
+
+
+def _snapshot(opt, params):
+    """The weights, then per parameter its state (tensors copied), then the coefficients."""
+    return ([p.detach().clone() for p in params],
+            [{k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state[p].items()}
+             for p in params], opt.get_lamb_coeffs())
+
+
+def _assert_same(now, before):
+    assert all(torch.equal(p, b) for p, b in zip(now[0], before[0]))
+    for st, old in zip(now[1], before[1]):
+        assert st.keys() == old.keys()
+        for k, v in old.items():
+            assert (torch.equal(st[k], v) if torch.is_tensor(v) else st[k] == v), k
+    assert now[2] == before[2]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -175,17 +206,12 @@ def test_kept_step_nonfinite_gradient_changes_nothing(device):
     _kernels_here(device)
     opt, params, grads = _kept_opt(device)
     params[2].grad[5] = float("nan")
-    state = [{k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state[p].items()}
-             for p in params]
-    before = [p.detach().clone() for p in params]
+    before = _snapshot(opt, params)
+    assert len(before[2]) == len(params)  # the last step's coefficients are kept through a skip
     with pytest.warns(RuntimeWarning, match="skipped"):
         opt.step()
     assert opt.skipped_steps == 1 and opt._kept is not None
-    assert all(torch.equal(p, b) for p, b in zip(params, before))
-    for p, old in zip(params, state):
-        for k, v in old.items():
-            now = opt.state[p][k]
-            assert torch.equal(now, v) if torch.is_tensor(v) else now == v, k
+    _assert_same(_snapshot(opt, params), before)
     grads()
     assert opt._kept_step(opt.schedule.step + 1)
 

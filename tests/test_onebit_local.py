@@ -403,6 +403,13 @@ CHANGES = {
     "master_replaced": lambda p, st: st(1).__setitem__("master_param", st(1)["master_param"] + 0),
     "master_moved": lambda p, st: st(1)["master_param"].set_(st(1)["master_param"].clone()),
     "lowp_param_moved": lambda p, st: setattr(p[1], "data", p[1].detach().clone()),
+    # same address, other size, dtype or layout: only the tensor's signature tells
+    "momentum_resized": lambda p, st: st(3)["exp_avg"].resize_(3),
+    "variance_int32_view": lambda p, st: setattr(st(4)["exp_avg_sq"], "data",
+                                                 st(4)["exp_avg_sq"].data.view(torch.int32)),
+    "variance_transposed": lambda p, st: setattr(st(3)["exp_avg_sq"], "data",
+                                                 st(3)["exp_avg_sq"].data.t()),
+    "param_sliced": lambda p, st: setattr(p[3], "data", p[3].data[:7]),
     "state_entry_copied": None,  # the same tensors in a new dict: its "step" would be lost
     "grad_none": lambda p, st: setattr(p[2], "grad", None),
     "grad_new_on_skipped": lambda p, st: None,  # see below: a parameter that had none

@@ -5,9 +5,9 @@ that checks what the kernels take on trust (dtype, device, contiguity and size o
 moments and gradients) cost about as much as the kernels themselves on a GPU. The state does not
 change between steps, so :class:`KeptLayout` keeps what the full check accepted and re-checks at
 each step only what can change cheaply: the gradients (new tensors every step), and that each
-state tensor is still the one in the state dict at the same address. It also holds their
-storages, so an address cannot be reused by another allocation while the layout is kept: an
-unchanged address is the memory the full check accepted.
+state tensor is still the one in the state dict at the same address, size, dtype and layout. It
+also holds their storages, so an address cannot be reused by another allocation while the layout
+is kept: an unchanged address is the memory the full check accepted.
 """
 
 from __future__ import annotations
@@ -24,6 +24,12 @@ __all__ = ["KeptLayout", "Entry"]
 Entry = Tuple[Dict[str, Any], Tuple[Tuple[str, torch.Tensor], ...], Tuple[torch.Tensor, ...], int,
               torch.dtype]
 Group = Dict[str, Any]
+
+
+def _signature(t: torch.Tensor) -> Tuple[int, int, torch.dtype, bool]:
+    """What a kernel takes on trust of a tensor it gets as a pointer (``resize_``, ``set_`` or
+    ``.data = view`` may change any of it at the same address)."""
+    return t.data_ptr(), t.numel(), t.dtype, t.is_contiguous()
 
 
 class KeptLayout:
@@ -53,9 +59,11 @@ class KeptLayout:
         keep = []
         for (group, items), payload in zip(groups, payloads):
             entries = [e for _, e in items]
-            ptrs = [None if e is None else tuple(t.data_ptr() for t in e[2]) for e in entries]
+            # per parameter its size; per kept tensor its address, size, dtype and contiguity
+            sigs = [(p.numel(), None if e is None else tuple(_signature(t) for t in e[2]))
+                    for p, e in items]
             keep += [t.untyped_storage() for e in entries if e is not None for t in e[2]]
-            self._groups.append((group, [p for p, _ in items], entries, ptrs, payload))
+            self._groups.append((group, [p for p, _ in items], entries, sigs, payload))
         self._keep = keep  # the storages: their addresses stay theirs while the layout is kept
         self._device = next((e[2][0].get_device() for _, items in groups for _, e in items if e),
                             -1)  # -1: the CPU
@@ -64,24 +72,24 @@ class KeptLayout:
              ) -> Optional[Tuple[List[Tuple[Group, Any, List[torch.Tensor]]], Any]]:
         """``([(group, payload, gradients)], launch_check(all gradients))`` for this step
         (groups with a gradient), or None where anything changed (a parameter, a gradient's
-        dtype, layout, size or device, a state tensor replaced or moved, a group no longer
-        usable): then nothing was written and the caller checks from scratch. The gradients'
-        check is launched between the gradients' and the state's checks, so a GPU runs it while
-        the host checks the state."""
+        dtype, layout, size or device, a parameter or state tensor replaced, moved, resized or
+        re-viewed, a group no longer usable): then nothing was written and the caller checks
+        from scratch. The gradients' check is launched between the gradients' and the state's
+        checks, so a GPU runs it while the host checks the state."""
         if opt.state is not self._state or len(opt.param_groups) != len(self._groups):
             return None
         dev, state = self._device, self._state
         gss: List[List[torch.Tensor]] = []
-        for group, (g0, params, entries, _, _) in zip(opt.param_groups, self._groups):
+        for group, (g0, params, entries, sigs, _) in zip(opt.param_groups, self._groups):
             if group is not g0 or len(group["params"]) != len(params) or not self._usable(group):
                 return None
             gs = []
-            for p, p0, e in zip(group["params"], params, entries):
+            for p, p0, e, (n, _) in zip(group["params"], params, entries, sigs):
                 g = p.grad
-                if p is not p0:
+                if p is not p0 or p.numel() != n:
                     return None
                 if e is None:
-                    if g is not None and p.numel():
+                    if g is not None and n:
                         return None
                     continue
                 if (g is None or g.dtype is not e[4] or not g.is_contiguous()
@@ -91,8 +99,8 @@ class KeptLayout:
             gss.append(gs)
         verdict = launch_check([g for gs in gss for g in gs])
         out = []
-        for gs, (group, params, entries, ptrs, payload) in zip(gss, self._groups):
-            for p, e, ptr in zip(params, entries, ptrs):
+        for gs, (group, params, entries, sigs, payload) in zip(gss, self._groups):
+            for p, e, (_, sig) in zip(params, entries, sigs):
                 if e is None:
                     continue
                 st = e[0]
@@ -101,8 +109,8 @@ class KeptLayout:
                 for key, t in e[1]:
                     if st.get(key) is not t:
                         return None
-                for t, address in zip(e[2], ptr):
-                    if t.data_ptr() != address:
+                for t, kept in zip(e[2], sig):
+                    if _signature(t) != kept:
                         return None
             if gs:
                 out.append((group, payload, gs))

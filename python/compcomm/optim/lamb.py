@@ -195,12 +195,12 @@ class OneBitLamb(OneBitBase):
         kind = self.schedule.next_kind()
         t = self.schedule.step + 1
         warm = kind is StepKind.FULL_AVERAGE
-        self.lamb_coeffs = []
         if not warm and self.world_size == 1 and self._kept_step(t):
             self.schedule.advance(kind)
             return
         self._ensure_fused()
         grads = self._grads(average=warm)
+        self.lamb_coeffs = []  # after the gradients' check: a skipped step keeps the last ones
         if warm:
             self._warm_step(t, grads)
         else:
@@ -323,7 +323,7 @@ class OneBitLamb(OneBitBase):
         # every tensor the passes get as a raw pointer is checked here (a loaded checkpoint may
         # hold a variance of another dtype, layout or size: that step takes the torch ops)
         if any(v.numel() != p.numel() or vf.numel() != p.numel()
-               for p, v, vf in zip(params, vs, vfs)):
+               or st["exp_avg"].numel() != p.numel() for p, st, v, vf in zip(params, sts, vs, vfs)):
             return None
         if not lamb_passes.usable([self._flat] + ws + [grads[p] for p in params] + vs + vfs,
                                   self.param_groups):
@@ -422,6 +422,7 @@ class OneBitLamb(OneBitBase):
             return False
         groups, verdict = got
         verdict()  # a non-finite gradient raises here, before anything is written
+        self.lamb_coeffs = []
         works = []
         for group, runs, gs in groups:
             i = 0
