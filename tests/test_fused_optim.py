@@ -315,12 +315,12 @@ def test_onebit_adam_fused_matches_foreach_and_cpu(dtype, monkeypatch):
                          ids=lambda d: str(d).split(".")[-1])
 @gpu
 def test_one_rank_compressed_step_is_one_pass_with_the_staged_bits(dtype, monkeypatch):
-    """At W=1 the compressed phase runs the one-pass kernel (_fused.local_step_launch, no
-    staging), and the trajectory and moments are the staged path's (momentum kernel, then the
-    compressed step) bit for bit."""
+    """At W=1 the compressed phase runs _fused.onebit_local_step_ (one pass, no staging), and
+    the trajectory and moments are the staged path's (momentum kernel, then the compressed
+    step) bit for bit."""
     calls = []
-    real = _fused.local_step_launch
-    monkeypatch.setattr(_fused, "local_step_launch",
+    real = _fused.onebit_local_step_
+    monkeypatch.setattr(_fused, "onebit_local_step_",
                         lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     one_pass, m1 = _trajectory(DEV, dtype)
     assert len(calls) == 3 * 3  # 3 compressed steps x 3 param groups

@@ -5,14 +5,14 @@ tensors and the cut of a sequence of tensors into buckets (re-exported by
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Hashable, List, Sequence, Tuple
+from typing import Dict, Hashable, List, Sequence, Tuple
 
 import torch
 
 from . import _C
 from ._buffers import DTYPES, FLOATS, buffer_of
 
-__all__ = ["all_finite", "all_finite_later", "plan_buckets"]
+__all__ = ["all_finite", "plan_buckets"]
 
 
 def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
@@ -22,20 +22,12 @@ def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
     tensor); on the CPU one C++ pass over contiguous fp32, fp16 and bf16 tensors (a 16-bit one in
     its own dtype), else each tensor's min and max (torch's CPU max-norm is ~10x slower). NaN and
     Inf propagate into both, and finite values never overflow them."""
-    return all_finite_later(tensors)()
-
-
-def all_finite_later(tensors: Sequence[torch.Tensor]) -> Callable[[], bool]:
-    """:func:`all_finite` in two halves: the GPU's reductions are queued now (on each device's
-    current stream) and the returned function waits for their verdict, so the host can prepare
-    the next launch meanwhile. The CPU's check runs now."""
     ts = [t for t in tensors if t.numel()]
     if all(t.is_cpu and t.dtype in FLOATS and t.is_contiguous() for t in ts):
         # the gradients' check at every CPU step: one C++ pass over raw pointers (a Buffer per
         # tensor cost ~1.3 us each, 0.13 ms of a 100-tensor step); ts keeps the memory alive
-        ok = _C.optim.all_finite_ptrs([t.numel() for t in ts], [t.data_ptr() for t in ts],
-                                      dtypes=[DTYPES[t.dtype] for t in ts])
-        return lambda: ok
+        return _C.optim.all_finite_ptrs([t.numel() for t in ts], [t.data_ptr() for t in ts],
+                                        dtypes=[DTYPES[t.dtype] for t in ts])
     lists: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
     for t in ts:
         lists.setdefault((t.device, t.dtype), []).append(t)
@@ -43,15 +35,14 @@ def all_finite_later(tensors: Sequence[torch.Tensor]) -> Callable[[], bool]:
     for (dev, dtype), ts in lists.items():
         if dev.type == "cpu" and dtype == torch.float32 and all(t.is_contiguous() for t in ts):
             if not _C.optim.all_finite([buffer_of(t) for t in ts]):
-                return lambda: False
+                return False
             continue
         if dev.type == "cpu":
             ends = torch.stack([torch.stack(torch.aminmax(t.reshape(-1))) for t in ts])
         else:
             ends = torch.stack(torch._foreach_norm(ts, math.inf))
         flags.setdefault(dev, []).append(ends.reshape(-1).float())
-    verdicts = [torch.isfinite(torch.cat(f)).all() for f in flags.values()]  # queued, not read
-    return lambda: all(bool(v) for v in verdicts)
+    return all(bool(torch.isfinite(torch.cat(f)).all()) for f in flags.values())
 
 
 def plan_buckets(sizes: Sequence[Tuple[Hashable, int]], limit: int) -> List[List[int]]:

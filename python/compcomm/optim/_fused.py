@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
@@ -26,8 +26,8 @@ from ..errors import UnsupportedError
 from .functional import sqrt_bc
 
 __all__ = ["available", "enabled", "supported", "usable", "onebit_momentum",
-           "onebit_compressed_step_", "onebit_local_step_", "local_step_launch",
-           "adam_warmup_step_", "ptrs", "stream", "require"]
+           "onebit_compressed_step_", "onebit_local_step_", "adam_warmup_step_", "ptrs", "stream",
+           "require"]
 
 _K = getattr(_C, "optim_cuda", None)
 _LOWP = {torch.float16: _C.DType.float16, torch.bfloat16: _C.DType.bfloat16}
@@ -161,14 +161,6 @@ def onebit_momentum(ms: OptTensors, gs: Tensors, group: Mapping[str, Any], outs:
 def _step(fn: str, ws: Tensors, ms: Tensors, vs: Tensors, xs: Tensors, x_name: str,
           group: Mapping[str, Any], bc1_t: int, bc2_t: int, lowps: Optional[OptTensors],
           check: bool) -> None:
-    _launch(fn, ws, ms, vs, xs, x_name, group, bc1_t, bc2_t, lowps, check)()
-
-
-def _launch(fn: str, ws: Tensors, ms: Tensors, vs: Tensors, xs: Tensors, x_name: str,
-            group: Mapping[str, Any], bc1_t: int, bc2_t: int, lowps: Optional[OptTensors],
-            check: bool) -> Callable[[], None]:
-    """``_step``'s arguments checked and gathered now, its launch when the result is called
-    (the tensors must stay as they are in between)."""
     k = require()
     dev = _device(ws, "ws")
     numels = [w.numel() for w in ws]
@@ -177,11 +169,10 @@ def _launch(fn: str, ws: Tensors, ms: Tensors, vs: Tensors, xs: Tensors, x_name:
     if lowps is not None and any(t is not None for t in lowps):
         lp = ptrs(lowps, "lowps", numels, dev, check, optional=True, dtypes=tuple(_LOWP))
         types = [_C.DType.float32 if t is None else _LOWP[t.dtype] for t in lowps]
-    return functools.partial(
-        getattr(k, fn), numels, ptrs(xs, x_name, numels, dev, check),
-        ptrs(ms, "ms", numels, dev, check), ptrs(vs, "vs", numels, dev, check),
-        ptrs(ws, "ws", numels, dev, check), lp, types, **_hyper(group, bc1_t, bc2_t),
-        device=dev, stream=stream(dev) if numels else 0)
+    getattr(k, fn)(numels, ptrs(xs, x_name, numels, dev, check),
+                   ptrs(ms, "ms", numels, dev, check), ptrs(vs, "vs", numels, dev, check),
+                   ptrs(ws, "ws", numels, dev, check), lp, types, **_hyper(group, bc1_t, bc2_t),
+                   device=dev, stream=stream(dev) if numels else 0)
 
 
 def onebit_compressed_step_(ws: Tensors, ms: Tensors, vs: Tensors, avgs: Tensors,
@@ -217,15 +208,6 @@ def onebit_local_step_(ws: Tensors, ms: Tensors, vs: Tensors, gs: Tensors,
     parameter instead of 32). Arguments as :func:`onebit_compressed_step_`, ``gs`` the
     gradients."""
     _step("onebit_local_step", ws, ms, vs, gs, "gs", group, bc1_t, bc2_t, lowps, check)
-
-
-def local_step_launch(ws: Tensors, ms: Tensors, vs: Tensors, gs: Tensors,
-                      group: Mapping[str, Any], bc1_t: int, bc2_t: int,
-                      lowps: Optional[OptTensors] = None) -> Callable[[], None]:
-    """:func:`onebit_local_step_` (unchecked: the caller has) in two halves: the launch's
-    arguments gathered now, the launch when the returned function is called (the optimizer
-    gathers them while the GPU checks the gradients)."""
-    return _launch("onebit_local_step", ws, ms, vs, gs, "gs", group, bc1_t, bc2_t, lowps, False)
 
 
 def adam_warmup_step_(ws: Tensors, ms: Tensors, vs: Tensors, gs: Tensors, group: Mapping[str, Any],

@@ -31,7 +31,6 @@ from .._comm_users import join as join_comm
 from ..compress import DEFAULT_BUCKET_ELEMENTS, OneBitCompressor, plan_buckets
 from ..errors import NonFiniteError
 from ..schedule import FreezeSchedule, StepKind
-from .._bucketing import all_finite_later
 from ._grads import all_finite, all_max, average_, fp32_grad, resolve_comm
 from ._staging import staged_plan
 from ._step_on import step_on_inputs
@@ -361,25 +360,8 @@ class OneBitBase(torch.optim.Optimizer):
         if agree and self._local is None:  # step_on never communicates
             bad = all_max(bad, self.comm, self._device())
         if bad:
-            self._non_finite()
-
-    def _finite_later(self, tensors: Iterable[torch.Tensor]) -> Callable[[], None]:
-        """``_check_finite(tensors, agree=False)`` in two halves: a GPU's check is queued now, and
-        the returned function waits for its verdict and raises NonFiniteError (the host prepares
-        the step's launch in between)."""
-        if not self.check_finite:
-            return lambda: None
-        ok = all_finite_later(tensors)
-
-        def verdict() -> None:
-            if not ok():
-                self._non_finite()
-
-        return verdict
-
-    def _non_finite(self) -> None:
-        raise NonFiniteError(f"[rank {self.rank}] {self._name}: non-finite gradient; step "
-                             "skipped on every rank")
+            raise NonFiniteError(f"[rank {self.rank}] {self._name}: non-finite gradient; step "
+                                 "skipped on every rank")
 
     def _step(self) -> None:
         """The optimizer's own update; subclasses implement it. Everything that can fail (the

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import sys
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
@@ -14,7 +13,6 @@ from ..schedule import FreezeSchedule, StepKind
 from . import lamb_passes
 from . import functional as F
 from ._cpu_args import torch_sqrt_mode
-from ._kept_layout import KeptLayout
 from ._params import group_chunks, mask_, master, write_back
 from ._validation import who, check_common, check_int, check_number, check_positive
 from .adam import frozen_of
@@ -27,41 +25,17 @@ from .base import OneBitBase
 _RUN_ELEMENTS = 1 << 18
 
 
-class _Run(NamedTuple):
-    """Parameters of one group that the passes take in one call: the parameters, their state
-    dicts, fp32 weights, momenta (views of the fused momentum), frozen and fresh variances, and
-    offsets in the fused momentum."""
-    ps: List[torch.Tensor]
-    sts: List[Dict[str, Any]]
-    ws: List[torch.Tensor]
-    ms: List[torch.Tensor]
-    vs: List[torch.Tensor]
-    vfs: List[torch.Tensor]
-    offs: List[int]
+class _Item(NamedTuple):
+    """A parameter in the C++ passes: its state, fp32 weights, offset in the fused momentum and
+    what the passes read as its variance."""
+    p: torch.Tensor
+    st: Dict[str, Any]
+    w: torch.Tensor
+    off: int
+    v: torch.Tensor
 
-    def lasts(self, m_last: torch.Tensor) -> List[torch.Tensor]:
-        return [m_last[o:o + p.numel()] for p, o in zip(self.ps, self.offs)]
-
-
-# what a kept layout re-checks by identity (the momentum a view of the kept fused momentum)
-_KEPT_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh", "scaling_coeff", "master_param")
-
-
-def _weight(p: torch.Tensor, st: Dict[str, Any]) -> torch.Tensor:
-    """The fp32 weight the passes update: ``p`` itself, not ``p.data`` (a new alias per read,
-    which would keep the old storage's address after ``p.data = ...``), or its master copy."""
-    return p if p.dtype == torch.float32 else master(p, st)
-
-
-def _kernels_usable(group: Dict[str, Any]) -> bool:
-    """What :func:`lamb_passes.usable` checks of a group that may change between steps."""
-    return (os.environ.get("COMPCOMM_FUSED_OPTIM", "1") != "0"
-            and group.get("exp_avg_mask") is None)
-
-
-# a run as one step's passes take it: coefficients, group, run, the variances the passes read
-# (on some CPUs their square roots), gradients
-_Work = Tuple[Any, Dict[str, Any], _Run, List[torch.Tensor], List[torch.Tensor]]
+    def last(self, m_last: torch.Tensor) -> torch.Tensor:
+        return m_last[self.off:self.off + self.p.numel()]
 
 
 class OneBitLamb(OneBitBase):
@@ -195,12 +169,9 @@ class OneBitLamb(OneBitBase):
         kind = self.schedule.next_kind()
         t = self.schedule.step + 1
         warm = kind is StepKind.FULL_AVERAGE
-        if not warm and self.world_size == 1 and self._kept_step(t):
-            self.schedule.advance(kind)
-            return
         self._ensure_fused()
         grads = self._grads(average=warm)
-        self.lamb_coeffs = []  # after the gradients' check: a skipped step keeps the last ones
+        self.lamb_coeffs = []
         if warm:
             self._warm_step(t, grads)
         else:
@@ -236,8 +207,7 @@ class OneBitLamb(OneBitBase):
                 self.state[p]["scaling_coeff"] = united / s if s > 0 and united > 0 else 1.0
         runs = self._kernel_runs(params, grads, t)
         if runs is not None and (self._local is not None or self.world_size == 1):
-            self._kernel_update(runs, None, t)  # nothing to exchange: one pass for all
-            self._keep_layout(runs)
+            self._kernel_update(runs, None, t, grads)  # nothing to exchange: one pass for all
             return
         if runs is None:
             m_last = self._flat.clone()
@@ -251,9 +221,11 @@ class OneBitLamb(OneBitBase):
                 self._m_last = torch.empty_like(self._flat)
             m_last = self._m_last
             m_last[self._total:].copy_(self._flat[self._total:])
-            for c, _, r, _, gs in runs:
-                lamb_passes.momentums_(c, r.ms, gs, r.lasts(m_last),
-                                       [st["scaling_coeff"] for st in r.sts], check=False)
+            for c, _, items in runs:
+                lamb_passes.momentums_(c, [it.st["exp_avg"] for it in items],
+                                       [grads[it.p] for it in items],
+                                       [it.last(m_last) for it in items],
+                                       [it.st["scaling_coeff"] for it in items], check=False)
         # one compressed allreduce of the whole fused momentum; if it fails (on any rank), the
         # momentum and the coefficients frozen just now are put back: the step changed nothing
         try:
@@ -308,129 +280,71 @@ class OneBitLamb(OneBitBase):
                 write_back(p, st)
 
     def _kernel_runs(self, params: List[torch.Tensor], grads: Dict[torch.Tensor, torch.Tensor],
-                     t: int) -> Optional[List[_Work]]:
+                     t: int) -> Optional[List[Tuple[Any, Dict[str, Any], List["_Item"]]]]:
         """The compressed step's work for the C++ or CUDA passes
         (:mod:`compcomm.optim.lamb_passes`), or None where they do not apply (not all fp32 on the
         CPU or one GPU, a mask, a parameter without gradient, another result than the torch ops
-        on this CPU): runs of one group of at most ``_RUN_ELEMENTS`` on the CPU (on a GPU one run
-        a group: one host sync a run)."""
+        on this CPU): ``[(coefficients, group, items)]`` in runs of one group of at most
+        ``_RUN_ELEMENTS`` on the CPU (on a GPU one run a group: one host sync a run)."""
         if not params or any(p not in grads for p in params):
             return None
         sts = [self.state[p] for p in params]
-        ws = [_weight(p, st) for p, st in zip(params, sts)]
+        ws = [master(p, st) for p, st in zip(params, sts)]
         vs = [st["exp_avg_sq"] for st in sts]
         vfs = [st["exp_avg_sq_fresh"] for st in sts]
         # every tensor the passes get as a raw pointer is checked here (a loaded checkpoint may
         # hold a variance of another dtype, layout or size: that step takes the torch ops)
         if any(v.numel() != p.numel() or vf.numel() != p.numel()
-               or st["exp_avg"].numel() != p.numel() for p, st, v, vf in zip(params, sts, vs, vfs)):
+               for p, v, vf in zip(params, vs, vfs)):
             return None
         if not lamb_passes.usable([self._flat] + ws + [grads[p] for p in params] + vs + vfs,
                                   self.param_groups):
             return None
-        items, off = [], 0
-        groups = {id(p): g for g in self.param_groups for p in g["params"]}
-        for i, p in enumerate(params):
-            items.append((groups[id(p)], p, i, off))
-            off += p.numel()
-        # a GPU: one run a param group, so one host sync a group (the passes hold no temporaries)
-        limit = sys.maxsize if self._flat.is_cuda else _RUN_ELEMENTS
-        works = []
-        for group, run in group_chunks(items, limit):
-            ix = [i for _, _, i, _ in run]
-            r = _Run([params[i] for i in ix], [sts[i] for i in ix], [ws[i] for i in ix],
-                     [sts[i]["exp_avg"] for i in ix], [vs[i] for i in ix], [vfs[i] for i in ix],
-                     [o for *_, o in run])
-            works.append(self._work(group, r, t, [grads[p] for p in r.ps]))
-        return works
-
-    def _work(self, group: Dict[str, Any], run: _Run, t: int, gs: List[torch.Tensor]) -> _Work:
-        """``run`` as step ``t``'s passes take it."""
-        cuda = run.ws[0].is_cuda
+        cuda = self._flat.is_cuda
         # the variance is frozen: where the CPU kernels' square root is not torch's, torch's
         # sqrt(v) is computed once and read instead (then only the factor's max may differ, by an
         # ulp); a GPU's is the correctly rounded one, as the CUDA passes'
         v_is_sqrt = not cuda and torch_sqrt_mode() is None
-        vs = frozen_of(self, "_frozen_sqrts", run.vs, (), torch.sqrt) if v_is_sqrt else run.vs
-        c = lamb_passes.coeffs(group, t, self.freeze_step, v_is_sqrt, "ieee" if cuda else None)
-        return c, group, run, vs, gs
+        if v_is_sqrt:
+            vs = frozen_of(self, "_frozen_sqrts", vs, (), torch.sqrt)
+        items, off = [], 0
+        groups = {id(p): g for g in self.param_groups for p in g["params"]}
+        for p, st, w, v in zip(params, sts, ws, vs):
+            items.append((groups[id(p)], p, _Item(p, st, w, off, v)))
+            off += p.numel()
+        # a GPU: one run a param group, so one host sync a group (the passes hold no temporaries)
+        limit, sqrt = (sys.maxsize, "ieee") if cuda else (_RUN_ELEMENTS, None)
+        return [(lamb_passes.coeffs(group, t, self.freeze_step, v_is_sqrt, sqrt), group,
+                 [it for _, _, it in run]) for group, run in group_chunks(items, limit)]
 
-    def _kernel_update(self, works: List[_Work], m_last: Optional[torch.Tensor], t: int) -> None:
+    def _kernel_update(self, runs: List[Tuple[Any, Dict[str, Any], List["_Item"]]],
+                    m_last: Optional[torch.Tensor], t: int,
+                    grads: Optional[Dict[torch.Tensor, torch.Tensor]] = None) -> None:
         """The compressed step after the exchange through the passes: per run, the statistics
         pass, the factors (:func:`functional.lamb_factor`), the apply pass. ``m_last`` None: a
-        world of one rank, the momentum updated from the gradients in the statistics pass."""
-        local = m_last is None
-        for c, group, r, vs, gs in works:
-            stats = lamb_passes.stats_(c, r.ms, None if local else r.lasts(m_last), vs, r.vfs,
-                                       r.ws, [st["scaling_coeff"] for st in r.sts], check=False,
-                                       gs=gs if local else None)
+        world of one rank, the momentum updated from ``grads`` in the statistics pass."""
+        for c, group, items in runs:
+            ms = [it.st["exp_avg"] for it in items]
+            vs = [it.v for it in items]
+            ws = [it.w for it in items]
+            local = m_last is None
+            stats = lamb_passes.stats_(c, ms, None if local else [it.last(m_last) for it in items],
+                                    vs, [it.st["exp_avg_sq_fresh"] for it in items], ws,
+                                    [it.st["scaling_coeff"] for it in items], check=False,
+                                    gs=[grads[it.p] for it in items] if local else None)
             steps = []
-            lr = group["lr"]
-            for st, (ratio, u_norm, update_norm) in zip(r.sts, stats):
+            for it, (ratio, u_norm, update_norm) in zip(items, stats):
+                st = it.st
                 st["step"] = t
                 factor = F.lamb_factor(ratio, u_norm, update_norm, group, st["last_factor"],
                                        self.factor_min, self.factor_max, self.factor_threshold)
                 st["last_factor"] = factor
                 coeff = st["lamb_coeff_freeze"] * factor
                 self.lamb_coeffs.append(coeff)
-                steps.append(-lr * coeff)
-            lamb_passes.applies_(c, r.ms, vs, r.ws, steps, check=False)
-            for p, st in zip(r.ps, r.sts):
-                write_back(p, st)
-
-    # -- the kept layout of the one-rank kernel step ---------------------------------------------
-    def _keep_layout(self, works: List[_Work]) -> None:
-        """Keep the layout a one-rank kernel step just used (:class:`KeptLayout`), so the next
-        steps skip the fused-momentum, gradient and usability checks (~150 tensors: most of the
-        Python of a GPU step): not where a gradient was converted or scaled (a copy each step)."""
-        if self._local is not None or getattr(self, "_grad_scale", None) is not None:
-            return
-        runs: Dict[int, List[_Run]] = {}
-        for _, group, r, _, gs in works:
-            if any(g is not p.grad for g, p in zip(gs, r.ps)):
-                return
-            runs.setdefault(id(group), []).append(r)
-        layout = []
-        for group in self.param_groups:
-            items: List[Tuple[torch.Tensor, Any]] = []
-            for p in group["params"]:
-                if p.numel() == 0:
-                    items.append((p, None))
-                    continue
-                st = self.state[p]
-                keyed = tuple((k, st[k]) for k in _KEPT_KEYS if k in st)
-                held = (_weight(p, st), st["exp_avg"], st["exp_avg_sq"], st["exp_avg_sq_fresh"])
-                items.append((p, (st, keyed, held, p.numel(), p.grad.dtype)))
-            layout.append((group, items))
-        self._kept = (KeptLayout(self, layout, _kernels_usable,
-                                 [runs.get(id(group), []) for group in self.param_groups]),
-                      self._flat)
-
-    def _kept_step(self, t: int) -> bool:
-        """Step ``t`` (compressed, one rank) on the kept layout; False (nothing written) where
-        there is none or anything changed: the full step runs and may keep a new one."""
-        kept = self.__dict__.get("_kept")
-        if kept is None:
-            return False
-        layout, flat = kept
-        got = None
-        if (self._flat is flat and self._local is None
-                and getattr(self, "_grad_scale", None) is None):
-            got = layout.runs(self, self._finite_later)
-        if got is None:
-            self._kept = None
-            return False
-        groups, verdict = got
-        verdict()  # a non-finite gradient raises here, before anything is written
-        self.lamb_coeffs = []
-        works = []
-        for group, runs, gs in groups:
-            i = 0
-            for r in runs:
-                works.append(self._work(group, r, t, gs[i:i + len(r.ps)]))
-                i += len(r.ps)
-        self._kernel_update(works, None, t)
-        return True
+                steps.append(-group["lr"] * coeff)
+            lamb_passes.applies_(c, ms, vs, ws, steps, check=False)
+            for it in items:
+                write_back(it.p, it.st)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def _extra_state(self) -> Dict[str, Any]:
@@ -449,7 +363,6 @@ class OneBitLamb(OneBitBase):
 
     def _load_extra_state(self, extra: Dict[str, Any], exact: bool) -> None:
         self._flat = None  # rebuilt from the loaded exp_avg at the next step
-        self._kept = None
         self._m_last = None  # (on the device of the loaded state)
         self._pad_restore = None
         if exact and extra.get("fused_pad") is not None:
