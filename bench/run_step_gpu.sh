@@ -17,7 +17,7 @@ timeout 300 python3 -m pip install --no-build-isolation --no-deps . >"$OUT/build
 PKG=$(cd /tmp && python3 -c 'import compcomm, os; print(os.path.dirname(compcomm.__file__))')
 { nvidia-smi --query-gpu=name --format=csv,noheader; lscpu | grep -E 'Model name'; } >"$OUT/machine.txt"
 timeout 420 python3 -m pytest -q -rs -p no:cacheprovider tests/test_fused_optim.py \
-  tests/test_cuda_lamb.py tests/test_optim_gpu_ranks.py \
+  tests/test_cuda_lamb.py tests/test_optim_gpu_ranks.py tests/test_finite_gate.py \
   "tests/test_cuda.py::test_optimizers_on_cuda_match_cpu" >"$OUT/tests.log" 2>&1 || status=1
 tail -3 "$OUT/tests.log"
 NEW_PY=$(mktemp -d)

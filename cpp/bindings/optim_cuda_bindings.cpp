@@ -64,7 +64,8 @@ kernels::AdamHyper hyper_of(double lr, double beta1, double beta2, double eps, d
 
 using StepFn = kernels::Status (*)(int, const int64_t*, const float* const*, float* const*,
                                    const float* const*, float* const*, void* const*,
-                                   const kernels::InputType*, const kernels::AdamHyper&, kernels::Stream);
+                                   const kernels::InputType*, const kernels::AdamHyper&, const uint8_t*,
+                                   kernels::Stream);
 
 }  // namespace
 
@@ -93,7 +94,8 @@ void bind_optim_cuda(py::module_& parent) {
       py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
       "out[i] = m[i]*beta1 + (1-beta1)*g[i] (m empty: zero momentum; out may be m).");
 
-  // The two steps share their signature: (numels, x, m, v, w, lowp, lowp_types, hyper..., device, stream).
+  // The three steps share their signature: (numels, x, m, v, w, lowp, lowp_types, hyper..., device,
+  // stream, gate).
   auto step = [&m](const char* name, StepFn fn, const char* first, bool first_is_grad, const char* doc) {
     m.def(
         name,
@@ -101,7 +103,7 @@ void bind_optim_cuda(py::module_& parent) {
                                   const Ptrs& v, const Ptrs& w, const Ptrs& lowp,
                                   const std::vector<DType>& lowp_types, double lr, double beta1, double beta2,
                                   double eps, double weight_decay, bool bias_correction, double bc1,
-                                  double sqrt_bc2, int device, uintptr_t stream) {
+                                  double sqrt_bc2, int device, uintptr_t stream, uintptr_t gate) {
           const size_t n = numels.size();
           auto xs = list_of<const float>(x, n, first_is_grad ? "g" : "a");
           auto ms = list_of<float>(mm, n, "m");
@@ -112,33 +114,40 @@ void bind_optim_cuda(py::module_& parent) {
           const auto h = hyper_of(lr, beta1, beta2, eps, weight_decay, bias_correction, bc1, sqrt_bc2);
           const kernels::ScopedDevice on(device);
           check(fn(static_cast<int>(n), numels.data(), xs.data(), ms.data(), vs.data(), ws.data(), ls.data(),
-                   ts.data(), h, reinterpret_cast<kernels::Stream>(stream)),
+                   ts.data(), h, reinterpret_cast<const uint8_t*>(gate),
+                   reinterpret_cast<kernels::Stream>(stream)),
                 name);
         },
         py::arg("numels"), py::arg(first), py::arg("m"), py::arg("v"), py::arg("w"), py::arg("lowp"),
         py::arg("lowp_types"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("weight_decay"), py::arg("bias_correction"), py::arg("bc1"), py::arg("sqrt_bc2"),
-        py::arg("device"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(), doc);
+        py::arg("device"), py::arg("stream") = 0, py::arg("gate") = 0,
+        py::call_guard<py::gil_scoped_release>(), doc);
   };
   step("onebit_compressed_step",
        [](int c, const int64_t* n, const float* const* a, float* const* mm, const float* const* v,
           float* const* w, void* const* l, const kernels::InputType* t, const kernels::AdamHyper& h,
-          kernels::Stream s) { return kernels::cuda::onebit_compressed_step(c, n, a, mm, v, w, l, t, h, s); },
+          const uint8_t* gt, kernels::Stream s) {
+         return kernels::cuda::onebit_compressed_step(c, n, a, mm, v, w, l, t, h, gt, s);
+       },
        "a", false,
        "m = a; w += -lr * (m / (sqrt(v) [/ sqrt_bc2] + eps) [/ bc1] [+ wd*w]); lowp = w rounded (v read "
        "only).");
   step("onebit_local_step",
        [](int c, const int64_t* n, const float* const* g, float* const* mm, const float* const* v,
           float* const* w, void* const* l, const kernels::InputType* t, const kernels::AdamHyper& h,
-          kernels::Stream s) { return kernels::cuda::onebit_local_step(c, n, mm, v, g, w, l, t, h, s); },
+          const uint8_t* gt, kernels::Stream s) {
+         return kernels::cuda::onebit_local_step(c, n, mm, v, g, w, l, t, h, gt, s);
+       },
        "g", true,
        "One rank's compressed step: m = m*b1 + (1-b1)*g (onebit_momentum), then the step of "
        "onebit_compressed_step with that m (v read only), one pass.");
   step("adam_warmup_step",
        [](int c, const int64_t* n, const float* const* g, float* const* mm, const float* const* v,
           float* const* w, void* const* l, const kernels::InputType* t, const kernels::AdamHyper& h,
-          kernels::Stream s) {
-         return kernels::cuda::adam_warmup_step(c, n, mm, const_cast<float* const*>(v), g, w, l, t, h, s);
+          const uint8_t* gt, kernels::Stream s) {
+         return kernels::cuda::adam_warmup_step(c, n, mm, const_cast<float* const*>(v), g, w, l, t, h, gt,
+                                                s);
        },
        "g", true,
        "m = m*b1 + (1-b1)*g; v = v*b2 + ((1-b2)*g)*g; then the step of onebit_compressed_step.");
@@ -175,7 +184,7 @@ void bind_optim_cuda(py::module_& parent) {
       [](const LambCoeffs& c, const std::vector<int64_t>& numels, const Ptrs& mm, const Ptrs& last,
          const Ptrs& g, const Ptrs& v, const Ptrs& vf, const Ptrs& w,
          const std::vector<float>& scales, uintptr_t partials, uintptr_t out, int device,
-         uintptr_t stream) {
+         uintptr_t stream, uintptr_t gate) {
         const size_t n = numels.size();
         if (last.empty() == g.empty())
           throw InvalidArgument("lamb_stats: pass last (after an exchange) or g (one rank)");
@@ -192,12 +201,14 @@ void bind_optim_cuda(py::module_& parent) {
                                         g.empty() ? nullptr : gs.data(), vs.data(), fs.data(),
                                         ws.data(), scales.data(), reinterpret_cast<double*>(partials),
                                         reinterpret_cast<float*>(out),
+                                        reinterpret_cast<const uint8_t*>(gate),
                                         reinterpret_cast<kernels::Stream>(stream)),
               "lamb_stats");
       },
       py::arg("c"), py::arg("numels"), py::arg("m"), py::arg("last"), py::arg("g"), py::arg("v"),
       py::arg("v_fresh"), py::arg("w"), py::arg("scales"), py::arg("partials"), py::arg("out"),
-      py::arg("device"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+      py::arg("device"), py::arg("stream") = 0, py::arg("gate") = 0,
+      py::call_guard<py::gil_scoped_release>(),
       "m[i] /= scales[i] (or, with g, the momentum updated), v_fresh[i] updated; out[3 i ..] = "
       "max ratio, ||u||, ||update|| (fp32); partials: lamb_partials(numels) * 3 doubles.");
   m.def(

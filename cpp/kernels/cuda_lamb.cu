@@ -96,7 +96,9 @@ __global__ void __launch_bounds__(kThreads) momentum_kernel(const Launch L, cons
 
 // 0 m, 1 last (or g: local), 2 v, 3 v_fresh, 4 w: the statistics pass; one partial per block.
 __global__ void __launch_bounds__(kThreads, kStatsBlocksPerSm) stats_kernel(const Launch L, const cpu::LambCoeffs c,
-                                                          bool local, double* partials) {
+                                                          bool local, double* partials,
+                                                          const uint8_t* gate) {
+  if (gate != nullptr && *gate == 0) return;  // optim_kernels.h: nothing written
   const Range r = range_of(L);
   float* m = static_cast<float*>(L.p[0][r.t]);
   const float* aux = static_cast<const float*>(L.p[1][r.t]);
@@ -284,7 +286,7 @@ Status lamb_momentum(const cpu::LambCoeffs& c, int count, const int64_t* numels,
 Status lamb_stats(const cpu::LambCoeffs& c, int count, const int64_t* numels, float* const* m,
                   const float* const* last, const float* const* g, const float* const* v,
                   float* const* vf, const float* const* w, const float* scales, double* partials,
-                  float* out, Stream stream) {
+                  float* out, const uint8_t* gate, Stream stream) {
   const bool local = g != nullptr;
   if (partials == nullptr || out == nullptr || (local == (last != nullptr)))
     return Status::kInvalidArgument;
@@ -295,7 +297,7 @@ Status lamb_stats(const cpu::LambCoeffs& c, int count, const int64_t* numels, fl
                                 reinterpret_cast<const void* const*>(w)};
   const auto s = static_cast<cudaStream_t>(stream);
   const Status st = launch_chunks(count, numels, 5, lists, scales, [&](const Launch& l, int blocks) {
-    stats_kernel<<<blocks, kThreads, 0, s>>>(l, c, local, partials);
+    stats_kernel<<<blocks, kThreads, 0, s>>>(l, c, local, partials, gate);
     return launched();
   });
   if (st != Status::kSuccess) return st;

@@ -136,8 +136,11 @@ __device__ __forceinline__ uint32_t lowp_bits(float f, int type) {
   return __half_as_ushort(__float2half_rn(f));
 }
 
+// gate (nullptr: none): a device byte written by earlier work on the stream; 0 makes the launch a
+// no-op (the gradients' finiteness verdict, so the host need not wait for it before launching).
 template <class Op, class L>
-__global__ void __launch_bounds__(kThreads) multi_tensor_kernel(const L lists, const Op op) {
+__global__ void __launch_bounds__(kThreads) multi_tensor_kernel(const L lists, const Op op, const uint8_t* gate) {
+  if (gate != nullptr && *gate == 0) return;
   constexpr int D = Op::kDepth;
   const int t = lists.block_tensor[blockIdx.x];
   const int64_t n = lists.numel[t];
@@ -223,7 +226,7 @@ __global__ void __launch_bounds__(kThreads) multi_tensor_kernel(const L lists, c
 // nullptr: every entry nullptr). Checks the arguments, then launches.
 template <class Op, int kMaxTensors>
 Status apply(int count, const int64_t* numels, void* const* const* lists, const InputType* lowp_types,
-             const Op& op, Stream stream) {
+             const Op& op, const uint8_t* gate, Stream stream) {
   constexpr int S = slots<Op>();
   using L = Lists<S, kMaxTensors>;
   static_assert(sizeof(L) + sizeof(Op) <= kMaxParamBytes, "kernel arguments over 4 KiB");
@@ -243,7 +246,7 @@ Status apply(int count, const int64_t* numels, void* const* const* lists, const 
     }
   }
   auto launch = [&](const L& l, int blocks) {
-    multi_tensor_kernel<Op, L><<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(l, op);
+    multi_tensor_kernel<Op, L><<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(l, op, gate);
     return cudaGetLastError() == cudaSuccess;
   };
   L l;
@@ -289,37 +292,39 @@ Status onebit_momentum(int count, const int64_t* numels, float* const* out, cons
                           reinterpret_cast<void* const*>(const_cast<float* const*>(m)),
                           reinterpret_cast<void* const*>(const_cast<float* const*>(g))};
   const MomentumOp op{static_cast<float>(beta1), static_cast<float>(1.0 - beta1)};
-  return apply<MomentumOp, 64>(count, numels, lists, nullptr, op, stream);
+  return apply<MomentumOp, 64>(count, numels, lists, nullptr, op, nullptr, stream);
 }
 
 Status onebit_compressed_step(int count, const int64_t* numels, const float* const* a, float* const* m,
                               const float* const* v, float* const* w, void* const* lowp,
-                              const InputType* lowp_types, const AdamHyper& hyper, Stream stream) {
+                              const InputType* lowp_types, const AdamHyper& hyper, const uint8_t* gate, Stream stream) {
   void* const* lists[] = {reinterpret_cast<void* const*>(const_cast<float* const*>(a)),
                           reinterpret_cast<void* const*>(m),
                           reinterpret_cast<void* const*>(const_cast<float* const*>(v)),
                           reinterpret_cast<void* const*>(w), lowp};
   return apply<CompressedStepOp, 40>(count, numels, lists, lowp_types, CompressedStepOp{scalars_of(hyper)},
-                                     stream);
+                                     gate, stream);
 }
 
 Status onebit_local_step(int count, const int64_t* numels, float* const* m, const float* const* v,
                          const float* const* g, float* const* w, void* const* lowp,
-                         const InputType* lowp_types, const AdamHyper& hyper, Stream stream) {
+                         const InputType* lowp_types, const AdamHyper& hyper, const uint8_t* gate, Stream stream) {
   void* const* lists[] = {reinterpret_cast<void* const*>(m),
                           reinterpret_cast<void* const*>(const_cast<float* const*>(v)),
                           reinterpret_cast<void* const*>(const_cast<float* const*>(g)),
                           reinterpret_cast<void* const*>(w), lowp};
-  return apply<LocalStepOp, 40>(count, numels, lists, lowp_types, LocalStepOp{scalars_of(hyper)}, stream);
+  return apply<LocalStepOp, 40>(count, numels, lists, lowp_types, LocalStepOp{scalars_of(hyper)}, gate,
+                                stream);
 }
 
 Status adam_warmup_step(int count, const int64_t* numels, float* const* m, float* const* v,
                         const float* const* g, float* const* w, void* const* lowp,
-                        const InputType* lowp_types, const AdamHyper& hyper, Stream stream) {
+                        const InputType* lowp_types, const AdamHyper& hyper, const uint8_t* gate, Stream stream) {
   void* const* lists[] = {reinterpret_cast<void* const*>(m), reinterpret_cast<void* const*>(v),
                           reinterpret_cast<void* const*>(const_cast<float* const*>(g)),
                           reinterpret_cast<void* const*>(w), lowp};
-  return apply<WarmupStepOp, 40>(count, numels, lists, lowp_types, WarmupStepOp{scalars_of(hyper)}, stream);
+  return apply<WarmupStepOp, 40>(count, numels, lists, lowp_types, WarmupStepOp{scalars_of(hyper)}, gate,
+                                 stream);
 }
 
 }  // namespace cuda

@@ -7,15 +7,18 @@ Status onebit_momentum(int, const int64_t*, float* const*, const float* const*, 
   return Status::kNotBuilt;
 }
 Status onebit_compressed_step(int, const int64_t*, const float* const*, float* const*, const float* const*,
-                              float* const*, void* const*, const InputType*, const AdamHyper&, Stream) {
+                              float* const*, void* const*, const InputType*, const AdamHyper&, const uint8_t*,
+                              Stream) {
   return Status::kNotBuilt;
 }
 Status onebit_local_step(int, const int64_t*, float* const*, const float* const*, const float* const*,
-                         float* const*, void* const*, const InputType*, const AdamHyper&, Stream) {
+                         float* const*, void* const*, const InputType*, const AdamHyper&, const uint8_t*,
+                              Stream) {
   return Status::kNotBuilt;
 }
 Status adam_warmup_step(int, const int64_t*, float* const*, float* const*, const float* const*,
-                        float* const*, void* const*, const InputType*, const AdamHyper&, Stream) {
+                        float* const*, void* const*, const InputType*, const AdamHyper&, const uint8_t*,
+                              Stream) {
   return Status::kNotBuilt;
 }
 int64_t lamb_partials(int, const int64_t*) { return 0; }
@@ -25,7 +28,7 @@ Status lamb_momentum(const cpu::LambCoeffs&, int, const int64_t*, float* const*,
 }
 Status lamb_stats(const cpu::LambCoeffs&, int, const int64_t*, float* const*, const float* const*,
                   const float* const*, const float* const*, float* const*, const float* const*,
-                  const float*, double*, float*, Stream) {
+                  const float*, double*, float*, const uint8_t*, Stream) {
   return Status::kNotBuilt;
 }
 Status lamb_apply(const cpu::LambCoeffs&, int, const int64_t*, const float* const*,

@@ -10,6 +10,9 @@
 // nullptr (none in the call) or hold nullptr for an entry without one; lowp_types[i] is kFloat16 or
 // kBFloat16 (round to nearest even) where lowp[i] is set. All work is queued on `stream` of the
 // current device; the calls never allocate, never sync and never throw. kNotBuilt without CUDA.
+// gate (the steps and lamb_stats; nullptr: none): a device byte that work queued earlier on the
+// stream writes; where it is 0 the kernels write nothing (the gradients' finiteness verdict is
+// computed on the device and gates the step, so the host launches without waiting for it).
 #pragma once
 
 #include <cstdint>
@@ -44,19 +47,19 @@ Status onebit_momentum(int count, const int64_t* numels, float* const* out, cons
 // u = m / denom [/ bc1] [+ wd * w if wd > 0]; w = w + (-lr) * u; lowp = w rounded. v is only read.
 Status onebit_compressed_step(int count, const int64_t* numels, const float* const* a, float* const* m,
                               const float* const* v, float* const* w, void* const* lowp,
-                              const InputType* lowp_types, const AdamHyper& hyper, Stream stream);
+                              const InputType* lowp_types, const AdamHyper& hyper, const uint8_t* gate, Stream stream);
 
 // The compressed phase at one rank (nothing to exchange), one pass: m = m*b1 + (1-b1)*g (as
 // onebit_momentum), then the step of onebit_compressed_step with that m (the same bits as the two).
 Status onebit_local_step(int count, const int64_t* numels, float* const* m, const float* const* v,
                          const float* const* g, float* const* w, void* const* lowp,
-                         const InputType* lowp_types, const AdamHyper& hyper, Stream stream);
+                         const InputType* lowp_types, const AdamHyper& hyper, const uint8_t* gate, Stream stream);
 
 // The warm-up (plain Adam) step, one pass: m = m*b1 + (1-b1)*g; v = v*b2 + ((1-b2)*g)*g; then the step
 // of onebit_compressed_step with these m, v.
 Status adam_warmup_step(int count, const int64_t* numels, float* const* m, float* const* v,
                         const float* const* g, float* const* w, void* const* lowp,
-                        const InputType* lowp_types, const AdamHyper& hyper, Stream stream);
+                        const InputType* lowp_types, const AdamHyper& hyper, const uint8_t* gate, Stream stream);
 
 // 1-bit LAMB's passes over lists of tensors (cpu_lamb.h's per-element operations, bit for bit, with
 // the IEEE sqrt; c.sqrt is ignored): scales / steps are per tensor (count floats, host memory).
@@ -69,7 +72,7 @@ Status lamb_momentum(const cpu::LambCoeffs& c, int count, const int64_t* numels,
 Status lamb_stats(const cpu::LambCoeffs& c, int count, const int64_t* numels, float* const* m,
                   const float* const* last, const float* const* g, const float* const* v,
                   float* const* vf, const float* const* w, const float* scales, double* partials,
-                  float* out, Stream stream);
+                  float* out, const uint8_t* gate, Stream stream);
 Status lamb_apply(const cpu::LambCoeffs& c, int count, const int64_t* numels, const float* const* m,
                   const float* const* v, float* const* w, const float* steps, Stream stream);
 

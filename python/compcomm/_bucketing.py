@@ -5,14 +5,14 @@ tensors and the cut of a sequence of tensors into buckets (re-exported by
 from __future__ import annotations
 
 import math
-from typing import Dict, Hashable, List, Sequence, Tuple
+from typing import Callable, Dict, Hashable, List, Sequence, Tuple
 
 import torch
 
 from . import _C
 from ._buffers import DTYPES, FLOATS, buffer_of
 
-__all__ = ["all_finite", "plan_buckets"]
+__all__ = ["all_finite", "finite_gate", "plan_buckets"]
 
 
 def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
@@ -43,6 +43,37 @@ def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
             ends = torch.stack(torch._foreach_norm(ts, math.inf))
         flags.setdefault(dev, []).append(ends.reshape(-1).float())
     return all(bool(torch.isfinite(torch.cat(f)).all()) for f in flags.values())
+
+
+def finite_gate(tensors: Sequence[torch.Tensor], device: torch.device
+                ) -> Tuple[torch.Tensor, Callable[[], bool]]:
+    """:func:`all_finite` of tensors on one CUDA device, without making the host wait before it
+    launches the kernels that depend on it.
+
+    Returns ``(gate, verdict)``. ``gate`` is a 0-dim bool tensor on ``device``, True where every
+    element is finite, written by work queued now on the current stream; the optimizer kernels
+    that take it (``gate=`` of :mod:`compcomm.optim._fused` and ``lamb_passes.stats_``) write
+    nothing where it is False. ``verdict()`` waits for a copy of the gate queued right after it
+    (not for the kernels queued later) and returns it, so the step's launches overlap the check
+    and the host still learns the verdict before it changes any state of its own."""
+    lists: Dict[torch.dtype, List[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            lists.setdefault(t.dtype, []).append(t)
+    # the max-norm of each tensor (NaN and Inf propagate; finite values cannot overflow it)
+    ends = [torch.stack(torch._foreach_norm(ts, math.inf)).float() for ts in lists.values()]
+    gate = (torch.isfinite(torch.cat(ends)).all() if ends
+            else torch.ones((), dtype=torch.bool, device=device))
+    host = torch.empty((), dtype=torch.bool, pin_memory=True)
+    host.copy_(gate, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record(torch.cuda.current_stream(device))
+
+    def verdict() -> bool:
+        copied.synchronize()
+        return bool(host)
+
+    return gate, verdict
 
 
 def plan_buckets(sizes: Sequence[Tuple[Hashable, int]], limit: int) -> List[List[int]]:

@@ -27,7 +27,7 @@ from .functional import sqrt_bc
 
 __all__ = ["available", "enabled", "supported", "usable", "onebit_momentum",
            "onebit_compressed_step_", "onebit_local_step_", "adam_warmup_step_", "ptrs", "stream",
-           "require"]
+           "require", "gate_ptr"]
 
 _K = getattr(_C, "optim_cuda", None)
 _LOWP = {torch.float16: _C.DType.float16, torch.bfloat16: _C.DType.bfloat16}
@@ -158,9 +158,23 @@ def onebit_momentum(ms: OptTensors, gs: Tensors, group: Mapping[str, Any], outs:
                       stream(dev) if numels else 0)
 
 
+def gate_ptr(gate: Optional[torch.Tensor], device: int) -> int:
+    """The device address of a finiteness gate (``_bucketing.finite_gate``; 0 for None): a bool
+    or uint8 CUDA tensor on the kernels' device whose first byte, where 0, makes them write
+    nothing."""
+    if gate is None:
+        return 0
+    if (not isinstance(gate, torch.Tensor) or gate.dtype not in (torch.bool, torch.uint8)
+            or not gate.is_cuda or gate.get_device() != device or gate.numel() < 1):
+        raise ValueError(f"argument 'gate' must be a bool or uint8 tensor on cuda:{device}, got "
+                         f"{getattr(gate, 'dtype', type(gate).__name__)} on "
+                         f"{getattr(gate, 'device', '-')}")
+    return gate.data_ptr()
+
+
 def _step(fn: str, ws: Tensors, ms: Tensors, vs: Tensors, xs: Tensors, x_name: str,
           group: Mapping[str, Any], bc1_t: int, bc2_t: int, lowps: Optional[OptTensors],
-          check: bool) -> None:
+          check: bool, gate: Optional[torch.Tensor] = None) -> None:
     k = require()
     dev = _device(ws, "ws")
     numels = [w.numel() for w in ws]
@@ -172,12 +186,13 @@ def _step(fn: str, ws: Tensors, ms: Tensors, vs: Tensors, xs: Tensors, x_name: s
     getattr(k, fn)(numels, ptrs(xs, x_name, numels, dev, check),
                    ptrs(ms, "ms", numels, dev, check), ptrs(vs, "vs", numels, dev, check),
                    ptrs(ws, "ws", numels, dev, check), lp, types, **_hyper(group, bc1_t, bc2_t),
-                   device=dev, stream=stream(dev) if numels else 0)
+                   device=dev, stream=stream(dev) if numels else 0, gate=gate_ptr(gate, dev))
 
 
 def onebit_compressed_step_(ws: Tensors, ms: Tensors, vs: Tensors, avgs: Tensors,
                             group: Mapping[str, Any], bc1_t: int, bc2_t: int,
-                            lowps: Optional[OptTensors] = None, check: bool = True) -> None:
+                            lowps: Optional[OptTensors] = None, check: bool = True,
+                            gate: Optional[torch.Tensor] = None) -> None:
     """1-bit Adam's compressed-phase commit and step in one pass: ``ms[i] = avgs[i]``, then
     :func:`~compcomm.optim.functional.adam_step_multi_` (``vs`` read only), then each
     ``lowps[i]`` (if not None) = ``ws[i]`` rounded to its dtype (round to nearest even).
@@ -194,26 +209,31 @@ def onebit_compressed_step_(ws: Tensors, ms: Tensors, vs: Tensors, avgs: Tensors
         Low-precision parameters to write (None entries: fp32 parameters).
     check : bool, default True
         Validate the tensors (see :func:`onebit_momentum`).
+    gate : 0-dim bool CUDA tensor, optional
+        The inputs' finiteness verdict on the device (``compcomm._bucketing.finite_gate``):
+        where False, the kernels write nothing. The host need not wait for it to launch.
     """
-    _step("onebit_compressed_step", ws, ms, vs, avgs, "avgs", group, bc1_t, bc2_t, lowps, check)
+    _step("onebit_compressed_step", ws, ms, vs, avgs, "avgs", group, bc1_t, bc2_t, lowps, check,
+          gate)
 
 
 def onebit_local_step_(ws: Tensors, ms: Tensors, vs: Tensors, gs: Tensors,
                        group: Mapping[str, Any], bc1_t: int, bc2_t: int,
-                       lowps: Optional[OptTensors] = None, check: bool = True) -> None:
+                       lowps: Optional[OptTensors] = None, check: bool = True,
+                       gate: Optional[torch.Tensor] = None) -> None:
     """The compressed-phase step where nothing is exchanged (one rank, ``step_on``), in one pass:
     ``ms[i] = ms[i] * b1 + (1-b1) * gs[i]`` (:func:`onebit_momentum`), then the step and
     write-back of :func:`onebit_compressed_step_` with that momentum as the average: the bits
     of the two kernels, without the staging buffer (24 bytes of memory traffic per fp32
     parameter instead of 32). Arguments as :func:`onebit_compressed_step_`, ``gs`` the
     gradients."""
-    _step("onebit_local_step", ws, ms, vs, gs, "gs", group, bc1_t, bc2_t, lowps, check)
+    _step("onebit_local_step", ws, ms, vs, gs, "gs", group, bc1_t, bc2_t, lowps, check, gate)
 
 
 def adam_warmup_step_(ws: Tensors, ms: Tensors, vs: Tensors, gs: Tensors, group: Mapping[str, Any],
                       bc1_t: int, bc2_t: int, lowps: Optional[OptTensors] = None,
-                      check: bool = True) -> None:
+                      check: bool = True, gate: Optional[torch.Tensor] = None) -> None:
     """The warm-up Adam step in one pass: :func:`~compcomm.optim.functional.adam_moments_multi_`
     with the averaged gradients ``gs``, then the step and write-back of
     :func:`onebit_compressed_step_`. Arguments as there."""
-    _step("adam_warmup_step", ws, ms, vs, gs, "gs", group, bc1_t, bc2_t, lowps, check)
+    _step("adam_warmup_step", ws, ms, vs, gs, "gs", group, bc1_t, bc2_t, lowps, check, gate)

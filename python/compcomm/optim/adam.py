@@ -9,6 +9,7 @@ import os
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .._bucketing import finite_gate
 from ..schedule import FreezeSchedule, StepKind
 from . import _fused, cpu_adam, cpu_multi
 from . import functional as F
@@ -298,17 +299,29 @@ class OneBitAdam(OneBitBase):
         ``_fused.onebit_local_step_``, one multi-tensor kernel per ~20M elements; 24 bytes of
         memory traffic per fp32 parameter), bit for bit the staged momentum then the compressed
         step. The finiteness check of every gradient (on the CPU one C++ pass, a bf16/fp16
-        gradient in its own dtype) runs before anything is written."""
-        self._check_finite([g for _, cols in runs for g in cols[3]], agree=False)
+        gradient in its own dtype) runs before anything is written; on a GPU its verdict gates
+        the kernel on the device (``finite_gate``), so the launch does not wait for it: the host
+        waits for the verdict after the launch, before it writes any state of its own."""
+        all_gs = [g for _, cols in runs for g in cols[3]]
+        cuda = not runs[0][1][0][0].is_cpu
+        gate, verdict = None, None
+        if cuda and self.check_finite:
+            gate, verdict = finite_gate(all_gs, runs[0][1][0][0].device)
+        else:
+            self._check_finite(all_gs, agree=False)
         bc2_t = min(t, self.freeze_step)  # the variance (and its correction) frozen after warm-up
-        for group, (ws, ms, vs, gs, outs, sts) in runs:
-            if not ws[0].is_cpu:
-                _fused.onebit_local_step_(ws, ms, vs, gs, group, t, bc2_t, outs, check=False)
+        for group, (ws, ms, vs, gs, outs, _) in runs:
+            if cuda:
+                _fused.onebit_local_step_(ws, ms, vs, gs, group, t, bc2_t, outs, check=False,
+                                          gate=gate)
             else:
                 ds, denom = frozen_denominators(self, vs, group, bc2_t)
                 cpu_adam.onebit_local_steps_(ws, ms, ds, gs, group, t, bc2_t, outs, check=False,
                                              denom=denom)
-            for st in sts:
+        if verdict is not None and not verdict():
+            raise self._non_finite()  # the gated kernels wrote nothing
+        for _, cols in runs:
+            for st in cols[5]:
                 st["step"] = t
 
 

@@ -240,11 +240,13 @@ class OneBitBase(torch.optim.Optimizer):
         staging = sum(t.numel() * t.element_size() for t in self._staging.values())
         return {"error_feedback": errors, "buffers": staging + workspaces}
 
-    def _grads(self, average: bool) -> Dict[torch.Tensor, torch.Tensor]:
+    def _grads(self, average: bool, check: bool = True) -> Dict[torch.Tensor, torch.Tensor]:
         """fp32 gradients of every parameter that has one, averaged across ranks if ``average``
-        (and not already averaged by DDP's hook or the user)."""
+        (and not already averaged by DDP's hook or the user). ``check=False``: the caller checks
+        their finiteness itself (on the device, before it writes anything)."""
         if self._local is not None:  # step_on: the caller reduced them; a world of one
-            self._check_finite(self._local.values(), agree=False)
+            if check:
+                self._check_finite(self._local.values(), agree=False)
             return dict(self._local)
         # a copy only where the gradient is written (scaled, averaged) or not fp32 and contiguous
         scale = getattr(self, "_grad_scale", None)
@@ -256,7 +258,7 @@ class OneBitBase(torch.optim.Optimizer):
                 g.mul_(inv)
         if average and not (self.grads_averaged or self._hook_averaged):
             average_(list(grads.values()), self.comm)
-        if average or self.world_size == 1:
+        if check and (average or self.world_size == 1):
             # averaged gradients are the same on every rank, so are their checks; the compressed
             # average checks its inputs itself, on every rank
             self._check_finite(grads.values(), agree=False)
@@ -360,8 +362,12 @@ class OneBitBase(torch.optim.Optimizer):
         if agree and self._local is None:  # step_on never communicates
             bad = all_max(bad, self.comm, self._device())
         if bad:
-            raise NonFiniteError(f"[rank {self.rank}] {self._name}: non-finite gradient; step "
-                                 "skipped on every rank")
+            raise self._non_finite()
+
+    def _non_finite(self) -> NonFiniteError:
+        """The error of a step skipped for a non-finite gradient."""
+        return NonFiniteError(f"[rank {self.rank}] {self._name}: non-finite gradient; step "
+                              "skipped on every rank")
 
     def _step(self) -> None:
         """The optimizer's own update; subclasses implement it. Everything that can fail (the

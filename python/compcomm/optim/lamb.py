@@ -8,7 +8,9 @@ from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 import torch
 
+from .._bucketing import finite_gate
 from ..collectives import padded_numel
+from ..errors import NonFiniteError
 from ..schedule import FreezeSchedule, StepKind
 from . import lamb_passes
 from . import functional as F
@@ -170,12 +172,16 @@ class OneBitLamb(OneBitBase):
         t = self.schedule.step + 1
         warm = kind is StepKind.FULL_AVERAGE
         self._ensure_fused()
-        grads = self._grads(average=warm)
+        # one rank on a GPU: the gradients' check gates the statistics pass on the device and
+        # its verdict comes with the statistics (one host sync); else it runs here
+        gated = (not warm and self.check_finite and self._flat is not None and self._flat.is_cuda
+                 and (self._local is not None or self.world_size == 1))
+        grads = self._grads(average=warm, check=not gated)
         self.lamb_coeffs = []
         if warm:
             self._warm_step(t, grads)
         else:
-            self._compressed_step(t, grads)
+            self._compressed_step(t, grads, gated)
         self.schedule.advance(kind)
 
     def _warm_step(self, t: int, grads: Dict[torch.Tensor, torch.Tensor]) -> None:
@@ -196,8 +202,15 @@ class OneBitLamb(OneBitBase):
             w.add_(update * (-group["lr"] * coeff))
             write_back(p, st)
 
-    def _compressed_step(self, t: int, grads: Dict[torch.Tensor, torch.Tensor]) -> None:
+    def _compressed_step(self, t: int, grads: Dict[torch.Tensor, torch.Tensor],
+                         gated: bool = False) -> None:
+        """``gated``: the gradients are not checked yet; the one-rank kernel step checks them on
+        the device, any other path here, before anything is written."""
         params = self._fused_params()
+        runs = self._kernel_runs(params, grads, t)
+        local = runs is not None and (self._local is not None or self.world_size == 1)
+        if gated and not local:
+            self._check_finite(grads.values(), agree=False)
         new_coeffs = bool(params) and "scaling_coeff" not in self.state[params[0]]
         if new_coeffs:
             scales = [float(self.state[p]["exp_avg"].norm()) / math.sqrt(p.numel())
@@ -205,9 +218,14 @@ class OneBitLamb(OneBitBase):
             united = sum(scales) / len(scales)
             for p, s in zip(params, scales):
                 self.state[p]["scaling_coeff"] = united / s if s > 0 and united > 0 else 1.0
-        runs = self._kernel_runs(params, grads, t)
-        if runs is not None and (self._local is not None or self.world_size == 1):
-            self._kernel_update(runs, None, t, grads)  # nothing to exchange: one pass for all
+        if local:  # nothing to exchange: one pass for all
+            try:
+                self._kernel_update(runs, None, t, grads, gated)
+            except NonFiniteError:  # the gated passes wrote nothing; nor does this step
+                if new_coeffs:
+                    for p in params:
+                        self.state[p].pop("scaling_coeff", None)
+                raise
             return
         if runs is None:
             m_last = self._flat.clone()
@@ -319,19 +337,31 @@ class OneBitLamb(OneBitBase):
 
     def _kernel_update(self, runs: List[Tuple[Any, Dict[str, Any], List["_Item"]]],
                     m_last: Optional[torch.Tensor], t: int,
-                    grads: Optional[Dict[torch.Tensor, torch.Tensor]] = None) -> None:
+                    grads: Optional[Dict[torch.Tensor, torch.Tensor]] = None,
+                    gated: bool = False) -> None:
         """The compressed step after the exchange through the passes: per run, the statistics
         pass, the factors (:func:`functional.lamb_factor`), the apply pass. ``m_last`` None: a
-        world of one rank, the momentum updated from ``grads`` in the statistics pass."""
+        world of one rank, the momentum updated from ``grads`` in the statistics pass.
+        ``gated`` (a GPU, one rank): ``grads`` are checked on the device, the check gates the
+        statistics pass, and its verdict is read after the first run's statistics (their host
+        sync covers it) before anything else is written: NonFiniteError with nothing written."""
+        local = m_last is None
+        gate, verdict = None, None
+        if gated and runs:
+            gate, verdict = finite_gate([grads[it.p] for _, _, items in runs for it in items],
+                                        self._flat.device)
         for c, group, items in runs:
             ms = [it.st["exp_avg"] for it in items]
             vs = [it.v for it in items]
             ws = [it.w for it in items]
-            local = m_last is None
             stats = lamb_passes.stats_(c, ms, None if local else [it.last(m_last) for it in items],
                                     vs, [it.st["exp_avg_sq_fresh"] for it in items], ws,
                                     [it.st["scaling_coeff"] for it in items], check=False,
-                                    gs=[grads[it.p] for it in items] if local else None)
+                                    gs=[grads[it.p] for it in items] if local else None, gate=gate)
+            if verdict is not None:
+                if not verdict():
+                    raise self._non_finite()
+                gate, verdict = None, None  # every gradient passed: later runs need no gate
             steps = []
             for it, (ratio, u_norm, update_norm) in zip(items, stats):
                 st = it.st

@@ -83,11 +83,14 @@ def momentums_(c: Any, ms: Tensors, gs: Tensors, lasts: Tensors, scales: Sequenc
 
 def stats_(c: Any, ms: Tensors, lasts: Optional[Tensors], vs: Tensors, vfs: Tensors, ws: Tensors,
            scales: Sequence[float], num_threads: Optional[int] = None, check: bool = True,
-           gs: Optional[Tensors] = None) -> List[Tuple[float, float, float]]:
+           gs: Optional[Tensors] = None, gate: Optional[torch.Tensor] = None
+           ) -> List[Tuple[float, float, float]]:
     """After the exchange, per parameter: ``ms[i] /= scales[i]``, the fresh variance ``vfs[i]``
     updated from the reconstructed gradient; returns ``(max ratio, ||u||, ||u + wd w||)`` per
     parameter (the norms rounded to fp32, as torch's). ``gs`` instead of ``lasts``: a world of one
-    rank (the average is the momentum itself), :func:`momentums_` done in this pass."""
+    rank (the average is the momentum itself), :func:`momentums_` done in this pass. ``gate``
+    (CUDA only): the inputs' finiteness verdict on the device (``_bucketing.finite_gate``);
+    where False the pass writes nothing and the returned values are meaningless."""
     n = [m.numel() for m in ms]
     if _on_cuda(ms):
         dev = ms[0].get_device()
@@ -98,8 +101,11 @@ def stats_(c: Any, ms: Tensors, lasts: Optional[Tensors], vs: Tensors, vfs: Tens
                        [] if gs is None else _cuda_ptrs(gs, "gs", n, dev, check),
                        _cuda_ptrs(vs, "vs", n, dev, check), _cuda_ptrs(vfs, "vfs", n, dev, check),
                        _cuda_ptrs(ws, "ws", n, dev, check), [float(s) for s in scales],
-                       partials.data_ptr(), out.data_ptr(), dev, _fused.stream(dev))
+                       partials.data_ptr(), out.data_ptr(), dev, _fused.stream(dev),
+                       gate=_fused.gate_ptr(gate, dev))
         return [tuple(r) for r in out.view(-1, 3).tolist()]  # the one host sync
+    if gate is not None:
+        raise ValueError("argument 'gate' is for CUDA tensors only")
     if check:
         prev = {"g": gs} if gs is not None else {"last": lasts}
         _checked("lamb stats_", {"m": ms, **prev, "v": vs, "v_fresh": vfs, "w": ws}, n)
