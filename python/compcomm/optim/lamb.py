@@ -347,7 +347,7 @@ class OneBitLamb(OneBitBase):
         sync covers it) before anything else is written: NonFiniteError with nothing written."""
         local = m_last is None
         gate, verdict = None, None
-        if gated and runs:
+        if gated:
             gate, verdict = finite_gate([grads[it.p] for _, _, items in runs for it in items],
                                         self._flat.device)
         for c, group, items in runs:
