@@ -14,9 +14,10 @@ from .._comm import resolve
 from .._defaults import DEFAULT_TIMEOUT
 from .._init import available_backends
 from ..compress import all_finite
-from ..errors import UnsupportedError
+from ..errors import NonFiniteError, UnsupportedError
 
-__all__ = ["BUCKET_ELEMENTS", "resolve_comm", "fp32_grad", "average_", "all_max", "all_finite"]
+__all__ = ["BUCKET_ELEMENTS", "resolve_comm", "fp32_grad", "average_", "all_max", "all_finite",
+           "non_finite_error"]
 
 #: Elements per full-precision allreduce bucket in the warm-up (fp32: 16 MiB).
 BUCKET_ELEMENTS = 4 * 1024 * 1024
@@ -110,3 +111,6 @@ def all_max(flag: float, comm: Any, device: Optional[torch.device] = None) -> fl
     return float(t.item())
 
 
+def non_finite_error(rank: int, name: str) -> NonFiniteError:
+    """The error of a step skipped for a non-finite gradient (caught by ``step()``)."""
+    return NonFiniteError(f"[rank {rank}] {name}: non-finite gradient; step skipped on every rank")

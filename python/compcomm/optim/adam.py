@@ -13,7 +13,7 @@ from .._bucketing import finite_gate
 from ..schedule import FreezeSchedule, StepKind
 from . import _fused, cpu_adam, cpu_multi
 from . import functional as F
-from ._grads import fp32_grad
+from ._grads import fp32_grad, non_finite_error
 from ._params import group_chunks, mask_, master, moments, write_back_multi
 from ._validation import who, check_common, check_int
 from .base import OneBitBase
@@ -159,10 +159,9 @@ class OneBitAdam(OneBitBase):
         t = self.schedule.step + 1
         warm = kind is StepKind.FULL_AVERAGE
         if not warm and (self.world_size == 1 or self._local is not None):
-            early = self._early_gate()
             runs = self._local_runs()
             if runs is not None:
-                self._local_step(runs, t, early)
+                self._local_step(runs, t)
                 self.schedule.advance(kind)
                 return
         grads = self._grads(average=warm)
@@ -230,27 +229,6 @@ class OneBitAdam(OneBitBase):
 
         return momentum
 
-    def _early_gate(self) -> Optional[Tuple[torch.Tensor, Callable[[], bool]]]:
-        """The one-rank GPU step's ``finite_gate`` over the raw gradients, queued before the
-        step's host checks (:meth:`_local_runs`) so that the GPU runs it meanwhile. It holds for
-        the gradients the kernel reads: those, or their exact fp32 copies. None where it cannot
-        be queued yet: not on a GPU, ``check_finite`` off, GradScaler's unscale still to come
-        (a product may overflow), sparse gradients or several devices (the step's own checks
-        then decide)."""
-        local = self._local
-        if (not self.check_finite or self._device().type != "cuda"
-                or (local is None and getattr(self, "_grad_scale", None) is not None)):
-            return None
-        if local is not None:
-            gs = list(local.values())
-        else:
-            gs = [p.grad for group in self.param_groups for p in group["params"]
-                  if p.grad is not None]
-        dev = gs[0].device if gs else None
-        if dev is None or dev.type != "cuda" or any(g.is_sparse or g.device != dev for g in gs):
-            return None
-        return finite_gate(gs, dev)
-
     def _local_runs(self) -> Optional[List[Tuple[Dict[str, Any], List[List[Any]]]]]:
         """The compressed step where nothing is sent (one rank, or ``step_on``) as the kernels
         take it: per param group, ``(group, [ws, ms, vs, gs, param_outs, states])`` over its
@@ -314,8 +292,7 @@ class OneBitAdam(OneBitBase):
                     g.mul_(inv)
         return runs
 
-    def _local_step(self, runs: List[Tuple[Dict[str, Any], List[List[Any]]]], t: int,
-                    early: Optional[Tuple[torch.Tensor, Callable[[], bool]]] = None) -> None:
+    def _local_step(self, runs: List[Tuple[Dict[str, Any], List[List[Any]]]], t: int) -> None:
         """Step ``t`` of the compressed phase with nothing sent, on ``_local_runs()``: the
         average is the rank's own momentum, so momentum and step are one pass per tensor
         (``onebit_local_steps_``, one C++ call per param group; on a GPU
@@ -324,13 +301,12 @@ class OneBitAdam(OneBitBase):
         step. The finiteness check of every gradient (on the CPU one C++ pass, a bf16/fp16
         gradient in its own dtype) runs before anything is written; on a GPU its verdict gates
         the kernel on the device (``finite_gate``), so the launch does not wait for it: the host
-        waits for the verdict after the launch, before it writes any state of its own.
-        ``early``: that gate, queued before the host checks (:meth:`_early_gate`)."""
+        waits for the verdict after the launch, before it writes any state of its own."""
         all_gs = [g for _, cols in runs for g in cols[3]]
         cuda = not runs[0][1][0][0].is_cpu
         gate, verdict = None, None
         if cuda and self.check_finite:
-            gate, verdict = early or finite_gate(all_gs, runs[0][1][0][0].device)
+            gate, verdict = finite_gate(all_gs, runs[0][1][0][0].device)
         else:
             self._check_finite(all_gs, agree=False)
         bc2_t = min(t, self.freeze_step)  # the variance (and its correction) frozen after warm-up
@@ -343,7 +319,7 @@ class OneBitAdam(OneBitBase):
                 cpu_adam.onebit_local_steps_(ws, ms, ds, gs, group, t, bc2_t, outs, check=False,
                                              denom=denom)
         if verdict is not None and not verdict():
-            raise self._non_finite()  # the gated kernels wrote nothing
+            raise non_finite_error(self.rank, self._name)  # the gated kernels wrote nothing
         for _, cols in runs:
             for st in cols[5]:
                 st["step"] = t

@@ -31,7 +31,7 @@ from .._comm_users import join as join_comm
 from ..compress import DEFAULT_BUCKET_ELEMENTS, OneBitCompressor, plan_buckets
 from ..errors import NonFiniteError
 from ..schedule import FreezeSchedule, StepKind
-from ._grads import all_finite, all_max, average_, fp32_grad, resolve_comm
+from ._grads import all_finite, all_max, average_, fp32_grad, non_finite_error, resolve_comm
 from ._staging import staged_plan
 from ._step_on import step_on_inputs
 from .overlap import BackwardOverlap, resolve_overlap
@@ -242,8 +242,7 @@ class OneBitBase(torch.optim.Optimizer):
 
     def _grads(self, average: bool, check: bool = True) -> Dict[torch.Tensor, torch.Tensor]:
         """fp32 gradients of every parameter that has one, averaged across ranks if ``average``
-        (and not already averaged by DDP's hook or the user). ``check=False``: the caller checks
-        their finiteness itself (on the device, before it writes anything)."""
+        (and not already averaged by DDP's hook or the user); ``check=False``: unchecked."""
         if self._local is not None:  # step_on: the caller reduced them; a world of one
             if check:
                 self._check_finite(self._local.values(), agree=False)
@@ -362,12 +361,7 @@ class OneBitBase(torch.optim.Optimizer):
         if agree and self._local is None:  # step_on never communicates
             bad = all_max(bad, self.comm, self._device())
         if bad:
-            raise self._non_finite()
-
-    def _non_finite(self) -> NonFiniteError:
-        """The error of a step skipped for a non-finite gradient."""
-        return NonFiniteError(f"[rank {self.rank}] {self._name}: non-finite gradient; step "
-                              "skipped on every rank")
+            raise non_finite_error(self.rank, self._name)
 
     def _step(self) -> None:
         """The optimizer's own update; subclasses implement it. Everything that can fail (the

@@ -15,6 +15,7 @@ from ..schedule import FreezeSchedule, StepKind
 from . import lamb_passes
 from . import functional as F
 from ._cpu_args import torch_sqrt_mode
+from ._grads import non_finite_error
 from ._params import group_chunks, mask_, master, write_back
 from ._validation import who, check_common, check_int, check_number, check_positive
 from .adam import frozen_of
@@ -360,7 +361,7 @@ class OneBitLamb(OneBitBase):
                                     gs=[grads[it.p] for it in items] if local else None, gate=gate)
             if verdict is not None:
                 if not verdict():
-                    raise self._non_finite()
+                    raise non_finite_error(self.rank, self._name)
                 gate, verdict = None, None  # every gradient passed: later runs need no gate
             steps = []
             for it, (ratio, u_norm, update_norm) in zip(items, stats):
