@@ -139,7 +139,8 @@ __device__ __forceinline__ uint32_t lowp_bits(float f, int type) {
 // gate (nullptr: none): a device byte written by earlier work on the stream; 0 makes the launch a
 // no-op (the gradients' finiteness verdict, so the host need not wait for it before launching).
 template <class Op, class L>
-__global__ void __launch_bounds__(kThreads) multi_tensor_kernel(const L lists, const Op op, const uint8_t* gate) {
+__global__ void __launch_bounds__(kThreads)
+    multi_tensor_kernel(const L lists, const Op op, const uint8_t* gate) {
   if (gate != nullptr && *gate == 0) return;
   constexpr int D = Op::kDepth;
   const int t = lists.block_tensor[blockIdx.x];
@@ -297,7 +298,8 @@ Status onebit_momentum(int count, const int64_t* numels, float* const* out, cons
 
 Status onebit_compressed_step(int count, const int64_t* numels, const float* const* a, float* const* m,
                               const float* const* v, float* const* w, void* const* lowp,
-                              const InputType* lowp_types, const AdamHyper& hyper, const uint8_t* gate, Stream stream) {
+                              const InputType* lowp_types, const AdamHyper& hyper, const uint8_t* gate,
+                              Stream stream) {
   void* const* lists[] = {reinterpret_cast<void* const*>(const_cast<float* const*>(a)),
                           reinterpret_cast<void* const*>(m),
                           reinterpret_cast<void* const*>(const_cast<float* const*>(v)),
@@ -308,7 +310,8 @@ Status onebit_compressed_step(int count, const int64_t* numels, const float* con
 
 Status onebit_local_step(int count, const int64_t* numels, float* const* m, const float* const* v,
                          const float* const* g, float* const* w, void* const* lowp,
-                         const InputType* lowp_types, const AdamHyper& hyper, const uint8_t* gate, Stream stream) {
+                         const InputType* lowp_types, const AdamHyper& hyper, const uint8_t* gate,
+                              Stream stream) {
   void* const* lists[] = {reinterpret_cast<void* const*>(m),
                           reinterpret_cast<void* const*>(const_cast<float* const*>(v)),
                           reinterpret_cast<void* const*>(const_cast<float* const*>(g)),
@@ -319,7 +322,8 @@ Status onebit_local_step(int count, const int64_t* numels, float* const* m, cons
 
 Status adam_warmup_step(int count, const int64_t* numels, float* const* m, float* const* v,
                         const float* const* g, float* const* w, void* const* lowp,
-                        const InputType* lowp_types, const AdamHyper& hyper, const uint8_t* gate, Stream stream) {
+                        const InputType* lowp_types, const AdamHyper& hyper, const uint8_t* gate,
+                              Stream stream) {
   void* const* lists[] = {reinterpret_cast<void* const*>(m), reinterpret_cast<void* const*>(v),
                           reinterpret_cast<void* const*>(const_cast<float* const*>(g)),
                           reinterpret_cast<void* const*>(w), lowp};

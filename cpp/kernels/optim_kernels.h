@@ -47,19 +47,22 @@ Status onebit_momentum(int count, const int64_t* numels, float* const* out, cons
 // u = m / denom [/ bc1] [+ wd * w if wd > 0]; w = w + (-lr) * u; lowp = w rounded. v is only read.
 Status onebit_compressed_step(int count, const int64_t* numels, const float* const* a, float* const* m,
                               const float* const* v, float* const* w, void* const* lowp,
-                              const InputType* lowp_types, const AdamHyper& hyper, const uint8_t* gate, Stream stream);
+                              const InputType* lowp_types, const AdamHyper& hyper, const uint8_t* gate,
+                              Stream stream);
 
 // The compressed phase at one rank (nothing to exchange), one pass: m = m*b1 + (1-b1)*g (as
 // onebit_momentum), then the step of onebit_compressed_step with that m (the same bits as the two).
 Status onebit_local_step(int count, const int64_t* numels, float* const* m, const float* const* v,
                          const float* const* g, float* const* w, void* const* lowp,
-                         const InputType* lowp_types, const AdamHyper& hyper, const uint8_t* gate, Stream stream);
+                         const InputType* lowp_types, const AdamHyper& hyper, const uint8_t* gate,
+                              Stream stream);
 
 // The warm-up (plain Adam) step, one pass: m = m*b1 + (1-b1)*g; v = v*b2 + ((1-b2)*g)*g; then the step
 // of onebit_compressed_step with these m, v.
 Status adam_warmup_step(int count, const int64_t* numels, float* const* m, float* const* v,
                         const float* const* g, float* const* w, void* const* lowp,
-                        const InputType* lowp_types, const AdamHyper& hyper, const uint8_t* gate, Stream stream);
+                        const InputType* lowp_types, const AdamHyper& hyper, const uint8_t* gate,
+                              Stream stream);
 
 // 1-bit LAMB's passes over lists of tensors (cpu_lamb.h's per-element operations, bit for bit, with
 // the IEEE sqrt; c.sqrt is ignored): scales / steps are per tensor (count floats, host memory).
