@@ -329,6 +329,39 @@ def test_onebit_adam_w1_fast_path_scaled_and_stateless_starts(monkeypatch, freez
             assert torch.equal(x, y), f"step {step + 1}, tensor {i}"
 
 
+def test_fast_path_checks_decline_what_the_kernels_cannot_take(monkeypatch):
+    """The kernels take pointers on trust: ``_On.fits`` rejects each way a tensor can differ from
+    what they read, and a state tensor that fails it sends the step down the general path,
+    whose checks raise before anything is written (nothing reaches the C++ pass)."""
+    from compcomm.optim.adam import _On
+    cpu, x = _On(torch.device("cpu")), torch.zeros(12)
+    assert cpu.fits(x, 12) and cpu.fits(x.bfloat16(), 12, (torch.bfloat16,))
+    for bad, n in ((None, 12), (x, 11), (x.double(), 12), (x.bfloat16(), 12),
+                   (x.view(3, 4).t(), 12), (torch.zeros(12, device="meta"), 12)):
+        assert not cpu.fits(bad, n)
+    assert not _On(torch.device("meta")).fits(torch.zeros(12, device="meta"), 12)
+    assert not _On(torch.device("cuda", 0)).fits(x, 12)
+    if not cpu_adam.matches_torch_rules(denom=True):
+        pytest.skip("the CPU kernels do not reproduce torch's ops here: no kernel path at all")
+    calls = _count_local_steps(monkeypatch)
+    gen = torch.Generator().manual_seed(5)
+    ps = [torch.nn.Parameter(torch.randn(6, 4, generator=gen)) for _ in range(2)]
+    opt = OneBitAdam(ps, lr=1e-2, freeze_step=1)
+    for _ in range(2):
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    assert len(calls) == 1  # step 2
+    st = opt.state[ps[1]]
+    st["exp_avg"] = st["exp_avg"].t().contiguous().t()  # same values, strides (1, 6)
+    before = [t.clone() for t in ps + [opt.state[p]["exp_avg"] for p in ps]]
+    with pytest.raises(ValueError, match=r"\[1\]: m must be a contiguous"):
+        opt.step()  # the general path's checks name it; the fast path took no pointer
+    assert len(calls) == 1, "a non-contiguous momentum went to the C++ pass"
+    for a, b in zip(before, ps + [opt.state[p]["exp_avg"] for p in ps]):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("on", [False, True], ids=["step", "step_on"])
 def test_onebit_adam_w1_nonfinite_gradient_changes_nothing(on):
     before, _ = _trajectory(3, on=on)
