@@ -62,8 +62,10 @@ def finite_gate(tensors: Sequence[torch.Tensor], device: torch.device
             lists.setdefault(t.dtype, []).append(t)
     # the max-norm of each tensor (NaN and Inf propagate; finite values cannot overflow it)
     ends = [torch.stack(torch._foreach_norm(ts, math.inf)).float() for ts in lists.values()]
-    gate = (torch.isfinite(torch.cat(ends)).all() if ends
-            else torch.ones((), dtype=torch.bool, device=device))
+    if not ends:
+        gate = torch.ones((), dtype=torch.bool, device=device)
+    else:  # (one dtype, the usual case: no concatenation, one launch fewer)
+        gate = torch.isfinite(ends[0] if len(ends) == 1 else torch.cat(ends)).all()
     host = torch.empty((), dtype=torch.bool, pin_memory=True)
     host.copy_(gate, non_blocking=True)
     copied = torch.cuda.Event()
