@@ -168,10 +168,6 @@ def test_a_nonfinite_gradient_skips_the_gated_step_with_nothing_written(cls, dty
                     else ("stats_", lamb_passes))
     real = getattr(module, name)
     monkeypatch.setattr(module, name, lambda *a, **k: gates.append(k.get("gate")) or real(*a, **k))
-    early: List[Any] = []  # OneBitAdam queues its gate before the step's host checks
-    real_early = OneBitAdam._early_gate
-    monkeypatch.setattr(OneBitAdam, "_early_gate",
-                        lambda self: early.append(real_early(self)) or early[-1])
     shapes = [(33, 17), (129,), (5,), (70001,)]
     gen = torch.Generator().manual_seed(11)
     grads = [[torch.randn(s, generator=gen) * 0.01 for s in shapes] for _ in range(7)]
@@ -194,8 +190,7 @@ def test_a_nonfinite_gradient_skips_the_gated_step_with_nothing_written(cls, dty
             with pytest.warns(RuntimeWarning, match="non-finite gradient"):
                 opt.step()
             skipped = {"steps": opt.skipped_steps, "gated": gates[n_gates:],
-                       "same": _same(before, _snapshot(opt, ps)),
-                       "early": early[-1] if early else None}
+                       "same": _same(before, _snapshot(opt, ps))}
         for pp, oo in ((ps, opt), (ref_ps, ref)):
             for p, g in zip(pp, gs):
                 p.grad = g.to("cuda", dtype)
@@ -203,8 +198,6 @@ def test_a_nonfinite_gradient_skips_the_gated_step_with_nothing_written(cls, dty
     assert skipped["steps"] == 1
     assert skipped["gated"] and all(g is not None for g in skipped["gated"])
     assert skipped["same"], "the skipped step wrote state"
-    if cls is OneBitAdam:
-        assert skipped["early"] is not None and skipped["gated"][-1] is skipped["early"][0]
     # after the skipped step, the bits of a run that never met it
     assert _same(_snapshot(opt, ps), _snapshot(ref, ref_ps))
     assert opt.schedule.step == ref.schedule.step

@@ -330,17 +330,16 @@ def test_onebit_adam_w1_fast_path_scaled_and_stateless_starts(monkeypatch, freez
 
 
 def test_fast_path_checks_decline_what_the_kernels_cannot_take(monkeypatch):
-    """The kernels take pointers on trust: ``_On.fits`` rejects each way a tensor can differ from
+    """The kernels take pointers on trust: ``_fits`` rejects each way a tensor can differ from
     what they read, and a state tensor that fails it sends the step down the general path,
     whose checks raise before anything is written (nothing reaches the C++ pass)."""
-    from compcomm.optim.adam import _On
-    cpu, x = _On(torch.device("cpu")), torch.zeros(12)
-    assert cpu.fits(x, 12) and cpu.fits(x.bfloat16(), 12, (torch.bfloat16,))
+    from compcomm.optim.adam import _fits
+    cpu, x = torch.device("cpu"), torch.zeros(12)
+    assert _fits(x, 12, cpu) and _fits(x.bfloat16(), 12, cpu, (torch.bfloat16,))
     for bad, n in ((None, 12), (x, 11), (x.double(), 12), (x.bfloat16(), 12),
                    (x.view(3, 4).t(), 12), (torch.zeros(12, device="meta"), 12)):
-        assert not cpu.fits(bad, n)
-    assert not _On(torch.device("meta")).fits(torch.zeros(12, device="meta"), 12)
-    assert not _On(torch.device("cuda", 0)).fits(x, 12)
+        assert not _fits(bad, n, cpu)
+    assert not _fits(x, 12, torch.device("cuda", 0))
     if not cpu_adam.matches_torch_rules(denom=True):
         pytest.skip("the CPU kernels do not reproduce torch's ops here: no kernel path at all")
     calls = _count_local_steps(monkeypatch)
@@ -358,6 +357,7 @@ def test_fast_path_checks_decline_what_the_kernels_cannot_take(monkeypatch):
     with pytest.raises(ValueError, match=r"\[1\]: m must be a contiguous"):
         opt.step()  # the general path's checks name it; the fast path took no pointer
     assert len(calls) == 1, "a non-contiguous momentum went to the C++ pass"
+    assert opt.schedule.step == 2 and all(opt.state[p]["step"] == 2 for p in ps)
     for a, b in zip(before, ps + [opt.state[p]["exp_avg"] for p in ps]):
         assert torch.equal(a, b)
 

@@ -159,10 +159,9 @@ class OneBitAdam(OneBitBase):
         t = self.schedule.step + 1
         warm = kind is StepKind.FULL_AVERAGE
         if not warm and (self.world_size == 1 or self._local is not None):
-            early = self._early_gate()
             runs = self._local_runs()
             if runs is not None:
-                self._local_step(runs, t, early)
+                self._local_step(runs, t)
                 self.schedule.advance(kind)
                 return
         grads = self._grads(average=warm)
@@ -230,29 +229,6 @@ class OneBitAdam(OneBitBase):
 
         return momentum
 
-    def _early_gate(self) -> Optional[Tuple[torch.Tensor, Callable[[], bool]]]:
-        """The one-rank GPU step's ``finite_gate`` over the raw gradients, queued before the
-        step's host checks (:meth:`_local_runs`) so that the GPU runs it meanwhile. It holds for
-        the gradients the kernel reads: those, or their exact fp32 copies. None where it cannot
-        be queued yet: not on a GPU, ``check_finite`` off, GradScaler's unscale still to come
-        (a product may overflow), sparse gradients or several devices (the step's own checks
-        then decide), or where the kernel path will not take the step (the checks would run
-        twice)."""
-        local = self._local
-        if (not self.check_finite or self._device().type != "cuda" or not _fused.enabled()
-                or (local is None and getattr(self, "_grad_scale", None) is not None)
-                or any(g.get("exp_avg_mask") is not None for g in self.param_groups)):
-            return None
-        if local is not None:
-            gs = list(local.values())
-        else:
-            gs = [p.grad for group in self.param_groups for p in group["params"]
-                  if p.grad is not None]
-        dev = gs[0].device if gs else None
-        if dev is None or dev.type != "cuda" or any(g.is_sparse or g.device != dev for g in gs):
-            return None
-        return finite_gate(gs, dev)
-
     def _local_runs(self) -> Optional[List[Tuple[Dict[str, Any], List[List[Any]]]]]:
         """The compressed step where nothing is sent (one rank, or ``step_on``) as the kernels
         take it: per param group, ``(group, [ws, ms, vs, gs, param_outs, states])`` over its
@@ -282,20 +258,19 @@ class OneBitAdam(OneBitBase):
                 w, out = (p, None) if p.dtype == f32 else (st.get("master_param"), p)
                 if dev is None:
                     dev = p.device
-                    on = _On(dev)
-                    # on the CPU a bf16/fp16 gradient goes down as is: checked and read in its
-                    # own dtype (2 bytes per element, converted exactly in registers), not copied
-                    # to fp32 first; the CUDA kernel reads fp32
-                    ok = _GRAD_DTYPES if on.cpu else (f32,)
                 m, v = st.get("exp_avg"), st.get("exp_avg_sq")
-                if not (on.fits(w, n) and on.fits(m, n) and on.fits(v, n)):
+                if not (_fits(w, n, dev) and _fits(m, n, dev) and _fits(v, n, dev)):
                     return None  # before any gradient copy
+                # on the CPU a bf16/fp16 gradient goes down as is: checked and read in its own
+                # dtype (2 bytes per element, converted exactly in registers), not copied to fp32
+                # first; the CUDA kernel reads fp32
+                ok = _GRAD_DTYPES if dev.type == "cpu" else (f32,)
                 if local is None and (scale is not None or g.dtype not in ok
                                       or not g.is_contiguous()):
                     g = fp32_grad(p, copy=scale is not None)  # as _grads does
-                if not on.fits(g, n, ok):
+                if not _fits(g, n, dev, ok):
                     return None
-                if out is not None and not on.fits(out, n, _OUT_DTYPES):
+                if out is not None and not _fits(out, n, dev, _OUT_DTYPES):
                     return None
                 ws.append(w)
                 ms.append(m)
@@ -317,8 +292,7 @@ class OneBitAdam(OneBitBase):
                     g.mul_(inv)
         return runs
 
-    def _local_step(self, runs: List[Tuple[Dict[str, Any], List[List[Any]]]], t: int,
-                    early: Optional[Tuple[torch.Tensor, Callable[[], bool]]] = None) -> None:
+    def _local_step(self, runs: List[Tuple[Dict[str, Any], List[List[Any]]]], t: int) -> None:
         """Step ``t`` of the compressed phase with nothing sent, on ``_local_runs()``: the
         average is the rank's own momentum, so momentum and step are one pass per tensor
         (``onebit_local_steps_``, one C++ call per param group; on a GPU
@@ -327,13 +301,12 @@ class OneBitAdam(OneBitBase):
         step. The finiteness check of every gradient (on the CPU one C++ pass, a bf16/fp16
         gradient in its own dtype) runs before anything is written; on a GPU its verdict gates
         the kernel on the device (``finite_gate``), so the launch does not wait for it: the host
-        waits for the verdict after the launch, before it writes any state of its own.
-        ``early``: that gate, queued before the host checks (:meth:`_early_gate`)."""
+        waits for the verdict after the launch, before it writes any state of its own."""
         all_gs = [g for _, cols in runs for g in cols[3]]
         cuda = not runs[0][1][0][0].is_cpu
         gate, verdict = None, None
         if cuda and self.check_finite:
-            gate, verdict = early or finite_gate(all_gs, runs[0][1][0][0].device)
+            gate, verdict = finite_gate(all_gs, runs[0][1][0][0].device)
         else:
             self._check_finite(all_gs, agree=False)
         bc2_t = min(t, self.freeze_step)  # the variance (and its correction) frozen after warm-up
@@ -393,21 +366,12 @@ _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _OUT_DTYPES = (torch.bfloat16, torch.float16)  # the low-precision parameters the kernels write
 
 
-class _On:
-    """Whether a tensor is one the C++ passes and the CUDA kernel take on trust: contiguous,
-    ``n`` elements of one of ``dtypes``, on ``dev`` (the CPU or one GPU). Compares the device
-    index, not a ``torch.device`` (a new object per read): the host's checks of a 150-tensor step
-    are most of its cost before the kernel launch."""
-
-    def __init__(self, dev: torch.device):
-        self.cpu, self.cuda = dev.type == "cpu", dev.type == "cuda"
-        self.index = -1 if self.cpu else dev.index
-
-    def fits(self, x: Optional[torch.Tensor], n: int,
-             dtypes: Tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
-        return (x is not None and x.dtype in dtypes and x.is_contiguous() and x.numel() == n
-                and (x.is_cpu if self.cpu else self.cuda and x.is_cuda)
-                and x.get_device() == self.index)
+def _fits(x: Optional[torch.Tensor], n: int, dev: torch.device,
+          dtypes: Tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
+    """Whether ``x`` is a contiguous tensor of ``n`` elements of one of ``dtypes`` on ``dev``
+    (what the C++ passes and the CUDA kernel take on trust)."""
+    return (x is not None and x.dtype in dtypes and x.device == dev and x.is_contiguous()
+            and x.numel() == n)
 
 
 def cpu_kernels_usable(group: Dict[str, Any], tensors: Sequence[torch.Tensor] = (),
