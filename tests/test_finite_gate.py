@@ -3,9 +3,11 @@
 On a GPU the one-rank compressed steps of OneBitAdam and OneBitLamb queue the check, pass its
 verdict to the kernels as a device byte and launch at once; a kernel whose gate is 0 writes
 nothing, and the host reads the verdict after the launch, before it changes any state of its own.
-Tested here: the verdicts, that a closed gate leaves every tensor as it was (and an open one gives
-the ungated bits), and that a non-finite gradient skips the optimizer step with nothing written
-and the later steps' bits unchanged. The argument checks run on the CPU too.
+Tested here: the verdicts (fp32 lists through compcomm's multi-tensor kernel, against numpy and
+the CPU twin ``all_finite``; other dtypes through torch's max-norm), that a closed gate leaves
+every tensor as it was (and an open one gives the ungated bits), and that a non-finite gradient
+skips the optimizer step with nothing written and the later steps' bits unchanged. The argument
+checks run on the CPU too.
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-from compcomm._bucketing import finite_gate
+import numpy as np
+
+from compcomm import _C
+from compcomm._bucketing import all_finite, finite_gate
 from compcomm.optim import OneBitAdam, OneBitLamb, _fused, lamb_passes
 from _backends import no_cuda_kernels, no_gpu, skipif
 
@@ -68,6 +73,74 @@ def test_verdicts(dtype):
     for empty in ([], [torch.empty(0, device=dev)]):
         gate, verdict = finite_gate(empty, dev)
         assert verdict() and bool(gate)
+
+
+def test_the_gate_kernel_checks_its_lists():
+    k = getattr(_C, "optim_cuda", None)
+    if k is None or not hasattr(k, "finite_gate"):
+        pytest.skip("no optim_cuda.finite_gate in this build")
+    with pytest.raises(ValueError, match="'x' must hold 1 pointers"):
+        k.finite_gate([3], [], 1, 0)
+    with pytest.raises(ValueError, match="'gate' must be the address of a device byte"):
+        k.finite_gate([], [], 0, 0)
+
+
+@gpu
+def test_the_gate_kernel_matches_numpy_and_the_cpu_twin(monkeypatch):
+    """130 fp32 tensors (more than one launch's 96; chunk-crossing, tiny and misaligned ones, whose
+    elements take the scalar path): one non-finite value anywhere closes the gate, as numpy's
+    isfinite and the CPU check (``all_finite``) say; the fp32 lists go through the kernel."""
+    calls = []
+    real = _C.optim_cuda.finite_gate
+    monkeypatch.setattr(_C.optim_cuda, "finite_gate",
+                        lambda *a: calls.append(len(a[0])) or real(*a))
+    dev = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator().manual_seed(3)
+    sizes = [1, 3, 4, 5, 65536, 65537, 2 * 65536 + 7, 1000] * 16 + [2**21 + 1, 9]
+    host = [torch.randn(n, generator=g) * 1e3 for n in sizes]
+    base = torch.randn(4101, generator=g)
+    host[-1] = base[1:10]  # a contiguous view at an odd offset: no 16-byte loads
+    ts = [x.to(dev) for x in host]
+    ts[-1] = base.to(dev)[1:10]
+    assert len(calls) == 0 and finite_gate(ts, dev)[1]() and len(calls) == 1 and calls[0] == 130
+    places = [(0, 0), (5, 65536), (6, 65536 * 2 + 6), (6, 65535), (128, 2**21), (129, 8), (42, 2)]
+    for (i, j), bad in zip(places, [float("nan"), float("inf"), float("-inf")] * 3):
+        keep = ts[i][j].item()
+        ts[i][j] = bad
+        host_i = host[i].clone()
+        host_i[j] = bad
+        hosts = host[:i] + [host_i] + host[i + 1:]
+        want = all(np.isfinite(x.numpy()).all() for x in hosts)
+        assert not want and all_finite(hosts) is False
+        gate, verdict = finite_gate(ts, dev)
+        assert verdict() is False and not bool(gate), (i, j, bad)
+        ts[i][j] = keep
+    gate, verdict = finite_gate(ts, dev)
+    assert verdict() and bool(gate) and len(calls) == 2 + len(places)
+    # largest finite values are finite; a bf16 tensor in the list sends it to torch's max-norm
+    ts[3][1] = torch.finfo(torch.float32).max
+    assert finite_gate(ts, dev)[1]()
+    n = len(calls)
+    assert not finite_gate(ts + [torch.tensor([float("nan")], device=dev).bfloat16()], dev)[1]()
+    assert len(calls) == n
+
+
+@gpu
+def test_the_gate_kernel_spans_launches():
+    """One tensor of more than two launches' worth of chunks (320 chunks of 65536 a launch): a bad
+    value in the first chunk, in the first chunk of the second launch, or in the last element
+    closes the gate; each launch's blocks read the right part of the tensor."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    per_launch = 320 * 65536
+    big = torch.zeros(2 * per_launch + 77, device=dev)
+    small = torch.ones(5, device=dev)
+    assert finite_gate([small, big, small], dev)[1]()
+    for j in (0, per_launch - 1, per_launch, per_launch + 65536 * 3 + 1, 2 * per_launch,
+              big.numel() - 1):
+        big[j] = float("nan")
+        assert finite_gate([small, big, small], dev)[1]() is False, j
+        big[j] = 0.0
+    assert finite_gate([small, big, small], dev)[1]()
 
 
 def _adam_lists(seed: int) -> List[List[Any]]:

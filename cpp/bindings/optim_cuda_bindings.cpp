@@ -94,6 +94,23 @@ void bind_optim_cuda(py::module_& parent) {
       py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
       "out[i] = m[i]*beta1 + (1-beta1)*g[i] (m empty: zero momentum; out may be m).");
 
+  m.def(
+      "finite_gate",
+      [](const std::vector<int64_t>& numels, const Ptrs& x, uintptr_t gate, int device, uintptr_t stream) {
+        const size_t n = numels.size();
+        auto xs = list_of<const float>(x, n, "x");
+        if (gate == 0) throw InvalidArgument("argument 'gate' must be the address of a device byte, got 0");
+        const kernels::ScopedDevice on(device);
+        check(kernels::cuda::finite_gate(static_cast<int>(n), numels.data(), xs.data(),
+                                         reinterpret_cast<uint8_t*>(gate),
+                                         reinterpret_cast<kernels::Stream>(stream)),
+              "finite_gate");
+      },
+      py::arg("numels"), py::arg("x"), py::arg("gate"), py::arg("device"), py::arg("stream") = 0,
+      py::call_guard<py::gil_scoped_release>(),
+      "*gate = 1 if every element of the fp32 tensors x is finite, else 0 (queued on stream: a memset "
+      "and one read-only multi-tensor pass; no sync).");
+
   // The three steps share their signature: (numels, x, m, v, w, lowp, lowp_types, hyper..., device,
   // stream, gate).
   auto step = [&m](const char* name, StepFn fn, const char* first, bool first_is_grad, const char* doc) {

@@ -91,6 +91,16 @@ struct MomentumOp {
   }
 };
 
+// 0 x (read only): clears *flag where an element is Inf or NaN (every writer writes 0: no race
+// that matters). The finiteness gate of the steps above, one read of 4 bytes per element.
+struct FiniteOp {
+  static constexpr int kDepth = 1, kLoad = 0b1, kStore = 0, kOptional = 0, kLowpFrom = -1;
+  uint8_t* flag;
+  __device__ __forceinline__ void operator()(float (&x)[kDepth]) const {
+    if (!isfinite(x[0])) *flag = 0;
+  }
+};
+
 // 0 a, 1 m, 2 v, 3 w (+ 4 low-precision w).
 struct CompressedStepOp {
   static constexpr int kDepth = 4, kLoad = 0b1101, kStore = 0b1010, kOptional = 0, kLowpFrom = 3;
@@ -329,6 +339,13 @@ Status adam_warmup_step(int count, const int64_t* numels, float* const* m, float
                           reinterpret_cast<void* const*>(w), lowp};
   return apply<WarmupStepOp, 40>(count, numels, lists, lowp_types, WarmupStepOp{scalars_of(hyper)}, gate,
                                  stream);
+}
+
+Status finite_gate(int count, const int64_t* numels, const float* const* x, uint8_t* gate, Stream stream) {
+  if (gate == nullptr) return Status::kInvalidArgument;
+  if (cudaMemsetAsync(gate, 1, 1, static_cast<cudaStream_t>(stream)) != cudaSuccess) return Status::kCudaError;
+  void* const* lists[] = {reinterpret_cast<void* const*>(const_cast<float* const*>(x))};
+  return apply<FiniteOp, 96>(count, numels, lists, nullptr, FiniteOp{gate}, nullptr, stream);
 }
 
 }  // namespace cuda

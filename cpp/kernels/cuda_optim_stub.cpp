@@ -21,6 +21,7 @@ Status adam_warmup_step(int, const int64_t*, float* const*, float* const*, const
                               Stream) {
   return Status::kNotBuilt;
 }
+Status finite_gate(int, const int64_t*, const float* const*, uint8_t*, Stream) { return Status::kNotBuilt; }
 int64_t lamb_partials(int, const int64_t*) { return 0; }
 Status lamb_momentum(const cpu::LambCoeffs&, int, const int64_t*, float* const*, const float* const*,
                      float* const*, const float*, Stream) {

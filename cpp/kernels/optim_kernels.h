@@ -64,6 +64,11 @@ Status adam_warmup_step(int count, const int64_t* numels, float* const* m, float
                         const InputType* lowp_types, const AdamHyper& hyper, const uint8_t* gate,
                               Stream stream);
 
+// gate = 1 if every element of the fp32 tensors x[i] is finite, else 0 (one device byte, written by
+// work queued on stream: a memset, then one read-only pass): the `gate` the steps and lamb_stats
+// take, without a host sync and with one launch per ~20M elements whatever the tensor count.
+Status finite_gate(int count, const int64_t* numels, const float* const* x, uint8_t* gate, Stream stream);
+
 // 1-bit LAMB's passes over lists of tensors (cpu_lamb.h's per-element operations, bit for bit, with
 // the IEEE sqrt; c.sqrt is ignored): scales / steps are per tensor (count floats, host memory).
 // lamb_stats takes last (after an exchange) or g (one rank: the momentum is updated in the pass),

@@ -55,17 +55,32 @@ def finite_gate(tensors: Sequence[torch.Tensor], device: torch.device
     that take it (``gate=`` of :mod:`compcomm.optim._fused` and ``lamb_passes.stats_``) write
     nothing where it is False. ``verdict()`` waits for a copy of the gate queued right after it
     (not for the kernels queued later) and returns it, so the step's launches overlap the check
-    and the host still learns the verdict before it changes any state of its own."""
-    lists: Dict[torch.dtype, List[torch.Tensor]] = {}
-    for t in tensors:
-        if t.numel():
+    and the host still learns the verdict before it changes any state of its own.
+
+    Contiguous fp32 tensors on ``device`` (the optimizers' case) take compcomm's multi-tensor
+    kernel where the build has it (``_C.optim_cuda.finite_gate``: a memset and one launch per ~20M
+    elements), others one ``torch._foreach_norm`` per dtype (which makes a result tensor per input
+    tensor, host time that grows with the tensor count)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    ts = [t for t in tensors if t.numel()]
+    k = getattr(_C, "optim_cuda", None)
+    if ts and k is not None and k.built() and all(
+            t.dtype is torch.float32 and t.is_cuda and t.get_device() == index
+            and t.is_contiguous() for t in ts):
+        gate = torch.empty((), dtype=torch.bool, device=device)
+        k.finite_gate([t.numel() for t in ts], [t.data_ptr() for t in ts], gate.data_ptr(), index,
+                      torch.cuda.current_stream(device).cuda_stream)
+    else:
+        lists: Dict[torch.dtype, List[torch.Tensor]] = {}
+        for t in ts:
             lists.setdefault(t.dtype, []).append(t)
-    # the max-norm of each tensor (NaN and Inf propagate; finite values cannot overflow it)
-    ends = [torch.stack(torch._foreach_norm(ts, math.inf)).float() for ts in lists.values()]
-    if not ends:
-        gate = torch.ones((), dtype=torch.bool, device=device)
-    else:  # (one dtype, the usual case: no concatenation, one launch fewer)
-        gate = torch.isfinite(ends[0] if len(ends) == 1 else torch.cat(ends)).all()
+        # the max-norm of each tensor (NaN and Inf propagate; finite values cannot overflow it)
+        ends = [torch.stack(torch._foreach_norm(same, math.inf)).float()
+                for same in lists.values()]
+        if not ends:
+            gate = torch.ones((), dtype=torch.bool, device=device)
+        else:  # (one dtype, the usual case: no concatenation, one launch fewer)
+            gate = torch.isfinite(ends[0] if len(ends) == 1 else torch.cat(ends)).all()
     host = torch.empty((), dtype=torch.bool, pin_memory=True)
     host.copy_(gate, non_blocking=True)
     copied = torch.cuda.Event()
