@@ -32,8 +32,12 @@ Status lamb_stats(const cpu::LambCoeffs&, int, const int64_t*, float* const*, co
                   const float*, double*, float*, const uint8_t*, Stream) {
   return Status::kNotBuilt;
 }
+Status lamb_factors(int, const float*, const double*, const LambFactorRule&, double*, float*,
+                    const uint8_t*, Stream) {
+  return Status::kNotBuilt;
+}
 Status lamb_apply(const cpu::LambCoeffs&, int, const int64_t*, const float* const*,
-                  const float* const*, float* const*, const float*, Stream) {
+                  const float* const*, float* const*, const float*, const float*, const uint8_t*, Stream) {
   return Status::kNotBuilt;
 }
 }  // namespace compcomm::kernels::cuda
