@@ -157,6 +157,9 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t n = lists.numel[t];
   const int64_t begin = static_cast<int64_t>(lists.block_chunk[blockIdx.x]) * kChunk;
   const int64_t end = n < begin + kChunk ? n : begin + kChunk;
+  // 16-byte loads a thread issues per iteration and list: a read-only op (the finiteness check, one
+  // list) needs four in flight to keep HBM busy; the others load several lists already
+  constexpr int kUnroll = Op::kStore == 0 && Op::kLowpFrom < 0 ? 4 : 1;
   float* p[D];
   bool vec = true;
 #pragma unroll
@@ -175,16 +178,31 @@ __global__ void __launch_bounds__(kThreads)
   int64_t scalar_from = begin;
   if (vec) {
     const int64_t vend = begin + ((end - begin) & ~static_cast<int64_t>(kIlp - 1));
-    for (int64_t i = begin + static_cast<int64_t>(threadIdx.x) * kIlp; i < vend; i += stride) {
-      float x[kIlp][D];
+    for (int64_t i0 = begin + static_cast<int64_t>(threadIdx.x) * kIlp; i0 < vend; i0 += stride * kUnroll) {
+      // a read-only op's loads all issued before its checks (whose stores may alias them)
+      float xs[kUnroll][kIlp][D];
 #pragma unroll
-      for (int d = 0; d < D; ++d) {
-        if ((Op::kLoad >> d) & 1) {
-          float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-          if (!((Op::kOptional >> d) & 1) || p[d] != nullptr) v = *reinterpret_cast<const float4*>(p[d] + i);
-          x[0][d] = v.x, x[1][d] = v.y, x[2][d] = v.z, x[3][d] = v.w;
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t i = i0 + u * stride;
+#pragma unroll
+        for (int d = 0; d < D; ++d) {
+          if ((Op::kLoad >> d) & 1) {
+            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (i < vend && (!((Op::kOptional >> d) & 1) || p[d] != nullptr))
+              v = *reinterpret_cast<const float4*>(p[d] + i);
+            xs[u][0][d] = v.x, xs[u][1][d] = v.y, xs[u][2][d] = v.z, xs[u][3][d] = v.w;
+          }
         }
       }
+#pragma unroll
+      for (int u = 1; u < kUnroll; ++u) {  // (kUnroll > 1: read-only ops, nothing stored below)
+        if (i0 + u * stride < vend) {
+#pragma unroll
+          for (int j = 0; j < kIlp; ++j) op(xs[u][j]);
+        }
+      }
+      const int64_t i = i0;
+      auto& x = xs[0];
 #pragma unroll
       for (int j = 0; j < kIlp; ++j) op(x[j]);
 #pragma unroll
@@ -343,7 +361,8 @@ Status adam_warmup_step(int count, const int64_t* numels, float* const* m, float
 
 Status finite_gate(int count, const int64_t* numels, const float* const* x, uint8_t* gate, Stream stream) {
   if (gate == nullptr) return Status::kInvalidArgument;
-  if (cudaMemsetAsync(gate, 1, 1, static_cast<cudaStream_t>(stream)) != cudaSuccess) return Status::kCudaError;
+  if (cudaMemsetAsync(gate, 1, 1, static_cast<cudaStream_t>(stream)) != cudaSuccess)
+    return Status::kCudaError;
   void* const* lists[] = {reinterpret_cast<void* const*>(const_cast<float* const*>(x))};
   return apply<FiniteOp, 96>(count, numels, lists, nullptr, FiniteOp{gate}, nullptr, stream);
 }

@@ -173,8 +173,8 @@ class OneBitLamb(OneBitBase):
         t = self.schedule.step + 1
         warm = kind is StepKind.FULL_AVERAGE
         self._ensure_fused()
-        # one rank on a GPU: the gradients' check gates the statistics pass on the device and
-        # its verdict comes with the statistics (one host sync); else it runs here
+        # one rank on a GPU: the gradients' check gates the passes on the device and its
+        # verdict is read after they are queued; else it runs here
         gated = (not warm and self.check_finite and self._flat is not None and self._flat.is_cuda
                  and (self._local is not None or self.world_size == 1))
         grads = self._grads(average=warm, check=not gated)
@@ -304,7 +304,7 @@ class OneBitLamb(OneBitBase):
         (:mod:`compcomm.optim.lamb_passes`), or None where they do not apply (not all fp32 on the
         CPU or one GPU, a mask, a parameter without gradient, another result than the torch ops
         on this CPU): ``[(coefficients, group, items)]`` in runs of one group of at most
-        ``_RUN_ELEMENTS`` on the CPU (on a GPU one run a group: one host sync a run)."""
+        ``_RUN_ELEMENTS`` on the CPU (on a GPU one run a group)."""
         if not params or any(p not in grads for p in params):
             return None
         sts = [self.state[p] for p in params]
@@ -331,7 +331,7 @@ class OneBitLamb(OneBitBase):
         for p, st, w, v in zip(params, sts, ws, vs):
             items.append((groups[id(p)], p, _Item(p, st, w, off, v)))
             off += p.numel()
-        # a GPU: one run a param group, so one host sync a group (the passes hold no temporaries)
+        # a GPU: one run a param group (the passes hold no temporaries)
         limit, sqrt = (sys.maxsize, "ieee") if cuda else (_RUN_ELEMENTS, None)
         return [(lamb_passes.coeffs(group, t, self.freeze_step, v_is_sqrt, sqrt), group,
                  [it for _, _, it in run]) for group, run in group_chunks(items, limit)]
