@@ -192,31 +192,6 @@ def test_argument_errors():
     with pytest.raises(ValueError, match="contiguous"):
         lamb_passes.stats_(c, [x], [x.clone()], [x.clone()], [torch.zeros(8)[::2]], [x.clone()],
                         [1.0])
-    with pytest.raises(ValueError, match="'gate' and tensor 'neg_steps' are for CUDA"):
-        lamb_passes.applies_(c, [x], [x.clone()], [x.clone()], torch.ones(1))
-    with pytest.raises(ValueError, match="'gate' and tensor 'neg_steps' are for CUDA"):
-        lamb_passes.applies_(c, [x], [x.clone()], [x.clone()], [1.0],
-                             gate=torch.ones((), dtype=torch.bool))
-    with pytest.raises(ValueError, match="'stats' must be a \\(2, 3\\) float32 CUDA"):
-        lamb_passes.factors_(torch.ones(2, 3), [1.0, 1.0], [1.0, 1.0], _group(False, 0.0),
-                             0.01, 10.0, 0.1)
-
-
-def test_the_cuda_bindings_check_the_device_steps_and_factors_arguments():
-    """The CUDA passes' bindings refuse what would reach a kernel as a bad address (these checks
-    run before any CUDA call, so also in builds without CUDA)."""
-    k = getattr(_C, "optim_cuda", None)
-    if k is None or not hasattr(k, "lamb_factors"):
-        pytest.skip("no optim_cuda.lamb_factors in this build")
-    c = lamb_passes.coeffs(_group(False, 0.0), 3, 2, False, "ieee")
-    with pytest.raises(ValueError, match="'steps' or 'steps_ptr', not both"):
-        k.lamb_apply(c, [4], [8], [8], [8], [1.0], 0, steps_ptr=8)
-    with pytest.raises(ValueError, match="'steps' must hold one per count"):
-        k.lamb_apply(c, [4], [8], [8], [8], [], 0)
-    with pytest.raises(ValueError, match="must be device addresses, got 0"):
-        k.lamb_factors(2, 8, 0, 8, 8, 0.01, 10.0, 0.1, -1e-3, True, 0)
-    with pytest.raises(ValueError, match="'count' must be >= 0"):
-        k.lamb_factors(-1, 8, 8, 8, 8, 0.01, 10.0, 0.1, -1e-3, True, 0)
 
 
 def test_the_passes_give_torch_bits_here():

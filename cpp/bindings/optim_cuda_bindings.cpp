@@ -229,54 +229,21 @@ void bind_optim_cuda(py::module_& parent) {
       "m[i] /= scales[i] (or, with g, the momentum updated), v_fresh[i] updated; out[3 i ..] = "
       "max ratio, ||u||, ||update|| (fp32); partials: lamb_partials(numels) * 3 doubles.");
   m.def(
-      "lamb_factors",
-      [](int count, uintptr_t stats, uintptr_t prev, uintptr_t factors, uintptr_t steps,
-         double factor_min, double factor_max, double threshold, double neg_lr, bool weight_decay,
-         int device, uintptr_t stream, uintptr_t gate) {
-        if (count < 0) throw InvalidArgument("argument 'count' must be >= 0, got " + std::to_string(count));
-        if (count > 0 && (stats == 0 || prev == 0 || factors == 0 || steps == 0))
-          throw InvalidArgument(
-              "lamb_factors: 'stats', 'prev', 'factors' and 'steps' must be device addresses, got 0");
-        const kernels::cuda::LambFactorRule rule{factor_min, factor_max, threshold, neg_lr, weight_decay};
-        const kernels::ScopedDevice on(device);
-        check(kernels::cuda::lamb_factors(count, reinterpret_cast<const float*>(stats),
-                                          reinterpret_cast<const double*>(prev), rule,
-                                          reinterpret_cast<double*>(factors),
-                                          reinterpret_cast<float*>(steps),
-                                          reinterpret_cast<const uint8_t*>(gate),
-                                          reinterpret_cast<kernels::Stream>(stream)),
-              "lamb_factors");
-      },
-      py::arg("count"), py::arg("stats"), py::arg("prev"), py::arg("factors"), py::arg("steps"),
-      py::arg("factor_min"), py::arg("factor_max"), py::arg("threshold"), py::arg("neg_lr"),
-      py::arg("weight_decay"), py::arg("device"), py::arg("stream") = 0, py::arg("gate") = 0,
-      py::call_guard<py::gil_scoped_release>(),
-      "On the device: factors[i] (fp64) = functional.lamb_factor of lamb_stats' out[3 i ..] and "
-      "prev[2 i] (the last factor); steps[i] (fp32) = neg_lr * (prev[2 i + 1] * factors[i]).");
-  m.def(
       "lamb_apply",
       [](const LambCoeffs& c, const std::vector<int64_t>& numels, const Ptrs& mm, const Ptrs& v,
-         const Ptrs& w, const std::vector<float>& steps, int device, uintptr_t stream,
-         uintptr_t steps_ptr, uintptr_t gate) {
+         const Ptrs& w, const std::vector<float>& steps, int device, uintptr_t stream) {
         const size_t n = numels.size();
         auto ms = list_of<const float>(mm, n, "m");
         auto vs = list_of<const float>(v, n, "v");
         auto ws = list_of<float>(w, n, "w");
-        if (steps_ptr != 0 && !steps.empty())
-          throw InvalidArgument("lamb_apply: pass 'steps' or 'steps_ptr', not both");
-        if (steps_ptr == 0 && steps.size() != n)
-          throw InvalidArgument("argument 'steps' must hold one per count");
+        if (steps.size() != n) throw InvalidArgument("argument 'steps' must hold one per count");
         const kernels::ScopedDevice on(device);
         check(kernels::cuda::lamb_apply(c, static_cast<int>(n), numels.data(), ms.data(), vs.data(),
-                                        ws.data(), steps_ptr != 0 ? nullptr : steps.data(),
-                                        reinterpret_cast<const float*>(steps_ptr),
-                                        reinterpret_cast<const uint8_t*>(gate),
+                                        ws.data(), steps.data(),
                                         reinterpret_cast<kernels::Stream>(stream)),
               "lamb_apply");
       },
       py::arg("c"), py::arg("numels"), py::arg("m"), py::arg("v"), py::arg("w"), py::arg("steps"),
-      py::arg("device"), py::arg("stream") = 0, py::arg("steps_ptr") = 0, py::arg("gate") = 0,
-      py::call_guard<py::gil_scoped_release>(),
-      "w[i] += update * steps[i] (steps[i] = -lr * coefficient; steps_ptr: the steps as count "
-      "floats in device memory, e.g. lamb_factors' steps, instead of the host list).");
+      py::arg("device"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+      "w[i] += update * steps[i] (steps[i] = -lr * coefficient).");
 }

@@ -187,43 +187,13 @@ __global__ void finish_kernel(const Launch L, bool weight_decay, const double* p
   o[0] = mx, o[1] = static_cast<float>(sqrt(su)), o[2] = static_cast<float>(sqrt(weight_decay ? sd : su));
 }
 
-// One thread a tensor: functional.lamb_factor of stats (finish_kernel's out) and the last factor,
-// in fp64 in Python's order and with Python's min/max (min(a, b) is b only where b < a, so a NaN
-// first argument stays), then the apply pass's step -lr * (coefficient at freeze * factor) rounded
-// to fp32 as the binding rounds a Python float. prev: (last factor, coefficient at freeze) pairs.
-__global__ void factors_kernel(int count, const float* stats, const double* prev, LambFactorRule r,
-                               double* factors, float* steps, const uint8_t* gate) {
-  if (gate != nullptr && *gate == 0) return;
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= count) return;
-  const float* s = stats + 3 * i;
-  double f = s[0];
-  if (r.weight_decay) {
-    double ratio = 1.0;
-    if (static_cast<double>(s[2]) > 0) {
-      const double q = static_cast<double>(s[1]) / static_cast<double>(s[2]);
-      ratio = q < 1.0 ? q : 1.0;
-    }
-    f = f * ratio + (1.0 - ratio);
-  }
-  f = r.factor_min > f ? r.factor_min : f;
-  f = r.factor_max < f ? r.factor_max : f;
-  const double hi = prev[2 * i] * (1.0 + r.threshold), lo = prev[2 * i] * (1.0 - r.threshold);
-  f = hi < f ? hi : f;
-  f = lo > f ? lo : f;
-  factors[i] = f;
-  steps[i] = static_cast<float>(r.neg_lr * (prev[2 * i + 1] * f));
-}
-
-// 0 m, 1 v, 2 w: w = w + update * step (the launch's scalar, or steps[index] where steps is given).
-__global__ void __launch_bounds__(kThreads) apply_kernel(const Launch L, const cpu::LambCoeffs c,
-                                                         const float* steps, const uint8_t* gate) {
-  if (gate != nullptr && *gate == 0) return;  // optim_kernels.h: nothing written
+// 0 m, 1 v, 2 w: w = w + update * step.
+__global__ void __launch_bounds__(kThreads) apply_kernel(const Launch L, const cpu::LambCoeffs c) {
   const Range r = range_of(L);
   const float* m = static_cast<const float*>(L.p[0][r.t]);
   const float* v = static_cast<const float*>(L.p[1][r.t]);
   float* w = static_cast<float*>(L.p[2][r.t]);
-  const float step = steps != nullptr ? steps[L.index[r.t]] : L.scalar[r.t];
+  const float step = L.scalar[r.t];
   for (int64_t base = r.begin + threadIdx.x; base < r.end; base += kIlp * blockDim.x) {
     float xm[kIlp], xv[kIlp], xw[kIlp];
 #pragma unroll
@@ -264,7 +234,6 @@ Status launch_chunks(int count, const int64_t* numels, int depth, const void* co
     l.numel[nt] = n;
     l.scalar[nt] = scalars != nullptr ? scalars[i] : 1.f;
     l.part0[nt] = part;
-    l.index[nt] = i;
     const int64_t chunks = (n + kChunk - 1) / kChunk;
     part += chunks;
     ++nt;
@@ -283,7 +252,6 @@ Status launch_chunks(int count, const int64_t* numels, int depth, const void* co
           l.numel[0] = l.numel[nt - 1];
           l.scalar[0] = l.scalar[nt - 1];
           l.part0[0] = l.part0[nt - 1];
-          l.index[0] = l.index[nt - 1];
           nt = 1;
         }
       }
@@ -351,27 +319,15 @@ Status lamb_stats(const cpu::LambCoeffs& c, int count, const int64_t* numels, fl
   return Status::kSuccess;
 }
 
-Status lamb_factors(int count, const float* stats, const double* prev, const LambFactorRule& rule,
-                    double* factors, float* steps, const uint8_t* gate, Stream stream) {
-  if (count < 0 || (count > 0 && (stats == nullptr || prev == nullptr || factors == nullptr ||
-                                  steps == nullptr)))
-    return Status::kInvalidArgument;
-  if (count == 0) return Status::kSuccess;
-  factors_kernel<<<(count + 127) / 128, 128, 0, static_cast<cudaStream_t>(stream)>>>(
-      count, stats, prev, rule, factors, steps, gate);
-  return launched() ? Status::kSuccess : Status::kCudaError;
-}
-
 Status lamb_apply(const cpu::LambCoeffs& c, int count, const int64_t* numels, const float* const* m,
-                  const float* const* v, float* const* w, const float* steps, const float* dev_steps,
-                  const uint8_t* gate, Stream stream) {
-  if ((steps == nullptr) == (dev_steps == nullptr) && count > 0) return Status::kInvalidArgument;
+                  const float* const* v, float* const* w, const float* steps, Stream stream) {
+  if (steps == nullptr && count > 0) return Status::kInvalidArgument;
   const void* const* lists[] = {reinterpret_cast<const void* const*>(m),
                                 reinterpret_cast<const void* const*>(v),
                                 reinterpret_cast<const void* const*>(w)};
   const auto s = static_cast<cudaStream_t>(stream);
   return launch_chunks(count, numels, 3, lists, steps, [&](const Launch& l, int blocks) {
-    apply_kernel<<<blocks, kThreads, 0, s>>>(l, c, dev_steps, gate);
+    apply_kernel<<<blocks, kThreads, 0, s>>>(l, c);
     return launched();
   });
 }

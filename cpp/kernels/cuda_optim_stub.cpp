@@ -32,12 +32,8 @@ Status lamb_stats(const cpu::LambCoeffs&, int, const int64_t*, float* const*, co
                   const float*, double*, float*, const uint8_t*, Stream) {
   return Status::kNotBuilt;
 }
-Status lamb_factors(int, const float*, const double*, const LambFactorRule&, double*, float*,
-                    const uint8_t*, Stream) {
-  return Status::kNotBuilt;
-}
 Status lamb_apply(const cpu::LambCoeffs&, int, const int64_t*, const float* const*,
-                  const float* const*, float* const*, const float*, const float*, const uint8_t*, Stream) {
+                  const float* const*, float* const*, const float*, Stream) {
   return Status::kNotBuilt;
 }
 }  // namespace compcomm::kernels::cuda

@@ -81,20 +81,8 @@ Status lamb_stats(const cpu::LambCoeffs& c, int count, const int64_t* numels, fl
                   const float* const* last, const float* const* g, const float* const* v,
                   float* const* vf, const float* const* w, const float* scales, double* partials,
                   float* out, const uint8_t* gate, Stream stream);
-// functional.lamb_factor's scalars (fp64, as Python's floats): weight_decay is group wd > 0.
-struct LambFactorRule {
-  double factor_min = 0, factor_max = 0, threshold = 0, neg_lr = 0;
-  bool weight_decay = false;
-};
-// On the device, no host sync: factors[i] = functional.lamb_factor(stats[3 i ..], prev[2 i]) bit
-// for bit and steps[i] = fl32(neg_lr * (prev[2 i + 1] * factors[i])), prev holding (last factor,
-// coefficient at freeze) pairs; stats is lamb_stats' out. All pointers device memory.
-Status lamb_factors(int count, const float* stats, const double* prev, const LambFactorRule& rule,
-                    double* factors, float* steps, const uint8_t* gate, Stream stream);
-// steps (host) or dev_steps (device, e.g. lamb_factors' steps): exactly one.
 Status lamb_apply(const cpu::LambCoeffs& c, int count, const int64_t* numels, const float* const* m,
-                  const float* const* v, float* const* w, const float* steps, const float* dev_steps,
-                  const uint8_t* gate, Stream stream);
+                  const float* const* v, float* const* w, const float* steps, Stream stream);
 
 }  // namespace cuda
 }  // namespace compcomm::kernels

@@ -173,8 +173,8 @@ class OneBitLamb(OneBitBase):
         t = self.schedule.step + 1
         warm = kind is StepKind.FULL_AVERAGE
         self._ensure_fused()
-        # one rank on a GPU: the gradients' check gates the passes on the device and its
-        # verdict is read after they are queued; else it runs here
+        # one rank on a GPU: the gradients' check gates the statistics pass on the device and
+        # its verdict comes with the statistics (one host sync); else it runs here
         gated = (not warm and self.check_finite and self._flat is not None and self._flat.is_cuda
                  and (self._local is not None or self.world_size == 1))
         grads = self._grads(average=warm, check=not gated)
@@ -304,7 +304,7 @@ class OneBitLamb(OneBitBase):
         (:mod:`compcomm.optim.lamb_passes`), or None where they do not apply (not all fp32 on the
         CPU or one GPU, a mask, a parameter without gradient, another result than the torch ops
         on this CPU): ``[(coefficients, group, items)]`` in runs of one group of at most
-        ``_RUN_ELEMENTS`` on the CPU (on a GPU one run a group)."""
+        ``_RUN_ELEMENTS`` on the CPU (on a GPU one run a group: one host sync a run)."""
         if not params or any(p not in grads for p in params):
             return None
         sts = [self.state[p] for p in params]
@@ -331,7 +331,7 @@ class OneBitLamb(OneBitBase):
         for p, st, w, v in zip(params, sts, ws, vs):
             items.append((groups[id(p)], p, _Item(p, st, w, off, v)))
             off += p.numel()
-        # a GPU: one run a param group (the passes hold no temporaries)
+        # a GPU: one run a param group, so one host sync a group (the passes hold no temporaries)
         limit, sqrt = (sys.maxsize, "ieee") if cuda else (_RUN_ELEMENTS, None)
         return [(lamb_passes.coeffs(group, t, self.freeze_step, v_is_sqrt, sqrt), group,
                  [it for _, _, it in run]) for group, run in group_chunks(items, limit)]
@@ -342,19 +342,15 @@ class OneBitLamb(OneBitBase):
                     gated: bool = False) -> None:
         """The compressed step after the exchange through the passes: per run, the statistics
         pass, the factors (:func:`functional.lamb_factor`), the apply pass. ``m_last`` None: a
-        world of one rank, the momentum updated from ``grads`` in the statistics pass. On a GPU
-        the factors are computed on the device (``lamb_passes.factors_``, the same bits), so every
-        pass is queued before the one host sync, which reads them back. ``gated`` (a GPU, one
-        rank): ``grads`` are checked on the device and the check gates every pass; its verdict
-        is read after they are queued, before this object's own state is written:
-        NonFiniteError with nothing written."""
+        world of one rank, the momentum updated from ``grads`` in the statistics pass.
+        ``gated`` (a GPU, one rank): ``grads`` are checked on the device, the check gates the
+        statistics pass, and its verdict is read after the first run's statistics (their host
+        sync covers it) before anything else is written: NonFiniteError with nothing written."""
         local = m_last is None
-        cuda = self._flat.is_cuda
         gate, verdict = None, None
         if gated:
             gate, verdict = finite_gate([grads[it.p] for _, _, items in runs for it in items],
                                         self._flat.device)
-        done = []
         for c, group, items in runs:
             ms = [it.st["exp_avg"] for it in items]
             vs = [it.v for it in items]
@@ -362,30 +358,23 @@ class OneBitLamb(OneBitBase):
             stats = lamb_passes.stats_(c, ms, None if local else [it.last(m_last) for it in items],
                                     vs, [it.st["exp_avg_sq_fresh"] for it in items], ws,
                                     [it.st["scaling_coeff"] for it in items], check=False,
-                                    gs=[grads[it.p] for it in items] if local else None, gate=gate,
-                                    sync=not cuda)
-            rule = (self.factor_min, self.factor_max, self.factor_threshold)
-            if cuda:
-                factors, steps = lamb_passes.factors_(
-                    stats, [it.st["last_factor"] for it in items],
-                    [it.st["lamb_coeff_freeze"] for it in items], group, *rule, gate=gate)
-            else:
-                factors = [F.lamb_factor(ratio, u_norm, update_norm, group, it.st["last_factor"],
-                                         *rule) for it, (ratio, u_norm, update_norm)
-                           in zip(items, stats)]
-                steps = [-group["lr"] * (it.st["lamb_coeff_freeze"] * f)
-                         for it, f in zip(items, factors)]
-            lamb_passes.applies_(c, ms, vs, ws, steps, check=False, gate=gate)
-            done.append((items, factors))
-        if verdict is not None and not verdict():
-            raise non_finite_error(self.rank, self._name)  # the gated passes wrote nothing
-        for items, factors in done:
-            if isinstance(factors, torch.Tensor):
-                factors = factors.tolist()  # the host sync (the first one waits for every pass)
-            for it, factor in zip(items, factors):
-                it.st["step"] = t
-                it.st["last_factor"] = factor
-                self.lamb_coeffs.append(it.st["lamb_coeff_freeze"] * factor)
+                                    gs=[grads[it.p] for it in items] if local else None, gate=gate)
+            if verdict is not None:
+                if not verdict():
+                    raise non_finite_error(self.rank, self._name)
+                gate, verdict = None, None  # every gradient passed: later runs need no gate
+            steps = []
+            for it, (ratio, u_norm, update_norm) in zip(items, stats):
+                st = it.st
+                st["step"] = t
+                factor = F.lamb_factor(ratio, u_norm, update_norm, group, st["last_factor"],
+                                       self.factor_min, self.factor_max, self.factor_threshold)
+                st["last_factor"] = factor
+                coeff = st["lamb_coeff_freeze"] * factor
+                self.lamb_coeffs.append(coeff)
+                steps.append(-group["lr"] * coeff)
+            lamb_passes.applies_(c, ms, vs, ws, steps, check=False)
+            for it in items:
                 write_back(it.p, it.st)
 
     # -- checkpoints ---------------------------------------------------------------------------

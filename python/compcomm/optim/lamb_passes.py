@@ -8,10 +8,9 @@ square root the CPU's torch computes, the correctly rounded one on a GPU: there 
 equal the CPU passes bit for bit, while torch's own CUDA ops round some divisions differently); the
 norms are fp64 sums of the exact squares rounded to fp32 (torch's are fp32 sums), so the factor,
 and with it the step's coefficient, can differ from the torch ops' in its last bits. The lists are
-passed as data pointers, one crossing into C++ per list (on CUDA: one launch per ~20M elements,
-and the factors computed on the device too, so the step needs no host sync between its passes);
-``check=False`` skips the tensor checks where the caller made the tensors itself. The tensors of a
-call are all on the CPU or all on one CUDA device.
+passed as data pointers, one crossing into C++ per list (on CUDA: one launch per ~20M elements, the
+statistics read back in one host sync); ``check=False`` skips the tensor checks where the caller
+made the tensors itself. The tensors of a call are all on the CPU or all on one CUDA device.
 """
 
 from __future__ import annotations
@@ -26,8 +25,7 @@ from . import _fused
 from . import functional as F
 from ._cpu_args import F32, K, Group, check, sqrt_mode, threads, torch_sqrt_mode
 
-__all__ = ["coeffs", "momentums_", "stats_", "factors_", "applies_", "kernels_match_torch",
-           "usable"]
+__all__ = ["coeffs", "momentums_", "stats_", "applies_", "kernels_match_torch", "usable"]
 
 _CK = getattr(_C, "optim_cuda", None)
 
@@ -85,16 +83,14 @@ def momentums_(c: Any, ms: Tensors, gs: Tensors, lasts: Tensors, scales: Sequenc
 
 def stats_(c: Any, ms: Tensors, lasts: Optional[Tensors], vs: Tensors, vfs: Tensors, ws: Tensors,
            scales: Sequence[float], num_threads: Optional[int] = None, check: bool = True,
-           gs: Optional[Tensors] = None, gate: Optional[torch.Tensor] = None, sync: bool = True
-           ) -> Any:
+           gs: Optional[Tensors] = None, gate: Optional[torch.Tensor] = None
+           ) -> List[Tuple[float, float, float]]:
     """After the exchange, per parameter: ``ms[i] /= scales[i]``, the fresh variance ``vfs[i]``
     updated from the reconstructed gradient; returns ``(max ratio, ||u||, ||u + wd w||)`` per
     parameter (the norms rounded to fp32, as torch's). ``gs`` instead of ``lasts``: a world of one
     rank (the average is the momentum itself), :func:`momentums_` done in this pass. ``gate``
     (CUDA only): the inputs' finiteness verdict on the device (``_bucketing.finite_gate``);
-    where False the pass writes nothing and the returned values are meaningless. ``sync=False``
-    (CUDA only): the values stay on the device, a ``(count, 3)`` fp32 tensor for
-    :func:`factors_`, and nothing waits for the pass."""
+    where False the pass writes nothing and the returned values are meaningless."""
     n = [m.numel() for m in ms]
     if _on_cuda(ms):
         dev = ms[0].get_device()
@@ -107,8 +103,6 @@ def stats_(c: Any, ms: Tensors, lasts: Optional[Tensors], vs: Tensors, vfs: Tens
                        _cuda_ptrs(ws, "ws", n, dev, check), [float(s) for s in scales],
                        partials.data_ptr(), out.data_ptr(), dev, _fused.stream(dev),
                        gate=_fused.gate_ptr(gate, dev))
-        if not sync:
-            return out.view(-1, 3)
         return [tuple(r) for r in out.view(-1, 3).tolist()]  # the one host sync
     if gate is not None:
         raise ValueError("argument 'gate' is for CUDA tensors only")
@@ -120,58 +114,16 @@ def stats_(c: Any, ms: Tensors, lasts: Optional[Tensors], vs: Tensors, vfs: Tens
                         gs=[] if gs is None else _ptrs(gs))
 
 
-def factors_(stats: torch.Tensor, last: Sequence[float], freeze: Sequence[float], group: Group,
-             factor_min: float, factor_max: float, threshold: float,
-             gate: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """On the GPU, without a host sync: per parameter the factor
-    ``functional.lamb_factor(*stats[i], group, last[i], factor_min, factor_max, threshold)`` and
-    the apply pass's step ``-lr * (freeze[i] * factor)`` rounded to fp32, as :func:`applies_`
-    rounds ``neg_steps``: ``(factors, steps)``, an fp64 and an fp32 CUDA tensor, the same bits as
-    the Python (fp64 operations in its order, its min/max). ``stats``: :func:`stats_`'s with
-    ``sync=False``; ``gate`` as there (closed: nothing written)."""
-    n, dev = len(last), stats.get_device()
-    if stats.shape != (n, 3) or stats.dtype != torch.float32 or not stats.is_cuda:
-        raise ValueError(f"factors_: 'stats' must be a ({n}, 3) float32 CUDA tensor, got "
-                         f"{tuple(stats.shape)} {stats.dtype} on {stats.device}")
-    if len(freeze) != n:
-        raise ValueError(f"factors_: 'freeze' must hold {n} values, got {len(freeze)}")
-    # (last, freeze) pairs: from pinned memory, so the copy is queued, not waited for
-    pairs = [float(x) for pair in zip(last, freeze) for x in pair]
-    prev = torch.tensor(pairs, dtype=torch.float64).pin_memory().to(stats.device,
-                                                                    non_blocking=True)
-    factors = torch.empty(n, dtype=torch.float64, device=stats.device)
-    steps = torch.empty(n, dtype=torch.float32, device=stats.device)
-    _CK.lamb_factors(n, stats.data_ptr(), prev.data_ptr(), factors.data_ptr(), steps.data_ptr(),
-                     float(factor_min), float(factor_max), float(threshold), -float(group["lr"]),
-                     group["weight_decay"] > 0, dev, _fused.stream(dev),
-                     gate=_fused.gate_ptr(gate, dev))
-    return factors, steps
-
-
-def applies_(c: Any, ms: Tensors, vs: Tensors, ws: Tensors, neg_steps: Any,
-             num_threads: Optional[int] = None, check: bool = True,
-             gate: Optional[torch.Tensor] = None) -> None:
-    """``ws[i] += (u + wd w) * neg_steps[i]`` (``w.add_(update * (-lr * coeff))``). On CUDA
-    ``neg_steps`` may be an fp32 CUDA tensor (:func:`factors_`' steps), read on the device;
-    ``gate`` as in :func:`stats_`."""
+def applies_(c: Any, ms: Tensors, vs: Tensors, ws: Tensors, neg_steps: Sequence[float],
+             num_threads: Optional[int] = None, check: bool = True) -> None:
+    """``ws[i] += (u + wd w) * neg_steps[i]`` (``w.add_(update * (-lr * coeff))``)."""
     n = [w.numel() for w in ws]
     if _on_cuda(ws):
         dev = ws[0].get_device()
-        on_device = isinstance(neg_steps, torch.Tensor)
-        if on_device and (neg_steps.dtype != torch.float32 or neg_steps.numel() != len(n)
-                          or not neg_steps.is_cuda or neg_steps.get_device() != dev
-                          or not neg_steps.is_contiguous()):
-            raise ValueError(f"applies_: 'neg_steps' must be {len(n)} contiguous float32 values "
-                             f"on cuda:{dev}, got {neg_steps.dtype} {tuple(neg_steps.shape)} on "
-                             f"{neg_steps.device}")
         _CK.lamb_apply(c, n, _cuda_ptrs(ms, "ms", n, dev, check),
                        _cuda_ptrs(vs, "vs", n, dev, check), _cuda_ptrs(ws, "ws", n, dev, check),
-                       [] if on_device else [float(s) for s in neg_steps], dev, _fused.stream(dev),
-                       steps_ptr=neg_steps.data_ptr() if on_device else 0,
-                       gate=_fused.gate_ptr(gate, dev))
+                       [float(s) for s in neg_steps], dev, _fused.stream(dev))
         return
-    if gate is not None or isinstance(neg_steps, torch.Tensor):
-        raise ValueError("applies_: 'gate' and tensor 'neg_steps' are for CUDA tensors only")
     if check:
         _checked("lamb applies_", {"m": ms, "v": vs, "w": ws}, n)
     K.lamb_applies(c, n, _ptrs(ms), _ptrs(vs), _ptrs(ws), [float(s) for s in neg_steps],
