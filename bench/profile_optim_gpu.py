@@ -8,14 +8,16 @@ where the host's work before the first launch overlaps the GPU's previous work),
 floor of one pass over p, m, v and the gradient (32 bytes a parameter at this run's copy
 bandwidth).
 
-Run: python bench/profile_optim_gpu.py [--steps 5] [--trace-dir DIR]
+Run: python bench/profile_optim_gpu.py [--steps 5] [--trace-dir DIR] [--host-profile N]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import os
+import pstats
 import sys
 from typing import Dict
 
@@ -46,6 +48,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="profiled steps")
     ap.add_argument("--iters", type=int, default=20, help="timed steps (median)")
     ap.add_argument("--trace-dir", default=None, help="write chrome traces here")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="N",
+                    help="also print the N functions with the most host time (cProfile, "
+                         "synchronised steps)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure")
@@ -85,6 +90,14 @@ def main(argv=None) -> int:
               f"({busy / 1e3 / wall:.0%} of the wall)")
         for name, us in sorted(split.items(), key=lambda kv: -kv[1])[:6]:
             print(f"  {us / 1e3:8.3f} ms  {name}")
+        if args.host_profile:
+            prof_host = cProfile.Profile()
+            prof_host.enable()
+            for _ in range(args.iters):
+                opt.step()
+                torch.cuda.synchronize()
+            prof_host.disable()
+            pstats.Stats(prof_host).sort_stats("tottime").print_stats(args.host_profile)
         if args.trace_dir:
             os.makedirs(args.trace_dir, exist_ok=True)
             prof.export_chrome_trace(os.path.join(args.trace_dir, f"{cls.__name__}.json"))
