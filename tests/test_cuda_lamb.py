@@ -38,7 +38,7 @@ def _tensors(seed):
     return out
 
 
-def _run(cols, group, device, local, scale=1.3, deferred=False):
+def _run(cols, group, device, local, scale=1.3):
     cols = [[x.to(device, copy=True) for x in c] for c in cols]
     ws, ms, gs, vs, vfs = (list(z) for z in zip(*cols))
     lasts = [torch.empty_like(m) for m in ms]
@@ -49,10 +49,7 @@ def _run(cols, group, device, local, scale=1.3, deferred=False):
         lasts = []
     else:
         lamb_passes.momentums_(c, ms, gs, lasts, scales, 1)
-        stats = lamb_passes.stats_(c, ms, lasts, vs, vfs, ws, scales, 1, deferred=deferred)
-        if deferred:  # read back after the apply pass is queued, as OneBitLamb's runs do
-            lamb_passes.applies_(c, ms, vs, ws, [-1e-3 * (1 + i % 5) for i in range(len(ms))], 1)
-            return [[x.cpu() for x in t] for t in (ms, lasts, vfs, ws)], stats()
+        stats = lamb_passes.stats_(c, ms, lasts, vs, vfs, ws, scales, 1)
     lamb_passes.applies_(c, ms, vs, ws, [-1e-3 * (1 + i % 5) for i in range(len(ms))], 1)
     return [[x.cpu() for x in t] for t in (ms, lasts, vfs, ws)], stats
 
@@ -76,10 +73,8 @@ def test_cuda_statistics_are_deterministic_and_keep_nan():
     group = _group(True, 0.01)
     cols = _tensors(4)
     _, a = _run(cols, group, "cuda", False)
-    tb, b = _run(cols, group, "cuda", False)
-    td, d = _run(cols, group, "cuda", False, deferred=True)
-    assert a == b == d
-    assert all(torch.equal(x, y) for u, w in zip(tb, td) for x, y in zip(u, w))
+    _, b = _run(cols, group, "cuda", False)
+    assert a == b
     cols[2][3][1234] = float("nan")  # a NaN variance: that tensor's max and norms are NaN
     _, c = _run(cols, group, "cuda", False)
     assert all(x != x for x in c[2]) and c[3] == a[3]
@@ -102,9 +97,7 @@ def test_onebit_lamb_on_cuda_runs_the_passes(monkeypatch):
                 p.grad = gr
             opt.step()
         finals[fused] = [p.detach().cpu() for p in ps]
-        # five compressed steps, the group in two runs (lamb._GPU_RUNS): (33, 17), (129,), (5,)
-        # then (70001,) alone
-        assert len(calls) == (10 if fused == "1" else 0)
+        assert len(calls) == (5 if fused == "1" else 0)
         calls.clear()
     for a, b in zip(finals["1"], finals["0"]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

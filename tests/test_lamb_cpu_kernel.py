@@ -121,26 +121,6 @@ def test_one_rank_pass_equals_momentum_then_stats(isa, scale):
         assert torch.equal(m1, m) and torch.equal(vf1, vf) and torch.equal(w1, w), n
 
 
-def test_deferred_stats_give_the_same_values_and_tensors():
-    """``stats_(..., deferred=True)`` returns a function of the same values (the GPU step reads one
-    run's statistics while the next run's are computed); the tensors are written as without it."""
-    group = _group(True, 0.01)
-    c = lamb_passes.coeffs(group, 9, 4, False, "ieee")
-    cols = [_tensors(n, n + 2) for n in SIZES]
-    outs = []
-    for deferred in (False, True):
-        ws, ms, gs, vs, vfs = ([x.clone() for x in col] for col in zip(*cols))
-        got = lamb_passes.stats_(c, ms, None, vs, vfs, ws, [1.3] * len(ms), 1, gs=gs,
-                                 deferred=deferred)
-        if deferred:
-            assert callable(got)
-            got = got()
-        outs.append((got, ms, vfs))
-    (a, ma, va), (b, mb, vb) = outs
-    assert a == b and len(a) == len(SIZES)
-    assert all(torch.equal(x, y) for x, y in zip(ma + va, mb + vb))
-
-
 @pytest.mark.parametrize("bc,wd", [(False, 0.0), (True, 0.01)])
 def test_stats_are_the_same_on_every_isa_and_thread_count(bc, wd):
     group = _group(bc, wd)

@@ -235,7 +235,7 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace) -> Dict[str, Any
             opt.step()
             sent = comm.bytes_sent - before
             total += sent
-            losses.append(float(loss))  # averaged over the ranks after the run
+            losses.append(float(loss.detach()))  # averaged over the ranks after the run
             step_bytes.append(sent)
             cum_bytes.append(total)
             if args.eval_every and (step % args.eval_every == 0 or step == args.steps):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -25,10 +26,6 @@ from .base import OneBitBase
 # apply pass follows the statistics pass (one Zen 3 core, 8.4M parameters: 20.0-21.6 ms a step
 # against 22.6-23.1 with 2^20 and 25.3 with one run)
 _RUN_ELEMENTS = 1 << 18
-# runs a param group is cut into on a GPU: the host computes one run's factors and queues its
-# apply pass while the GPU computes the next run's statistics, instead of the GPU waiting for the
-# host between the two passes
-_GPU_RUNS = 2
 
 
 class _Item(NamedTuple):
@@ -307,8 +304,7 @@ class OneBitLamb(OneBitBase):
         (:mod:`compcomm.optim.lamb_passes`), or None where they do not apply (not all fp32 on the
         CPU or one GPU, a mask, a parameter without gradient, another result than the torch ops
         on this CPU): ``[(coefficients, group, items)]`` in runs of one group of at most
-        ``_RUN_ELEMENTS`` on the CPU (on a GPU ``_GPU_RUNS`` runs a group: one host sync a
-        run)."""
+        ``_RUN_ELEMENTS`` on the CPU (on a GPU one run a group: one host sync a run)."""
         if not params or any(p not in grads for p in params):
             return None
         sts = [self.state[p] for p in params]
@@ -335,10 +331,8 @@ class OneBitLamb(OneBitBase):
         for p, st, w, v in zip(params, sts, ws, vs):
             items.append((groups[id(p)], p, _Item(p, st, w, off, v)))
             off += p.numel()
-        # a GPU: a param group in _GPU_RUNS runs of about equal size (the passes hold no
-        # temporaries; each run's statistics cost one host sync)
-        limit, sqrt = (-(-sum(p.numel() for p in params) // _GPU_RUNS), "ieee") if cuda else (
-            _RUN_ELEMENTS, None)
+        # a GPU: one run a param group, so one host sync a group (the passes hold no temporaries)
+        limit, sqrt = (sys.maxsize, "ieee") if cuda else (_RUN_ELEMENTS, None)
         return [(lamb_passes.coeffs(group, t, self.freeze_step, v_is_sqrt, sqrt), group,
                  [it for _, _, it in run]) for group, run in group_chunks(items, limit)]
 
@@ -347,52 +341,41 @@ class OneBitLamb(OneBitBase):
                     grads: Optional[Dict[torch.Tensor, torch.Tensor]] = None,
                     gated: bool = False) -> None:
         """The compressed step after the exchange through the passes: per run, the statistics
-        pass, the factors (:func:`functional.lamb_factor`), the apply pass (on a GPU every run's
-        statistics pass is queued first). ``m_last`` None: a world of one rank, the momentum
-        updated from ``grads`` in the statistics pass. ``gated`` (a GPU, one rank): ``grads`` are
-        checked on the device, the check gates the statistics passes, and its verdict is read
-        with the first run's statistics before anything else is written: NonFiniteError with
-        nothing written."""
+        pass, the factors (:func:`functional.lamb_factor`), the apply pass. ``m_last`` None: a
+        world of one rank, the momentum updated from ``grads`` in the statistics pass.
+        ``gated`` (a GPU, one rank): ``grads`` are checked on the device, the check gates the
+        statistics pass, and its verdict is read after the first run's statistics (their host
+        sync covers it) before anything else is written: NonFiniteError with nothing written."""
         local = m_last is None
         gate, verdict = None, None
         if gated:
             gate, verdict = finite_gate([grads[it.p] for _, _, items in runs for it in items],
                                         self._flat.device)
-        queued = []
         for c, group, items in runs:
             ms = [it.st["exp_avg"] for it in items]
+            vs = [it.v for it in items]
+            ws = [it.w for it in items]
             stats = lamb_passes.stats_(c, ms, None if local else [it.last(m_last) for it in items],
-                                    [it.v for it in items],
-                                    [it.st["exp_avg_sq_fresh"] for it in items],
-                                    [it.w for it in items],
+                                    vs, [it.st["exp_avg_sq_fresh"] for it in items], ws,
                                     [it.st["scaling_coeff"] for it in items], check=False,
-                                    gs=[grads[it.p] for it in items] if local else None, gate=gate,
-                                    deferred=True)
-            queued.append((c, group, items, stats))
-            if not self._flat.is_cuda:  # a CPU run's tensors are still in cache: apply now
-                self._apply_run(*queued.pop(), t)
-        for i, run in enumerate(queued):
-            if i == 0 and verdict is not None and not verdict():
-                raise non_finite_error(self.rank, self._name)
-            self._apply_run(*run, t)
-
-    def _apply_run(self, c: Any, group: Dict[str, Any], items: List["_Item"],
-                   stats: Any, t: int) -> None:
-        """A run's factors from its statistics (``stats()``), then its apply pass."""
-        steps = []
-        for it, (ratio, u_norm, update_norm) in zip(items, stats()):
-            st = it.st
-            st["step"] = t
-            factor = F.lamb_factor(ratio, u_norm, update_norm, group, st["last_factor"],
-                                   self.factor_min, self.factor_max, self.factor_threshold)
-            st["last_factor"] = factor
-            coeff = st["lamb_coeff_freeze"] * factor
-            self.lamb_coeffs.append(coeff)
-            steps.append(-group["lr"] * coeff)
-        lamb_passes.applies_(c, [it.st["exp_avg"] for it in items], [it.v for it in items],
-                             [it.w for it in items], steps, check=False)
-        for it in items:
-            write_back(it.p, it.st)
+                                    gs=[grads[it.p] for it in items] if local else None, gate=gate)
+            if verdict is not None:
+                if not verdict():
+                    raise non_finite_error(self.rank, self._name)
+                gate, verdict = None, None  # every gradient passed: later runs need no gate
+            steps = []
+            for it, (ratio, u_norm, update_norm) in zip(items, stats):
+                st = it.st
+                st["step"] = t
+                factor = F.lamb_factor(ratio, u_norm, update_norm, group, st["last_factor"],
+                                       self.factor_min, self.factor_max, self.factor_threshold)
+                st["last_factor"] = factor
+                coeff = st["lamb_coeff_freeze"] * factor
+                self.lamb_coeffs.append(coeff)
+                steps.append(-group["lr"] * coeff)
+            lamb_passes.applies_(c, ms, vs, ws, steps, check=False)
+            for it in items:
+                write_back(it.p, it.st)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def _extra_state(self) -> Dict[str, Any]:

@@ -83,17 +83,14 @@ def momentums_(c: Any, ms: Tensors, gs: Tensors, lasts: Tensors, scales: Sequenc
 
 def stats_(c: Any, ms: Tensors, lasts: Optional[Tensors], vs: Tensors, vfs: Tensors, ws: Tensors,
            scales: Sequence[float], num_threads: Optional[int] = None, check: bool = True,
-           gs: Optional[Tensors] = None, gate: Optional[torch.Tensor] = None,
-           deferred: bool = False) -> Any:
+           gs: Optional[Tensors] = None, gate: Optional[torch.Tensor] = None
+           ) -> List[Tuple[float, float, float]]:
     """After the exchange, per parameter: ``ms[i] /= scales[i]``, the fresh variance ``vfs[i]``
     updated from the reconstructed gradient; returns ``(max ratio, ||u||, ||u + wd w||)`` per
     parameter (the norms rounded to fp32, as torch's). ``gs`` instead of ``lasts``: a world of one
     rank (the average is the momentum itself), :func:`momentums_` done in this pass. ``gate``
     (CUDA only): the inputs' finiteness verdict on the device (``_bucketing.finite_gate``);
-    where False the pass writes nothing and the returned values are meaningless. ``deferred``:
-    return a function that returns that list instead (on CUDA the host waits for it only when
-    called, so the host can work on one run's factors while the GPU computes the next run's
-    statistics)."""
+    where False the pass writes nothing and the returned values are meaningless."""
     n = [m.numel() for m in ms]
     if _on_cuda(ms):
         dev = ms[0].get_device()
@@ -106,24 +103,15 @@ def stats_(c: Any, ms: Tensors, lasts: Optional[Tensors], vs: Tensors, vfs: Tens
                        _cuda_ptrs(ws, "ws", n, dev, check), [float(s) for s in scales],
                        partials.data_ptr(), out.data_ptr(), dev, _fused.stream(dev),
                        gate=_fused.gate_ptr(gate, dev))
-        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
-        host.copy_(out, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record(torch.cuda.current_stream(ms[0].device))
-
-        def values() -> List[Tuple[float, float, float]]:
-            copied.synchronize()  # the one host sync
-            return [tuple(r) for r in host.view(-1, 3).tolist()]
-        return values if deferred else values()
+        return [tuple(r) for r in out.view(-1, 3).tolist()]  # the one host sync
     if gate is not None:
         raise ValueError("argument 'gate' is for CUDA tensors only")
     if check:
         prev = {"g": gs} if gs is not None else {"last": lasts}
         _checked("lamb stats_", {"m": ms, **prev, "v": vs, "v_fresh": vfs, "w": ws}, n)
-    out = K.lamb_stats(c, n, _ptrs(ms), [] if gs is not None else _ptrs(lasts), _ptrs(vs),
-                       _ptrs(vfs), _ptrs(ws), [float(s) for s in scales], threads(num_threads),
-                       gs=[] if gs is None else _ptrs(gs))
-    return (lambda: out) if deferred else out
+    return K.lamb_stats(c, n, _ptrs(ms), [] if gs is not None else _ptrs(lasts), _ptrs(vs),
+                        _ptrs(vfs), _ptrs(ws), [float(s) for s in scales], threads(num_threads),
+                        gs=[] if gs is None else _ptrs(gs))
 
 
 def applies_(c: Any, ms: Tensors, vs: Tensors, ws: Tensors, neg_steps: Sequence[float],
