@@ -10,7 +10,8 @@ Series, for fp32 tensors of 2^16..2^28 elements (``--min-log``/``--max-log``):
 - ``native``: ``compcomm.compressed_allreduce`` through the native NCCL communicator
   (``compcomm._nccl.make_nccl_communicator``): the whole algorithm in C++ on one stream.
 - ``torch_adapter``: the same call through compcomm's TorchCommunicator over torch's
-  ProcessGroupNCCL (a Python callback per collective).
+  ProcessGroupNCCL (a Python callback per collective), made explicitly: ``group=`` a torch
+  ``nccl`` group now resolves to the native communicator.
 - ``deepspeed``: DeepSpeed 0.19.6's ``NcclBackend.compressed_allreduce`` (needs cupy).
 - ``nccl_allreduce`` / ``torch_allreduce``: the plain fp32 allreduce through the native communicator
   and through torch, the reference every compressed figure is a ratio against;
@@ -24,7 +25,8 @@ veth, an own ``NCCL_HOSTID`` and NCCL over sockets on that veth, all sharing the
 
 There, and whenever ``--all-series`` is given, it also times the plain collectives a training step
 uses: ``torch_allreduce_bf16``, ``torch_reduce_scatter`` (fp32) / ``torch_reduce_scatter_bf16``
-and compcomm's 1-bit ``compressed_reduce_scatter`` over the torch group (``torch_adapter_rs``).
+and compcomm's 1-bit ``compressed_reduce_scatter`` through the native communicator
+(``native_rs``) and through the TorchCommunicator (``torch_adapter_rs``).
 Every row carries nccl-tests' columns: logical bytes, wire bytes one rank sends, algbw = logical
 bytes / time, busbw = algbw * 2(W-1)/W (allreduce) or (W-1)/W (reduce-scatter).
 
@@ -162,6 +164,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     info = compcomm.build_info()
     native = make_nccl_communicator(device=local)
     native_nb = make_nccl_communicator(device=local, blocking=False)
+    # explicit: group=dist.group.WORLD would resolve to a native communicator too
+    adapter = compcomm.TorchCommunicator(dist.group.WORLD)
     result: Dict[str, Any] = {
         "device": torch.cuda.get_device_name(local),
         "world_size": world,
@@ -247,20 +251,20 @@ def main(argv: Optional[List[str]] = None) -> int:
                 add(name, log2, _timed(f, _iterations(f, args.budget, world)),
                     esize=src.element_size())
                 del dst
-            if "torch_adapter_rs" not in skip and info["cuda"]:
+            for name, comm in (("native_rs", native), ("torch_adapter_rs", adapter)):
+                if name in skip or not info["cuda"]:
+                    continue
                 from compcomm.zero import compressed_reduce_scatter
 
                 we = torch.zeros(padded, device="cuda")
                 se = torch.zeros(padded // world, device="cuda")
                 t = x0.clone()
                 o = torch.empty(padded // world, device="cuda")
-                f = functools.partial(compressed_reduce_scatter, t, we, se, o,
-                                      group=dist.group.WORLD)
-                acc = compcomm.get_communicator(dist.group.WORLD)
-                b0 = acc.bytes_sent
+                f = functools.partial(compressed_reduce_scatter, t, we, se, o, group=comm)
+                b0 = comm.bytes_sent
                 f()  # counts the bytes one call sends (about half the compressed allreduce's)
-                rs_wire = acc.bytes_sent - b0
-                add("torch_adapter_rs", log2, _timed(f, _iterations(f, args.budget, world)),
+                rs_wire = comm.bytes_sent - b0
+                add(name, log2, _timed(f, _iterations(f, args.budget, world)),
                     wire_bytes=rs_wire)
                 del we, se, t, o
             f = None
@@ -268,7 +272,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         # The first call of each compressed series on the same input, then timing.
         first: Dict[str, torch.Tensor] = {}
-        for series, group in (("native", native), ("torch_adapter", dist.group.WORLD)):
+        for series, group in (("native", native), ("torch_adapter", adapter)):
             if series in skip:
                 continue
             we = torch.zeros(padded, device="cuda")

@@ -62,7 +62,10 @@ def test_nccl_group_uses_native_nccl_once(gloo_world, as_nccl):
     assert compcomm.get_communicator(None) is comm  # cached: made once per process group
     assert compcomm.get_communicator(dist.group.WORLD) is comm and as_nccl == [None]
     opt = OneBitAdam([torch_param()], freeze_step=1)
-    assert opt.comm is comm  # the optimizers (and so the DDP hook, ZeRO) get it with no change
+    assert opt.comm is comm  # the optimizers (and so the DDP hook) get it with no change
+    from compcomm.zero import ZeroOptimizer
+
+    assert ZeroOptimizer([torch_param()], torch.optim.Adam, stage=2).comm is comm  # and ZeRO
 
 
 def test_native_nccl_switched_off(gloo_world, as_nccl, monkeypatch):
@@ -118,3 +121,39 @@ def test_local_start_error_leaves_group_usable(gloo_world):
     assert "Connection closed by peer" in comm.broken
     with pytest.raises(BackendError, match="cannot be used again"):
         comm._run("all_reduce", opts, False, lambda: dist.all_reduce(x, async_op=True))
+
+
+def test_communicators_of_destroyed_groups_are_dropped(gloo_world, as_nccl, monkeypatch):
+    """A cached communicator goes with its process group: after a subgroup is destroyed, the next
+    communicator made drops (a native one: destroys) the subgroup's and keeps the world's; with the
+    world destroyed, ``group=None`` drops the rest."""
+    destroyed = []
+    monkeypatch.setattr(_C.LocalCommunicator, "destroy", lambda self, t=30.0: destroyed.append(t),
+                        raising=False)
+    monkeypatch.setattr(_C.LocalCommunicator, "closed", False, raising=False)
+    world = compcomm.get_communicator(None)  # the stood-in native communicator of the world
+    sub = dist.new_group([0])
+    sub_comm = compcomm.get_communicator(sub)
+    assert sub_comm is not world and len(_comm._torch_comms) == 2
+    dist.destroy_process_group(sub)
+    assert compcomm.get_communicator(None) is world  # the world's stays cached
+    other = dist.new_group([0])
+    other_comm = compcomm.get_communicator(other)  # a new one: the destroyed group's goes first
+    assert [c for _, c in _comm._torch_comms.values()] == [world, other_comm]
+    assert destroyed == [30.0]
+    dist.destroy_process_group(other)
+    dist.destroy_process_group()
+    try:
+        assert compcomm.get_communicator(None) is _comm._local  # no torch world: one rank
+        assert _comm._torch_comms == {} and destroyed == [30.0] * 3  # the world, other
+    finally:  # the fixture destroys the world it made
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def test_a_new_world_after_destroy_gets_a_new_adapter(gloo_world):
+    old = compcomm.get_communicator(None)
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    new = compcomm.get_communicator(None)
+    assert isinstance(new, compcomm.TorchCommunicator) and new is not old
+    assert [c for _, c in _comm._torch_comms.values()] == [new]

@@ -6,7 +6,7 @@ import atexit
 import datetime
 import os
 import warnings
-from typing import Any, Callable, NoReturn, Optional, Tuple, Union
+from typing import Any, Callable, List, NoReturn, Optional, Tuple, Union
 
 import torch.distributed as dist
 
@@ -195,7 +195,11 @@ def resolve(group: Group) -> _C.Communicator:
     A ``torch.distributed`` process group gets a cached communicator: compcomm's native NCCL
     communicator for an ``nccl`` group (created once from the group: its unique id travels over
     it; CUDA tensors only, on the caller's stream) when the build has NCCL, else a
-    :class:`TorchCommunicator`. A compcomm Communicator is used as it is.
+    :class:`TorchCommunicator`. The communicators of groups that
+    ``torch.distributed.destroy_process_group`` has destroyed are dropped (native NCCL ones
+    destroyed) when a communicator is next made for a group, when ``group=None`` finds no torch
+    world, and at exit (the calls that find theirs cached pay nothing for it). A compcomm
+    Communicator is used as it is.
     """
     if isinstance(group, _C.Communicator):
         return group
@@ -203,13 +207,38 @@ def resolve(group: Group) -> _C.Communicator:
         if _default is not None:
             return _default
         if not (dist.is_available() and dist.is_initialized()):
+            if _torch_comms:  # the torch world is gone, and every group with it
+                _drop_destroyed()
             return _local
     pg = group if group is not None else dist.group.WORLD
     entry = _torch_comms.get(id(pg))  # the entry holds pg, so its id cannot be reused meanwhile
     if entry is None or entry[0] is not pg or getattr(entry[1], "closed", False):
+        _drop_destroyed()  # first those of groups destroyed since the last one was made
         entry = (pg, _native_nccl(group) or TorchCommunicator(group))
         _torch_comms[id(pg)] = entry
     return entry[1]
+
+
+def _release(comms: List[_C.Communicator]) -> None:
+    for c in comms:
+        if hasattr(c, "destroy") and not c.closed:
+            c.destroy(30.0)
+
+
+def _drop_destroyed() -> None:
+    """Drop the cached communicators of process groups that torch has destroyed
+    (``destroy_process_group`` of one, or of all); native NCCL ones are destroyed."""
+    # torch's registry of live groups (private; a torch without it: only the whole world's end)
+    live = getattr(getattr(dist, "distributed_c10d", None), "_world", None)
+    live = getattr(live, "pg_map", None)
+    if live is not None:
+        dead = [k for k, (pg, _) in _torch_comms.items() if pg not in live]
+    elif not dist.is_initialized():
+        dead = list(_torch_comms)
+    else:
+        return
+    if dead:
+        _release([_torch_comms.pop(k)[1] for k in dead])
 
 
 def wait_cancellable(comm: _C.Communicator, timeout: float) -> bool:
@@ -228,13 +257,12 @@ def wait_cancellable(comm: _C.Communicator, timeout: float) -> bool:
 
 
 def forget_process_groups() -> None:
-    """Drop the communicators made for torch process groups (call after
-    ``torch.distributed.destroy_process_group``); native NCCL ones are destroyed."""
+    """Drop every communicator made for torch process groups; native NCCL ones are destroyed.
+    (Those of destroyed groups also go by themselves, see :func:`resolve`; this drops the live
+    ones too, as at exit.)"""
     comms = [c for _, c in _torch_comms.values()]
     _torch_comms.clear()
-    for c in comms:
-        if hasattr(c, "destroy") and not c.closed:
-            c.destroy(30.0)
+    _release(comms)
 
 
 # The adapters hold their process groups; dropping them while the interpreter is still whole avoids
