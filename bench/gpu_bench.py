@@ -15,7 +15,7 @@ the same run, the fraction of the HBM floor, and the peak extra GPU memory of on
 * compcomm modes: ``default`` (what a torchrun user calls: ``group=None`` under a torch ``nccl``
   process group, check=True), ``check`` (a LocalCommunicator, check=True: one small device-to-host copy
   + stream sync per call), ``nocheck`` (check=False: no host sync) and ``graph`` (check=False captured once in a CUDA
-  graph and replayed).
+  graph and replayed). The default mode's share of the floor is ``fraction_of_floor_default``.
 * DeepSpeed's backend computes in the dtype of its buffer and its 1-bit optimizers hold fp32
   momentum; it was never run on bf16 buffers. For bf16 we time what a DeepSpeed user would have to do:
   upcast the bf16 tensor to fp32, run NcclBackend.compressed_allreduce on it, copy the result back.
@@ -231,6 +231,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 "speedup_vs_deepspeed_nocheck": d["time"] / c["nocheck"] if d else None,
                 "must_move_bytes": must_move,
                 "floor_s": floor,
+                "fraction_of_floor_default": floor / c["default"],
                 "fraction_of_floor": floor / c["check"],
                 "fraction_of_floor_nocheck": floor / c["nocheck"],
                 "effective_GBps": n * elt / c["check"] / 1e9,
@@ -270,6 +271,8 @@ def plot(rows: List[dict], meta: dict, path: str) -> None:
     for ax, dname in zip(axes[0], dtypes):
         rs = [r for r in rows if r["dtype"] == dname]
         x = [r["numel"] for r in rs]
+        ax.plot(x, [r["compcomm_default_s"] * 1e3 for r in rs], "D-",
+                label=f"compcomm default (group=None: {meta['default_communicator']})")
         ax.plot(x, [r["compcomm_check_s"] * 1e3 for r in rs], "o-", label="compcomm (check=True)")
         ax.plot(x, [r["compcomm_nocheck_s"] * 1e3 for r in rs], "s--", label="compcomm (check=False)")
         ax.plot(x, [r["compcomm_graph_s"] * 1e3 for r in rs], "^:", label="compcomm (CUDA graph)")
