@@ -1,4 +1,5 @@
-"""The small-call fast path of compressed_allreduce (issue 12), on the CPU.
+"""The small-call fast path of compressed_allreduce (and compressed_reduce_scatter with a given
+``out``; issue 12), on the CPU.
 
 - The validation cache: a call whose tensors match a validated call (type, address, numel, dtype,
   contiguity, device, communicator) skips the checks; anything else is checked again, so every bad
@@ -189,6 +190,74 @@ def test_cache_keeps_no_workspace_of_a_dropped_communicator() -> None:
     del comm
     gc.collect()
     assert ws() is None
+
+
+def _rs(t, we, se, out, comm, **kw):
+    return compcomm.compressed_reduce_scatter(t, we, se, out=out, group=comm, **kw)
+
+
+def test_cached_reduce_scatter_calls_equal_uncached_calls() -> None:
+    """compressed_reduce_scatter with a given ``out`` caches its checks as compressed_allreduce
+    does: the same bits as calls validated every time, and one cache entry for the argument set."""
+    comm = _C.LocalCommunicator()
+    a = list(_state(1003, 21, comm))
+    a.append(torch.empty(a[2].numel()))
+    b = [x.clone() for x in a]
+    g = torch.Generator().manual_seed(22)
+    collectives._prepared.clear()
+    for _ in range(4):
+        x = torch.randn(1003, generator=g)
+        a[0].copy_(x)
+        b[0].copy_(x)
+        assert _rs(*a, comm) is a[3]
+        assert [k for k in collectives._prepared if k[0] == "compressed_reduce_scatter"]
+        collectives._prepared.clear()
+        _rs(*b, comm)
+        collectives._prepared.clear()
+        for u, v in zip(_bits(*a), _bits(*b)):
+            assert torch.equal(u, v)
+    # without out: a fresh result each call, nothing cached
+    got = compcomm.compressed_reduce_scatter(*[x.clone() for x in b[:3]], group=comm)
+    assert got.numel() == b[3].numel() and got.data_ptr() != b[3].data_ptr()
+    assert not collectives._prepared
+
+
+def test_bad_arguments_after_a_cached_reduce_scatter_still_raise() -> None:
+    comm = _C.LocalCommunicator()
+    t, we, se = _state(64, 23, comm)
+    out = torch.empty(se.numel())
+    _rs(t, we, se, out, comm)
+    before = _bits(t, we, se, out)
+    with pytest.raises(ValueError, match="'out'"):
+        _rs(t, we, se, torch.empty(se.numel() + 8)[: se.numel() - 8], comm)
+    with pytest.raises(TypeError, match="'out'"):
+        _rs(t, we, se, out.view(torch.int32), comm)
+    with pytest.raises(ValueError, match="overlap"):
+        _rs(t, we, se, we[: se.numel()], comm)
+    with pytest.raises(ValueError, match="'tensor' must be contiguous"):
+        _rs(t.view(8, 8).t(), we, se, out, comm)
+    with pytest.raises(ValueError, match="'timeout' must be positive"):
+        _rs(t, we, se, out, comm, timeout=-1)
+    for u, v in zip(_bits(t, we, se, out), before):
+        assert torch.equal(u, v)
+
+
+def test_busy_communicator_refused_on_the_cached_reduce_scatter() -> None:
+    comm = _C.LocalCommunicator()
+    t, we, se = _state(64, 24, comm)
+    out = torch.empty(se.numel())
+    _rs(t, we, se, out, comm)  # now cached
+    lock = collectives._lock(comm)
+    assert lock.acquire(blocking=False)  # as another thread's call would hold it
+    try:
+        before = _bits(t, we, se, out)
+        with pytest.raises(CommError, match="in use by another thread"):
+            _rs(t, we, se, out, comm)
+        for u, v in zip(_bits(t, we, se, out), before):
+            assert torch.equal(u, v)
+    finally:
+        lock.release()
+    _rs(t, we, se, out, comm)
 
 
 def test_cleared_workspaces_are_made_again() -> None:

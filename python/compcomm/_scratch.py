@@ -5,10 +5,8 @@ its own workspaces per bucket).
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
-from typing import Iterator
 
 import torch
 
@@ -27,7 +25,7 @@ class PerDevice(dict):
 # holds the call's headers and signs while it runs, so two communicators used from two threads at
 # once must not share it. Weak keys: a dropped communicator takes its scratch with it.
 workspaces: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-# communicator -> Lock held for the duration of one compressed call on it (see exclusive).
+# communicator -> Lock held for the duration of one compressed call on it (see lock_of).
 locks: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 registry = threading.Lock()  # guards the two dicts above (WeakKeyDictionary is not thread-safe)
 
@@ -37,8 +35,8 @@ def workspace(comm: object, device: torch.device, nbytes: int) -> torch.Tensor:
 
     Zero-filled when allocated: the GPU norm kernels need a zeroed scratch on first use and leave it
     zeroed. Growing it replaces the tensor, so it must not happen while a CUDA graph is being captured
-    (run one eager call of the largest size first). Call it only inside :func:`exclusive` on
-    ``comm``: the lock is what keeps two calls from sharing the scratch.
+    (run one eager call of the largest size first). Call it only holding
+    :func:`lock_of` ``(comm)``: the lock is what keeps two calls from sharing the scratch.
     """
     ws = per_device_of(comm).get(device)
     if ws is None or ws.numel() < nbytes:
@@ -53,26 +51,15 @@ def per_device_of(comm: object) -> PerDevice:
         return workspaces.setdefault(comm, PerDevice())
 
 
-@contextlib.contextmanager
-def exclusive(comm: object, call: str, rank: int) -> Iterator[None]:
-    """Hold ``comm`` for one call; raise CommError at once if another thread holds it.
+def lock_of(comm: object) -> threading.Lock:
+    """``comm``'s lock, held for one compressed call (made on first use); a call that finds it held
+    raises :func:`busy_error` at once.
 
     The rule: a communicator runs one compressed call at a time. Waiting would be no fix: two
     threads' calls on one communicator can reach the ranks in different orders and pair the wrong
     messages (wrong results or a hang), so a second concurrent call is refused, not queued.
     Different communicators may be used from different threads at the same time.
     """
-    lock = lock_of(comm)
-    if not lock.acquire(blocking=False):
-        raise busy_error(comm, call, rank)
-    try:
-        yield
-    finally:
-        lock.release()
-
-
-def lock_of(comm: object) -> threading.Lock:
-    """``comm``'s lock for :func:`exclusive` (made on first use)."""
     with registry:
         lock = locks.get(comm)
         if lock is None:
@@ -81,7 +68,7 @@ def lock_of(comm: object) -> threading.Lock:
 
 
 def busy_error(comm: object, call: str, rank: int) -> CommError:
-    """The error of a call on a communicator another thread is using (see exclusive)."""
+    """The error of a call on a communicator another thread is using (see lock_of)."""
     name = comm.backend_name() if hasattr(comm, "backend_name") else type(comm).__name__
     return CommError(
         f"[rank {rank}] {call}: the communicator ({name}) is in use by another thread; a "

@@ -12,12 +12,11 @@ import torch
 from . import _C
 from ._arguments import (check_autograd, check_disjoint, check_flag, check_float32_vector,
                          check_input, check_timeout, reject)
-from ._buffers import DTYPES, buffer_of
+from ._buffers import DTYPES
 from ._comm import Group, resolve
 from ._defaults import DEFAULT_TIMEOUT
 from ._scratch import busy_error as _busy
 from ._scratch import current_stream as _current_stream
-from ._scratch import exclusive as _exclusive
 from ._scratch import layout_total as _layout_total
 from ._scratch import lock_of as _lock
 from ._scratch import per_device_of as _per_device_of
@@ -230,7 +229,8 @@ def _arg_key(t: torch.Tensor) -> tuple:
     return (type(t), t.data_ptr(), t.numel(), t.dim(), t.dtype, t.is_contiguous(), t.device)
 
 
-# Validated compressed_allreduce calls: (communicator id, _arg_key of each tensor) -> _Prepared. A
+# Validated compressed_allreduce calls: (communicator id, _arg_key of each tensor) -> _Prepared
+# (compressed_reduce_scatter's with a given out: the same keyed by its name and out too). A
 # call whose key matches skips the checks and the Buffer construction, most of a small call's host
 # time. Buffers hold no tensor (the key's addresses and sizes define them), so the cache keeps no
 # memory alive; cleared when full. Dict reads and writes are atomic under the GIL.
@@ -244,7 +244,7 @@ class _Prepared:
     used."""
 
     __slots__ = ("world", "rank", "cuda", "device", "tensor", "worker_error", "server_error",
-                 "total", "lock", "per_device", "ws_ref", "ws_buffer")
+                 "out", "total", "lock", "per_device", "ws_ref", "ws_buffer")
 
     def workspace_buffer(self, comm: object) -> _C.Buffer:
         """The communicator's workspace as a Buffer (grown if needed). Call it holding ``lock``."""
@@ -274,10 +274,16 @@ def _prepare_allreduce(comm: object, tensor: object, worker_error: object,
     padded = check_input("compressed_allreduce", comm, tensor, worker_error, server_error)
     check_disjoint("compressed_allreduce", rank, tensor=tensor, worker_error=worker_error,
                    server_error=server_error)
+    return _prepared_of(comm, world, rank, tensor, worker_error, server_error, padded)
+
+
+def _prepared_of(comm: object, world: int, rank: int, tensor: torch.Tensor,
+                 worker_error: torch.Tensor, server_error: torch.Tensor, padded: int) -> _Prepared:
+    """What a call with checked arguments needs (``out``: None, set by the reduce-scatter)."""
     p = _Prepared()
     p.world, p.rank, p.cuda, p.device = world, rank, tensor.device.type == "cuda", tensor.device
     p.tensor, p.worker_error = _raw_buffer(tensor), _raw_buffer(worker_error)
-    p.server_error = _raw_buffer(server_error)
+    p.server_error, p.out = _raw_buffer(server_error), None
     p.total = _layout_total(padded, world, p.cuda)
     p.lock = _lock(comm)
     p.per_device = weakref.ref(_per_device_of(comm))
@@ -342,27 +348,52 @@ def compressed_reduce_scatter(
         average, identical to chunk r of :func:`compcomm.compressed_allreduce`'s result.
     """
     comm = resolve(group)
-    world, rank = comm.size(), comm.rank()
     call = "compressed_reduce_scatter"
+    key = prep = None
+    if out is not None:  # a given out: the checks are cached as compressed_allreduce's are
+        try:
+            key = (call, comm.id, _arg_key(tensor), _arg_key(worker_error),
+                   _arg_key(server_error), _arg_key(out))
+            prep = _prepared.get(key)
+        except Exception:  # then the checks themselves say what is wrong
+            key = None
     try:
-        padded = check_input(call, comm, tensor, worker_error, server_error)
-        if out is None:
-            out = torch.empty(padded // world, dtype=torch.float32, device=tensor.device)
-        check_float32_vector(out, "out", rank, padded // world, tensor.device, call)
-        check_disjoint(call, rank, tensor=tensor, worker_error=worker_error,
-                        server_error=server_error, out=out)
-        timeout_s = check_timeout(call, rank, timeout)
+        if prep is None:
+            prep, out = _prepare_reduce_scatter(comm, tensor, worker_error, server_error, out)
+            if key is not None:
+                if len(_prepared) >= _PREPARED_MAX:
+                    _prepared.clear()
+                _prepared[key] = prep
+        timeout_s = check_timeout(call, prep.rank, timeout)
     except (TypeError, ValueError) as e:
         reject(comm, tensor, timeout, e)
         raise
-    with _exclusive(comm, call, rank):  # the workspace is the communicator's: one call at a time
-        total = _layout_total(padded, world, tensor.device.type == "cuda")
-        ws = _workspace(comm, tensor.device, total)
-        # on the caller's current stream (FSDP calls it on its reduce-scatter stream)
-        stream = torch.cuda.current_stream(tensor.device).cuda_stream if tensor.is_cuda else 0
-        _C.zero.compressed_reduce_scatter(
-            comm, buffer_of(tensor), buffer_of(worker_error), buffer_of(server_error),
-            buffer_of(out), buffer_of(ws), timeout_s, stream,
-        )
+    # on the caller's current stream (FSDP calls it on its reduce-scatter stream)
+    stream = _current_stream(prep.device) if prep.cuda else 0
+    if not prep.lock.acquire(blocking=False):  # the workspace is the communicator's
+        raise _busy(comm, call, prep.rank)
+    try:
+        _C.zero.compressed_reduce_scatter(comm, prep.tensor, prep.worker_error, prep.server_error,
+                                          prep.out, prep.workspace_buffer(comm), timeout_s, stream)
+    finally:
+        prep.lock.release()
     torch.autograd.graph.increment_version(tensor)
     return out
+
+
+def _prepare_reduce_scatter(comm: object, tensor: object, worker_error: object,
+                            server_error: object, out: Optional[torch.Tensor]
+                            ) -> Tuple[_Prepared, torch.Tensor]:
+    """Every check of compressed_reduce_scatter's tensor arguments (``out`` allocated if None),
+    then what a call needs."""
+    call = "compressed_reduce_scatter"
+    world, rank = comm.size(), comm.rank()
+    padded = check_input(call, comm, tensor, worker_error, server_error)
+    if out is None:
+        out = torch.empty(padded // world, dtype=torch.float32, device=tensor.device)
+    check_float32_vector(out, "out", rank, padded // world, tensor.device, call)
+    check_disjoint(call, rank, tensor=tensor, worker_error=worker_error,
+                   server_error=server_error, out=out)
+    p = _prepared_of(comm, world, rank, tensor, worker_error, server_error, padded)
+    p.out = _raw_buffer(out)
+    return p, out
