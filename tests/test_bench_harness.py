@@ -333,3 +333,112 @@ def test_run_on_profile_runs_an_arbitrary_command(tmp_path, profile):
     assert "--- rank 1 log ---" in str(err.value)
     assert not any(n.startswith(f"{netns.NS_PREFIX}{os.getpid()}-")
                    for n in netns.list_ours()["netns"])
+
+
+# A rank under mpirun: MPI and gloo in one process, as compcomm.bench.worker's mpi_* methods use
+# them. It prints what rank 0 sees: the MPI allreduce's sum, the compressed allreduce over MPI
+# against the same call over gloo, and how many bytes left through eth0 (or lo) during 8 MiB of
+# MPI traffic, which must cross the rank's own link on a namespace profile (not shared memory).
+_MPI_RANK_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, torch, torch.distributed as dist, compcomm
+    from compcomm._buffers import buffer_of
+    dist.init_process_group("gloo")
+    mpi = compcomm.make_communicator("mpi", cuda_aware=False)
+    assert mpi.rank() == dist.get_rank() and mpi.size() == dist.get_world_size()
+    rank = mpi.rank()
+    if len(sys.argv) > 1 and rank == int(sys.argv[1]):
+        os._exit(3)
+    ifname = os.environ["GLOO_SOCKET_IFNAME"]
+    def sent():
+        return int(open(f"/sys/class/net/{ifname}/statistics/tx_bytes").read())
+    x = torch.full((1 << 21,), float(rank + 1))
+    before = sent()
+    mpi.all_reduce(buffer_of(x))
+    tx = sent() - before
+    m = torch.randn(100003, generator=torch.Generator().manual_seed(rank))
+    m2 = m.clone()
+    compcomm.compressed_allreduce(m, *compcomm.error_buffers(m, mpi), mpi)
+    compcomm.compressed_allreduce(m2, *compcomm.error_buffers(m2), None)  # the gloo world
+    if rank == 0:
+        w = mpi.size()
+        print("SUM", int(x[0].item()) == w * (w + 1) // 2, "SAME", torch.equal(m, m2),
+              "TX", tx, flush=True)
+    dist.barrier()
+    os._exit(0)
+    """
+)
+
+
+@pytest.mark.parametrize("profile", ["loopback", pytest.param("unshaped", marks=needs_netns)])
+def test_run_on_profile_with_mpirun(tmp_path, profile):
+    """launcher="mpirun": one mpirun starts the ranks in their namespaces; MPI works there (its
+    results equal gloo's) and on a namespace profile its bytes cross the rank's link; a failing
+    rank is reported with every rank's log and mpirun's."""
+    from _backends import no_mpi
+
+    if no_mpi():
+        pytest.skip(no_mpi())
+    from compcomm.bench import runner
+
+    script = tmp_path / "rank.py"
+    script.write_text(_MPI_RANK_SCRIPT)
+    lines = runner.run_on_profile(profile, 3, [str(script)], timeout=120, launcher="mpirun")
+    assert len(lines) == 1 and lines[0].startswith("SUM True SAME True TX "), lines
+    tx = int(lines[0].split()[-1])
+    if profile != "loopback":  # 8 MiB reduced over 3 ranks: each sends well over 4 MiB
+        assert tx > 4 << 20, tx
+    with pytest.raises(runner.SweepError, match="mpirun exited with") as err:
+        runner.run_on_profile(profile, 2, [str(script), "1"], timeout=120, launcher="mpirun")
+    assert "--- rank 1 log ---" in str(err.value) and "--- mpirun log ---" in str(err.value)
+    with pytest.raises(ValueError, match="launcher"):
+        runner.run_on_profile(profile, 2, [str(script)], launcher="srun")
+
+
+@needs_netns
+def test_mpirun_ranks_are_gone_after_a_timeout(tmp_path):
+    """Ranks that mpirun started live in process groups of their own: a run past its deadline
+    still ends every one of them, and the namespaces with them."""
+    from _backends import no_mpi
+
+    if no_mpi():
+        pytest.skip(no_mpi())
+    from compcomm.bench import runner
+
+    marker = f"ccbench-hang-{os.getpid()}"
+    script = tmp_path / "hang.py"
+    script.write_text("import time\ntime.sleep(600)\n")
+    with pytest.raises(runner.SweepError, match="ran past"):
+        runner.run_on_profile("unshaped", 2, [str(script), marker], timeout=3, launcher="mpirun")
+    left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
+    assert left == []
+    assert not any(n.startswith(f"{netns.NS_PREFIX}{os.getpid()}-")
+                   for n in netns.list_ours()["netns"])
+
+
+@needs_netns
+def test_cli_mpi_methods(tmp_path):
+    """The mpi_* methods: checked first calls, wire bytes, and speedups against MPI's own fp32."""
+    from _backends import no_mpi
+
+    if no_mpi():
+        pytest.skip(no_mpi())
+    out = tmp_path / "res"
+    p = subprocess.run(
+        [sys.executable, "-m", "compcomm.bench", "--profile", "eth1g", "--world-size", "3",
+         "--sizes", "2^10,2^16", "--methods", "mpi_compressed,mpi_fp32", "--target-time", "0.02",
+         "--out", str(out), "--no-progress", "--timeout", "120"],
+        capture_output=True, text=True, timeout=150,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert sorted((r["method"], r["count"]) for r in rows) == [
+        ("mpi_compressed", 1024), ("mpi_compressed", 65536),
+        ("mpi_fp32", 1024), ("mpi_fp32", 65536),
+    ]
+    by = {(r["method"], r["count"]): r for r in rows}
+    for (method, n), r in by.items():
+        assert r["wrong"] == 0 and r["time_s"] > 0
+        base = by[("mpi_fp32", n)]["time_s"]
+        assert r["speedup_vs_fp32"] == pytest.approx(base / r["time_s"])
+    assert by[("mpi_compressed", 65536)]["wire_bytes"] * 10 < 65536 * 4

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from . import _C, errors
 from ._comm import TorchCommunicator, resolve as get_communicator
-from ._init import available_backends, build_info, init, shutdown
+from ._init import available_backends, build_info, init, make_communicator, shutdown
 from .ddp import ddp_comm_hook
 from .collectives import (
     DEFAULT_TIMEOUT,
@@ -32,6 +32,7 @@ __version__ = _C.build_info()["version"]
 __all__ = [
     "init",
     "shutdown",
+    "make_communicator",
     "compressed_allreduce",
     "compressed_reduce_scatter",
     "ddp_comm_hook",

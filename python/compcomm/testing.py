@@ -140,7 +140,12 @@ def _mpirun_flavour(mpirun: str) -> str:
 
 
 def mpirun_command(
-    np: int, script: str, *args: str, python: Optional[str] = None, allow_early_exit: bool = False
+    np: int,
+    script: str,
+    *args: str,
+    python: Optional[str] = None,
+    allow_early_exit: bool = False,
+    mca: Optional[Dict[str, str]] = None,
 ) -> List[str]:
     """The command line that runs ``python script args...`` on ``np`` MPI ranks of this machine.
 
@@ -160,11 +165,15 @@ def mpirun_command(
     allow_early_exit : bool
         Let a rank exit without ``MPI_Finalize`` without mpirun killing the others (Open MPI:
         ``--mca orte_allowed_exit_without_sync 1``), to test how survivors see a dead peer.
+    mca : dict, optional
+        Further Open MPI MCA settings (``--mca key value``).
 
     Raises
     ------
     FileNotFoundError
         No ``mpirun`` (or ``mpiexec``) on ``PATH``.
+    ValueError
+        ``mca`` given and the launcher is not Open MPI's.
     """
     if np < 1:
         raise ValueError(f"mpirun_command: argument 'np' must be >= 1, got {np}")
@@ -176,6 +185,10 @@ def mpirun_command(
         cmd += ["--allow-run-as-root", "--oversubscribe", "-np", str(np)]
         if allow_early_exit:
             cmd += ["--mca", "orte_allowed_exit_without_sync", "1"]
+        for key, value in (mca or {}).items():
+            cmd += ["--mca", key, value]
+    elif mca:
+        raise ValueError(f"mpirun_command: argument 'mca' needs Open MPI's mpirun, not {mpirun}")
     else:
         cmd += ["-n", str(np)]
     return cmd + [python or sys.executable, script, *map(str, args)]

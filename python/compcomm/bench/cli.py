@@ -117,7 +117,8 @@ def run_main(argv: Sequence[str]) -> int:
     ap.add_argument(
         "--methods",
         default=",".join(worker.METHODS),
-        help="comma list of " + ", ".join(worker.METHODS),
+        help="comma list of " + ", ".join(worker.ALL_METHODS) + " (mpi_*: the ranks are started "
+        "by Open MPI's mpirun and MPI runs over TCP on the profile's links)",
     )
     ap.add_argument(
         "--target-time", type=float, default=1.0, help="seconds of timed calls per point"
@@ -151,7 +152,7 @@ def run_main(argv: Sequence[str]) -> int:
     except ValueError as e:
         ap.error(str(e))
     profiles = _names(ap, args.profile, "profile", "profile", netns.PROFILES)
-    methods = _names(ap, args.methods, "methods", "method", worker.METHODS)
+    methods = _names(ap, args.methods, "methods", "method", worker.ALL_METHODS)
     try:
         worlds = [int(w) for w in args.world_size.split(",")]
     except ValueError:

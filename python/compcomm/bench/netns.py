@@ -37,7 +37,8 @@ __all__ = [
 
 NS_PREFIX = "ccbn-"
 LINK_PREFIX = "cb"
-SUBNET = "10.213.0"  # a private /24, only ever configured inside our namespaces
+SUBNET = "10.213.0"  # a private /24, configured inside our namespaces (and on the bridge on demand)
+HOST_ADDRESS = f"{SUBNET}.254"  # the launcher's address on the bridge: Network.host_address()
 _NS_RE = re.compile(r"^ccbn-(\d+)-(\d+)-r(\d+)$")
 _LINK_RE = re.compile(r"^cb([0-9a-f]+)x(\d+)(h\d+|br)$")
 _counter = itertools.count()
@@ -241,6 +242,7 @@ class Network:
         self.bridge = ""
         self._host_links: List[str] = []
         self._up = False
+        self._host_address = False
 
     # names -------------------------------------------------------------------------------------
     def ns_name(self, rank: int) -> str:
@@ -263,6 +265,22 @@ class Network:
     def command_prefix(self, rank: int) -> List[str]:
         """Argv prefix that runs a command inside rank ``rank``'s namespace (empty for loopback)."""
         return ["ip", "netns", "exec", self.ns_name(rank)] if self.profile.netns else []
+
+    def host_address(self) -> str:
+        """Give the launching namespace the address :data:`HOST_ADDRESS` on the bridge; return it.
+
+        Ranks can then reach servers of the launcher through their links (mpirun's PMIx server,
+        which the ranks of an MPI job must reach before MPI starts). Only one network at a time
+        should hold it (each adds a route to the subnet). Loopback profiles: ``127.0.0.1``.
+        """
+        if not self.profile.netns:
+            return "127.0.0.1"
+        if not self._up:
+            raise NetnsError("Network.host_address: the network is not open")
+        if not self._host_address:
+            _run(["ip", "addr", "add", f"{HOST_ADDRESS}/24", "dev", self.bridge])
+            self._host_address = True
+        return HOST_ADDRESS
 
     # lifecycle ---------------------------------------------------------------------------------
     def __enter__(self) -> "Network":
@@ -329,6 +347,12 @@ class Network:
         if not self._up:
             return
         for ns in self.namespaces:
+            # a process still inside (a rank its launcher failed to end) would keep it alive
+            for pid in _run(["ip", "netns", "pids", ns], check=False).stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
             _run(["ip", "netns", "del", ns], check=False)  # takes the veth pair with it
         for host in self._host_links:
             if _run(["ip", "link", "show", host], check=False).returncode == 0:
@@ -336,7 +360,7 @@ class Network:
         if self.bridge:
             _run(["ip", "link", "del", self.bridge], check=False)
         self.namespaces, self._host_links, self.bridge = [], [], ""
-        self._up = False
+        self._up = self._host_address = False
         _live.discard(self)
 
     def env(self, rank: int, master_port: int) -> Dict[str, str]:

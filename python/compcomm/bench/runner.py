@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from ..testing import free_port
-from .netns import PROFILES, Network, Profile
+from ..testing import free_port, mpirun_command
+from .netns import PROFILES, SUBNET, Network, Profile
+from .worker import MPI_METHODS
 
 __all__ = ["run_sweep", "run_on_profile", "SweepError"]
 
@@ -22,13 +24,25 @@ class SweepError(RuntimeError):
     """A worker rank failed or the sweep ran past its deadline; the message holds the rank's log."""
 
 
+def _signal(p: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        p.send_signal(sig)
+
+
 def _kill(procs: Sequence[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                p.kill()
+    """End ``procs``: SIGTERM first (mpirun then ends the ranks it started, which live in process
+    groups of their own), SIGKILL to whatever is left after 5 s."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        _signal(p, signal.SIGTERM)
+    end = time.monotonic() + 5.0
+    for p in live:
+        try:
+            p.wait(timeout=max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal(p, signal.SIGKILL)
     for p in procs:
         try:
             p.wait(timeout=10)
@@ -57,6 +71,46 @@ def _die_with_parent() -> None:
         pass
 
 
+#: what mpirun starts: the rank's own script (``_mpirun_launch`` writes one per rank)
+_RANK_WRAPPER = ('exec sh "$CCBENCH_RANK_DIR/rank${OMPI_COMM_WORLD_RANK:?not started by Open MPI}.sh"'
+                 ' "$@"')
+
+
+def _mpirun_launch(net: Network, tmp: str, rank_envs: List[Dict[str, str]], logs: List[str],
+                   argv: List[str]) -> Tuple[List[str], Dict[str, str]]:
+    """One ``mpirun`` that starts every rank in its namespace; returns its argv and environment.
+
+    Each rank runs ``rank<r>.sh``: its environment, its log, then ``argv`` in its namespace. The
+    ranks reach mpirun's PMIx server (started in this namespace) through the bridge, and MPI's own
+    traffic is TCP over the ranks' links only (no shared memory, no other interface).
+    """
+    for r, (renv, log) in enumerate(zip(rank_envs, logs)):
+        prefix = " ".join(map(shlex.quote, net.command_prefix(r)))
+        script = [
+            "#!/bin/sh",
+            *(f"export {k}={shlex.quote(v)}" for k, v in renv.items()),
+            f"exec 2>>{shlex.quote(log)}" + ("" if r == 0 else " >&2"),  # rank 0's stdout: mpirun's
+            f'exec {prefix} "$@"',
+        ]
+        with open(os.path.join(tmp, f"rank{r}.sh"), "w") as f:
+            f.write("\n".join(script) + "\n")
+    env = dict(os.environ, CCBENCH_RANK_DIR=tmp)
+    mca = {}
+    if net.profile.netns:
+        net.host_address()  # mpirun's PMIx server, in this namespace, listens there
+        subnet = f"{SUBNET}.0/24"
+        mca = {"pml": "ob1", "btl": "self,tcp", "btl_tcp_if_include": subnet}
+        env.update(PMIX_MCA_ptl_tcp_remote_connections="1", PMIX_MCA_ptl_tcp_if_include=subnet)
+    try:
+        # early exit allowed: a rank may end with os._exit (gloo's teardown aborts now and then),
+        # skipping MPI_Finalize; a non-zero exit still fails the job
+        cmd = mpirun_command(net.world_size, "-c", _RANK_WRAPPER, "ccbench-rank", *argv,
+                             python="sh", allow_early_exit=True, mca=mca)
+    except (FileNotFoundError, ValueError) as e:
+        raise SweepError(f"launcher 'mpirun': {e}") from None
+    return cmd, env
+
+
 def run_on_profile(
     profile,
     world_size: int,
@@ -67,6 +121,7 @@ def run_on_profile(
     python: str = sys.executable,
     env: Optional[Dict[str, str]] = None,
     gpus: int = 0,
+    launcher: str = "direct",
 ) -> List[str]:
     """Run ``python *args`` as ``world_size`` rank processes on a network profile.
 
@@ -96,8 +151,13 @@ def run_on_profile(
         GPUs of this machine the ranks use (0: CPU ranks). With ``gpus > 0`` every rank also gets
         :meth:`compcomm.bench.netns.Network.nccl_env`: its own ``NCCL_HOSTID`` (an emulated host),
         NCCL over sockets on its interface, ``LOCAL_RANK = rank % gpus``.
+    launcher : {"direct", "mpirun"}
+        ``"direct"``: one process per rank, started here. ``"mpirun"``: one Open MPI ``mpirun``
+        starts them (same environment, same namespaces), so the ranks can also use MPI
+        (``compcomm.init("mpi")``, mpi4py); on namespace profiles MPI then runs over TCP on the
+        ranks' shaped links only (``btl self,tcp`` on the bridge's subnet, no shared memory).
 
-    Rank processes run in their own session and get SIGKILL when this process dies
+    Rank processes (or mpirun) run in their own session and get SIGKILL when this process dies
     (``PR_SET_PDEATHSIG``); a watchdog kills them all at the deadline even when rank 0 is silent.
 
     Returns
@@ -108,30 +168,46 @@ def run_on_profile(
     Raises
     ------
     SweepError
-        A rank exited non-zero (the message holds every rank's log tail) or the deadline passed.
+        A rank exited non-zero (the message holds every rank's log tail), the deadline passed, or
+        ``launcher="mpirun"`` without Open MPI's mpirun.
     """
+    if launcher not in ("direct", "mpirun"):
+        raise ValueError(f"run_on_profile: argument 'launcher' must be 'direct' or 'mpirun', "
+                         f"got {launcher!r}")
     lines: List[str] = []
     with tempfile.TemporaryDirectory(prefix="ccbench-") as tmp, Network(profile, world_size) as net:
         prof = net.profile
         port = free_port()
+        logs = [os.path.join(tmp, f"rank{r}.log") for r in range(world_size)]
+        rank_envs = []
+        for r in range(world_size):
+            renv = {**(env or {}), **net.env(r, port), "OMP_NUM_THREADS": "1"}
+            if gpus > 0:
+                renv.update(net.nccl_env(r, gpus))
+            rank_envs.append(renv)
+        # (name, argv, environment, stdout log or None for a pipe, stderr log) of each process
+        if launcher == "mpirun":
+            cmd, menv = _mpirun_launch(net, tmp, rank_envs, logs, [python, *args])
+            logs.append(os.path.join(tmp, "mpirun.log"))
+            starts = [("mpirun", cmd, menv, None, logs[-1])]
+        else:
+            starts = [(f"rank {r}", net.command_prefix(r) + [python, *args],
+                       dict(os.environ, **rank_envs[r]), None if r == 0 else logs[r], logs[r])
+                      for r in range(world_size)]
         procs: List[subprocess.Popen] = []
-        logs = []
+        files = []
         watchdog: Optional[threading.Thread] = None
         stop = threading.Event()
         try:
-            for r in range(world_size):
-                renv = dict(os.environ, **(env or {}), **net.env(r, port), OMP_NUM_THREADS="1")
-                if gpus > 0:
-                    renv.update(net.nccl_env(r, gpus))
-                log = open(os.path.join(tmp, f"rank{r}.log"), "w+")
-                logs.append(log)
-                cmd = net.command_prefix(r) + [python, *args]
+            for _, cmd, penv, out_log, err_log in starts:
+                err = open(err_log, "a")
+                files.append(err)
                 procs.append(
                     subprocess.Popen(
                         cmd,
-                        env=renv,
-                        stdout=subprocess.PIPE if r == 0 else log,
-                        stderr=log,
+                        env=penv,
+                        stdout=subprocess.PIPE if out_log is None else err,
+                        stderr=err,
                         text=True,
                         start_new_session=True,
                         preexec_fn=_die_with_parent,
@@ -152,28 +228,35 @@ def run_on_profile(
                     raise SweepError(f"{prof.name} W={world_size} ran past {timeout} s")
             if time.monotonic() > deadline:
                 raise SweepError(f"{prof.name} W={world_size} ran past {timeout} s (killed)")
-            for r, p in enumerate(procs):
+            for (name, *_), p in zip(starts, procs):
                 left = max(1.0, deadline - time.monotonic())
                 try:
                     rc = p.wait(timeout=left)
                 except subprocess.TimeoutExpired:
-                    raise SweepError(f"rank {r} did not finish within {timeout} s") from None
+                    raise SweepError(f"{name} did not finish within {timeout} s") from None
                 if rc != 0:
-                    tails = []
-                    for q, log in enumerate(logs):
-                        log.flush()
-                        log.seek(0)
-                        tails.append(f"--- rank {q} log ---\n{log.read()[-3000:]}")
+                    for f in files:
+                        f.flush()
+                    tails = [f"--- {label} log ---\n{_tail(log)}" for label, log in zip(
+                        [f"rank {q}" for q in range(world_size)] + ["mpirun"], logs)]
                     raise SweepError(
-                        f"rank {r} exited with {rc} ({prof.name}, W={world_size}):\n"
+                        f"{name} exited with {rc} ({prof.name}, W={world_size}):\n"
                         + "\n".join(tails)
                     )
         finally:
             stop.set()
             _kill(procs)
-            for log in logs:
-                log.close()
+            for f in files:
+                f.close()
     return lines
+
+
+def _tail(path: str, chars: int = 3000) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-chars:]
+    except FileNotFoundError:
+        return "(no log)"
 
 
 def run_sweep(
@@ -201,7 +284,8 @@ def run_sweep(
     sizes : sequence of int
         Element counts.
     methods : sequence of str
-        Names from :data:`compcomm.bench.worker.METHODS`.
+        Names from :data:`compcomm.bench.worker.ALL_METHODS`. With any of ``MPI_METHODS`` the
+        ranks are started by mpirun (``launcher="mpirun"`` of :func:`run_on_profile`).
     target_time : float
         Seconds of timed calls per measurement (rank 0 sets the iteration count from it).
     min_iters, max_iters : int
@@ -249,5 +333,6 @@ def run_sweep(
             timeout=timeout,
             on_line=on_line,
             python=python,
+            launcher="mpirun" if set(methods) & set(MPI_METHODS) else "direct",
         )
     return rows

@@ -19,14 +19,16 @@ def augment(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     ``algbw = size_bytes / time`` with ``size_bytes`` the logical (uncompressed) tensor size,
     ``busbw = algbw * 2(W-1)/W``; ``wire_busbw`` is the same from the bytes actually sent;
     ``compression_ratio`` = fp32 ring wire bytes / this method's wire bytes;
-    ``speedup_vs_fp32`` = gloo fp32 time / this time at the same count, profile and world size.
+    ``speedup_vs_fp32`` = the fp32 allreduce's time over the same transport (``mpi_fp32`` for the
+    ``mpi_*`` methods, ``gloo_fp32`` for the others) / this time at the same count, profile and
+    world size.
     """
     import compcomm
 
     base = {
-        (r["profile"], r["world_size"], r["count"]): r["time_s"]
+        (r["method"][:4], r["profile"], r["world_size"], r["count"]): r["time_s"]
         for r in rows
-        if r["method"] == "gloo_fp32"
+        if r["method"] in ("gloo_fp32", "mpi_fp32")
     }
     for r in rows:
         w, t = r["world_size"], r["time_s"]
@@ -34,7 +36,8 @@ def augment(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         r["busbw_GBps"] = r["algbw_GBps"] * 2 * (w - 1) / w
         r["wire_GBps"] = r["wire_bytes"] / t / 1e9
         r["compression_ratio"] = compcomm.allreduce_wire_bytes(r["count"], w, 4) / r["wire_bytes"]
-        b = base.get((r["profile"], r["world_size"], r["count"]))
+        transport = "mpi_" if r["method"].startswith("mpi_") else "gloo"
+        b = base.get((transport, r["profile"], r["world_size"], r["count"]))
         r["speedup_vs_fp32"] = b / t if b else None
     return rows
 
@@ -48,9 +51,9 @@ def _human(nbytes: float) -> str:
 
 
 def _order(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    from .worker import METHODS
+    from .worker import ALL_METHODS
 
-    profs, meth = list(PROFILES), list(METHODS)
+    profs, meth = list(PROFILES), list(ALL_METHODS)
     return sorted(
         rows,
         key=lambda r: (
@@ -74,7 +77,7 @@ def markdown(rows: List[Dict[str, Any]], meta: Dict[str, Any], fits: Sequence[An
     out.append(
         "size = logical (uncompressed) bytes per rank; wire = bytes one rank sends; algbw = size/time, "
         "busbw = algbw*2(W-1)/W (GB/s, from logical bytes); ratio = fp32 ring wire bytes / wire bytes; "
-        "speedup = gloo fp32 time / time (same run); #wrong = elements wrong in the checked first call; "
+        "speedup = fp32 allreduce time over the same transport (gloo or MPI) / time (same run); #wrong = elements wrong in the checked first call; "
         "time = median over timed batches of the slowest rank's mean per call."
     )
     keys = []
@@ -127,7 +130,8 @@ def plot(rows: List[Dict[str, Any]], path: str) -> None:
     profs = [p for p in PROFILES if any(r["profile"] == p for r in rows)]
     profs += sorted({r["profile"] for r in rows} - set(profs))
     fig, axes = plt.subplots(2, len(profs), figsize=(4.2 * len(profs), 7), squeeze=False)
-    colors = {"compressed": "tab:red", "gloo_fp32": "tab:blue", "gloo_fp16": "tab:green"}
+    colors = {"compressed": "tab:red", "gloo_fp32": "tab:blue", "gloo_fp16": "tab:green",
+              "mpi_compressed": "tab:orange", "mpi_fp32": "tab:purple"}
     styles = {2: "--", 4: "-", 8: ":"}
     for j, prof in enumerate(profs):
         for method, w in sorted(

@@ -15,6 +15,10 @@ compressed
     :func:`compcomm.compressed_allreduce` on fp32 through the torch adapter (gloo underneath).
 gloo_fp32, gloo_fp16
     ``torch.distributed.all_reduce`` (sum) of fp32 / fp16 tensors.
+mpi_compressed, mpi_fp32 (opt-in: the ranks must be started by mpirun, see ``run_sweep``)
+    The compressed allreduce, and a plain fp32 allreduce (sum), through compcomm's MPI
+    communicator (``compcomm.make_communicator("mpi")``); on namespace profiles MPI's traffic is
+    TCP over the same shaped links.
 compute (always measured alongside ``compressed``)
     The same compressed allreduce of ``W`` ranks with the network replaced by local copies
     (:class:`MirrorCommunicator`), run on every rank at once so that the CPU sharing matches the real
@@ -38,7 +42,20 @@ import torch.distributed as dist
 
 import compcomm
 
-METHODS = ("compressed", "gloo_fp32", "gloo_fp16")
+METHODS = ("compressed", "gloo_fp32", "gloo_fp16")  # the default set
+MPI_METHODS = ("mpi_compressed", "mpi_fp32")
+ALL_METHODS = METHODS + MPI_METHODS
+_mpi: List[Any] = []  # the MPI communicator, made by the first MPI method (on every rank at once)
+
+
+def mpi_communicator() -> compcomm.Communicator:
+    """Collective on first use: compcomm's MPI communicator of this mpirun job."""
+    if not _mpi:
+        _mpi.append(compcomm.make_communicator("mpi", cuda_aware=False))
+        if _mpi[0].size() != dist.get_world_size():
+            raise RuntimeError(f"worker: the MPI world has {_mpi[0].size()} ranks, the gloo world "
+                               f"{dist.get_world_size()}; start the ranks with one mpirun")
+    return _mpi[0]
 
 
 def plain_input(n: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
@@ -183,10 +200,11 @@ def prepare(method: str, n: int) -> Dict[str, Any]:
         ``compressed`` ``compute_op`` (the call with the network replaced by copies).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    if method == "compressed":
+    if method in ("compressed", "mpi_compressed"):
+        comm = mpi_communicator() if method == "mpi_compressed" else None  # None: the gloo world
         t = compressed_input(n, rank)
-        we, se = compcomm.error_buffers(t)
-        compcomm.compressed_allreduce(t, we, se)
+        we, se = compcomm.error_buffers(t, comm)
+        compcomm.compressed_allreduce(t, we, se, comm)
         # Every rank's output must be bit-identical; rank 0 compares it with the reference.
         crcs: List[Any] = [None] * world
         dist.all_gather_object(crcs, _crc(t))
@@ -197,22 +215,36 @@ def prepare(method: str, n: int) -> Dict[str, Any]:
             wrong += int(((t - ref).abs() > tol).sum().item())
         w = torch.tensor([wrong], dtype=torch.int64)
         dist.broadcast(w, 0)
-        # The compute-only replay reuses the timed call's buffers: compute does not depend on the
-        # values, memory use does.
-        mirror = MirrorCommunicator(rank, world)
-        return {
-            "op": lambda: compcomm.compressed_allreduce(t, we, se),
-            "compute_op": lambda: compcomm.compressed_allreduce(t, we, se, mirror),
+        prep = {
+            "op": lambda: compcomm.compressed_allreduce(t, we, se, comm),
             "wrong": int(w.item()),
             "size_bytes": n * 4,
             "wire_bytes": compcomm.wire_bytes(n, world),
             "dtype": "float32",
         }
-    if method not in ("gloo_fp32", "gloo_fp16"):
-        raise ValueError(f"worker: unknown method {method!r}; choose from {', '.join(METHODS)}")
+        if comm is None:
+            # The compute-only replay reuses the timed call's buffers: compute does not depend on
+            # the values, memory use does.
+            mirror = MirrorCommunicator(rank, world)
+            prep["compute_op"] = lambda: compcomm.compressed_allreduce(t, we, se, mirror)
+        return prep
+    if method not in ("gloo_fp32", "gloo_fp16", "mpi_fp32"):
+        raise ValueError(f"worker: unknown method {method!r}; choose from {', '.join(ALL_METHODS)}")
     dtype = torch.float16 if method == "gloo_fp16" else torch.float32
     t = plain_input(n, rank, dtype)
-    dist.all_reduce(t)
+    if method == "mpi_fp32":
+        from .._buffers import buffer_of
+
+        mpi, buf = mpi_communicator(), buffer_of(t)
+
+        def all_reduce() -> None:
+            mpi.all_reduce(buf)
+    else:
+
+        def all_reduce() -> None:
+            dist.all_reduce(t)
+
+    all_reduce()
     wrong_t = torch.tensor(
         [int((t != plain_expected(n, world, dtype)).sum().item())], dtype=torch.int64
     )
@@ -222,7 +254,7 @@ def prepare(method: str, n: int) -> Dict[str, Any]:
     )  # values grow W-fold per call; timing does not depend on them
     esize = t.element_size()
     return {
-        "op": lambda: dist.all_reduce(t),
+        "op": all_reduce,
         "wrong": int(wrong_t.item()),
         "size_bytes": n * esize,
         "wire_bytes": compcomm.allreduce_wire_bytes(n, world, esize),
@@ -252,7 +284,7 @@ _CMD_STOP, _CMD_RUN = 0, 1
 
 def drive(method: str, n: int) -> Dict[str, Any]:
     """Rank 0 of a follower world: tell the followers to :func:`prepare` ``method`` at ``n``."""
-    cmd = torch.tensor([_CMD_RUN, METHODS.index(method), n], dtype=torch.int64)
+    cmd = torch.tensor([_CMD_RUN, ALL_METHODS.index(method), n], dtype=torch.int64)
     dist.broadcast(cmd, 0)
     return prepare(method, n)
 
@@ -280,7 +312,7 @@ def follow() -> None:
         dist.broadcast(cmd, 0)
         if int(cmd[0]) == _CMD_STOP:
             return
-        prep = prepare(METHODS[int(cmd[1])], int(cmd[2]))
+        prep = prepare(ALL_METHODS[int(cmd[1])], int(cmd[2]))
         while True:
             rounds = torch.zeros(1, dtype=torch.int64)
             dist.broadcast(rounds, 0)
