@@ -19,6 +19,14 @@ the compcomm column is printed::
     mpirun --allow-run-as-root --oversubscribe -np 2 python bench/bench_mpi.py --compare \
         --device cuda --sizes 256K..256M      # 2^16..2^26 fp32 elements
 
+On emulated hosts over Ethernet-like links (root, iproute2; see compcomm.bench.netns), ``--profile``
+starts ``--world-size`` ranks of this script under one mpirun, each in its own network namespace
+with a shaped veth, MPI over TCP on those links only (no shared memory); with ``--device cuda``
+they share the local GPU(s), host-staged::
+
+    python bench/bench_mpi.py --compare --device cuda --profile eth10g --world-size 4 \
+        --sizes 256K..256M
+
 Columns: size (logical bytes of the fp32 tensor), count, dtype, time (us, mean over iterations,
 rank 0 decides the count and broadcasts it), algbw = size/time, busbw = algbw * 2(W-1)/W (both
 logical bytes: the compressed path sends ~32x fewer wire bytes, see ``wire``), #wrong (first
@@ -31,6 +39,7 @@ import argparse
 import os
 import sys
 import time
+from typing import List
 
 import numpy as np
 import torch
@@ -82,6 +91,9 @@ def compare(comm, sizes, device: str, iters: int) -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     local_rank = torch.cuda.current_device() if cuda else 0
     if rank == 0:
+        where = os.environ.get("COMPCOMM_BENCH_PROFILE")
+        if where:
+            print(f"# emulated hosts: profile {where}, MPI over TCP on the ranks' links")
         print(f"# compressed_allreduce, {W} ranks, {device}, compcomm mpi cuda_aware=False vs "
               f"{'DeepSpeed MpiBackend(cuda_aware=False)' if ds else 'no DeepSpeed (not importable or CPU)'}"
               f", {iters} interleaved calls, median of the slowest rank")
@@ -138,6 +150,22 @@ def compare(comm, sizes, device: str, iters: int) -> None:
             print(f"  {n:>10} {size:>10} {a * 1e3:>12.3f} {dcol} {ratio} {x * 1e3:>12.3f} {ccol}", flush=True)
 
 
+def launch(args: argparse.Namespace, argv: List[str]) -> int:
+    """``--profile``: this script as ``--world-size`` ranks under mpirun on emulated hosts."""
+    from compcomm.bench.runner import SweepError, run_on_profile
+
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    env = {"COMPCOMM_BENCH_PROFILE": args.profile, "PYTHONUNBUFFERED": "1"}
+    try:
+        run_on_profile(args.profile, args.world_size, [os.path.abspath(__file__), *argv],
+                       timeout=args.timeout, gpus=gpus, env=env, launcher="mpirun",
+                       on_line=lambda line: print(line, end="", flush=True))
+    except SweepError as e:
+        print(f"bench_mpi: {args.profile} W={args.world_size} failed: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main() -> None:
     import torch.distributed as dist
 
@@ -152,7 +180,14 @@ def main() -> None:
                     help="only compressed_allreduce, compcomm vs DeepSpeed's MpiBackend when importable")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="--compare: tensor device")
     ap.add_argument("--iters", type=int, default=20, help="--compare: timed calls per size and library")
+    ap.add_argument("--profile", default=None,
+                    help="start --world-size ranks under mpirun on this compcomm.bench.netns profile "
+                         "(eth1g, eth10g, eth25g, unshaped: root; loopback)")
+    ap.add_argument("--world-size", type=int, default=2, help="ranks for --profile")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds for a --profile run")
     args = ap.parse_args()
+    if args.profile and "COMPCOMM_BENCH_PROFILE" not in os.environ:
+        sys.exit(launch(args, sys.argv[1:]))
     try:
         sizes = parse_sizes(args.sizes)
     except ValueError as e:
@@ -169,7 +204,8 @@ def main() -> None:
     if rank == 0:
         port[0] = compcomm.testing.free_port()
     comm.broadcast(buffer_of(port), 0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{int(port)}", rank=rank, world_size=W)
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")  # --profile: rank 0's address on its link
+    dist.init_process_group("gloo", init_method=f"tcp://{host}:{int(port)}", rank=rank, world_size=W)
     gloo = compcomm.TorchCommunicator()
     paths = [("mpi-cpu", comm, "cpu"), ("gloo-cpu", gloo, "cpu")]
     if torch.cuda.is_available() and compcomm._C.mpi_cuda_built():
