@@ -177,6 +177,26 @@ def test_train_cpu_twin_eth1g(tmp_path):
     assert not [n for n in netns.list_ours()["netns"] if n.startswith(f"ccbn-{os.getpid()}-")]
 
 
+MPI_OPTS = "ddp_adamw,onebitadam,zerooneadam,onebitlamb"
+
+
+@needs_netns
+def test_train_cpu_twin_mpi_backend(tmp_path):
+    """--backend mpi: the ranks run under mpirun in their namespaces and the 1-bit optimizers
+    communicate through compcomm's MPI communicator (DDP stays on gloo)."""
+    from _backends import no_mpi
+
+    if no_mpi():
+        pytest.skip(no_mpi())
+    doc = _run(tmp_path, "unshaped", MPI_OPTS, "--backend", "mpi")
+    _check(doc, MPI_OPTS, "unshaped")
+    rows = {r["optimizer"]: r for r in doc["rows"]}
+    assert rows["ddp_adamw"]["comm_backend"] is None
+    for name in ("onebitadam", "zerooneadam", "onebitlamb"):
+        assert rows[name]["comm_backend"].startswith("mpi"), rows[name]["comm_backend"]
+    assert "comm_backend_name='mpi'" in (tmp_path / "t.md").read_text()
+
+
 _ENV_PROBE = (
     "import os, json, datetime, torch, torch.distributed as dist\n"
     "dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=60))\n"

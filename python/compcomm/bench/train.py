@@ -108,9 +108,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                     help="steps of the linear lr ramp (--lr-schedule cosine)")
     ap.add_argument("--amp", choices=("bf16", "none"), default=None,
                     help="autocast dtype (default: bf16 on cuda, none on cpu)")
-    ap.add_argument("--backend", choices=("torch", "nccl"), default="torch",
-                    help="compcomm optimizers over the torch group (default) or compcomm's native "
-                         "NCCL communicator (comm_backend_name='nccl'; cuda only)")
+    ap.add_argument("--backend", choices=("torch", "nccl", "mpi"), default="torch",
+                    help="compcomm optimizers over the torch group (default), compcomm's native "
+                         "NCCL communicator (comm_backend_name='nccl'; cuda only) or its MPI "
+                         "communicator (comm_backend_name='mpi': the ranks run under mpirun, MPI "
+                         "over TCP on the profile's links; host-staged on cuda)")
     ap.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
                     help="OneBitAdam/ZeroOneAdam fused= (default: the optimizer's default)")
     ap.add_argument("--reduce-bucket-size", type=float, default=None,
@@ -212,8 +214,8 @@ def _meta(a: argparse.Namespace, argv: Sequence[str]) -> Dict[str, Any]:
         nd.append(f"ZeroOneAdam local_step_scaler={a.local_step_scaler}")
     if a.local_step_clipper:
         nd.append(f"ZeroOneAdam local_step_clipper={a.local_step_clipper}")
-    if a.backend == "nccl":
-        nd.append("comm_backend_name='nccl'")
+    if a.backend != "torch":
+        nd.append(f"comm_backend_name='{a.backend}'")
     if a.ag_options:
         nd.append(f"all-gather {a.ag_options}")
     if a.fsdp_bf16:
@@ -317,7 +319,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     json.dump(cfg, fh)
                 try:
                     runner.run_on_profile(prof, w, ["-m", "compcomm.bench.train", "--_rank", path],
-                                          timeout=a.timeout, on_line=on_line, gpus=gpus)
+                                          timeout=a.timeout, on_line=on_line, gpus=gpus,
+                                          launcher="mpirun" if a.backend == "mpi" else "direct")
                 except (runner.SweepError, netns.NetnsError) as e:
                     status = 1
                     msg = str(e)

@@ -210,6 +210,8 @@ def _train_one(name: str, cfg: Dict[str, Any], rank: int, world: int, dev: Any, 
     ov = ov if hasattr(ov, "steps_overlapped") else None  # (ZeroOptimizer.overlap is a flag)
     return {"steps_planned": steps, "stopped_early": stopped_early, "params": nparams,
             "ddp_ring_bytes": ddp_bytes if kind == "ddp" else None,
+            # which communicator carried compcomm's optimizer ("torch(gloo)", "nccl", "mpi", ...)
+            "comm_backend": comm.backend_name() if comm is not None else None,
             **({"overlap": {"steps_overlapped": ov.steps_overlapped, "enabled": ov.enabled,
                             "groups_from_backward": ov.groups_from_backward}}
                if ov is not None else {})}
@@ -237,8 +239,8 @@ def rank_main(cfg: Dict[str, Any]) -> int:
         dev = torch.device("cpu")
         torch.set_num_threads(cfg.get("threads", 1))
         dist.init_process_group("gloo", timeout=timeout)
-    if cfg.get("backend") == "nccl":
-        compcomm.init("nccl")
+    if cfg.get("backend") in ("nccl", "mpi"):
+        compcomm.init(cfg["backend"])  # the optimizers' comm_backend_name (train_setups)
     amp = cfg["amp"] == "bf16"
     out = sys.stdout
 

@@ -201,8 +201,8 @@ def make(name: str, model: Any, cfg: Dict[str, Any], world: int, dev: Any) -> Di
 
     lr, never, warm = cfg["lr"], cfg["steps"] + 10, cfg["warmup"]
     extra: Dict[str, Any] = {}
-    if cfg.get("backend") == "nccl":
-        extra["comm_backend_name"] = "nccl"
+    if cfg.get("backend") in ("nccl", "mpi"):
+        extra["comm_backend_name"] = cfg["backend"]
     if cfg.get("reduce_bucket_size") is not None:
         extra["reduce_bucket_size"] = int(cfg["reduce_bucket_size"])
     fused = {} if cfg.get("fused") is None else {"fused": bool(cfg["fused"])}
