@@ -153,3 +153,14 @@ def test_init_errors_in_process() -> None:
         if compcomm.build_info()["nccl"]:
             pytest.skip("native NCCL is built")
         compcomm.init("nccl")
+
+
+def test_optimizers_over_mpi_equal_over_gloo() -> None:
+    """OneBitAdam, ZeroOneAdam and OneBitLamb with comm_backend_name="mpi" give the parameters of
+    the same optimizers over a gloo group bit for bit (2 ranks, warm-up and compressed phases)."""
+    from compcomm.bench import runner
+
+    lines = runner.run_on_profile("loopback", 2, [str(HERE / "optim_vs_gloo.py")], timeout=150,
+                                  launcher="mpirun")
+    assert lines == [f"{name} mpi == gloo: True"
+                     for name in ("OneBitAdam", "ZeroOneAdam", "OneBitLamb")], lines
