@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -85,10 +86,19 @@ def test_teardown_on_sigterm_and_stale_cleanup():
     dead.wait()
     name = f"{netns.NS_PREFIX}{dead.pid}-0-r0"
     subprocess.run(["ip", "netns", "add", name], check=True)
+    # ... with a process still inside (a rank mpirun started, its launcher killed)
+    orphan = subprocess.Popen(["ip", "netns", "exec", name, "sleep", "600"])
     try:
+        for _ in range(50):
+            if subprocess.run(["ip", "netns", "pids", name], capture_output=True,
+                              text=True).stdout.split():
+                break
+            time.sleep(0.1)
         assert name in netns.cleanup_stale()
         assert name not in netns.list_ours()["netns"]
+        assert orphan.wait(timeout=10) == -signal.SIGKILL
     finally:
+        orphan.kill()
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 

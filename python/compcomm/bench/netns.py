@@ -134,6 +134,17 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _delete_namespace(name: str) -> None:
+    """Kill what still runs inside namespace ``name`` (ranks of a launcher that could not end
+    them: mpirun's, when the launching process was killed), then delete it."""
+    for pid in _run(["ip", "netns", "pids", name], check=False).stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+    _run(["ip", "netns", "del", name], check=False)
+
+
 def list_ours() -> Dict[str, List[str]]:
     """Namespaces and links (veth host ends, bridges) whose names carry our prefix.
 
@@ -177,7 +188,7 @@ def cleanup_stale(all_runs: bool = False) -> List[str]:
     for name in found["netns"]:
         pid = int(_NS_RE.match(name).group(1))  # type: ignore[union-attr]
         if all_runs or not _pid_alive(pid):
-            _run(["ip", "netns", "del", name], check=False)
+            _delete_namespace(name)
             gone.append(name)
     for name in found["links"]:
         pid = int(_LINK_RE.match(name).group(1), 16)  # type: ignore[union-attr]
@@ -347,13 +358,7 @@ class Network:
         if not self._up:
             return
         for ns in self.namespaces:
-            # a process still inside (a rank its launcher failed to end) would keep it alive
-            for pid in _run(["ip", "netns", "pids", ns], check=False).stdout.split():
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
-            _run(["ip", "netns", "del", ns], check=False)  # takes the veth pair with it
+            _delete_namespace(ns)  # takes the veth pair with it
         for host in self._host_links:
             if _run(["ip", "link", "show", host], check=False).returncode == 0:
                 _run(["ip", "link", "del", host], check=False)
