@@ -152,6 +152,7 @@ def compare(comm, sizes, device: str, iters: int) -> None:
 
 def launch(args: argparse.Namespace, argv: List[str]) -> int:
     """``--profile``: this script as ``--world-size`` ranks under mpirun on emulated hosts."""
+    from compcomm.bench.netns import NetnsError
     from compcomm.bench.runner import SweepError, run_on_profile
 
     gpus = torch.cuda.device_count() if args.device == "cuda" else 0
@@ -160,7 +161,7 @@ def launch(args: argparse.Namespace, argv: List[str]) -> int:
         run_on_profile(args.profile, args.world_size, [os.path.abspath(__file__), *argv],
                        timeout=args.timeout, gpus=gpus, env=env, launcher="mpirun",
                        on_line=lambda line: print(line, end="", flush=True))
-    except SweepError as e:
+    except (SweepError, NetnsError) as e:
         print(f"bench_mpi: {args.profile} W={args.world_size} failed: {e}", file=sys.stderr)
         return 1
     return 0
@@ -181,7 +182,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="--compare: tensor device")
     ap.add_argument("--iters", type=int, default=20, help="--compare: timed calls per size and library")
     ap.add_argument("--profile", default=None,
-                    help="start --world-size ranks under mpirun on this compcomm.bench.netns profile "
+                    help="start --world-size ranks under mpirun on this compcomm.bench.netns "
+                         "profile "
                          "(eth1g, eth10g, eth25g, unshaped: root; loopback)")
     ap.add_argument("--world-size", type=int, default=2, help="ranks for --profile")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds for a --profile run")
@@ -205,7 +207,8 @@ def main() -> None:
         port[0] = compcomm.testing.free_port()
     comm.broadcast(buffer_of(port), 0)
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")  # --profile: rank 0's address on its link
-    dist.init_process_group("gloo", init_method=f"tcp://{host}:{int(port)}", rank=rank, world_size=W)
+    dist.init_process_group("gloo", init_method=f"tcp://{host}:{int(port)}", rank=rank,
+                            world_size=W)
     gloo = compcomm.TorchCommunicator()
     paths = [("mpi-cpu", comm, "cpu"), ("gloo-cpu", gloo, "cpu")]
     if torch.cuda.is_available() and compcomm._C.mpi_cuda_built():

@@ -99,7 +99,18 @@ def test_teardown_on_sigterm_and_stale_cleanup():
         assert orphan.wait(timeout=10) == -signal.SIGKILL
     finally:
         orphan.kill()
+        orphan.wait(timeout=10)
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+@needs_netns
+def test_host_address_is_held_by_one_network_at_a_time():
+    with netns.Network("unshaped", 1) as a, netns.Network("unshaped", 1) as b:
+        assert a.host_address() == netns.HOST_ADDRESS == a.host_address()  # idempotent
+        with pytest.raises(netns.NetnsError, match="one MPI benchmark at a time"):
+            b.host_address()
+    with netns.Network("unshaped", 1) as c:  # released with a's bridge
+        assert c.host_address() == netns.HOST_ADDRESS
 
 
 def _transfer_seconds(profile: str, nbytes: int) -> float:
@@ -358,6 +369,7 @@ _MPI_RANK_SCRIPT = textwrap.dedent(
     assert mpi.rank() == dist.get_rank() and mpi.size() == dist.get_world_size()
     rank = mpi.rank()
     if len(sys.argv) > 1 and rank == int(sys.argv[1]):
+        print(f"rank {rank} fails here", file=sys.stderr, flush=True)
         os._exit(3)
     ifname = os.environ["GLOO_SOCKET_IFNAME"]
     def sent():
@@ -400,28 +412,37 @@ def test_run_on_profile_with_mpirun(tmp_path, profile):
         assert tx > 4 << 20, tx
     with pytest.raises(runner.SweepError, match="mpirun exited with") as err:
         runner.run_on_profile(profile, 2, [str(script), "1"], timeout=120, launcher="mpirun")
-    assert "--- rank 1 log ---" in str(err.value) and "--- mpirun log ---" in str(err.value)
+    rank1 = str(err.value).split("--- rank 1 log ---\n")[1].split("\n--- ")[0]
+    assert "rank 1 fails here" in rank1 and "--- mpirun log ---" in str(err.value)
     with pytest.raises(ValueError, match="launcher"):
         runner.run_on_profile(profile, 2, [str(script)], launcher="srun")
+    with pytest.raises(ValueError, match="shell names"):
+        runner.run_on_profile(profile, 2, [str(script)], env={"A-B": "1"}, launcher="mpirun")
 
 
-@needs_netns
-def test_mpirun_ranks_are_gone_after_a_timeout(tmp_path):
+@pytest.mark.parametrize("profile", ["loopback", pytest.param("unshaped", marks=needs_netns)])
+def test_mpirun_ranks_are_gone_after_a_timeout(tmp_path, profile):
     """Ranks that mpirun started live in process groups of their own: a run past its deadline
-    still ends every one of them, and the namespaces with them."""
+    still ends every one of them (also on loopback, where no namespace is deleted), even ranks
+    that ignore SIGTERM, and the namespaces go with them."""
     from _backends import no_mpi
 
     if no_mpi():
         pytest.skip(no_mpi())
     from compcomm.bench import runner
 
-    marker = f"ccbench-hang-{os.getpid()}"
+    marker = f"ccbench-hang-{os.getpid()}-{profile}"
     script = tmp_path / "hang.py"
-    script.write_text("import time\ntime.sleep(600)\n")
+    script.write_text("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                      "time.sleep(600)\n")
     with pytest.raises(runner.SweepError, match="ran past"):
-        runner.run_on_profile("unshaped", 2, [str(script), marker], timeout=3, launcher="mpirun")
-    left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
-    assert left == []
+        runner.run_on_profile(profile, 2, [str(script), marker], timeout=3, launcher="mpirun")
+    for _ in range(50):
+        left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
+        if not left.split():
+            break
+        time.sleep(0.1)
+    assert left.split() == []
     assert not any(n.startswith(f"{netns.NS_PREFIX}{os.getpid()}-")
                    for n in netns.list_ours()["netns"])
 
@@ -436,19 +457,20 @@ def test_cli_mpi_methods(tmp_path):
     out = tmp_path / "res"
     p = subprocess.run(
         [sys.executable, "-m", "compcomm.bench", "--profile", "eth1g", "--world-size", "3",
-         "--sizes", "2^10,2^16", "--methods", "mpi_compressed,mpi_fp32", "--target-time", "0.02",
+         "--sizes", "2^10,2^16", "--methods", "gloo_fp32,mpi_compressed,mpi_fp32",
+        "--target-time", "0.02",
          "--out", str(out), "--no-progress", "--timeout", "120"],
         capture_output=True, text=True, timeout=150,
     )
     assert p.returncode == 0, p.stderr[-3000:]
     rows = json.loads((out / "results.json").read_text())["rows"]
     assert sorted((r["method"], r["count"]) for r in rows) == [
-        ("mpi_compressed", 1024), ("mpi_compressed", 65536),
-        ("mpi_fp32", 1024), ("mpi_fp32", 65536),
+        ("gloo_fp32", 1024), ("gloo_fp32", 65536), ("mpi_compressed", 1024),
+        ("mpi_compressed", 65536), ("mpi_fp32", 1024), ("mpi_fp32", 65536),
     ]
     by = {(r["method"], r["count"]): r for r in rows}
-    for (method, n), r in by.items():
+    for (method, n), r in by.items():  # one launch (mpirun) served both transports
         assert r["wrong"] == 0 and r["time_s"] > 0
-        base = by[("mpi_fp32", n)]["time_s"]
+        base = by[("gloo_fp32" if method == "gloo_fp32" else "mpi_fp32", n)]["time_s"]
         assert r["speedup_vs_fp32"] == pytest.approx(base / r["time_s"])
     assert by[("mpi_compressed", 65536)]["wire_bytes"] * 10 < 65536 * 4

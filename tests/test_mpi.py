@@ -140,7 +140,7 @@ def test_mpirun_command_flags() -> None:
     assert cmd[-3:] == ["py", "x.py", "a"] and ("-np" in cmd or "-n" in cmd)
     with pytest.raises(ValueError, match="np"):
         mpirun_command(0, "x.py")
-    cmd = mpirun_command(2, "x.py", mca={"btl": "self,tcp"})  # Open MPI here (skip otherwise)
+    cmd = mpirun_command(2, "x.py", mca={"btl": "self,tcp"})  # (Open MPI: CI's launcher)
     i = cmd.index("btl")
     assert cmd[i - 1:i + 2] == ["--mca", "btl", "self,tcp"] and cmd[-1] == "x.py"
 

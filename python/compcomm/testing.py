@@ -159,7 +159,7 @@ def mpirun_command(
     np : int
         Number of ranks.
     script : str
-        Path of the Python script each rank runs.
+        Path of the Python script each rank runs (the first argument after the interpreter).
     python : str, optional
         Interpreter (default: ``sys.executable``).
     allow_early_exit : bool

@@ -282,13 +282,18 @@ class Network:
 
         Ranks can then reach servers of the launcher through their links (mpirun's PMIx server,
         which the ranks of an MPI job must reach before MPI starts). Only one network at a time
-        should hold it (each adds a route to the subnet). Loopback profiles: ``127.0.0.1``.
+        can hold it (each would add a route to the subnet): a second one raises
+        :class:`NetnsError`. Loopback profiles: ``127.0.0.1``.
         """
         if not self.profile.netns:
             return "127.0.0.1"
         if not self._up:
             raise NetnsError("Network.host_address: the network is not open")
         if not self._host_address:
+            held = _run(["ip", "-o", "-4", "addr", "show", "to", f"{HOST_ADDRESS}/32"]).stdout
+            if held.strip():
+                raise NetnsError(f"{HOST_ADDRESS} is already held by another run's bridge "
+                                 f"({held.split()[1]}): run one MPI benchmark at a time")
             _run(["ip", "addr", "add", f"{HOST_ADDRESS}/24", "dev", self.bridge])
             self._host_address = True
         return HOST_ADDRESS

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -24,30 +25,39 @@ class SweepError(RuntimeError):
     """A worker rank failed or the sweep ran past its deadline; the message holds the rank's log."""
 
 
-def _signal(p: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(p.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        p.send_signal(sig)
-
-
-def _kill(procs: Sequence[subprocess.Popen]) -> None:
-    """End ``procs``: SIGTERM first (mpirun then ends the ranks it started, which live in process
-    groups of their own), SIGKILL to whatever is left after 5 s."""
+def _kill(procs: Sequence[subprocess.Popen], pid_files: Sequence[str] = ()) -> None:
+    """End ``procs`` and their process groups: SIGTERM first (mpirun then ends the ranks it
+    started), SIGKILL to every group after 5 s; then SIGKILL the processes named in ``pid_files``
+    (mpirun's ranks, which live in process groups of their own) that are still alive."""
     live = [p for p in procs if p.poll() is None]
     for p in live:
-        _signal(p, signal.SIGTERM)
+        _signal_group(p.pid, signal.SIGTERM)
     end = time.monotonic() + 5.0
     for p in live:
         try:
             p.wait(timeout=max(0.1, end - time.monotonic()))
         except subprocess.TimeoutExpired:
-            _signal(p, signal.SIGKILL)
+            pass
+    for p in procs:  # a child that ignored SIGTERM may hold rank 0's stdout open
+        _signal_group(p.pid, signal.SIGKILL)
     for p in procs:
         try:
             p.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
+    for path in pid_files:
+        try:
+            with open(path) as f:
+                os.kill(int(f.read()), signal.SIGKILL)
+        except (OSError, ValueError):  # not written, or already gone
+            pass
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _watch(procs: Sequence[subprocess.Popen], deadline: float, stop: threading.Event) -> None:
@@ -71,9 +81,16 @@ def _die_with_parent() -> None:
         pass
 
 
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _pid_file(tmp: str, rank: int) -> str:
+    return os.path.join(tmp, f"rank{rank}.pid")
+
+
 #: what mpirun starts: the rank's own script (``_mpirun_launch`` writes one per rank)
-_RANK_WRAPPER = ('exec sh "$CCBENCH_RANK_DIR/rank${OMPI_COMM_WORLD_RANK:?not started by Open MPI}.sh"'
-                 ' "$@"')
+_RANK_WRAPPER = ('exec sh "$CCBENCH_RANK_DIR/rank${OMPI_COMM_WORLD_RANK:?not started by Open'
+                 ' MPI}.sh" "$@"')
 
 
 def _mpirun_launch(net: Network, tmp: str, rank_envs: List[Dict[str, str]], logs: List[str],
@@ -85,21 +102,26 @@ def _mpirun_launch(net: Network, tmp: str, rank_envs: List[Dict[str, str]], logs
     traffic is TCP over the ranks' links only (no shared memory, no other interface).
     """
     for r, (renv, log) in enumerate(zip(rank_envs, logs)):
+        bad = [k for k in renv if not _ENV_NAME.match(k)]
+        if bad:
+            raise ValueError(f"run_on_profile: environment names {bad} are not shell names")
         prefix = " ".join(map(shlex.quote, net.command_prefix(r)))
         script = [
             "#!/bin/sh",
             *(f"export {k}={shlex.quote(v)}" for k, v in renv.items()),
             f"exec 2>>{shlex.quote(log)}" + ("" if r == 0 else " >&2"),  # rank 0's stdout: mpirun's
+            f"echo $$ > {shlex.quote(_pid_file(tmp, r))}",  # exec keeps the pid: see _kill
             f'exec {prefix} "$@"',
         ]
         with open(os.path.join(tmp, f"rank{r}.sh"), "w") as f:
             f.write("\n".join(script) + "\n")
     env = dict(os.environ, CCBENCH_RANK_DIR=tmp)
-    mca = {}
+    # no binding: the direct launcher binds nothing either (mpirun binds to cores for np <= 2)
+    mca = {"hwloc_base_binding_policy": "none"}
     if net.profile.netns:
         net.host_address()  # mpirun's PMIx server, in this namespace, listens there
         subnet = f"{SUBNET}.0/24"
-        mca = {"pml": "ob1", "btl": "self,tcp", "btl_tcp_if_include": subnet}
+        mca.update(pml="ob1", btl="self,tcp", btl_tcp_if_include=subnet)
         env.update(PMIX_MCA_ptl_tcp_remote_connections="1", PMIX_MCA_ptl_tcp_if_include=subnet)
     try:
         # early exit allowed: a rank may end with os._exit (gloo's teardown aborts now and then),
@@ -146,7 +168,8 @@ def run_on_profile(
     python : str
         Interpreter.
     env : dict, optional
-        Extra environment for every rank.
+        Extra environment for every rank (the rendezvous and NCCL variables above take
+        precedence over its entries of the same name).
     gpus : int
         GPUs of this machine the ranks use (0: CPU ranks). With ``gpus > 0`` every rank also gets
         :meth:`compcomm.bench.netns.Network.nccl_env`: its own ``NCCL_HOSTID`` (an emulated host),
@@ -159,6 +182,9 @@ def run_on_profile(
 
     Rank processes (or mpirun) run in their own session and get SIGKILL when this process dies
     (``PR_SET_PDEATHSIG``); a watchdog kills them all at the deadline even when rank 0 is silent.
+    Ranks that mpirun started are ended by mpirun, and killed by pid when the call ends; if this
+    process itself is killed with SIGKILL they can outlive it, and on namespace profiles the next
+    run's (or ``compcomm-bench --cleanup-stale``'s) clean-up kills them.
 
     Returns
     -------
@@ -194,6 +220,7 @@ def run_on_profile(
             starts = [(f"rank {r}", net.command_prefix(r) + [python, *args],
                        dict(os.environ, **rank_envs[r]), None if r == 0 else logs[r], logs[r])
                       for r in range(world_size)]
+        pid_files = [_pid_file(tmp, r) for r in range(world_size)] if launcher == "mpirun" else []
         procs: List[subprocess.Popen] = []
         files = []
         watchdog: Optional[threading.Thread] = None
@@ -206,6 +233,7 @@ def run_on_profile(
                     subprocess.Popen(
                         cmd,
                         env=penv,
+                        stdin=subprocess.DEVNULL,  # (mpirun would forward it to rank 0)
                         stdout=subprocess.PIPE if out_log is None else err,
                         stderr=err,
                         text=True,
@@ -245,7 +273,7 @@ def run_on_profile(
                     )
         finally:
             stop.set()
-            _kill(procs)
+            _kill(procs, pid_files)
             for f in files:
                 f.close()
     return lines

@@ -239,8 +239,10 @@ def rank_main(cfg: Dict[str, Any]) -> int:
         dev = torch.device("cpu")
         torch.set_num_threads(cfg.get("threads", 1))
         dist.init_process_group("gloo", timeout=timeout)
-    if cfg.get("backend") in ("nccl", "mpi"):
-        compcomm.init(cfg["backend"])  # the optimizers' comm_backend_name (train_setups)
+    if cfg.get("backend") == "nccl":  # the optimizers' comm_backend_name (train_setups)
+        compcomm.init("nccl")
+    elif cfg.get("backend") == "mpi":
+        compcomm.init("mpi", cuda_aware=False)  # host-staged, as the help says
     amp = cfg["amp"] == "bf16"
     out = sys.stdout
 
