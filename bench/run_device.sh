@@ -3,6 +3,11 @@
 #   bash bench/run_device.sh tests    build, then tests/test_cuda.py, tests/test_nccl.py, GPU MPI tests
 #   bash bench/run_device.sh bench    build, then bench/gpu_bench.py and bench/bench_nccl.py
 #   bash bench/run_device.sh mpi      build, then the GPU MPI tests only (device buffers, ZeRO on GPU)
+#   bash bench/run_device.sh links    build, then host-staged MPI on emulated GPU hosts over shaped
+#                                     links: the mpirun-launcher tests (SKIP_TESTS=1 skips them) and
+#                                     bench/bench_mpi.py --compare --device cuda (compcomm against
+#                                     DeepSpeed's MpiBackend) for each "profile:W" of CONFIGS, with
+#                                     SIZES and ITERS; needs root and .tools (bench/collect_tools.sh)
 # Run from the repository root, carrying .whl (DeepSpeed 0.19.6 + pure-Python deps, for the benches).
 # Logs go to $OUT (default out/device), results to bench/results/.
 set -u -o pipefail
@@ -12,6 +17,7 @@ mkdir -p "$OUT" bench/results
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PATH=$PATH:/usr/local/cuda/bin PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+[ -d .tools/bin ] && export PATH="$PWD/.tools/bin:$PATH"  # ip and tc, for the links stage
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/run.log"; }
 status=0
 if ls .whl/deepspeed-*.whl >/dev/null 2>&1; then
@@ -37,6 +43,16 @@ if [ "$STAGE" = tests ]; then
   run test_nccl 150 python3 -m pytest tests/test_nccl.py -q -rs -p no:cacheprovider --timeout 120
   run test_mpi_gpu 400 python3 -m pytest tests/test_mpi.py -q -rs -p no:cacheprovider -k "gpu or cuda"
   grep -hE "FAILED|Error" "$OUT"/test_*.log | head -40
+elif [ "$STAGE" = links ]; then
+  (lscpu | grep -E "Model name|^CPU\(s\)"; mpirun --version | head -1) >"$OUT/machine.txt" 2>&1
+  [ "${SKIP_TESTS:-0}" = 1 ] || run test_launcher 240 python3 -m pytest tests/test_bench_harness.py -q -rs \
+    -p no:cacheprovider -k "mpirun or mpi_methods"
+  for cfg in ${CONFIGS:-eth1g:2 eth1g:4 eth10g:2 eth10g:4 unshaped:4}; do
+    run "mpi_${cfg%:*}_w${cfg#*:}" 300 python3 bench/bench_mpi.py --compare --device cuda \
+      --profile "${cfg%:*}" --world-size "${cfg#*:}" --sizes "${SIZES:-256K,1M,4M,16M,64M,256M}" \
+      --iters "${ITERS:-8}" --timeout 280
+    cat "$OUT/mpi_${cfg%:*}_w${cfg#*:}.log"
+  done
 elif [ "$STAGE" = mpi ]; then
   run test_mpi_gpu 450 python3 -m pytest tests/test_mpi.py -q -rs -p no:cacheprovider -k "gpu or cuda"
   grep -hE "FAILED|Error|RANK|assert" "$OUT"/test_mpi_gpu.log | head -60

@@ -16,7 +16,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..testing import free_port, mpirun_command
 from .netns import PROFILES, SUBNET, Network, Profile
-from .worker import MPI_METHODS
 
 __all__ = ["run_sweep", "run_on_profile", "SweepError"]
 
@@ -211,30 +210,30 @@ def run_on_profile(
             if gpus > 0:
                 renv.update(net.nccl_env(r, gpus))
             rank_envs.append(renv)
-        # (name, argv, environment, stdout log or None for a pipe, stderr log) of each process
+        # (name, argv, environment, log) of each process; the first one's stdout is rank 0's
+        pid_files: List[str] = []
         if launcher == "mpirun":
             cmd, menv = _mpirun_launch(net, tmp, rank_envs, logs, [python, *args])
             logs.append(os.path.join(tmp, "mpirun.log"))
-            starts = [("mpirun", cmd, menv, None, logs[-1])]
+            starts = [("mpirun", cmd, menv, logs[-1])]
+            pid_files = [_pid_file(tmp, r) for r in range(world_size)]
         else:
             starts = [(f"rank {r}", net.command_prefix(r) + [python, *args],
-                       dict(os.environ, **rank_envs[r]), None if r == 0 else logs[r], logs[r])
-                      for r in range(world_size)]
-        pid_files = [_pid_file(tmp, r) for r in range(world_size)] if launcher == "mpirun" else []
+                       dict(os.environ, **rank_envs[r]), logs[r]) for r in range(world_size)]
         procs: List[subprocess.Popen] = []
         files = []
         watchdog: Optional[threading.Thread] = None
         stop = threading.Event()
         try:
-            for _, cmd, penv, out_log, err_log in starts:
-                err = open(err_log, "a")
+            for _, cmd, penv, log in starts:
+                err = open(log, "a")
                 files.append(err)
                 procs.append(
                     subprocess.Popen(
                         cmd,
                         env=penv,
                         stdin=subprocess.DEVNULL,  # (mpirun would forward it to rank 0)
-                        stdout=subprocess.PIPE if out_log is None else err,
+                        stdout=subprocess.PIPE if not procs else err,
                         stderr=err,
                         text=True,
                         start_new_session=True,
@@ -330,6 +329,8 @@ def run_sweep(
     list of dict
         One row per measurement, see :mod:`compcomm.bench.worker`.
     """
+    from .worker import MPI_METHODS  # (the worker imports torch; the launcher needs none)
+
     prof: Profile = PROFILES[profile]
     cfg = dict(
         profile=profile,

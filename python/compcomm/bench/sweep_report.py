@@ -25,8 +25,11 @@ def augment(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """
     import compcomm
 
+    def transport(method: str) -> str:
+        return "mpi" if method.startswith("mpi_") else "gloo"
+
     base = {
-        (r["method"][:4], r["profile"], r["world_size"], r["count"]): r["time_s"]
+        (transport(r["method"]), r["profile"], r["world_size"], r["count"]): r["time_s"]
         for r in rows
         if r["method"] in ("gloo_fp32", "mpi_fp32")
     }
@@ -36,8 +39,7 @@ def augment(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         r["busbw_GBps"] = r["algbw_GBps"] * 2 * (w - 1) / w
         r["wire_GBps"] = r["wire_bytes"] / t / 1e9
         r["compression_ratio"] = compcomm.allreduce_wire_bytes(r["count"], w, 4) / r["wire_bytes"]
-        transport = "mpi_" if r["method"].startswith("mpi_") else "gloo"
-        b = base.get((transport, r["profile"], r["world_size"], r["count"]))
+        b = base.get((transport(r["method"]), r["profile"], r["world_size"], r["count"]))
         r["speedup_vs_fp32"] = b / t if b else None
     return rows
 

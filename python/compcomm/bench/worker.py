@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import os
@@ -45,17 +46,15 @@ import compcomm
 METHODS = ("compressed", "gloo_fp32", "gloo_fp16")  # the default set
 MPI_METHODS = ("mpi_compressed", "mpi_fp32")
 ALL_METHODS = METHODS + MPI_METHODS
-_mpi: List[Any] = []  # the MPI communicator, made by the first MPI method (on every rank at once)
-
-
+@functools.lru_cache(maxsize=None)
 def mpi_communicator() -> compcomm.Communicator:
-    """Collective on first use: compcomm's MPI communicator of this mpirun job."""
-    if not _mpi:
-        _mpi.append(compcomm.make_communicator("mpi", cuda_aware=False))
-        if _mpi[0].size() != dist.get_world_size():
-            raise RuntimeError(f"worker: the MPI world has {_mpi[0].size()} ranks, the gloo world "
-                               f"{dist.get_world_size()}; start the ranks with one mpirun")
-    return _mpi[0]
+    """Collective on first use (every rank reaches its first MPI method together): compcomm's
+    MPI communicator of this mpirun job, made once."""
+    mpi = compcomm.make_communicator("mpi", cuda_aware=False)
+    if mpi.size() != dist.get_world_size():
+        raise RuntimeError(f"worker: the MPI world has {mpi.size()} ranks, the gloo world "
+                           f"{dist.get_world_size()}; start the ranks with one mpirun")
+    return mpi
 
 
 def plain_input(n: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
