@@ -447,6 +447,49 @@ def test_mpirun_ranks_are_gone_after_a_timeout(tmp_path, profile):
                    for n in netns.list_ours()["netns"])
 
 
+@pytest.mark.parametrize("profile", ["loopback", pytest.param("unshaped", marks=needs_netns)])
+def test_mpirun_ranks_die_with_a_killed_launcher(tmp_path, profile):
+    """A launching process killed with SIGKILL cleans nothing up itself: mpirun dies with it
+    (PR_SET_PDEATHSIG) and the ranks die with mpirun, even ranks that ignore SIGTERM."""
+    from _backends import no_mpi
+
+    if no_mpi():
+        pytest.skip(no_mpi())
+    marker = f"ccbench-orphan-{os.getpid()}-{profile}"
+    script = tmp_path / "hang.py"
+    script.write_text("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                      "print('up', flush=True)\ntime.sleep(600)\n")
+    code = ("import sys\nfrom compcomm.bench import runner\n"
+            f"runner.run_on_profile({profile!r}, 2, [{str(script)!r}, {marker!r}], timeout=300,"
+            " launcher='mpirun', on_line=lambda line: print(line, end='', flush=True))\n")
+    launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+
+    def ranks() -> list:
+        # the ranks' command lines (mpirun's holds them too, after other words)
+        return subprocess.run(["pgrep", "-f", f"^{sys.executable} {script} {marker}"],
+                              capture_output=True, text=True).stdout.split()
+
+    try:
+        assert launcher.stdout.readline() == "up\n"  # rank 0 runs
+        for _ in range(100):  # and rank 1
+            if len(ranks()) == 2:
+                break
+            time.sleep(0.1)
+        assert len(ranks()) == 2
+        launcher.kill()
+        launcher.wait(timeout=10)
+        for _ in range(100):
+            if not ranks():
+                break
+            time.sleep(0.1)
+        assert ranks() == []
+    finally:
+        launcher.kill()
+        subprocess.run(["pkill", "-9", "-f", marker])
+        if profile != "loopback":
+            netns.cleanup_stale()  # the killed launcher's namespaces and bridge
+
+
 @needs_netns
 def test_cli_mpi_methods(tmp_path):
     """The mpi_* methods: checked first calls, wire bytes, and speedups against MPI's own fp32."""

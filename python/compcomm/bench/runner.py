@@ -91,6 +91,15 @@ def _pid_file(tmp: str, rank: int) -> str:
 _RANK_WRAPPER = ('exec sh "$CCBENCH_RANK_DIR/rank${OMPI_COMM_WORLD_RANK:?not started by Open'
                  ' MPI}.sh" "$@"')
 
+#: the last exec of a rank script (``python -c``, arguments: mpirun's pid, then the command): the
+#: rank gets SIGKILL when mpirun dies, as mpirun does when this process dies, so a launcher killed
+#: with SIGKILL leaves no rank behind (exec keeps the pid through ``ip netns exec``)
+_DIE_WITH_MPIRUN = ("import ctypes, os, signal, sys\n"
+                    "ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG\n"
+                    "if os.getppid() != int(sys.argv[1]):\n"
+                    "    os._exit(137)  # mpirun is already gone\n"
+                    "os.execvp(sys.argv[2], sys.argv[2:])\n")
+
 
 def _mpirun_launch(net: Network, tmp: str, rank_envs: List[Dict[str, str]], logs: List[str],
                    argv: List[str]) -> Tuple[List[str], Dict[str, str]]:
@@ -110,7 +119,8 @@ def _mpirun_launch(net: Network, tmp: str, rank_envs: List[Dict[str, str]], logs
             *(f"export {k}={shlex.quote(v)}" for k, v in renv.items()),
             f"exec 2>>{shlex.quote(log)}" + ("" if r == 0 else " >&2"),  # rank 0's stdout: mpirun's
             f"echo $$ > {shlex.quote(_pid_file(tmp, r))}",  # exec keeps the pid: see _kill
-            f'exec {prefix} "$@"',
+            f'exec {shlex.quote(sys.executable)} -c {shlex.quote(_DIE_WITH_MPIRUN)} "$PPID"'
+            f' {prefix} "$@"',
         ]
         with open(os.path.join(tmp, f"rank{r}.sh"), "w") as f:
             f.write("\n".join(script) + "\n")
@@ -181,9 +191,8 @@ def run_on_profile(
 
     Rank processes (or mpirun) run in their own session and get SIGKILL when this process dies
     (``PR_SET_PDEATHSIG``); a watchdog kills them all at the deadline even when rank 0 is silent.
-    Ranks that mpirun started are ended by mpirun, and killed by pid when the call ends; if this
-    process itself is killed with SIGKILL they can outlive it, and on namespace profiles the next
-    run's (or ``compcomm-bench --cleanup-stale``'s) clean-up kills them.
+    Ranks that mpirun started are ended by mpirun, killed by pid when the call ends, and get
+    SIGKILL when mpirun dies, so none outlives this process even when it is killed with SIGKILL.
 
     Returns
     -------
