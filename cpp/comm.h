@@ -8,6 +8,7 @@
 // 2(W-1)/W of the buffer, broadcast the buffer once.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -60,6 +61,11 @@ class Communicator {
   // memory. False unless the backend says so (do_alone), so a subclass that counts, fails or
   // cancels its collectives still sees every one.
   bool alone(int device) const { return size() == 1 && do_alone(device); }
+  // True once a call gave up on transfers still in progress (MPI after a timeout: such transfers
+  // cannot be cancelled), which may still read or write that call's buffers: their memory must never
+  // be freed (the Python bindings keep the buffers' objects). False for backends whose failed calls
+  // leave nothing running.
+  bool requests_left() const { return do_requests_left(); }
 
  protected:
   virtual void do_all_to_all(const Buffer& send, const Buffer& recv, const CallOptions& opts) = 0;
@@ -72,9 +78,10 @@ class Communicator {
   virtual void do_check_open(const char* /*call*/) {}
   virtual const int* do_abort_flag() const { return nullptr; }
   virtual bool do_alone(int /*device*/) const { return false; }
+  virtual bool do_requests_left() const { return false; }
 
  private:
-  int64_t bytes_sent_ = 0;
+  std::atomic<int64_t> bytes_sent_{0};  // a ZeRO bucket thread and the caller may both count
   uint64_t id_ = next_id();
   static uint64_t next_id();
 };

@@ -96,6 +96,27 @@ def test_absent_and_dead_peer_time_out() -> None:
         assert f"RANK {r} dead peer -> CommTimeoutError" in text, text
 
 
+@pytest.mark.parametrize("np", [2, 3])
+def test_mismatched_exchange_raises(np: int) -> None:
+    """Ranks that disagree on an exchange's message sizes (their buffers, or pipeline_chunk_bytes)
+    get RankMismatchError naming the peer, on every rank, not stale bytes; a new communicator
+    works."""
+    mpirun(np, RUNNER, "mpi.faults:mismatched_exchange", "[]", timeout=120, allow_early_exit=True)
+
+
+def test_rank_that_gave_up_exits(tmp_path) -> None:
+    """A rank whose collective timed out leaves at once through the normal exit path: MPI_Finalize
+    (which would wait for the absent peer) is skipped."""
+    mpirun(2, RUNNER, "mpi.faults:gave_up_exits", json.dumps([str(tmp_path)]), timeout=120,
+           allow_early_exit=True)
+
+
+def test_timed_out_buffers_are_kept() -> None:
+    """A call that timed out leaves its MPI request running on its buffers: the tensor (and the
+    communicator with its workspaces) stays alive after the caller dropped it."""
+    mpirun(2, RUNNER, "mpi.faults:timed_out_buffers_kept", "[]", timeout=120, allow_early_exit=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("np", [2, 4])
 def test_gpu_buffers(np: int) -> None:

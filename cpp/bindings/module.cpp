@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <initializer_list>
 #include <optional>
 #include <string>
 
@@ -17,6 +18,7 @@
 #include "../kernels/packed_momentum.h"
 #include "../local/local_comm.h"
 #include "build_info.h"
+#include "call_keeping.h"
 
 namespace py = pybind11;
 using namespace compcomm;
@@ -253,38 +255,34 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "all_to_all",
           [](Communicator& c, const Buffer& s, const Buffer& r, double t, uintptr_t st) {
-            c.all_to_all(s, r, options(t, st));
+            call_keeping(c, {&s, &r}, [&] { c.all_to_all(s, r, options(t, st)); });
           },
-          py::arg("send"), py::arg("recv"), py::arg("timeout_s") = 600.0, py::arg("stream") = 0,
-          py::call_guard<py::gil_scoped_release>())
+          py::arg("send"), py::arg("recv"), py::arg("timeout_s") = 600.0, py::arg("stream") = 0)
       .def(
           "all_gather",
           [](Communicator& c, const Buffer& s, const Buffer& r, double t, uintptr_t st) {
-            c.all_gather(s, r, options(t, st));
+            call_keeping(c, {&s, &r}, [&] { c.all_gather(s, r, options(t, st)); });
           },
-          py::arg("send"), py::arg("recv"), py::arg("timeout_s") = 600.0, py::arg("stream") = 0,
-          py::call_guard<py::gil_scoped_release>())
+          py::arg("send"), py::arg("recv"), py::arg("timeout_s") = 600.0, py::arg("stream") = 0)
       .def(
           "reduce_scatter",
           [](Communicator& c, const Buffer& s, const Buffer& r, ReduceOp op, double t, uintptr_t st) {
-            c.reduce_scatter(s, r, op, options(t, st));
+            call_keeping(c, {&s, &r}, [&] { c.reduce_scatter(s, r, op, options(t, st)); });
           },
           py::arg("send"), py::arg("recv"), py::arg("op") = ReduceOp::kSum, py::arg("timeout_s") = 600.0,
-          py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
+          py::arg("stream") = 0)
       .def(
           "all_reduce",
           [](Communicator& c, const Buffer& b, ReduceOp op, double t, uintptr_t st) {
-            c.all_reduce(b, op, options(t, st));
+            call_keeping(c, {&b}, [&] { c.all_reduce(b, op, options(t, st)); });
           },
-          py::arg("buf"), py::arg("op") = ReduceOp::kSum, py::arg("timeout_s") = 600.0, py::arg("stream") = 0,
-          py::call_guard<py::gil_scoped_release>())
+          py::arg("buf"), py::arg("op") = ReduceOp::kSum, py::arg("timeout_s") = 600.0, py::arg("stream") = 0)
       .def(
           "broadcast",
           [](Communicator& c, const Buffer& b, int root, double t, uintptr_t st) {
-            c.broadcast(b, root, options(t, st));
+            call_keeping(c, {&b}, [&] { c.broadcast(b, root, options(t, st)); });
           },
-          py::arg("buf"), py::arg("root") = 0, py::arg("timeout_s") = 600.0, py::arg("stream") = 0,
-          py::call_guard<py::gil_scoped_release>())
+          py::arg("buf"), py::arg("root") = 0, py::arg("timeout_s") = 600.0, py::arg("stream") = 0)
       .def(
           "barrier", [](Communicator& c, double t) { c.barrier(options(t, 0)); }, py::arg("timeout_s") = 600.0,
           py::call_guard<py::gil_scoped_release>());
@@ -299,11 +297,11 @@ PYBIND11_MODULE(_C, m) {
          const Buffer& workspace, double timeout_s, uintptr_t stream, bool check) {
         CallOptions opts = options(timeout_s, stream);
         opts.check = check;
-        compressed_allreduce(comm, tensor, worker_error, server_error, workspace, opts);
+        call_keeping(comm, {&tensor, &worker_error, &server_error, &workspace},
+                     [&] { compressed_allreduce(comm, tensor, worker_error, server_error, workspace, opts); });
       },
       py::arg("comm"), py::arg("tensor"), py::arg("worker_error"), py::arg("server_error"),
       py::arg("workspace"), py::arg("timeout_s") = 600.0, py::arg("stream") = 0, py::arg("check") = true,
-      py::call_guard<py::gil_scoped_release>(),
       "The 1-bit compressed allreduce on raw buffers (see compcomm.compressed_allreduce).");
 
   m.def(

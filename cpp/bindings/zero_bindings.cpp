@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "call_keeping.h"
 #include "../compressed_allreduce.h"
 #include "../zero/bucket.h"
 
@@ -192,12 +193,13 @@ void bind_zero(py::module_& parent) {
       "compressed_reduce_scatter",
       [](Communicator& comm, const Buffer& tensor, const Buffer& worker_error, const Buffer& server_error,
          const Buffer& out, const Buffer& workspace, double timeout_s, uintptr_t stream) {
-        compressed_reduce_scatter(comm, tensor, worker_error, server_error, out, workspace,
-                                  opts_of(timeout_s, stream));
+        call_keeping(comm, {&tensor, &worker_error, &server_error, &out, &workspace}, [&] {
+          compressed_reduce_scatter(comm, tensor, worker_error, server_error, out, workspace,
+                                    opts_of(timeout_s, stream));
+        });
       },
       py::arg("comm"), py::arg("tensor"), py::arg("worker_error"), py::arg("server_error"), py::arg("out"),
       py::arg("workspace"), py::arg("timeout_s") = 600.0, py::arg("stream") = 0,
-      py::call_guard<py::gil_scoped_release>(),
       "The 1-bit compressed reduce-scatter (compressed allreduce without its final all-gather).");
   m.def(
       "compressed_reduce_scatter_commit",
@@ -253,12 +255,13 @@ void bind_zero(py::module_& parent) {
       [](Communicator& comm, const std::vector<Buffer>& tensors, const std::vector<Buffer>& worker_errors,
          const std::vector<Buffer>& server_errors, const std::vector<Buffer>& workspaces, const Buffer& staging,
          double timeout_s, uintptr_t stream) {
-        compressed_allreduce_exchange_many(comm, tensors, worker_errors, server_errors, workspaces, staging,
-                                           opts_of(timeout_s, stream));
+        call_keeping(comm, {&staging}, [&] {  // the batched collectives run on staging
+          compressed_allreduce_exchange_many(comm, tensors, worker_errors, server_errors, workspaces, staging,
+                                             opts_of(timeout_s, stream));
+        });
       },
       py::arg("comm"), py::arg("tensors"), py::arg("worker_errors"), py::arg("server_errors"),
       py::arg("workspaces"), py::arg("staging"), py::arg("timeout_s") = 600.0, py::arg("stream") = 0,
-      py::call_guard<py::gil_scoped_release>(),
       "The exchange halves of several compressed allreduces in three collectives (headers, signs, records "
       "of every call batched); commit each with compressed_allreduce_commit.");
   m.def(
@@ -266,12 +269,13 @@ void bind_zero(py::module_& parent) {
       [](Communicator& comm, const std::vector<Buffer>& tensors, const std::vector<Buffer>& worker_errors,
          const std::vector<Buffer>& server_errors, const std::vector<Buffer>& outs,
          const std::vector<Buffer>& workspaces, const Buffer& staging, double timeout_s, uintptr_t stream) {
-        compressed_reduce_scatter_exchange_many(comm, tensors, worker_errors, server_errors, outs, workspaces,
-                                                staging, opts_of(timeout_s, stream));
+        call_keeping(comm, {&staging}, [&] {  // the batched collectives run on staging
+          compressed_reduce_scatter_exchange_many(comm, tensors, worker_errors, server_errors, outs, workspaces,
+                                                  staging, opts_of(timeout_s, stream));
+        });
       },
       py::arg("comm"), py::arg("tensors"), py::arg("worker_errors"), py::arg("server_errors"), py::arg("outs"),
       py::arg("workspaces"), py::arg("staging"), py::arg("timeout_s") = 600.0, py::arg("stream") = 0,
-      py::call_guard<py::gil_scoped_release>(),
       "The exchange halves of several compressed reduce-scatters in three collectives (call counts, "
       "headers, signs); commit each with compressed_reduce_scatter_commit.");
   m.def(

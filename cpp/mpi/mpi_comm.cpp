@@ -9,6 +9,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cmath>
 #include <cstdlib>
@@ -40,7 +41,12 @@ bool node_oversubscribed() {
 
 std::mutex g_init_mu;
 
+// Set once a call of this process gave up on MPI requests (a timeout, or an error with requests
+// pending): MPI_Finalize would then wait for peers that may never come, so the exit skips it.
+std::atomic<bool> g_abandoned{false};
+
 void finalize_at_exit() {
+  if (g_abandoned) return;
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (!finalized) MPI_Finalize();
@@ -209,7 +215,7 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm, CudaAware cuda_aware, double tim
           return rc != MPI_SUCCESS || flag != 0;
         },
         [&] {
-          broken_ = true;
+          mark_broken("MPI_Comm_idup timed out", true);
           throw TimeoutError(detail::concat("[rank ", rank_, "] mpi MPI_Comm_idup did not complete within ",
                                             timeout_s, " s: a rank of the communicator did not join"),
                              "MPI_Comm_idup", "mpi", 0, rank_);
@@ -272,8 +278,7 @@ void MpiCommunicator::check(int rc, const char* call) {
   if (rc == MPI_SUCCESS) return;
   int cls = 0;
   MPI_Error_class(rc, &cls);
-  broken_ = true;
-  broken_reason_ = detail::concat(call, " failed with MPI error class ", cls);
+  mark_broken(detail::concat(call, " failed with MPI error class ", cls), false);
   throw BackendError(detail::concat("[rank ", rank_, "] mpi ", call, " failed: ", error_string(rc),
                                     " (MPI error class ", cls, ")"),
                      call, "mpi", rc, rank_);
@@ -287,9 +292,14 @@ void MpiCommunicator::check_usable(const char* call) const {
                        call, "mpi", 0, rank_);
 }
 
-void MpiCommunicator::timed_out(const char* call, double timeout_s) {
+void MpiCommunicator::mark_broken(const std::string& reason, bool requests_left) {
+  if (!broken_) broken_reason_ = reason;
   broken_ = true;
-  broken_reason_ = detail::concat(call, " timed out");
+  if (requests_left) requests_left_ = g_abandoned = true;
+}
+
+void MpiCommunicator::timed_out(const char* call, double timeout_s) {
+  mark_broken(detail::concat(call, " timed out"), true);
   throw TimeoutError(detail::concat("[rank ", rank_, "] mpi ", call, " did not complete within ", timeout_s,
                                     " s: a peer died, hung, or called a different collective"),
                      call, "mpi", 0, rank_);

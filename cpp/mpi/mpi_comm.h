@@ -26,6 +26,7 @@
 
 #include <mpi.h>
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -55,9 +56,11 @@ class MpiCommunicator final : public Communicator {
  public:
   // Duplicates `comm` (so compcomm's traffic never matches the caller's) and sets MPI_ERRORS_RETURN on
   // the duplicate. Initializes MPI (MPI_THREAD_MULTIPLE requested) if nobody has; MPI is then finalized
-  // at process exit. cuda_aware=kOn throws Unsupported when the MPI does not report CUDA support or
-  // this build has no CUDA runtime; kDetect picks CUDA-aware exactly when both are there. The
-  // duplication is itself collective: it raises TimeoutError after timeout_s if a rank never joins.
+  // at process exit, unless a call of this process gave up on MPI requests (a timeout): finalizing
+  // would wait for the peers it gave up on. cuda_aware=kOn throws Unsupported when the MPI does not
+  // report CUDA support or this build has no CUDA runtime; kDetect picks CUDA-aware exactly when both
+  // are there. The duplication is itself collective: it raises TimeoutError after timeout_s if a rank
+  // never joins.
   explicit MpiCommunicator(MPI_Comm comm = MPI_COMM_WORLD, CudaAware cuda_aware = CudaAware::kDetect,
                            double timeout_s = 600.0);
   ~MpiCommunicator() override;
@@ -87,6 +90,7 @@ class MpiCommunicator final : public Communicator {
   void do_all_reduce(const Buffer& buf, ReduceOp op, const CallOptions& opts) override;
   void do_broadcast(const Buffer& buf, int root, const CallOptions& opts) override;
   void do_barrier(const CallOptions& opts) override;
+  bool do_requests_left() const override { return requests_left_; }
 
  private:
   struct Staging;  // pinned host buffers and CUDA events (CUDA builds only; mpi_staging.h)
@@ -110,6 +114,10 @@ class MpiCommunicator final : public Communicator {
   void exchange(const char* call, const Buffer& send, const Buffer& recv, const std::vector<Msg>& sends,
                 const std::vector<Msg>& recvs, const std::vector<std::pair<int64_t, int64_t>>& pieces,
                 int64_t own_from, int64_t own_to, int64_t own_bytes, const CallOptions& opts);
+  // Throws RankMismatchError when a receive of an exchange got other than `expected` bytes from
+  // `peer` (MPI_Testsome's status; `error_in_status`: it returned MPI_ERR_IN_STATUS).
+  void check_received(const char* call, const MPI_Status& status, bool error_in_status, int peer,
+                      int64_t expected);
   // Message size of the exchanges on `buf`: pipeline_chunk_bytes (staged copies then overlap the
   // transfers), whole messages (up to MPI's int count limit) for CUDA-aware device buffers or 0.
   int64_t piece_bytes(const Buffer& buf) const;
@@ -119,11 +127,17 @@ class MpiCommunicator final : public Communicator {
                           const CallOptions& opts);
   // The staging buffers, once the previous call's copy back no longer reads them (CUDA builds only).
   Staging& staging(int device, double deadline, const char* call, double timeout_s);
+  // Waits, polling against `deadline`, until the work queued on the caller's stream is done, before
+  // MPI reads device memory directly (CUDA builds only).
+  void drain(const char* call, int device, const CallOptions& opts, double deadline);
   // Pinned staging buffer `which` (0: send, 1: recv) of at least `bytes` (CUDA builds only).
   char* reserve(Staging& st, int which, int64_t bytes, const char* call);
   // Polls `req` to completion; `bytes` in flight keep the poll from sleeping (backoff.h).
   void wait(const char* call, MPI_Request* req, int64_t bytes, double deadline, double timeout_s);
   void check(int rc, const char* call);
+  // Makes the communicator unusable (the first reason is kept); `requests_left`: MPI requests of
+  // the failed call are still pending, so MPI_Finalize is skipped at exit.
+  void mark_broken(const std::string& reason, bool requests_left);
   void check_usable(const char* call) const;
   [[noreturn]] void timed_out(const char* call, double timeout_s);
 
@@ -131,6 +145,7 @@ class MpiCommunicator final : public Communicator {
   int rank_ = 0, size_ = 1;
   bool cuda_aware_ = false;
   bool broken_ = false;  // a collective timed out or failed: the communicator is unusable
+  std::atomic<bool> requests_left_{false};  // and gave up on requests still pending
   std::string broken_reason_;
   int64_t chunk_bytes_ = int64_t{1} << 20;
   BackoffPolicy policy_;  // the wait loops' (backoff.h); gentler when the node is oversubscribed

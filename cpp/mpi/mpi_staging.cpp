@@ -5,6 +5,7 @@
 #include "mpi_staging.h"
 
 #include <algorithm>
+#include <climits>
 #include <cstring>
 #include <exception>
 #include <memory>
@@ -53,6 +54,17 @@ MpiCommunicator::Staging& MpiCommunicator::staging(int device, double deadline, 
 #endif
 
 #ifdef COMPCOMM_MPI_CUDA
+void MpiCommunicator::drain(const char* call, int device, const CallOptions& opts, double deadline) {
+  // An event polled against the deadline, not cudaStreamSynchronize: a stream that never drains (it
+  // waits on a hung collective of another library) raises TimeoutError too.
+  const CudaCallSite where{"mpi", call, rank_};
+  Staging& st = staging(device, deadline, call, opts.timeout_s);
+  COMPCOMM_CHECK_CUDA(cudaEventRecord(st.done, stream_of(opts)), where);
+  poll_until(
+      policy_, deadline, 0, [&](bool*) { return event_ready(st.done, call, rank_); },
+      [&] { timed_out(call, opts.timeout_s); });
+}
+
 char* MpiCommunicator::reserve(Staging& st, int which, int64_t bytes, const char* call) {
   const CudaCallSite where{"mpi", call, rank_};
   if (st.capacity[which] < bytes) {  // grown by half at least, so slowly growing sizes rarely realloc
@@ -79,10 +91,8 @@ void MpiCommunicator::run(const char* call, const Buffer& send, int64_t send_byt
   if (recv.on_host() || cuda_aware_) {
     if (!recv.on_host()) {
 #ifdef COMPCOMM_MPI_CUDA
-      // MPI reads device memory directly: the producer's work on the stream must be done first.
       QuietDeviceGuard guard(recv.device);
-      const CudaCallSite where{"mpi", call, rank_};
-      COMPCOMM_CHECK_CUDA(cudaStreamSynchronize(stream_of(opts)), where);
+      drain(call, recv.device, opts, deadline);
 #endif
     }
     check(start(in_place ? nullptr : send.data, recv.data, &req), call);
@@ -124,6 +134,28 @@ void MpiCommunicator::run(const char* call, const Buffer& send, int64_t send_byt
 #endif
 }
 
+void MpiCommunicator::check_received(const char* call, const MPI_Status& status, bool error_in_status,
+                                     int peer, int64_t expected) {
+  // A message shorter than the receive posted for it completes normally, a longer one fails with
+  // MPI_ERR_TRUNCATE: either way the ranks disagree on the sizes or on how the exchange is split.
+  int cls = MPI_SUCCESS, got = -1;
+  if (error_in_status && status.MPI_ERROR != MPI_SUCCESS) MPI_Error_class(status.MPI_ERROR, &cls);
+  if (cls == MPI_SUCCESS) {
+    MPI_Get_count(&status, MPI_BYTE, &got);
+    if (got == expected) return;
+  } else if (cls != MPI_ERR_TRUNCATE) {
+    check(status.MPI_ERROR, call);
+  }
+  mark_broken(detail::concat(call, " got a message of another size"), false);
+  const std::string size = got >= 0 ? detail::concat(got, " bytes") : std::string("more bytes");
+  throw RankMismatchError(
+      detail::concat("[rank ", rank_, "] mpi ", call, ": a message from rank ", peer, " held ", size, " where ",
+                     expected, " were expected: the ranks passed buffers of different sizes, or split the "
+                     "exchange differently (pipeline_chunk_bytes, or CUDA-aware against host buffers, differs "
+                     "between ranks)"),
+      call, "mpi", 0, rank_);
+}
+
 void MpiCommunicator::exchange(const char* call, const Buffer& send, const Buffer& recv,
                                const std::vector<Msg>& sends, const std::vector<Msg>& recvs,
                                const std::vector<std::pair<int64_t, int64_t>>& pieces, int64_t own_from,
@@ -145,20 +177,23 @@ void MpiCommunicator::exchange(const char* call, const Buffer& send, const Buffe
     int unwinding = std::uncaught_exceptions();
     ~Abandon() {
       if (std::uncaught_exceptions() == unwinding) return;  // normal return: all completed
-      self->broken_ = true;
-      if (self->broken_reason_.empty()) self->broken_reason_ = detail::concat(call, " failed");
+      bool left = false;
       for (size_t i = 0; i < reqs.size(); ++i) {
         if (reqs[i] == MPI_REQUEST_NULL) continue;
+        int flag = 0;
         if (i < nr) {
           MPI_Cancel(&reqs[i]);
           const double until = now_s() + 1.0;
-          int flag = 0;
           while (MPI_Test(&reqs[i], &flag, MPI_STATUS_IGNORE) == MPI_SUCCESS && !flag && now_s() < until)
             std::this_thread::yield();
-          if (flag) continue;
+        } else {
+          MPI_Test(&reqs[i], &flag, MPI_STATUS_IGNORE);
         }
+        if (flag) continue;
         MPI_Request_free(&reqs[i]);
+        left = true;
       }
+      self->mark_broken(detail::concat(call, " failed"), left);
     }
   } abandon{this, reqs, nr, call};
   std::vector<int> done_idx(n);
@@ -178,12 +213,19 @@ void MpiCommunicator::exchange(const char* call, const Buffer& send, const Buffe
                     &reqs[nr + i]),
           call);
   };
-  // Completions in any order; `landed(i)` sees each finished receive once.
+  // Completions in any order; `landed(i)` sees each finished receive once, of the size posted.
+  std::vector<MPI_Status> statuses(n);
   size_t finished = 0;
   auto test = [&](bool* progress, auto&& landed) {
     int count = 0;
-    check(MPI_Testsome(static_cast<int>(n), reqs.data(), &count, done_idx.data(), MPI_STATUSES_IGNORE), call);
+    const int rc = MPI_Testsome(static_cast<int>(n), reqs.data(), &count, done_idx.data(), statuses.data());
+    if (rc != MPI_SUCCESS && rc != MPI_ERR_IN_STATUS) check(rc, call);
     if (count == MPI_UNDEFINED || count == 0) return;
+    for (int k = 0; k < count; ++k)
+      if (static_cast<size_t>(done_idx[k]) < nr)
+        check_received(call, statuses[static_cast<size_t>(k)], rc == MPI_ERR_IN_STATUS,
+                       recvs[static_cast<size_t>(done_idx[k])].peer, recvs[static_cast<size_t>(done_idx[k])].bytes);
+    check(rc, call);  // a send's error
     *progress = true;
     finished += static_cast<size_t>(count);
     for (int k = 0; k < count; ++k)
@@ -193,13 +235,13 @@ void MpiCommunicator::exchange(const char* call, const Buffer& send, const Buffe
   if (!staged) {
     if (!recv.on_host()) {
 #ifdef COMPCOMM_MPI_CUDA
-      // MPI reads device memory directly: the producer's work on the stream must be done first.
       QuietDeviceGuard guard(recv.device);
       const CudaCallSite where{"mpi", call, rank_};
-      COMPCOMM_CHECK_CUDA(cudaStreamSynchronize(stream_of(opts)), where);
-      if (own_bytes > 0 && own_src != own_dst)
-        COMPCOMM_CHECK_CUDA(
-            cudaMemcpy(own_dst, own_src, static_cast<size_t>(own_bytes), cudaMemcpyDeviceToDevice), where);
+      drain(call, recv.device, opts, deadline);
+      if (own_bytes > 0 && own_src != own_dst)  // on the stream: the caller's next work reads it
+        COMPCOMM_CHECK_CUDA(cudaMemcpyAsync(own_dst, own_src, static_cast<size_t>(own_bytes),
+                                            cudaMemcpyDeviceToDevice, stream_of(opts)),
+                            where);
 #endif
     } else if (own_bytes > 0 && own_src != own_dst) {
       std::memcpy(own_dst, own_src, static_cast<size_t>(own_bytes));
@@ -279,7 +321,9 @@ void MpiCommunicator::run_staged_chunked(const char* call, const Buffer& buf, bo
   const CudaCallSite where{"mpi", call, rank_};
   cudaStream_t stream = stream_of(opts);
   const int64_t esize = static_cast<int64_t>(dtype_size(buf.dtype));
-  const int64_t per = chunk_bytes_ > 0 ? std::max<int64_t>(1, chunk_bytes_ / esize) : std::max<int64_t>(1, buf.count);
+  // elements per chunk: MPI counts are ints
+  const int64_t per = std::min<int64_t>(
+      INT_MAX, chunk_bytes_ > 0 ? std::max<int64_t>(1, chunk_bytes_ / esize) : std::max<int64_t>(1, buf.count));
   const int64_t nchunks = buf.count == 0 ? 0 : (buf.count + per - 1) / per;
   Staging& st = staging(buf.device, deadline, call, opts.timeout_s);
   char* host = reserve(st, 1, buf.bytes(), call);
@@ -303,6 +347,18 @@ void MpiCommunicator::run_staged_chunked(const char* call, const Buffer& buf, bo
     }
   std::vector<MPI_Request> reqs(static_cast<size_t>(nchunks), MPI_REQUEST_NULL);
   int64_t posted = 0, finished = 0;
+  // An error with chunks in flight (a failed copy back): their requests still use the staging memory,
+  // which only a broken communicator keeps for good (see the destructor).
+  struct InFlight {
+    MpiCommunicator* self;
+    const int64_t &posted, &finished;
+    const char* call;
+    int unwinding = std::uncaught_exceptions();
+    ~InFlight() {
+      if (std::uncaught_exceptions() != unwinding && posted > finished)
+        self->mark_broken(detail::concat(call, " failed"), true);
+    }
+  } in_flight{this, posted, finished, call};
   poll_until(
       policy_, deadline, buf.bytes(),
       [&](bool* progress) {
