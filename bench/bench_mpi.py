@@ -100,8 +100,12 @@ def compare(comm, sizes, device: str, iters: int) -> None:
         print("# exchange(ms): compcomm's communicator alone on the algorithm's wire exchange (all_to_all of")
         print("#   the signs, all_gather of the records) on host memory; blocking(ms): the same with mpi4py's")
         print("#   blocking Alltoall/Allgather, a floor for the MPI part")
+        if cuda:
+            print("# staged(ms): the exchange on device buffers (host-staged in 1 MiB pieces); whole(ms): "
+                  "the compressed call and staged1(ms) that exchange with pipeline_chunk_bytes=0 (one piece)")
         print(f"# {'count':>10} {'size':>10} {'compcomm(ms)':>12} {'deepspeed(ms)':>13} {'ds/compcomm':>11} "
-              f"{'exchange(ms)':>12} {'blocking(ms)':>12}")
+              f"{'exchange(ms)':>12} {'blocking(ms)':>12}"
+              + (f" {'staged(ms)':>10} {'whole(ms)':>10} {'staged1(ms)':>11}" if cuda else ""))
     for size in sizes:
         n = size // 4
         g = torch.Generator().manual_seed(rank)
@@ -133,21 +137,43 @@ def compare(comm, sizes, device: str, iters: int) -> None:
             world.Alltoall(signs, signs_recv)
             world.Allgather(rec, recs)
 
-        ours, theirs, xch, floor = [], [], [], []
+        dev_bufs = [buffer_of(torch.from_numpy(a).to(device)) for a in (signs, signs_recv, rec, recs)]
+
+        def staged() -> None:
+            comm.all_to_all(dev_bufs[0], dev_bufs[1])
+            comm.all_gather(dev_bufs[2], dev_bufs[3])
+
+        def one_piece(fn):
+            def run() -> None:
+                chunk_bytes, comm.pipeline_chunk_bytes = comm.pipeline_chunk_bytes, 0
+                try:
+                    fn()
+                finally:
+                    comm.pipeline_chunk_bytes = chunk_bytes
+            return run
+
+        ours, theirs, xch, floor, stg, whole, stg1 = [], [], [], [], [], [], []
         for i in range(iters + 1):  # the first of each is a warm-up
             ours.append(timed(lambda: compcomm.compressed_allreduce(m, we, se, comm)))
             if ds is not None:
                 theirs.append(timed(lambda: ds.compressed_allreduce(dm, dwe, dse, local_rank)))
             xch.append(timed(exchange))
             floor.append(timed(blocking) if world is not None else 0.0)
-        t = torch.tensor([ours[1:], theirs[1:] or [0.0] * iters, xch[1:], floor[1:]], dtype=torch.float64)
+            if cuda:
+                stg.append(timed(staged))
+                whole.append(timed(one_piece(lambda: compcomm.compressed_allreduce(m, we, se, comm))))
+                stg1.append(timed(one_piece(staged)))
+        cols = [ours, theirs or [0.0] * (iters + 1), xch, floor] + ([stg, whole, stg1] if cuda else [])
+        t = torch.tensor([c[1:] for c in cols], dtype=torch.float64)
         comm.all_reduce(buffer_of(t), compcomm._C.ReduceOp.max)
-        a, b, x, c = (float(v) for v in t.median(dim=1).values)
+        a, b, x, c, *more = (float(v) for v in t.median(dim=1).values)
         if rank == 0:
             ratio = f"{b / a:>11.2f}" if ds is not None else f"{'-':>11}"
             dcol = f"{b * 1e3:>13.3f}" if ds is not None else f"{'-':>13}"
             ccol = f"{c * 1e3:>12.3f}" if world is not None else f"{'-':>12}"
-            print(f"  {n:>10} {size:>10} {a * 1e3:>12.3f} {dcol} {ratio} {x * 1e3:>12.3f} {ccol}", flush=True)
+            extra = "".join(f" {v * 1e3:>{w}.3f}" for v, w in zip(more, (10, 10, 11)))
+            print(f"  {n:>10} {size:>10} {a * 1e3:>12.3f} {dcol} {ratio} {x * 1e3:>12.3f} {ccol}{extra}",
+                  flush=True)
 
 
 def launch(args: argparse.Namespace, argv: List[str]) -> int:

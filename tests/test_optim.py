@@ -362,6 +362,42 @@ def test_lamb_zero_momentum_gets_scaling_coeff_one():
     assert torch.isfinite(p).all() and torch.isfinite(z).all()
 
 
+def test_lamb_param_group_added_after_the_freeze_steps():
+    """A parameter added in the compressed phase gets its own scaling coefficient: the steps run
+    (they raised KeyError after updating the first group). The new parameter has no frozen LAMB
+    coefficient (0, as in DeepSpeed, whose warm-up sets it), so only the first one moves."""
+    a = _p(8)
+    opt = OneBitLamb([a], lr=0.01, freeze_step=2)
+    for _ in range(3):
+        a.grad = torch.randn(8)
+        opt.step()
+    coeff_a = opt.state[a]["scaling_coeff"]
+    c = _p(8)
+    opt.add_param_group({"params": [c], "lr": 1e-3})
+    for _ in range(2):
+        a_before, c_before = a.detach().clone(), c.detach().clone()
+        a.grad, c.grad = torch.randn(8), torch.randn(8)
+        opt.step()
+        assert not torch.equal(a, a_before) and torch.equal(c, c_before)
+    assert opt.state[a]["scaling_coeff"] == coeff_a  # frozen once, not recomputed
+    assert np.isfinite(opt.state[c]["scaling_coeff"]) and opt.sched["step"] == 5
+
+
+def test_lamb_momentum_without_gradient_is_kept():
+    """A compressed step where a parameter has no gradient leaves its momentum as it was (it was
+    divided by its scaling coefficient without having been multiplied by it)."""
+    a, b = _p(8), _p(8)
+    opt = OneBitLamb([a, b], lr=0.01, freeze_step=2)
+    for _ in range(3):
+        a.grad, b.grad = torch.randn(8), torch.randn(8)
+        opt.step()
+    assert opt.state[b]["scaling_coeff"] != 1.0
+    m_b, p_b = opt.state[b]["exp_avg"].clone(), b.detach().clone()
+    a.grad, b.grad = torch.randn(8), None
+    opt.step()
+    assert torch.equal(opt.state[b]["exp_avg"], m_b) and torch.equal(b, p_b)
+
+
 def test_default_state_dict_has_no_error_buffers_and_loads_into_fresh_optimizer():
     p = _p(6)
     opt = OneBitAdam([p], lr=0.01, freeze_step=1)

@@ -212,20 +212,22 @@ class OneBitLamb(OneBitBase):
         local = runs is not None and (self._local is not None or self.world_size == 1)
         if gated and not local:
             self._check_finite(grads.values(), agree=False)
-        new_coeffs = bool(params) and "scaling_coeff" not in self.state[params[0]]
-        if new_coeffs:
+        # frozen once, from the momenta at the first compressed step; a parameter added later
+        # (add_param_group) gets its own from the same rule over the momenta then
+        fresh = [p for p in params if "scaling_coeff" not in self.state[p]]
+        if fresh:
             scales = [float(self.state[p]["exp_avg"].norm()) / math.sqrt(p.numel())
                       for p in params]
             united = sum(scales) / len(scales)
             for p, s in zip(params, scales):
-                self.state[p]["scaling_coeff"] = united / s if s > 0 and united > 0 else 1.0
+                if "scaling_coeff" not in self.state[p]:
+                    self.state[p]["scaling_coeff"] = united / s if s > 0 and united > 0 else 1.0
         if local:  # nothing to exchange: one pass for all
             try:
                 self._kernel_update(runs, None, t, grads, gated)
             except NonFiniteError:  # the gated passes wrote nothing; nor does this step
-                if new_coeffs:
-                    for p in params:
-                        self.state[p].pop("scaling_coeff", None)
+                for p in fresh:
+                    self.state[p].pop("scaling_coeff", None)
                 raise
             return
         if runs is None:
@@ -253,9 +255,8 @@ class OneBitLamb(OneBitBase):
                                          self._flat.device)
         except Exception:
             self._flat.copy_(m_last)
-            if new_coeffs:
-                for p in params:
-                    self.state[p].pop("scaling_coeff", None)
+            for p in fresh:
+                self.state[p].pop("scaling_coeff", None)
             raise
         if runs is not None:
             self._kernel_update(runs, m_last, t)
@@ -272,10 +273,10 @@ class OneBitLamb(OneBitBase):
                     continue
                 st = self.state[p]
                 m = st["exp_avg"]
-                m.div_(st["scaling_coeff"])
-                mask_(m, group)
-                if p in grads:  # else no gradient this step
+                if p in grads:  # else no gradient this step: its momentum was not scaled either
+                    m.div_(st["scaling_coeff"])
                     todo.append((group, p))
+                mask_(m, group)
         # the factors' statistics of a run of parameters are read in one host sync (a GPU step
         # paid three per parameter); a run holds its directions until then (CHUNK_ELEMENTS)
         for group, run in group_chunks(todo):
