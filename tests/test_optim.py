@@ -362,6 +362,49 @@ def test_lamb_zero_momentum_gets_scaling_coeff_one():
     assert torch.isfinite(p).all() and torch.isfinite(z).all()
 
 
+def test_added_param_group_mask_is_checked_and_kept_through_a_load():
+    """add_param_group checks the group's exp_avg_mask (a bad one raises and adds nothing: the
+    step used to fail inside that group after updating the others), and load_state_dict keeps the
+    mask of a group added after construction (it was dropped: the resumed run differed)."""
+    def build():
+        g = torch.Generator().manual_seed(0)
+        a = torch.nn.Parameter(torch.randn(8, generator=g))
+        c = torch.nn.Parameter(torch.randn(8, generator=g))
+        opt = OneBitAdam([a], lr=1e-2, freeze_step=2)
+        opt.add_param_group({"params": [c], "exp_avg_mask": (torch.arange(8) < 4).float()})
+        return a, c, opt
+
+    def grads(a, c, t):
+        g = torch.Generator().manual_seed(t)
+        a.grad, c.grad = torch.randn(8, generator=g), torch.randn(8, generator=g)
+
+    a, c, opt = build()
+    with pytest.raises(ValueError, match="param group 2: 'exp_avg_mask' of shape"):
+        opt.add_param_group({"params": [_p(8)], "exp_avg_mask": torch.ones(5)})
+    assert len(opt.param_groups) == 2
+    for t in range(8):
+        grads(a, c, t)
+        opt.step()
+    straight = c.detach().clone()
+    a, c, opt = build()
+    for t in range(4):
+        grads(a, c, t)
+        opt.step()
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    a2, c2, opt2 = build()
+    with torch.no_grad():
+        a2.copy_(a)
+        c2.copy_(c)
+    opt2.load_state_dict(torch.load(buf, weights_only=False))
+    assert "exp_avg_mask" in opt2.param_groups[1]
+    for t in range(4, 8):
+        grads(a2, c2, t)
+        opt2.step()
+    assert torch.equal(c2.detach(), straight)
+
+
 def test_lamb_param_group_added_after_the_freeze_steps():
     """A parameter added in the compressed phase gets its own scaling coefficient: the steps run
     (they raised KeyError after updating the first group). The new parameter has no frozen LAMB

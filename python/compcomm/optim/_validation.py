@@ -67,8 +67,9 @@ def check_last_group(opt: Any) -> None:
     """:func:`check_group` of ``opt``'s last param group (just added); a bad one is removed
     again before the error propagates."""
     try:
-        check_group(getattr(opt, "_who", opt._name), len(opt.param_groups) - 1,
-                    opt.param_groups[-1], opt.defaults)
+        who = getattr(opt, "_who", opt._name)
+        check_group(who, len(opt.param_groups) - 1, opt.param_groups[-1], opt.defaults)
+        check_masks(who, opt.param_groups)
     except Exception:
         opt.param_groups.pop()
         raise

@@ -54,7 +54,9 @@ class OneBitBase(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         super().add_param_group(param_group)
-        check_last_group(self)  # a bad group (dtype, lr, betas, unknown key) raises, not added
+        check_last_group(self)  # a bad group (dtype, lr, betas, mask, unknown key) raises, not added
+        if hasattr(self, "_user_masks"):  # added after construction: load_state_dict restores it
+            self._user_masks.append(self.param_groups[-1].get("exp_avg_mask"))
 
     def _init_common(self, comm_backend_name: str, process_group: Any, cuda_aware: bool,
                      grads_averaged: bool, exact_resume: bool, fused: Optional[bool] = None,
