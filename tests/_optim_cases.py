@@ -391,6 +391,44 @@ def nonfinite_skips(rank: int, world: int) -> Dict[str, Any]:
     return res
 
 
+def skip_while_the_plan_changes(rank: int, world: int) -> Dict[str, Any]:
+    """A step skipped (NaN on rank 1) in which a parameter has no gradient, so that its bucket
+    plan differs: the plan and the error buffers stay as they were (they were reset before the
+    exchange failed), and the run then equals one that never saw that step."""
+    import warnings
+
+    OneBitAdam, ZeroOneAdam, _ = _optimizers()
+    res: Dict[str, Any] = {}
+    cases = [("adam", OneBitAdam, dict(freeze_step=2, reduce_bucket_size=40)),
+             ("zoadam", ZeroOneAdam, dict(var_freeze_step=3, var_update_scaler=1,
+                                          reduce_bucket_size=40))]
+    bad = 5
+    p0 = make_params()
+    for name, cls, kw in cases:
+        g = make_grads(9, world, seed=5)
+        ps = [torch.nn.Parameter(torch.tensor(p)) for p in p0]
+        opt = cls(ps, lr=0.01, **kw)
+        for t, gstep in enumerate(g):
+            for p, gg in zip(ps, gstep[rank]):
+                p.grad = torch.tensor(gg)
+            if t != bad:
+                opt.step()
+                continue
+            ps[0].grad = None
+            if rank == min(1, world - 1):
+                ps[2].grad.view(-1)[5] = float("nan")
+            before = _snapshot(opt, ps)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the plan change's and the skip's warnings
+                opt.step()
+            after = _snapshot(opt, ps)
+            res[f"{name}_unchanged"] = (opt.skipped_steps == 1 and len(before) == len(after)
+                                        and all(torch.equal(a, b) for a, b in zip(before, after)))
+        clean = run_opt(cls, dict(kw, lr=0.01), p0, g[:bad] + g[bad + 1:], rank)[0]
+        res[f"{name}_then_clean"] = float(np.max(np.abs(clean[-1][2] - ps[2].detach().numpy())))
+    return res
+
+
 def resume_across_freeze(rank: int, world: int) -> List[float]:
     """ZeroOneAdam saved on the step before its freeze (errors of 1-bit gradients in the
     checkpoint) and resumed with exact_resume: the freeze zeroes the errors also when they are

@@ -221,6 +221,14 @@ def test_nonfinite_on_one_rank_skips_every_phase(world):
                 assert value == 0.0, (key, value)
 
 
+def test_skipped_step_that_changes_the_plan_keeps_the_errors():
+    """A skipped step (NaN on one rank) where a parameter had no gradient: the error buffers
+    survive (the new bucket plan had reset them before the exchange failed)."""
+    for res in run_ranks(2, C.skip_while_the_plan_changes, timeout=240):
+        assert res == {"adam_unchanged": True, "adam_then_clean": 0.0, "zoadam_unchanged": True,
+                       "zoadam_then_clean": 0.0}, res
+
+
 def test_exact_resume_just_before_the_freeze():
     for diffs in run_ranks(2, C.resume_across_freeze, timeout=120):
         assert diffs == [0.0, 0.0, 0.0], diffs

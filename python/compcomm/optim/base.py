@@ -156,8 +156,7 @@ class OneBitBase(torch.optim.Optimizer):
         The plan is kept while the same parameters communicate; when they change (a parameter
         without gradient), the error buffers restart at zero, as their layout no longer fits.
         """
-        gidx = {id(g): gi for gi, g in enumerate(self.param_groups)}
-        key = tuple((gidx[id(g)], id(p)) for g, p in items)
+        key = self._plan_key_of(items)
         if key != self._plan_key:
             limit = 0 if self.per_parameter else self.reduce_bucket_size
             self._buckets = plan_buckets([((gi, p.device), p.numel())
@@ -173,6 +172,28 @@ class OneBitBase(torch.optim.Optimizer):
             self._plan_desc = self._plan_description(items)
             self._restore_loaded_errors()
         return self._buckets
+
+    def _plan_key_of(self, items: List[Tuple[Dict[str, Any], torch.Tensor]]) -> Tuple[Any, ...]:
+        gidx = {id(g): gi for gi, g in enumerate(self.param_groups)}
+        return tuple((gidx[id(g)], id(p)) for g, p in items)
+
+    def _plan_undo(self, items: List[Tuple[Dict[str, Any], torch.Tensor]]
+                   ) -> Optional[Callable[[], None]]:
+        """Where ``items`` change the bucket plan (which resets the error buffers): a function that
+        puts the current plan and error buffers back, for a step that then fails (it is skipped,
+        and a skipped step leaves the errors as they were). None where the plan stays."""
+        if self._plan_key_of(items) == self._plan_key:
+            return None
+        kept = (self._plan_key, self._buckets, self._staging, self._plan_desc,
+                getattr(self, "_staged", None), self._loaded_errors)
+        errors = self.compressor.state_dict()  # copies: reset() drops the buffers
+
+        def undo() -> None:
+            (self._plan_key, self._buckets, self._staging, self._plan_desc, self._staged,
+             self._loaded_errors) = kept
+            self.compressor.reset()
+            self.compressor.load_state_dict(errors)
+        return undo
 
     def _plan_description(self, items: List[Tuple[Dict[str, Any], torch.Tensor]]
                           ) -> List[List[Tuple[int, int]]]:
@@ -214,20 +235,27 @@ class OneBitBase(torch.optim.Optimizer):
             views = {p: p.new_empty(p.shape, dtype=torch.float32) for _, p in items}
             fill([(group, p, views[p]) for group, p in items])
             return views
-        buckets = self._bucket_plan(items)
-        # views, entries and buffers are worked out once per plan (not per bucket per step)
-        plan = self._staged = staged_plan(getattr(self, "_staged", None), self._plan_key, items,
-                                          buckets, self._staging)
-        ov = self._overlap  # the groups sent from the backward, if they are this plan's
-        # GradScaler drives this step (found_inf is set whether or not unscale_() already ran:
-        # unscale_ divides the gradients in place without bumping their version counters)
-        scaled = getattr(self, "found_inf", None) is not None
-        if ov is not None and ov.complete(plan, scaled):
-            return dict(plan.views)
-        ahead = bool(getattr(self.compressor, "stages_ahead", False))
-        # buckets of one device at a time (a model may keep groups on several devices)
-        for dev, idx, numels, entries in plan.by_device:
-            self.compressor.average_(idx, numels, plan.stage_fn(idx, entries, fill, ahead), dev)
+        undo = self._plan_undo(items)
+        try:
+            buckets = self._bucket_plan(items)
+            # views, entries and buffers are worked out once per plan (not per bucket per step)
+            plan = self._staged = staged_plan(getattr(self, "_staged", None), self._plan_key,
+                                              items, buckets, self._staging)
+            ov = self._overlap  # the groups sent from the backward, if they are this plan's
+            # GradScaler drives this step (found_inf is set whether or not unscale_() already
+            # ran: unscale_ divides the gradients in place without bumping their version counters)
+            scaled = getattr(self, "found_inf", None) is not None
+            if ov is not None and ov.complete(plan, scaled):
+                return dict(plan.views)
+            ahead = bool(getattr(self.compressor, "stages_ahead", False))
+            # buckets of one device at a time (a model may keep groups on several devices)
+            for dev, idx, numels, entries in plan.by_device:
+                self.compressor.average_(idx, numels, plan.stage_fn(idx, entries, fill, ahead),
+                                         dev)
+        except BaseException:
+            if undo is not None:
+                undo()
+            raise
         return dict(plan.views)
 
     def _zero_errors(self) -> None:
