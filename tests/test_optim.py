@@ -221,6 +221,41 @@ def test_nonfinite_on_one_rank_skips_every_phase(world):
                 assert value == 0.0, (key, value)
 
 
+def test_checkpoint_without_schedule_resumes_zero_one_adam_exactly():
+    """A checkpoint without compcomm's schedule (DeepSpeed style: only the step counts) resumes
+    0/1 Adam exactly: the schedule is replayed from the step count (it restarted in the variance
+    phase, rewriting the frozen variance)."""
+    def make():
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(8))
+        return p, ZeroOneAdam([p], lr=1e-2, var_freeze_step=2, local_step_scaler=1,
+                              local_step_clipper=4)
+
+    def grad(p, t):
+        p.grad = torch.randn(8, generator=torch.Generator().manual_seed(t))
+
+    p, opt = make()
+    for t in range(10):
+        grad(p, t)
+        opt.step()
+    straight = p.detach().clone()
+    p, opt = make()
+    for t in range(5):
+        grad(p, t)
+        opt.step()
+    sd = opt.state_dict()
+    del sd["compcomm"]["sched"]
+    q, opt2 = make()
+    with torch.no_grad():
+        q.copy_(p)
+    opt2.load_state_dict(sd)
+    assert opt2.sched == opt.sched
+    for t in range(5, 10):
+        grad(q, t)
+        opt2.step()
+    assert torch.equal(q.detach(), straight)
+
+
 def test_skipped_step_that_changes_the_plan_keeps_the_errors():
     """A skipped step (NaN on one rank) where a parameter had no gradient: the error buffers
     survive (the new bucket plan had reset them before the exchange failed)."""

@@ -519,7 +519,7 @@ class OneBitBase(torch.optim.Optimizer):
             else:  # restored when the next step builds the same buckets
                 self._loaded_errors = ([[tuple(x) for x in b] for b in layout], errors)
         self.schedule.load_state_dict(extra["sched"] if "sched" in extra
-                                      else self._sched_from_state())
+                                      else self._schedule_at(self._sched_from_state()["step"]))
         self.skipped_steps = int(extra.get("skipped_steps", 0))
         self._load_extra_state(extra, exact)
 
@@ -542,6 +542,17 @@ class OneBitBase(torch.optim.Optimizer):
             new_groups.append(ng)
         self.state = state
         self.param_groups = new_groups
+
+    def _schedule_at(self, step: int) -> Dict[str, Any]:
+        """The schedule's state after ``step`` steps, for a checkpoint without one (DeepSpeed
+        style): each schedule depends only on the step number and the optimizer's arguments, so
+        replaying it from the start gives it exactly (only the step counter was restored before:
+        0/1 Adam then went back to variance steps)."""
+        sched = copy.copy(self.schedule)
+        sched.load_state_dict(sched.fresh())
+        for _ in range(step):
+            sched.advance(sched.next_kind())
+        return sched.state_dict()
 
     def _sched_from_state(self) -> Dict[str, Any]:
         for s in self.state.values():
