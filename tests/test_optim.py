@@ -459,7 +459,8 @@ def test_lamb_param_group_added_after_the_freeze_steps():
         opt.step()
     coeff_a = opt.state[a]["scaling_coeff"]
     c = _p(8)
-    opt.add_param_group({"params": [c], "lr": 1e-3})
+    with pytest.warns(RuntimeWarning, match="added after the variance froze"):
+        opt.add_param_group({"params": [c], "lr": 1e-3})
     for _ in range(2):
         a_before, c_before = a.detach().clone(), c.detach().clone()
         a.grad, c.grad = torch.randn(8), torch.randn(8)

@@ -57,6 +57,12 @@ class OneBitBase(torch.optim.Optimizer):
         check_last_group(self)  # a bad group (dtype, lr, betas, mask, unknown key) raises, not added
         if hasattr(self, "_user_masks"):  # added after construction: load_state_dict restores it
             self._user_masks.append(self.param_groups[-1].get("exp_avg_mask"))
+        if getattr(getattr(self, "schedule", None), "frozen", False):
+            warnings.warn(f"{self._name}: param group added after the variance froze: its "
+                          "parameters have no variance (zeros, as in DeepSpeed), so their updates "
+                          "are lr * m / eps (OneBitLamb: a frozen coefficient of 0, no update); "
+                          "add them before the freeze or start a new optimizer",
+                          RuntimeWarning, stacklevel=2)
 
     def _init_common(self, comm_backend_name: str, process_group: Any, cuda_aware: bool,
                      grads_averaged: bool, exact_resume: bool, fused: Optional[bool] = None,
