@@ -420,6 +420,14 @@ def test_run_on_profile_with_mpirun(tmp_path, profile):
         runner.run_on_profile(profile, 2, [str(script)], env={"A-B": "1"}, launcher="mpirun")
 
 
+def _rank_ignoring_sigterm(tmp_path):
+    """A rank script that ignores SIGTERM, prints "up" and sleeps for 10 minutes."""
+    script = tmp_path / "hang.py"
+    script.write_text("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                      "print('up', flush=True)\ntime.sleep(600)\n")
+    return script
+
+
 @pytest.mark.parametrize("profile", ["loopback", pytest.param("unshaped", marks=needs_netns)])
 def test_mpirun_ranks_are_gone_after_a_timeout(tmp_path, profile):
     """Ranks that mpirun started live in process groups of their own: a run past its deadline
@@ -432,9 +440,7 @@ def test_mpirun_ranks_are_gone_after_a_timeout(tmp_path, profile):
     from compcomm.bench import runner
 
     marker = f"ccbench-hang-{os.getpid()}-{profile}"
-    script = tmp_path / "hang.py"
-    script.write_text("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-                      "time.sleep(600)\n")
+    script = _rank_ignoring_sigterm(tmp_path)
     with pytest.raises(runner.SweepError, match="ran past"):
         runner.run_on_profile(profile, 2, [str(script), marker], timeout=3, launcher="mpirun")
     for _ in range(50):
@@ -456,9 +462,7 @@ def test_mpirun_ranks_die_with_a_killed_launcher(tmp_path, profile):
     if no_mpi():
         pytest.skip(no_mpi())
     marker = f"ccbench-orphan-{os.getpid()}-{profile}"
-    script = tmp_path / "hang.py"
-    script.write_text("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-                      "print('up', flush=True)\ntime.sleep(600)\n")
+    script = _rank_ignoring_sigterm(tmp_path)
     code = ("import sys\nfrom compcomm.bench import runner\n"
             f"runner.run_on_profile({profile!r}, 2, [{str(script)!r}, {marker!r}], timeout=300,"
             " launcher='mpirun', on_line=lambda line: print(line, end='', flush=True))\n")
