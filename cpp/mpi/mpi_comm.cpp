@@ -338,9 +338,9 @@ void MpiCommunicator::do_all_to_all(const Buffer& send, const Buffer& recv, cons
     const int to = (rank_ + s) % size_, from = (rank_ - s + size_) % size_;
     for (int64_t o = 0; o < b; o += piece) {
       const int64_t len = std::min(piece, b - o);
-      sends.push_back({to, to * b + o, len, static_cast<int>(pieces.size())});
+      sends.push_back({to, to * b + o, len});
       pieces.emplace_back(to * b + o, len);
-      recvs.push_back({from, from * b + o, len, -1});
+      recvs.push_back({from, from * b + o, len});
     }
   }
   exchange("all_to_all", send, recv, sends, recvs, pieces, rank_ * b, rank_ * b, b, opts);
@@ -351,12 +351,12 @@ void MpiCommunicator::do_all_gather(const Buffer& send, const Buffer& recv, cons
   const int64_t b = send.bytes(), piece = piece_bytes(recv);
   std::vector<Msg> sends, recvs;
   std::vector<std::pair<int64_t, int64_t>> pieces;
-  for (int64_t o = 0; o < b; o += piece) {  // each piece to every peer as soon as it is on the host
+  for (int64_t o = 0; o < b; o += piece) {  // each piece to every peer
     const int64_t len = std::min(piece, b - o);
     for (int s = 1; s < size_; ++s) {
       const int to = (rank_ + s) % size_, from = (rank_ - s + size_) % size_;
-      sends.push_back({to, o, len, static_cast<int>(pieces.size())});
-      recvs.push_back({from, from * b + o, len, -1});
+      sends.push_back({to, o, len});
+      recvs.push_back({from, from * b + o, len});
     }
     pieces.emplace_back(o, len);
   }

@@ -7,15 +7,15 @@
 //     allowed when the MPI library reports CUDA support at run time.
 //   - host-staged: the data is copied on the caller's stream into pinned host buffers (allocated once,
 //     grown on demand, reused by every later call), MPI runs on host memory, and the result is copied
-//     back on the same stream. All collectives but reduce_scatter are cut into pieces of
-//     pipeline_chunk_bytes (1 MiB) so that the device-to-host copy of piece i+1 and the host-to-device
-//     copy of piece i-1 overlap MPI's work on piece i.
+//     back on the same stream. all_reduce and broadcast are cut into chunks of pipeline_chunk_bytes
+//     (1 MiB) so that the device-to-host copy of chunk i+1 and the host-to-device copy of chunk i-1
+//     overlap MPI's work on chunk i; all_to_all and all_gather stage all they send first, then move
+//     the messages, then copy back what arrived (overlapping those was up to 2x slower over TCP).
 //
-// all_to_all and all_gather are point-to-point exchanges (MPI_Isend/Irecv, every message posted at
-// once, completions taken as they come), which lets a staged piece go out as soon as it reached the
-// host and come back as soon as it arrived; the others are MPI's non-blocking collectives. Every
-// wait polls without sleeping while data may be in flight (backoff.h): Open MPI moves a transfer
-// forward only inside MPI calls.
+// all_to_all and all_gather are point-to-point exchanges (MPI_Isend/Irecv of messages of at most
+// pipeline_chunk_bytes, every message posted at once, completions taken as they come); the others
+// are MPI's non-blocking collectives. Every wait polls without sleeping while data may be in flight
+// (backoff.h): Open MPI moves a transfer forward only inside MPI calls.
 //
 // MPI has no 16-bit float type: fp16/bf16 reductions use MPI_Ops defined here (fp32 arithmetic,
 // one rounding per pairwise combine, like gloo's). Byte-moving collectives work for every dtype.
@@ -101,16 +101,14 @@ class MpiCommunicator final : public Communicator {
   // gets a null send), `recv_bytes` of `recv` are written.
   void run(const char* call, const Buffer& send, int64_t send_bytes, const Buffer& recv, int64_t recv_bytes,
            int64_t in_place_offset, const Start& start, const CallOptions& opts);
-  // One point-to-point message of an exchange: bytes [off, off + bytes) of the send (or recv) buffer;
-  // a send's `piece` indexes the staged copy it needs (host-staged only).
+  // One point-to-point message of an exchange: bytes [off, off + bytes) of the send (or recv) buffer.
   struct Msg {
     int peer;
     int64_t off, bytes;
-    int piece;
   };
   // all_to_all/all_gather as point-to-point messages. `pieces` (off, bytes) are the ranges of send to
-  // stage, in the order the sends need them; [own_from, own_from + own_bytes) of send is copied to
-  // own_to of recv locally (skipped when it is already there).
+  // stage (host-staged only); [own_from, own_from + own_bytes) of send is copied to own_to of recv
+  // locally (skipped when it is already there).
   void exchange(const char* call, const Buffer& send, const Buffer& recv, const std::vector<Msg>& sends,
                 const std::vector<Msg>& recvs, const std::vector<std::pair<int64_t, int64_t>>& pieces,
                 int64_t own_from, int64_t own_to, int64_t own_bytes, const CallOptions& opts);
