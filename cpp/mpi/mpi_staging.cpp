@@ -261,9 +261,9 @@ void MpiCommunicator::exchange(const char* call, const Buffer& send, const Buffe
   // Host-staged: what goes out is copied to the host on the stream; once it is there (an event,
   // polled against the deadline) the messages move between the staging buffers as between host
   // buffers, and then each received one is copied back on the stream. Sending each piece as soon as
-  // its copy landed, and copying each message back as it arrived, was up to 2x slower over TCP at
-  // 1 Gbit/s (the same exchange on host memory: 35 ms, piece by piece from device memory: 49-67
-  // ms; bench/results/mpi_links_gpu_1207/README.md), and the copies take well under a millisecond.
+  // its copy landed, and copying each message back as it arrived, made an all_to_all of 8 MiB on
+  // two ranks at 1 Gbit/s take 49-67 ms where the same exchange staged by hand this way took 35 ms,
+  // as on host memory (bench/diag_mpi_staging.py); the copies take well under a millisecond.
   QuietDeviceGuard guard(recv.device);
   const CudaCallSite where{"mpi", call, rank_};
   cudaStream_t stream = stream_of(opts);
