@@ -1,6 +1,6 @@
 """The base class of the 1-bit optimizers: the communicator and compressor, gradient
-averaging, the bucket plan of the compressed average, skipped steps (GradScaler or non-finite
-values) and the state dict with its exact-resume part.
+averaging, the compressed average (its bucket plan: :mod:`._plan`), skipped steps (GradScaler or
+non-finite values) and the state dict with its exact-resume part.
 
 Every optimizer here follows the same life cycle (ONEBIT_SPEC.md, policy section):
 
@@ -28,10 +28,11 @@ import torch
 
 from .._agree import LayoutCheck
 from .._comm_users import join as join_comm
-from ..compress import DEFAULT_BUCKET_ELEMENTS, OneBitCompressor, plan_buckets
+from ..compress import DEFAULT_BUCKET_ELEMENTS, OneBitCompressor
 from ..errors import NonFiniteError
 from ..schedule import FreezeSchedule, StepKind
 from ._grads import all_finite, all_max, average_, fp32_grad, non_finite_error, resolve_comm
+from ._plan import BucketPlans
 from ._staging import staged_plan
 from ._step_on import step_on_inputs
 from .overlap import BackwardOverlap, resolve_overlap
@@ -41,7 +42,7 @@ from ._validation import check_int, check_last_group, check_masks, layout_fields
 __all__ = ["OneBitBase"]
 
 
-class OneBitBase(torch.optim.Optimizer):
+class OneBitBase(BucketPlans, torch.optim.Optimizer):
     """Shared machinery of OneBitAdam, ZeroOneAdam and OneBitLamb (not for direct use)."""
 
     #: GradScaler hands us the scale and the overflow flag instead of unscaling itself, so all
@@ -156,69 +157,6 @@ class OneBitBase(torch.optim.Optimizer):
                 has_grad = p.grad is not None if local is None else p in local
                 if has_grad and p.numel() > 0:
                     yield group, p
-
-    def _bucket_plan(self, items: List[Tuple[Dict[str, Any], torch.Tensor]]) -> List[List[int]]:
-        """Buckets (indices into ``items``) for the compressed average of ``items``' tensors.
-        The plan is kept while the same parameters communicate; when they change (a parameter
-        without gradient), the error buffers restart at zero, as their layout no longer fits.
-        """
-        key = self._plan_key_of(items)
-        if key != self._plan_key:
-            limit = 0 if self.per_parameter else self.reduce_bucket_size
-            self._buckets = plan_buckets([((gi, p.device), p.numel())
-                                          for (gi, _), (_, p) in zip(key, items)], limit)
-            self._staging = {}
-            if self.compressor.keys():
-                warnings.warn(f"{self._name}: the parameters with gradients changed, so the "
-                              "compression buckets did: error buffers restart at zero (give every "
-                              "parameter a gradient, e.g. zeros, to keep them)", RuntimeWarning,
-                              stacklevel=4)
-            self.compressor.reset()
-            self._plan_key = key
-            self._plan_desc = self._plan_description(items)
-            self._restore_loaded_errors()
-        return self._buckets
-
-    def _plan_key_of(self, items: List[Tuple[Dict[str, Any], torch.Tensor]]) -> Tuple[Any, ...]:
-        gidx = {id(g): gi for gi, g in enumerate(self.param_groups)}
-        return tuple((gidx[id(g)], id(p)) for g, p in items)
-
-    def _plan_undo(self, items: List[Tuple[Dict[str, Any], torch.Tensor]]
-                   ) -> Optional[Callable[[], None]]:
-        """Where ``items`` change the bucket plan (which resets the error buffers): a function that
-        puts the current plan and error buffers back, for a step that then fails (it is skipped,
-        and a skipped step leaves the errors as they were). None where the plan stays."""
-        if self._plan_key_of(items) == self._plan_key:
-            return None
-        kept = (self._plan_key, self._buckets, self._staging, self._plan_desc,
-                getattr(self, "_staged", None), self._loaded_errors)
-        errors = self.compressor.state_dict()  # copies: reset() drops the buffers
-
-        def undo() -> None:
-            (self._plan_key, self._buckets, self._staging, self._plan_desc, self._staged,
-             self._loaded_errors) = kept
-            self.compressor.reset()
-            self.compressor.load_state_dict(errors)
-        return undo
-
-    def _plan_description(self, items: List[Tuple[Dict[str, Any], torch.Tensor]]
-                          ) -> List[List[Tuple[int, int]]]:
-        """The bucket plan as (group index, index in group) pairs (what checkpoints record)."""
-        where = {id(p): (gi, pi) for gi, g in enumerate(self.param_groups)
-                 for pi, p in enumerate(g["params"])}
-        return [[where[id(items[j][1])] for j in b] for b in self._buckets]
-
-    def _restore_loaded_errors(self) -> None:
-        if self._loaded_errors is None:
-            return
-        plan, errors = self._loaded_errors
-        self._loaded_errors = None
-        if plan == self._plan_desc:
-            self.compressor.load_state_dict(errors)
-        else:
-            warnings.warn(f"{self._name}: the checkpoint's compression buckets differ from this "
-                          "optimizer's (bucket size, per_parameter or parameters with gradients "
-                          "changed): error buffers reset to zero", RuntimeWarning, stacklevel=4)
 
     def _compressed_average(self, items: List[Tuple[Dict[str, Any], torch.Tensor]],
                             fill: Callable[[List[Tuple[Dict[str, Any], torch.Tensor,
