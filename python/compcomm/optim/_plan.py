@@ -20,12 +20,13 @@ class BucketPlans:
     ``_loaded_errors``) over the optimizer's ``param_groups``, ``compressor``,
     ``per_parameter`` and ``reduce_bucket_size``."""
 
-    def _bucket_plan(self, items: List[Tuple[Dict[str, Any], torch.Tensor]]) -> List[List[int]]:
+    def _bucket_plan(self, items: List[Tuple[Dict[str, Any], torch.Tensor]],
+                     key: Optional[Tuple[Any, ...]] = None) -> List[List[int]]:
         """Buckets (indices into ``items``) for the compressed average of ``items``' tensors.
         The plan is kept while the same parameters communicate; when they change (a parameter
         without gradient), the error buffers restart at zero, as their layout no longer fits.
         """
-        key = self._plan_key_of(items)
+        key = self._plan_key_of(items) if key is None else key
         if key != self._plan_key:
             limit = 0 if self.per_parameter else self.reduce_bucket_size
             self._buckets = plan_buckets([((gi, p.device), p.numel())
@@ -46,12 +47,12 @@ class BucketPlans:
         gidx = {id(g): gi for gi, g in enumerate(self.param_groups)}
         return tuple((gidx[id(g)], id(p)) for g, p in items)
 
-    def _plan_undo(self, items: List[Tuple[Dict[str, Any], torch.Tensor]]
-                   ) -> Optional[Callable[[], None]]:
-        """Where ``items`` change the bucket plan (which resets the error buffers): a function that
-        puts the current plan and error buffers back, for a step that then fails (it is skipped,
-        and a skipped step leaves the errors as they were). None where the plan stays."""
-        if self._plan_key_of(items) == self._plan_key:
+    def _plan_undo(self, key: Tuple[Any, ...]) -> Optional[Callable[[], None]]:
+        """Where the items of ``key`` (:meth:`_plan_key_of`) change the bucket plan (which resets
+        the error buffers): a function that puts the current plan and error buffers back, for a
+        step that then fails (it is skipped, and a skipped step leaves the errors as they were).
+        None where the plan stays."""
+        if key == self._plan_key:
             return None
         kept = (self._plan_key, self._buckets, self._staging, self._plan_desc,
                 getattr(self, "_staged", None), self._loaded_errors)

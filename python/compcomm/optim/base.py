@@ -179,9 +179,10 @@ class OneBitBase(BucketPlans, torch.optim.Optimizer):
             views = {p: p.new_empty(p.shape, dtype=torch.float32) for _, p in items}
             fill([(group, p, views[p]) for group, p in items])
             return views
-        undo = self._plan_undo(items)
+        key = self._plan_key_of(items)  # once a step: the plan and its undo both compare it
+        undo = self._plan_undo(key)
         try:
-            buckets = self._bucket_plan(items)
+            buckets = self._bucket_plan(items, key)
             # views, entries and buffers are worked out once per plan (not per bucket per step)
             plan = self._staged = staged_plan(getattr(self, "_staged", None), self._plan_key,
                                               items, buckets, self._staging)
