@@ -66,6 +66,9 @@ class Communicator {
   // be freed (the Python bindings keep the buffers' objects). False for backends whose failed calls
   // leave nothing running.
   bool requests_left() const { return do_requests_left(); }
+  // Empty when any thread may call this communicator; otherwise why only one thread may (MPI
+  // initialized below MPI_THREAD_MULTIPLE). AsyncComm, whose worker thread calls it, refuses those.
+  std::string thread_restriction() const { return do_thread_restriction(); }
 
  protected:
   virtual void do_all_to_all(const Buffer& send, const Buffer& recv, const CallOptions& opts) = 0;
@@ -79,6 +82,7 @@ class Communicator {
   virtual const int* do_abort_flag() const { return nullptr; }
   virtual bool do_alone(int /*device*/) const { return false; }
   virtual bool do_requests_left() const { return false; }
+  virtual std::string do_thread_restriction() const { return ""; }
 
  private:
   std::atomic<int64_t> bytes_sent_{0};  // a ZeRO bucket thread and the caller may both count

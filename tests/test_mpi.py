@@ -117,6 +117,15 @@ def test_timed_out_buffers_are_kept() -> None:
     mpirun(2, RUNNER, "mpi.faults:timed_out_buffers_kept", "[]", timeout=120, allow_early_exit=True)
 
 
+@pytest.mark.parametrize("np,level", [(2, "funneled"), (3, "serialized"), (2, "multiple")])
+def test_thread_level_below_multiple(np: int, level: str) -> None:
+    """MPI initialized by mpi4py below MPI_THREAD_MULTIPLE: other threads get UnsupportedError
+    naming the level (not undefined behaviour), and ZeRO-2 (overlap on and off) and the bucketed
+    OneBitAdam, whose exchanges then run in the calling thread, still train correctly."""
+    pytest.importorskip("mpi4py")
+    launch(np, "check_thread_level.py", 180, level)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("np", [2, 4])
 def test_gpu_buffers(np: int) -> None:

@@ -52,22 +52,35 @@ void finalize_at_exit() {
   if (!finalized) MPI_Finalize();
 }
 
-void ensure_mpi() {
+// Initializes MPI unless it is; returns its thread level (MPI_THREAD_*).
+int ensure_mpi() {
   std::lock_guard<std::mutex> lock(g_init_mu);
-  int finalized = 0, initialized = 0;
+  int finalized = 0, initialized = 0, provided = 0;
   MPI_Finalized(&finalized);
   if (finalized)
     throw Unsupported("MPI has already been finalized in this process; an MPI communicator cannot be made",
                       "MPI_Init_thread", "mpi", 0, -1);
   MPI_Initialized(&initialized);
-  if (initialized) return;
-  int provided = 0;
+  if (initialized) {
+    MPI_Query_thread(&provided);
+    return provided;
+  }
   const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
   if (rc != MPI_SUCCESS)
     throw BackendError(detail::concat("MPI_Init_thread failed with code ", rc), "MPI_Init_thread", "mpi", rc,
                        -1);
   // We initialized MPI, so we finalize it; a library that initialized it (mpi4py) finalizes it itself.
   std::atexit(finalize_at_exit);
+  return provided;
+}
+
+const char* thread_level_name(int level) {
+  switch (level) {
+    case MPI_THREAD_SINGLE: return "MPI_THREAD_SINGLE";
+    case MPI_THREAD_FUNNELED: return "MPI_THREAD_FUNNELED";
+    case MPI_THREAD_SERIALIZED: return "MPI_THREAD_SERIALIZED";
+    default: return "MPI_THREAD_MULTIPLE";
+  }
 }
 
 std::string error_string(int rc) {
@@ -199,9 +212,10 @@ bool mpi_cuda_built() {
 
 MpiCommunicator::MpiCommunicator(MPI_Comm comm, CudaAware cuda_aware, double timeout_s) {
   COMPCOMM_CHECK(timeout_s > 0, "MpiCommunicator: timeout_s must be positive, got ", timeout_s);
-  ensure_mpi();
+  thread_level_ = ensure_mpi();
   COMPCOMM_CHECK(comm != MPI_COMM_NULL, "MpiCommunicator: comm is MPI_COMM_NULL (this process is not in it)");
   MPI_Comm_rank(comm, &rank_);
+  check_usable("MpiCommunicator");  // the thread
   // MPI_Comm_idup, polled: a rank that never joins gives a TimeoutError here too, not a hang.
   MPI_Request req = MPI_REQUEST_NULL;
   int rc = MPI_Comm_idup(comm, &comm_, &req);
@@ -284,7 +298,23 @@ void MpiCommunicator::check(int rc, const char* call) {
                      call, "mpi", rc, rank_);
 }
 
+std::string MpiCommunicator::do_thread_restriction() const {
+  if (thread_level_ >= MPI_THREAD_MULTIPLE) return "";
+  return detail::concat("MPI was initialized with thread level ", thread_level_name(thread_level_),
+                        ", so only the thread that initialized it may call compcomm's MPI communicator; "
+                        "initialize MPI with MPI_THREAD_MULTIPLE (mpi4py's default, "
+                        "mpi4py.rc.thread_level = \"multiple\"), or let compcomm initialize it");
+}
+
 void MpiCommunicator::check_usable(const char* call) const {
+  if (thread_level_ < MPI_THREAD_MULTIPLE) {
+    int main_thread = 0;
+    MPI_Is_thread_main(&main_thread);
+    if (!main_thread)
+      throw Unsupported(detail::concat("[rank ", rank_, "] mpi ", call, ": called from a thread other than ",
+                                       "the one that initialized MPI. ", do_thread_restriction()),
+                        call, "mpi", 0, rank_);
+  }
   if (broken_)
     throw BackendError(detail::concat("[rank ", rank_, "] mpi ", call, ": this communicator is unusable ",
                                       "since an earlier call failed (", broken_reason_,

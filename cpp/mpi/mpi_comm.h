@@ -60,7 +60,9 @@ class MpiCommunicator final : public Communicator {
   // would wait for the peers it gave up on. cuda_aware=kOn throws Unsupported when the MPI does not
   // report CUDA support or this build has no CUDA runtime; kDetect picks CUDA-aware exactly when both
   // are there. The duplication is itself collective: it raises TimeoutError after timeout_s if a rank
-  // never joins.
+  // never joins. Below MPI_THREAD_MULTIPLE (MPI initialized so by the caller, or an MPI without
+  // thread support) only the thread that initialized MPI may call it (Unsupported otherwise):
+  // compcomm cannot serialize its calls with the caller's own MPI calls.
   explicit MpiCommunicator(MPI_Comm comm = MPI_COMM_WORLD, CudaAware cuda_aware = CudaAware::kDetect,
                            double timeout_s = 600.0);
   ~MpiCommunicator() override;
@@ -91,6 +93,7 @@ class MpiCommunicator final : public Communicator {
   void do_broadcast(const Buffer& buf, int root, const CallOptions& opts) override;
   void do_barrier(const CallOptions& opts) override;
   bool do_requests_left() const override { return requests_left_; }
+  std::string do_thread_restriction() const override;
 
  private:
   struct Staging;  // pinned host buffers and CUDA events (CUDA builds only; mpi_staging.h)
@@ -136,12 +139,14 @@ class MpiCommunicator final : public Communicator {
   // Makes the communicator unusable (the first reason is kept); `requests_left`: MPI requests of
   // the failed call are still pending, so MPI_Finalize is skipped at exit.
   void mark_broken(const std::string& reason, bool requests_left);
+  // Throws when the communicator is broken, or called from a thread MPI's thread level forbids.
   void check_usable(const char* call) const;
   [[noreturn]] void timed_out(const char* call, double timeout_s);
 
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;
   bool cuda_aware_ = false;
+  int thread_level_ = 0;  // MPI's, as initialized (by compcomm: what MPI_Init_thread provided)
   bool broken_ = false;  // a collective timed out or failed: the communicator is unusable
   std::atomic<bool> requests_left_{false};  // and gave up on requests still pending
   std::string broken_reason_;

@@ -148,13 +148,29 @@ void Work::wait(double timeout_s) {
 
 AsyncComm::AsyncComm(std::shared_ptr<Communicator> comm) : comm_(std::move(comm)) {
   COMPCOMM_CHECK(comm_ != nullptr, "AsyncComm: comm must not be None");
-  thread_ = std::thread([this] { loop(); });
+  // A communicator that only the calling thread may use (MPI below MPI_THREAD_MULTIPLE) runs each
+  // work inside submit(): correct, without overlap.
+  if (comm_->thread_restriction().empty()) thread_ = std::thread([this] { loop(); });
 }
 
 AsyncComm::~AsyncComm() { close(); }
 
 std::shared_ptr<Work> AsyncComm::submit(std::function<void(Communicator&)> fn) {
   auto w = std::make_shared<Work>();
+  if (!thread_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      COMPCOMM_CHECK(!stop_, "AsyncComm: submit after close()");
+    }
+    std::exception_ptr err;
+    try {
+      fn(*comm_);
+    } catch (...) {
+      err = std::current_exception();
+    }
+    w->finish(err);
+    return w;
+  }
   {
     std::lock_guard<std::mutex> lk(mu_);
     COMPCOMM_CHECK(!stop_, "AsyncComm: submit after close()");

@@ -98,6 +98,8 @@ class Work {
   std::exception_ptr error_;
 };
 
+// Runs submitted work on one worker thread, in submission order; inline in submit() instead when
+// the communicator may only be called from one thread (Communicator::thread_restriction).
 class AsyncComm {
  public:
   explicit AsyncComm(std::shared_ptr<Communicator> comm);

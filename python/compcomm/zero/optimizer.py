@@ -127,6 +127,9 @@ class ZeroOptimizer:
         self.comm = resolve(process_group)
         self.world = self.comm.size()
         self.rank = self.comm.rank()
+        # its worker thread calls the communicator: made before any collective, so a communicator
+        # only one thread may call (MPI below MPI_THREAD_MULTIPLE) is refused on every rank here
+        self._async = _C.zero.AsyncComm(self.comm)
         self.timeout = float(timeout)
         self.gas = int(gradient_accumulation_steps)
         self.clip = float(gradient_clipping)
@@ -170,7 +173,6 @@ class ZeroOptimizer:
         )
         if self._rules is not None:  # its layout was agreed above, with the partition's
             self.optimizer.check_layout = False
-        self._async = _C.zero.AsyncComm(self.comm)
         #: 1-bit optimizers: the compressor of ZeRO's buckets (key (group, bucket)), from the
         #: wrapped optimizer's ``compressor_factory``: 1-bit with error feedback by default
         self.compressor: Optional[Compressor] = (
