@@ -1,6 +1,6 @@
 """Where does compcomm's host-staged MPI all_to_all lose time on a slow link? (GPU, root)
 
-    python bench/diag_mpi_staging.py --profile eth1g --world-size 2 --bytes 8388608
+    python bench/diag_mpi_staging.py --profile eth1g --world-size 2 --bytes 8388608 [--call pair]
 
 starts ``--world-size`` ranks under mpirun on emulated hosts sharing the local GPU (compcomm.bench
 runner, MPI over TCP on the ranks' shaped links) and times, on each rank, the same all_to_all of
@@ -21,7 +21,7 @@ import time
 import torch
 
 
-def rank_main(nbytes: int) -> None:
+def rank_main(nbytes: int, call: str) -> None:
     import compcomm
     from compcomm._buffers import buffer_of
 
@@ -42,22 +42,31 @@ def rank_main(nbytes: int) -> None:
                 comm.pipeline_chunk_bytes = chunk
         return run
 
+    W = comm.size()
+
+    def op(send: torch.Tensor, recv: torch.Tensor, **kw) -> None:
+        """``call`` on (send, recv) of nbytes each; all_gather sends the first nbytes/W."""
+        if call in ("all_to_all", "pair"):
+            comm.all_to_all(buffer_of(send), buffer_of(recv), **kw)
+        if call in ("all_gather", "pair"):
+            part = nbytes // W
+            comm.all_gather(buffer_of(send[:part]), buffer_of(recv[: part * W]), **kw)
+
     def manual() -> None:
         pa.copy_(a, non_blocking=True)
         sync()
-        comm.all_to_all(buffer_of(pa), buffer_of(pb))
+        op(pa, pb)
         b.copy_(pb, non_blocking=True)
 
     def staged() -> None:
-        comm.all_to_all(buffer_of(a), buffer_of(b))
+        op(a, b)
 
     cases = [
-        ("host", lambda: comm.all_to_all(buffer_of(h), buffer_of(hb))),
-        ("host pinned", lambda: comm.all_to_all(buffer_of(pa), buffer_of(pb))),
+        ("host", lambda: op(h, hb)),
+        ("host pinned", lambda: op(pa, pb)),
         ("manual staging", manual),
         ("staged", staged),
-        ("staged side stream", lambda: comm.all_to_all(buffer_of(a), buffer_of(b),
-                                                       stream=side.cuda_stream)),
+        ("staged side stream", lambda: op(a, b, stream=side.cuda_stream)),
         ("staged one piece", one_piece(staged)),
     ]
     rows = []
@@ -75,7 +84,7 @@ def rank_main(nbytes: int) -> None:
             comm.all_reduce(buffer_of(t), compcomm._C.ReduceOp.max)
             rows.append((name, float(t.median()) * 1e3, float(t.min()) * 1e3))
     if comm.rank() == 0:
-        print(f"# all_to_all of {nbytes} bytes, {comm.size()} ranks, "
+        print(f"# {call} of {nbytes} bytes, {comm.size()} ranks, "
               f"{os.environ.get('COMPCOMM_BENCH_PROFILE', '?')}; ms, slowest rank", flush=True)
         for name, med, low in rows:
             print(f"{name:>20}  median {med:9.3f}  min {low:9.3f}", flush=True)
@@ -87,9 +96,11 @@ def main() -> None:
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--bytes", type=int, default=8 << 20)
     ap.add_argument("--timeout", type=float, default=200.0)
+    ap.add_argument("--call", choices=["all_to_all", "all_gather", "pair"], default="all_to_all",
+                    help="pair: all_to_all then all_gather of nbytes/W, as bench_mpi.py's exchange")
     args = ap.parse_args()
     if "OMPI_COMM_WORLD_RANK" in os.environ:
-        rank_main(args.bytes)
+        rank_main(args.bytes, args.call)
         return
     from compcomm.bench.runner import run_on_profile
 
