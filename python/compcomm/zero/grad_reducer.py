@@ -21,6 +21,14 @@ Every element is reduced over the same ranks as in the whole-bucket reduce-scatt
 into smaller calls, so device memory stays bounded by a few ``piece``-sized buffers whatever the
 largest tensor (an embedding, say), and with offload each piece is copied to the host on its own.
 
+Launch order. Buckets leave in one fixed order on every rank (:attr:`GradReducer.order`: groups
+and buckets from last to first, the order in which a backward usually completes them): a bucket
+complete out of turn waits for those before it (:meth:`GradReducer.ready`), and the end of each
+backward launches the rest, untouched ones as zeros (:meth:`GradReducer.launch_rest`). So ranks
+whose backward reaches different parameters (a branch taken on one rank only) still issue the
+same collectives in the same order; launched on completion, they would pair one rank's bucket
+with another bucket of its peer (wrong sums when the sizes agree, a mismatch or hang otherwise).
+
 Also here: the squared gradient norms behind ``gradient_clipping`` and the non-finite check (one
 all-reduce of a float64 through the worker thread, so it never overtakes queued collectives).
 """
@@ -28,12 +36,13 @@ all-reduce of a float64 through the worker thread, so it never overtakes queued 
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from .. import _C
 from .._buffers import buffer_of
+from .._scratch import stream_of
 from .layout import GroupLayout
 
 __all__ = ["GradReducer", "clip_coef"]
@@ -46,8 +55,7 @@ class _Accumulation:
     """One group's gradients of the current accumulation (stage 2/3)."""
 
     def __init__(self, num_buckets: int) -> None:
-        self.arrived: List[set] = [set() for _ in range(num_buckets)]  # tensors staged per bucket
-        self.rounds: List[int] = [0] * num_buckets  # 1-bit overlap: micro-steps completed
+        self.arrived: List[set] = [set() for _ in range(num_buckets)]  # this backward's, per bucket
         self.exchanged: set = set()  # 1-bit overlap: buckets whose exchange has started
         self.views: Dict[int, torch.Tensor] = {}  # bucket -> staging view being filled
         self.bases: Dict[int, torch.Tensor] = {}  # bucket -> the buffer it views
@@ -56,7 +64,6 @@ class _Accumulation:
         self.views.clear()
         self.bases.clear()
         self.exchanged.clear()
-        self.rounds = [0] * len(self.rounds)
         for a in self.arrived:
             a.clear()
 
@@ -93,6 +100,11 @@ class GradReducer:
         self.device = device
         self.timeout = timeout
         self.acc = [_Accumulation(len(g.buckets)) for g in groups]
+        #: the order buckets are launched in, the same on every rank (the module docstring)
+        self.order = [(gi, bi) for gi in reversed(range(len(groups)))
+                      for bi in reversed(range(len(groups[gi].buckets)))]
+        self._ready: set = set()  # buckets complete out of turn in this round
+        self._next = 0  # index in order of the next bucket to launch
         #: per group: elements of a pool buffer; a larger bucket is reduced in pieces
         self.cap = [_cap(g, piece, world) for g in groups]
         self._pending: List[tuple] = []  # (work, group, bucket, staging base, recv, chunk offset)
@@ -159,7 +171,7 @@ class GradReducer:
     def accumulate(self, gi: int, ti: int, grad: torch.Tensor, onebit: bool,
                    keep_pool: bool = True) -> bool:
         """Add tensor ``ti``'s gradient into its bucket's staging; True when every tensor of the
-        bucket has arrived (the arrivals are then counted afresh)."""
+        bucket has arrived in this backward (the arrivals are then counted afresh)."""
         grp = self.groups[gi]
         slot = grp.tensors[ti]
         b = grp.buckets[slot.bucket]
@@ -188,6 +200,37 @@ class GradReducer:
             for base in acc.bases.values():
                 self.release(gi, base)
             acc.reset()
+        self._ready.clear()
+        self._next = 0
+
+    # ---- launch order --------------------------------------------------------------------------
+
+    def ready(self, gi: int, bi: int, launch: Callable[[int, int], Any]) -> None:
+        """Bucket ``bi`` of group ``gi`` is complete on this rank: ``launch`` it, and the buckets
+        after it in :attr:`order` that are complete too, once every bucket before it has gone."""
+        self._ready.add((gi, bi))
+        while self._next < len(self.order) and self.order[self._next] in self._ready:
+            self._next += 1
+            launch(*self.order[self._next - 1])
+
+    def launch_rest(self, launch: Callable[[int, int], Any]) -> None:
+        """``launch`` every bucket not launched yet in this round, in order; the next round
+        starts from the first bucket. Every tensor's arrivals are counted afresh."""
+        rest, self._next = self.order[self._next:], 0
+        self._ready.clear()
+        self.clear_arrivals()
+        for gi, bi in rest:
+            launch(gi, bi)
+
+    def clear_arrivals(self) -> None:
+        """A backward ended: every bucket's arrivals are counted afresh in the next one."""
+        for acc in self.acc:
+            for a in acc.arrived:
+                a.clear()
+
+    def round_open(self) -> bool:
+        """Whether a bucket was staged or launched since the last :meth:`launch_rest`."""
+        return self._next > 0 or bool(self._ready) or any(acc.views for acc in self.acc)
 
     def drop_buffers(self) -> None:
         """Free the pool and the buckets' own buffers (nothing is staged: after :meth:`reset`)."""
@@ -199,8 +242,14 @@ class GradReducer:
 
     def submit(self, gi: int, bi: int) -> None:
         """Reduce-scatter bucket ``bi``'s staged gradient (added to the shard by
-        :meth:`complete`); a split bucket's in pieces."""
+        :meth:`complete`); a split bucket's in pieces; zeros if nothing was staged."""
         grp = self.groups[gi]
+        if bi not in self.acc[gi].views:
+            if self.split(gi, bi):
+                self._submit_pieces(gi, bi, torch.zeros(grp.buckets[bi].padded, dtype=grp.dtype,
+                                                        device=self.device))
+                return
+            self.view(gi, bi, onebit=False)
         st, base = self.take(gi, bi)
         self.acc[gi].arrived[bi].clear()
         if base is None:
@@ -212,7 +261,7 @@ class GradReducer:
     def _reduce(self, gi: int, bi: int, st: torch.Tensor, base: Optional[torch.Tensor],
                 recv: torch.Tensor, lo: int) -> None:
         work = self.async_comm.reduce_scatter(buffer_of(st), buffer_of(recv),
-                                              timeout_s=self.timeout)
+                                              timeout_s=self.timeout, stream=stream_of(recv))
         self._pending.append((work, gi, bi, base, recv, lo))
         if not self.overlap:
             self.complete(len(self._pending))
@@ -259,20 +308,19 @@ class GradReducer:
             self.sink.drain()
 
     def flush(self) -> None:
-        """Reduce every partly filled bucket (parameters without gradients count as 0), wait all.
-        Stage 1: reduce-scatter each group's whole gradients (``p.grad``) into a new shard."""
+        """Launch the buckets of an open round (parameters without gradients count as 0), wait
+        all. Stage 1: reduce-scatter each group's whole gradients (``p.grad``) into a new shard."""
         if self.stage >= 2:
-            for gi, acc in enumerate(self.acc):
-                for bi in sorted(acc.views):
-                    self.submit(gi, bi)
+            if self.round_open():  # the end of backward launched them, unless it never came
+                self.launch_rest(self.submit)
             self.wait()
             return
         for gi, grp in enumerate(self.groups):
             flat = grp.flatten((p.grad for p in grp.params), grp.dtype, self.device)
             shard = torch.empty(grp.plan.shard_numel, dtype=grp.dtype, device=self.device)
             self.async_comm.bucketed_reduce_scatter(
-                grp.plan, buffer_of(flat), buffer_of(shard), timeout_s=self.timeout
-            ).wait(self.timeout)
+                grp.plan, buffer_of(flat), buffer_of(shard), timeout_s=self.timeout,
+                stream=stream_of(shard)).wait(self.timeout)
             if self.sink is None:
                 grp.master.grad = shard.to(torch.float32)
                 continue
@@ -322,7 +370,8 @@ class GradReducer:
             else:
                 local += g.double().pow(2).sum() * (c * c)
         # through the worker thread: it must not overtake collectives still queued there
-        work = self.async_comm.all_reduce(buffer_of(local), _C.ReduceOp.sum, self.timeout)
+        work = self.async_comm.all_reduce(buffer_of(local), _C.ReduceOp.sum, self.timeout,
+                                          stream_of(local))
         work.wait(self.timeout)
         return float(local.item())
 

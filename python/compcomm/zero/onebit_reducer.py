@@ -15,11 +15,12 @@ cannot say 0), becomes rank r's gradient shard, so the wrapped optimizer's ``m =
 
 With stage 2/3, ``overlap_comm``, more than one rank and no ``gradient_clipping`` (clipping needs
 the norm of the whole local gradient before the first bucket is compressed), each bucket is
-exchanged as soon as its gradient is complete (every collective and check of the compressed
+exchanged as soon as its gradient is complete in the last micro-step and the buckets before it in
+the launch order have gone (:mod:`.grad_reducer`; every collective and check of the compressed
 reduce-scatter; only the bucket's workspace is written), on the owner's worker thread while
-backward continues; otherwise ``step()`` exchanges them all. ``step()`` then commits every bucket
-together -- or none, if any exchange failed or any rank's gradient is not finite -- so a failed
-or skipped step changes nothing.
+backward continues, and the end of that backward exchanges the rest; otherwise ``step()``
+exchanges them all. ``step()`` then commits every bucket together -- or none, if any exchange
+failed or any rank's gradient is not finite -- so a failed or skipped step changes nothing.
 """
 
 from __future__ import annotations
@@ -103,14 +104,24 @@ class OneBitReducer:
                 f"ZeroOptimizer: a gradient arrived for bucket {bi} after its 1-bit exchange "
                 f"started: more than gradient_accumulation_steps={self.gas} backward passes before step()")
 
-    def bucket_complete(self, gi: int, bi: int) -> None:
-        """Every gradient of bucket ``bi`` has arrived for one micro-step: with overlap, exchange
-        it after the last micro-step; else it waits, staged, for ``step()``."""
-        if self.overlap:
-            acc = self.grads.acc[gi]
-            acc.rounds[bi] += 1
-            if acc.rounds[bi] == self.gas:  # the last micro-step: the bucket is complete
-                self.submit_exchange(gi, bi)
+    def bucket_complete(self, gi: int, bi: int, last: bool) -> None:
+        """Every gradient of bucket ``bi`` has arrived in this backward: with overlap, in the
+        last micro-step (``last``), exchange it in its turn (GradReducer.ready); else it waits,
+        staged, for ``step()``."""
+        if self.overlap and last:
+            self.grads.ready(gi, bi, self._exchange_once)
+
+    def backward_done(self, last: bool) -> None:
+        """A backward ended: with overlap, after the last micro-step, exchange every bucket not
+        exchanged yet, in order (parameters without gradients count as 0)."""
+        if self.overlap and last:
+            self.grads.launch_rest(self._exchange_once)
+        else:
+            self.grads.clear_arrivals()
+
+    def _exchange_once(self, gi: int, bi: int) -> None:
+        if bi not in self.grads.acc[gi].exchanged:
+            self.submit_exchange(gi, bi)
 
     def submit_exchange(self, gi: int, bi: int) -> None:
         """Scale bucket bi's local gradient to what is compressed and queue the collective half of
@@ -170,14 +181,12 @@ class OneBitReducer:
             out[pad:].zero_()
 
     def _finish_exchanges(self) -> float:
-        """step() of an overlapped 1-bit step: exchange the buckets not complete yet (parameters
-        without gradients, fewer micro-steps) in bucket order, then the norm all-reduce; if every
-        exchange succeeded and the norm is finite, commit every bucket into the gradient shards.
+        """step() of an overlapped 1-bit step: exchange the buckets not exchanged yet (fewer
+        micro-steps than gradient_accumulation_steps) in launch order, then the norm all-reduce;
+        if every exchange succeeded and the norm is finite, commit every bucket into the gradient
+        shards.
         Returns the mean over ranks of the squared norm of the local gradients (inf: skip)."""
-        for gi, grp in enumerate(self.groups):
-            for bi in range(len(grp.buckets)):
-                if bi not in self.grads.acc[gi].exchanged:
-                    self.submit_exchange(gi, bi)
+        self.grads.launch_rest(self._exchange_once)
         # x = k * g / (gas * loss_scale): the norm is that of x / k
         norm_sq = self.grads.mean_sq_norm([(x, 1.0 / self.input_scale(gi))
                                            for _, gi, _, x in self.exchanges])
