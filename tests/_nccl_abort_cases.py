@@ -150,7 +150,7 @@ def _time(call: Any) -> float:
 def _cancellable(rank: int, collective: Any, garbage: float, with_sync: bool) -> Any:
     """A TorchCommunicator over the default group that behaves like a cancellable one (NCCL): it
     has an abort flag (``do_abort_flag``); once ``comm.cancel`` is set, each ``collective``
-    ("all_to_all" or "reduce_scatter") sets the flag and leaves finite ``garbage`` in its output,
+    ("all_to_all", "reduce_scatter" or "all_gather") sets the flag and leaves finite ``garbage`` in its output,
     raising nothing on the host. With ``with_sync`` it has a ``synchronize`` that raises once the
     flag is set."""
     from compcomm._buffers import tensor_of
@@ -178,6 +178,10 @@ def _cancellable(rank: int, collective: Any, garbage: float, with_sync: bool) ->
         def do_reduce_scatter(self, send: Any, recv: Any, op: Any, opts: Any) -> None:
             super().do_reduce_scatter(send, recv, op, opts)
             self._cancelled("reduce_scatter", recv)
+
+        def do_all_gather(self, send: Any, recv: Any, opts: Any) -> None:
+            super().do_all_gather(send, recv, opts)
+            self._cancelled("all_gather", recv)
 
     comm = Cancellable()
     if with_sync:
@@ -219,15 +223,17 @@ def compressor_cancelled(rank: int, world: int, with_sync: bool) -> Dict[str, An
     return res
 
 
-def zero_step_cancelled(rank: int, world: int, with_sync: bool) -> Dict[str, Any]:
+def zero_step_cancelled(rank: int, world: int, with_sync: bool,
+                        collective: str = "reduce_scatter") -> Dict[str, Any]:
     """ZeroOptimizer (stage 1, Adam) over gloo through a cancellable TorchCommunicator (as in
-    :func:`compressor_cancelled`) whose gradient reduce-scatters are "cancelled" in the second
+    :func:`compressor_cancelled`) whose gradient reduce-scatters (``collective``; "all_gather":
+    the parameters' all-gather after the update) are "cancelled" in the second
     step: finite garbage arrives, the flag is set, nothing raises on the host. With
     ``synchronize`` the step must raise before the update, parameters and Adam state unchanged;
     without it (the mutation) the step goes on and writes garbage-derived parameters."""
     from compcomm.zero import ZeroOptimizer
 
-    comm = _cancellable(rank, "reduce_scatter", 7.0, with_sync)
+    comm = _cancellable(rank, collective, 7.0, with_sync)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     z = ZeroOptimizer(model.parameters(), torch.optim.Adam, stage=1, process_group=comm,
@@ -252,6 +258,7 @@ def zero_step_cancelled(rank: int, world: int, with_sync: bool) -> Dict[str, Any
     except Exception as e:  # noqa: BLE001
         res["error"] = type(e).__name__
     res["params_unchanged"] = all(torch.equal(a, p) for a, p in zip(params, model.parameters()))
+    res["params_garbage"] = any(bool((p == 7.0).any()) for p in model.parameters())
     now = [v for s in z.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     res["state_unchanged"] = len(now) == len(state) and all(
         torch.equal(a, b) for a, b in zip(state, now))

@@ -334,3 +334,16 @@ def bucket_sizes(rank: int, world: int) -> Dict[str, Any]:
         }
         z.close()
     return out
+
+
+def save_filled(rank: int, world: int, directory: str, value: float) -> None:
+    """Save a ZeRO checkpoint of a Linear whose weights are all ``value``."""
+    from compcomm.zero import ZeroOptimizer, save_checkpoint
+
+    model = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(value)
+    z = ZeroOptimizer(model.parameters(), torch.optim.SGD, stage=1, optimizer_kwargs={"lr": 0.1})
+    save_checkpoint(z, directory, module=model)
+    z.close()

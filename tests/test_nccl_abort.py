@@ -278,6 +278,18 @@ def test_zero_step_with_cancelled_reduce_scatter(with_sync):
             assert res["error"] is None and not res["params_unchanged"], res
 
 
+@pytest.mark.parametrize("with_sync", [True, False], ids=["synchronize", "no_synchronize"])
+def test_zero_step_with_cancelled_parameter_all_gather(with_sync):
+    """A peer lost during the all-gather that follows the update: with ``synchronize`` step()
+    raises (the parameters hold garbage, and the caller must not save or use them); without it
+    the step returns with garbage in the parameters, silently."""
+    from compcomm.testing import run_ranks
+
+    for res in run_ranks(2, A.zero_step_cancelled, with_sync, "all_gather", timeout=240):
+        assert res["params_garbage"], res
+        assert res["error"] == ("BackendError" if with_sync else None), res
+
+
 def test_compressor_abort_after_the_wait_still_commits():
     """An abort that comes after the wait for the exchanges' device work found none: the data is
     complete, so every bucket commits (the commits pass gate=False); equal to a plain average."""

@@ -115,6 +115,21 @@ def test_stages_match_unsharded_training(per_world, world):
             assert item["err"] <= 2e-6, (r, item)
 
 
+def test_consolidate_refuses_shards_of_several_runs(tmp_path):
+    """A directory holding shards of a 2-rank and of a 1-rank run: consolidate() names the world
+    sizes instead of reading whichever sorts first; world_size picks one."""
+    from compcomm.zero import consolidate
+
+    run_ranks(2, zb.save_filled, str(tmp_path), 2.0)
+    run_ranks(1, zb.save_filled, str(tmp_path), 1.0)
+    with pytest.raises(ValueError, match=r"world sizes \[1, 2\]"):
+        consolidate(str(tmp_path))
+    for world, value in ((1, 1.0), (2, 2.0)):
+        sd = consolidate(str(tmp_path), world_size=world)
+        assert set(sd) == {"weight", "bias"}
+        assert all(bool((t == value).all()) for t in sd.values()), (world, sd)
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_memory_is_one_over_world(per_world, world):
     T, _ = zb_model_numels()

@@ -255,8 +255,15 @@ def load_checkpoint(opt: Any, directory: str) -> None:
     _load_agreed(opt, sd, error)
 
 
-def consolidate(directory: str) -> Dict[str, torch.Tensor]:
+def consolidate(directory: str, world_size: Optional[int] = None) -> Dict[str, torch.Tensor]:
     """Full fp32 weights from all ranks' shard files in ``directory`` (like ``zero_to_fp32``).
+
+    Parameters
+    ----------
+    directory : str
+    world_size : int, optional
+        Which run's shards (``zero_rank<r>_of<world_size>.pt``) when the directory holds shards of
+        runs of several world sizes; without it such a directory raises ValueError.
 
     Returns
     -------
@@ -264,10 +271,14 @@ def consolidate(directory: str) -> Dict[str, torch.Tensor]:
         ``name -> fp32 tensor`` of the parameter's shape; parameters saved without a module are
         named ``group{g}.param{i}``.
     """
-    files = sorted(f for f in os.listdir(directory) if f.startswith("zero_rank") and f.endswith(".pt"))
-    if not files:
+    names = [f for f in os.listdir(directory) if f.startswith("zero_rank") and f.endswith(".pt")]
+    sizes = sorted({int(f.rsplit("_of", 1)[1][:-3]) for f in names})
+    if not sizes:
         raise FileNotFoundError(f"directory: no zero_rank*_of*.pt files in {directory!r}")
-    world = int(files[0].rsplit("_of", 1)[1][:-3])
+    if world_size is None and len(sizes) > 1:
+        raise ValueError(f"directory: {directory!r} holds shards of runs of world sizes {sizes}; "
+                         "pass world_size to say which")
+    world = sizes[0] if world_size is None else int(world_size)
     shards: List[Dict[str, Any]] = []
     for r in range(world):
         path = shard_file(directory, r, world)

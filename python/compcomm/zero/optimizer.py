@@ -16,13 +16,14 @@ and "no_allgather" replicate the momentum (:mod:`.onebit_replicated`), "sharded"
 1-bit gradient steps reduce its local gradient. ZeroOneAdam's local-step phase runs unsharded
 (:mod:`.unsharded`). See docs/zero.md, "1-bit optimizers with ZeRO".
 
-Collectives issued from hooks run in autograd's order, which is the same on every rank for the same
-model; every rank must run the same modules.
+Stage 2 launches the buckets' reductions in one fixed order on every rank (:mod:`.grad_reducer`,
+:mod:`.hooks`), so the ranks' backward passes may reach different parameters (unused ones count
+as zero gradients). Stage 3 also gathers parameters per module as the ranks run them: every rank
+must run the same modules.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
@@ -31,6 +32,7 @@ import torch
 from .. import _C
 from .._agree import agree_layout
 from .._buffers import buffer_of
+from .._scratch import stream_of
 from .._comm import resolve, wait_cancellable
 from .._defaults import DEFAULT_TIMEOUT
 from ..amp import LossScaler
@@ -38,6 +40,7 @@ from ..compress import Compressor
 from .checkpoint import errors_of, load_errors, load_shard_state_dict, shard_state_dict
 from .config import check_arguments
 from .grad_reducer import GradReducer, clip_coef
+from .hooks import GradHooks
 from .layout import alignment, build_groups, layout_fields, partition
 from .memory import measure
 from .offload import HostOffload, check_offload, check_placement, step_inner
@@ -203,12 +206,8 @@ class ZeroOptimizer:
         if self._rules is not None and self._rules.local_phase:
             self._unsharded = UnshardedPhase(self.groups, self.optimizer, self._async, stage,
                                              self.rank, self.device, self.timeout)
-        self._hooks: List[Any] = []
-        if stage >= 2:
-            for gi, grp in enumerate(self.groups):
-                for ti, p in enumerate(grp.params):
-                    self._hooks.append(p.register_post_accumulate_grad_hook(
-                        functools.partial(self._grad_ready, gi, ti)))
+        #: stage 2/3: the gradient hooks and the end-of-backward callback (:mod:`.hooks`)
+        self._hooks: Optional[GradHooks] = GradHooks(self) if stage >= 2 else None
         self._stage3: Optional[ParamGatherer] = None
         if stage == 3:
             self._stage3 = ParamGatherer(self.groups, module, self.config, self._async, self.world,
@@ -249,25 +248,6 @@ class ZeroOptimizer:
     def _input_scale(self, gi: int) -> float:
         return self._rules.input_scale(self.optimizer.param_groups[gi])
 
-    # ---- gradient hooks (stage 2/3) ------------------------------------------------------------
-
-    def _grad_ready(self, gi: int, ti: int, p: torch.Tensor) -> None:
-        if p.grad is None or self.local_phase:  # local phase: gradients stay whole and local
-            return
-        bi = self.groups[gi].tensors[ti].bucket
-        if self._onebit is not None:
-            self._onebit.check_open(gi, bi)
-        onebit = self.phase.compressed
-        complete = self._grads.accumulate(gi, ti, p.grad, onebit, self._keep_pool)
-        p.grad = None
-        if complete:
-            if not onebit:
-                self._grads.submit(gi, bi)
-            elif self._onebit is not None:  # staged: compressed in step(), or now if overlapping
-                self._onebit.bucket_complete(gi, bi)
-        if self._stage3 is not None:
-            self._stage3.after_grad(p)
-
     # ---- ZeroOneAdam's local-step phase ----------------------------------------------------------
 
     def _enter_local_phase(self, gather: bool = True) -> None:
@@ -305,6 +285,8 @@ class ZeroOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients (whole ones in stage 1, shards in stage 2/3)."""
+        if self._hooks is not None:
+            self._hooks.micro = 0
         self._grads.wait()
         if self._onebit is not None:
             self._onebit.drop()  # and the staged gradients
@@ -329,6 +311,8 @@ class ZeroOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._hooks is not None:
+            self._hooks.micro = 0
         phase = self.phase
         scale = 1.0 / (self.gas * self.scaler.scale)
         if phase is Phase.REPLICATED:
@@ -387,12 +371,15 @@ class ZeroOptimizer:
         self._shards = None
         if self._stage3 is not None:
             self._stage3.after_step()
+        else:  # NCCL: an abort during the all-gather left garbage in the parameters: raise now
+            wait_cancellable(self.comm, self.timeout)
 
     def gather_parameters(self) -> None:
         """Stage 3: all-gather every parameter now (for evaluation or saving outside the hooks);
         they are freed again by the next ``step()``. No-op for stage 1/2."""
         if self._stage3 is not None:
             self._stage3.gather_all()
+            wait_cancellable(self.comm, self.timeout)  # NCCL: raise an abort before they are read
 
     # ---- checkpoints: the interface of zero/checkpoint.py (which owns the file format) --------
 
@@ -462,7 +449,8 @@ class ZeroOptimizer:
             return [self.rank] if failed else []
         flags = torch.zeros(self.world, dtype=torch.float32, device=self.device)
         flags[self.rank] = float(failed)
-        self._async.all_reduce(buffer_of(flags), _C.ReduceOp.sum, self.timeout).wait(self.timeout)
+        self._async.all_reduce(buffer_of(flags), _C.ReduceOp.sum, self.timeout,
+                               stream_of(flags)).wait(self.timeout)
         return [r for r, f in enumerate(flags.tolist()) if f > 0]
 
     # ---- introspection -----------------------------------------------------------------------
@@ -481,9 +469,8 @@ class ZeroOptimizer:
     def close(self) -> None:
         """Wait for pending work, remove hooks, and stop the communication thread."""
         self._grads.wait()
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
+        if self._hooks is not None:
+            self._hooks.remove()
         if self._stage3 is not None:
             self._stage3.remove()
         if self.compressor is not None:
