@@ -96,67 +96,76 @@ void bind_zero(py::module_& parent) {
       "One worker thread running collectives on a communicator in submission order (overlap_comm). "
       "Keep the buffers alive until the Work is waited on; do not use the communicator directly while "
       "work is pending. A communicator only one thread may call (MPI below MPI_THREAD_MULTIPLE) runs "
-      "each work inside the submitting call instead (no overlap).")
+      "each work inside the submitting call instead (no overlap). `stream`: the CUDA stream the work is "
+      "enqueued on (the caller's current one for device buffers; 0: the legacy default stream).")
       .def(py::init<std::shared_ptr<Communicator>>(), py::arg("comm"), py::keep_alive<1, 2>())
       .def_property_readonly("pending", &AsyncComm::pending)
       .def("close", &AsyncComm::close, py::call_guard<py::gil_scoped_release>())
       .def(
           "bucketed_reduce_scatter",
           [](AsyncComm& a, const BucketPlan& plan, const Buffer& flat, const Buffer& shard, int first, int last,
-             ReduceOp op, double timeout_s) {
+             ReduceOp op, double timeout_s, uintptr_t stream) {
             const int l = last_of(plan, last);
-            const CallOptions o = opts_of(timeout_s);
+            const CallOptions o = opts_of(timeout_s, stream);
             return a.submit([plan, flat, shard, first, l, op, o](Communicator& c) {
               bucketed_reduce_scatter(c, plan, flat, shard, first, l, op, o);
             });
           },
           py::arg("plan"), py::arg("flat"), py::arg("shard"), py::arg("first") = 0, py::arg("last") = -1,
-          py::arg("op") = ReduceOp::kSum, py::arg("timeout_s") = 600.0, py::call_guard<py::gil_scoped_release>())
+          py::arg("op") = ReduceOp::kSum, py::arg("timeout_s") = 600.0, py::arg("stream") = 0,
+          py::call_guard<py::gil_scoped_release>())
       .def(
           "bucketed_all_gather",
           [](AsyncComm& a, const BucketPlan& plan, const Buffer& shard, const Buffer& flat, int first, int last,
-             int64_t max_elements, const Buffer& staging, double timeout_s) {
+             int64_t max_elements, const Buffer& staging, double timeout_s, uintptr_t stream) {
             const int l = last_of(plan, last);
-            const CallOptions o = opts_of(timeout_s);
+            const CallOptions o = opts_of(timeout_s, stream);
             return a.submit([plan, shard, flat, first, l, max_elements, staging, o](Communicator& c) {
               bucketed_all_gather(c, plan, shard, flat, first, l, max_elements, staging, o);
             });
           },
           py::arg("plan"), py::arg("shard"), py::arg("flat"), py::arg("first") = 0, py::arg("last") = -1,
-          py::arg("max_elements") = 0, py::arg("staging") = Buffer{}, py::arg("timeout_s") = 600.0, py::call_guard<py::gil_scoped_release>())
+          py::arg("max_elements") = 0, py::arg("staging") = Buffer{}, py::arg("timeout_s") = 600.0,
+          py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
       .def(
           "reduce_scatter",
-          [](AsyncComm& a, const Buffer& send, const Buffer& recv, ReduceOp op, double timeout_s) {
-            const CallOptions o = opts_of(timeout_s);
+          [](AsyncComm& a, const Buffer& send, const Buffer& recv, ReduceOp op, double timeout_s,
+             uintptr_t stream) {
+            const CallOptions o = opts_of(timeout_s, stream);
             return a.submit([send, recv, op, o](Communicator& c) { c.reduce_scatter(send, recv, op, o); });
           },
-          py::arg("send"), py::arg("recv"), py::arg("op") = ReduceOp::kSum, py::arg("timeout_s") = 600.0, py::call_guard<py::gil_scoped_release>())
+          py::arg("send"), py::arg("recv"), py::arg("op") = ReduceOp::kSum, py::arg("timeout_s") = 600.0,
+          py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
       .def(
           "all_gather",
-          [](AsyncComm& a, const Buffer& send, const Buffer& recv, double timeout_s) {
-            const CallOptions o = opts_of(timeout_s);
+          [](AsyncComm& a, const Buffer& send, const Buffer& recv, double timeout_s, uintptr_t stream) {
+            const CallOptions o = opts_of(timeout_s, stream);
             return a.submit([send, recv, o](Communicator& c) { c.all_gather(send, recv, o); });
           },
-          py::arg("send"), py::arg("recv"), py::arg("timeout_s") = 600.0, py::call_guard<py::gil_scoped_release>())
+          py::arg("send"), py::arg("recv"), py::arg("timeout_s") = 600.0, py::arg("stream") = 0,
+          py::call_guard<py::gil_scoped_release>())
       .def(
           "all_reduce",
-          [](AsyncComm& a, const Buffer& buf, ReduceOp op, double timeout_s) {
-            const CallOptions o = opts_of(timeout_s);
+          [](AsyncComm& a, const Buffer& buf, ReduceOp op, double timeout_s, uintptr_t stream) {
+            const CallOptions o = opts_of(timeout_s, stream);
             return a.submit([buf, op, o](Communicator& c) { c.all_reduce(buf, op, o); });
           },
-          py::arg("buf"), py::arg("op") = ReduceOp::kSum, py::arg("timeout_s") = 600.0, py::call_guard<py::gil_scoped_release>())
+          py::arg("buf"), py::arg("op") = ReduceOp::kSum, py::arg("timeout_s") = 600.0, py::arg("stream") = 0,
+          py::call_guard<py::gil_scoped_release>())
       .def(
           "compressed_reduce_scatter_exchange",
           [](AsyncComm& a, const Buffer& tensor, const Buffer& worker_error, const Buffer& server_error,
-             const Buffer& out, const Buffer& workspace, double timeout_s, std::shared_ptr<Work> after) {
-            const CallOptions o = opts_of(timeout_s);
+             const Buffer& out, const Buffer& workspace, double timeout_s, std::shared_ptr<Work> after,
+             uintptr_t stream) {
+            const CallOptions o = opts_of(timeout_s, stream);
             return a.submit([tensor, worker_error, server_error, out, workspace, o, after](Communicator& c) {
               skip_after(after, c, "compressed_reduce_scatter_exchange");
               compressed_reduce_scatter_exchange(c, tensor, worker_error, server_error, out, workspace, o);
             });
           },
           py::arg("tensor"), py::arg("worker_error"), py::arg("server_error"), py::arg("out"),
-          py::arg("workspace"), py::arg("timeout_s") = 600.0, py::call_guard<py::gil_scoped_release>(), py::arg("after") = std::shared_ptr<Work>(),
+          py::arg("workspace"), py::arg("timeout_s") = 600.0, py::arg("after") = std::shared_ptr<Work>(),
+          py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
           "Queue the exchange half of a compressed reduce-scatter. With `after` (an earlier Work of the "
           "same call), it raises instead of communicating if `after` failed.")
       .def(
@@ -170,7 +179,8 @@ void bind_zero(py::module_& parent) {
             });
           },
           py::arg("tensor"), py::arg("worker_error"), py::arg("server_error"), py::arg("workspace"),
-          py::arg("timeout_s") = 600.0, py::call_guard<py::gil_scoped_release>(), py::arg("stream") = 0, py::arg("after") = std::shared_ptr<Work>(),
+          py::arg("timeout_s") = 600.0, py::arg("stream") = 0, py::arg("after") = std::shared_ptr<Work>(),
+          py::call_guard<py::gil_scoped_release>(),
           "Queue the exchange half of a compressed allreduce (all collectives and checks; writes only the "
           "workspace); compressed_allreduce_commit does the local writes. With `after` (the Work of an "
           "earlier bucket of the same call) it raises instead of communicating if `after` failed: an error "
@@ -186,7 +196,8 @@ void bind_zero(py::module_& parent) {
             });
           },
           py::arg("tensors"), py::arg("worker_errors"), py::arg("server_errors"), py::arg("workspaces"),
-          py::arg("staging"), py::arg("timeout_s") = 600.0, py::call_guard<py::gil_scoped_release>(), py::arg("stream") = 0,
+          py::arg("staging"), py::arg("timeout_s") = 600.0, py::arg("stream") = 0,
+          py::call_guard<py::gil_scoped_release>(),
           "Queue the exchange halves of several compressed allreduces as three collectives in all "
           "(compressed_allreduce_exchange_many); each is then committed with compressed_allreduce_commit.");
 

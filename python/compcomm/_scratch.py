@@ -92,6 +92,13 @@ def current_stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
+def stream_of(t: torch.Tensor) -> int:
+    """The ``stream`` argument of a collective on ``t``: torch's current stream of its device
+    (the work that made ``t`` and the work that reads the result are ordered on it), 0 on the
+    host."""
+    return current_stream(t.device) if t.is_cuda else 0
+
+
 layouts: dict = {}  # (padded, world, cuda) -> workspace bytes
 
 

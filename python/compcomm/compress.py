@@ -31,11 +31,12 @@ from ._agree import LayoutCheck, digest
 from ._bucket_views import PreparedBuckets
 from ._bucketing import all_finite, plan_buckets
 from ._buffers import buffer_of
+from ._scratch import stream_of
 from ._compressor import Compressor
 from ._comm import wait_cancellable
 from ._defaults import DEFAULT_TIMEOUT
 from .collectives import compressed_reduce_scatter, padded_numel, workspace_bytes
-from .errors import CommError, NonFiniteError
+from .errors import CommError
 from .identity_compressor import IdentityCompressor
 
 __all__ = ["DEFAULT_BUCKET_ELEMENTS", "Compressor", "IdentityCompressor", "OneBitCompressor",
@@ -397,7 +398,7 @@ class OneBitCompressor:
         ws = self.workspace(key, nbytes, tensor.device)
         return async_comm.compressed_reduce_scatter_exchange(
             buffer_of(tensor), buffer_of(we), buffer_of(se), buffer_of(out), buffer_of(ws),
-            timeout_s=self.timeout)
+            timeout_s=self.timeout, stream=stream_of(tensor))
 
     def reduce_scatter_commit(self, key: Hashable, tensor: torch.Tensor, out: torch.Tensor,
                               gate: bool = True) -> None:

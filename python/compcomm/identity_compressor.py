@@ -9,6 +9,7 @@ import torch
 from . import _C
 from ._bucketing import all_finite
 from ._buffers import buffer_of
+from ._scratch import stream_of
 from ._defaults import DEFAULT_TIMEOUT
 from .errors import NonFiniteError
 
@@ -54,7 +55,7 @@ class IdentityCompressor:
         if world == 1:
             return
         for t in buckets:  # synchronous, as the optimizers' warm-up average
-            self.comm.all_reduce(buffer_of(t), _C.ReduceOp.sum, self.timeout)
+            self.comm.all_reduce(buffer_of(t), _C.ReduceOp.sum, self.timeout, stream_of(t))
         if not all_finite(buckets):
             raise NonFiniteError(f"[rank {self.comm.rank()}] IdentityCompressor: non-finite "
                                  "values on some rank", "average_", "", 0, self.comm.rank())
@@ -65,7 +66,8 @@ class IdentityCompressor:
     def reduce_scatter_(self, key: Hashable, tensor: torch.Tensor, out: torch.Tensor) -> None:
         """Full-precision reduce-scatter: this rank's chunk of the average of ``tensor`` (``P``
         fp32 elements, ``P = world * out.numel()``) into ``out`` (the sum times ``1/W``)."""
-        self.comm.reduce_scatter(buffer_of(tensor), buffer_of(out), _C.ReduceOp.sum, self.timeout)
+        self.comm.reduce_scatter(buffer_of(tensor), buffer_of(out), _C.ReduceOp.sum, self.timeout,
+                                 stream_of(out))
         out.mul_(1.0 / self.comm.size())
 
     def reduce_scatter_exchange(self, key: Hashable, tensor: torch.Tensor, out: torch.Tensor,
@@ -76,7 +78,7 @@ class IdentityCompressor:
         if recv is None or recv.numel() != out.numel() or recv.device != out.device:
             recv = self._recv[key] = torch.empty_like(out)
         return async_comm.reduce_scatter(buffer_of(tensor), buffer_of(recv),
-                                         timeout_s=self.timeout)
+                                         timeout_s=self.timeout, stream=stream_of(recv))
 
     def reduce_scatter_commit(self, key: Hashable, tensor: torch.Tensor, out: torch.Tensor,
                               gate: bool = True) -> None:

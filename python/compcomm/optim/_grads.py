@@ -10,6 +10,7 @@ import torch
 
 from .. import _C
 from .._buffers import buffer_of
+from .._scratch import stream_of
 from .._comm import resolve
 from .._defaults import DEFAULT_TIMEOUT
 from .._init import available_backends
@@ -84,7 +85,7 @@ def average_(tensors: List[torch.Tensor], comm: Any, timeout: float = DEFAULT_TI
             return
         flat = torch.cat([t.reshape(-1) for t in bucket]) if len(bucket) > 1 else \
             bucket[0].reshape(-1).clone()
-        comm.all_reduce(buffer_of(flat), _C.ReduceOp.sum, timeout)
+        comm.all_reduce(buffer_of(flat), _C.ReduceOp.sum, timeout, stream_of(flat))
         flat.mul_(inv)
         off = 0
         for t in bucket:
@@ -107,7 +108,7 @@ def all_max(flag: float, comm: Any, device: Optional[torch.device] = None) -> fl
     if comm.size() == 1:
         return flag
     t = torch.tensor([flag], dtype=torch.float32, device=device)
-    comm.all_reduce(buffer_of(t), _C.ReduceOp.max, DEFAULT_TIMEOUT)
+    comm.all_reduce(buffer_of(t), _C.ReduceOp.max, DEFAULT_TIMEOUT, stream_of(t))
     return float(t.item())
 
 

@@ -21,6 +21,7 @@ import torch
 from .. import _C
 from .._agree import Field, digest
 from .._buffers import buffer_of
+from .._scratch import stream_of
 
 __all__ = ["ALIGNMENT", "ONEBIT_ALIGNMENT", "Bucket", "Slot", "GroupLayout", "alignment",
            "build_groups", "layout_fields", "partition", "full_numel", "full_shape"]
@@ -242,7 +243,7 @@ def partition(grp: GroupLayout, comm: Any, rank: int, stage: int, device: torch.
     ``offload_param``, are made in host memory by it.
     """
     flat = grp.flatten((p.detach() for p in grp.params), grp.dtype, device)
-    comm.broadcast(buffer_of(flat), 0, timeout)
+    comm.broadcast(buffer_of(flat), 0, timeout, stream_of(flat))
     shard = torch.empty(grp.plan.shard_numel, dtype=grp.dtype, device=device)
     grp.own_chunks(flat, shard, rank)
     if offload is not None:

@@ -65,6 +65,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from .._buffers import buffer_of
+from .._scratch import stream_of
 from ..compress import Compressor
 from ..errors import NonFiniteError
 from ..optim import cpu_adam
@@ -192,7 +193,8 @@ class ReplicatedMomentum:
                 dst[gi] = full
                 shard = shard.to(self.where).contiguous()  # offload: from host memory
                 works.append((self.async_comm.bucketed_all_gather(
-                    grp.plan, buffer_of(shard), buffer_of(full), timeout_s=self.timeout), shard))
+                    grp.plan, buffer_of(shard), buffer_of(full), timeout_s=self.timeout,
+                    stream=stream_of(full)), shard))
         for w, _ in works:
             w.wait(self.timeout)
 

@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .._buffers import buffer_of
+from .._scratch import stream_of
 from .layout import GroupLayout, full_numel, full_shape
 
 __all__ = ["ParamGatherer", "publish"]
@@ -123,7 +124,8 @@ class ParamGatherer:
         send = b.shard_of(grp.param_shard)
         if send.device != self.device:  # offload_param: the shard is in host memory
             send = send.to(self.device, non_blocking=True)
-        work = self.async_comm.all_gather(buffer_of(send), buffer_of(buf), timeout_s=self.timeout)
+        work = self.async_comm.all_gather(buffer_of(send), buffer_of(buf), timeout_s=self.timeout,
+                                          stream=stream_of(buf))
         self.inflight[id(p)] = (work, buf, send)
         if id(p) not in self.persistent:
             self.live += slot.numel
@@ -246,6 +248,7 @@ def publish(groups: List[GroupLayout], async_comm: Any, allgather_bucket_size: i
         staging = torch.empty(ag if 0 < ag < grp.max_padded else 0, dtype=grp.dtype)
         works.append((async_comm.bucketed_all_gather(
             grp.plan, buffer_of(shard), buffer_of(grp.flat), max_elements=ag,
-            staging=buffer_of(staging), timeout_s=timeout), (staging, shard)))
+            staging=buffer_of(staging), timeout_s=timeout, stream=stream_of(shard)),
+            (staging, shard)))
     for w, _ in works:
         w.wait(timeout)

@@ -16,6 +16,7 @@ from typing import Any, Dict, List
 import torch
 
 from .._buffers import buffer_of
+from .._scratch import stream_of
 from ..schedule import StepKind
 from .layout import GroupLayout
 
@@ -68,8 +69,8 @@ class UnshardedPhase:
                                             device=self.device)
                     shard = shard.contiguous()
                     works.append((self.async_comm.bucketed_all_gather(
-                        grp.plan, buffer_of(shard), buffer_of(full[key]), timeout_s=self.timeout),
-                        shard))
+                        grp.plan, buffer_of(shard), buffer_of(full[key]), timeout_s=self.timeout,
+                        stream=stream_of(shard)), shard))
                 for w, _ in works:
                     w.wait(self.timeout)
             views = {k: grp.views(f) for k, f in full.items()}
