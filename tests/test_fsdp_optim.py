@@ -83,6 +83,59 @@ def test_bad_arguments():
     assert FrozenVarianceAdam(p, freeze_step=State()).param_groups[0]["freeze_step"] == 7
 
 
+def test_failed_step_changes_no_group():
+    """Momentum mode: a frozen parameter of group 1 has no momentum: step() raises and group 0,
+    whose momentum was there, is not updated either (it was); the momentum is given back, so the
+    step succeeds once the other one arrives."""
+    from compcomm.fsdp import OneBitFSDP
+
+    ctrl = OneBitFSDP(warmup_steps=1, mode="momentum")
+    p0, p1 = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+    opt = FrozenVarianceAdam([{"params": [p0]}, {"params": [p1], "weight_decay": 0.0}], lr=0.1,
+                             freeze_step=ctrl)
+    for p in (p0, p1):
+        p.grad = torch.full((4,), 0.5)
+    opt.step()  # the warm-up step
+    before = [(p.detach().clone(), opt.state[p]["exp_avg"].clone(), float(opt.state[p]["step"]))
+              for p in (p0, p1)]
+    ctrl.momentum.give(p0, torch.full((4,), 0.3))
+    with pytest.raises(RuntimeError, match="parameter 0 of param group 1 has no momentum"):
+        opt.step()
+    for p, (w, m, t) in zip((p0, p1), before):
+        assert torch.equal(p.detach(), w) and torch.equal(opt.state[p]["exp_avg"], m)
+        assert float(opt.state[p]["step"]) == t
+    ctrl.momentum.give(p1, torch.full((4,), 0.3))
+    opt.step()
+    assert not torch.equal(p0.detach(), before[0][0]) and float(opt.state[p1]["step"]) == 2
+
+
+def test_add_param_group_checks_the_group():
+    """add_param_group takes the OneBitFSDP state as freeze_step (as the constructor does) and
+    refuses a bad group before it is added, not in a later step() after other groups moved."""
+    from compcomm.fsdp import OneBitFSDP
+
+    ctrl = OneBitFSDP(warmup_steps=3)
+    p0, p1 = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+    opt = FrozenVarianceAdam([p0], lr=0.1, freeze_step=ctrl)
+    opt.add_param_group({"params": [p1], "freeze_step": ctrl})
+    assert opt.param_groups[1]["freeze_step"] == 3
+    for bad, err in (({"params": [torch.zeros(2, dtype=torch.int32)]}, TypeError),
+                     ({"params": [torch.zeros(2)], "freeze_step": 0}, ValueError)):
+        with pytest.raises(err):
+            opt.add_param_group(bad)
+    assert len(opt.param_groups) == 2
+    for p in (p0, p1):
+        p.grad = torch.full((4,), 0.5)
+    opt.step()
+    mom = FrozenVarianceAdam([torch.nn.Parameter(torch.ones(2))], freeze_step=OneBitFSDP(
+        warmup_steps=2, mode="momentum"))
+    with pytest.raises(ValueError, match="b1"):
+        mom.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))], "betas": (0.8, 0.9)})
+    with pytest.raises(ValueError, match="freeze_step=5"):
+        mom.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))], "freeze_step": 5})
+    assert len(mom.param_groups) == 1
+
+
 @pytest.mark.parametrize("world,dtype,limit", [(2, "float32", 0), (3, "float32", 0),
                                                (2, "bfloat16", 0), (3, "float32", 100),
                                                (2, "float32", None)])

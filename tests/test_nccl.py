@@ -87,6 +87,45 @@ def test_bootstrap_without_launcher_is_a_world_of_one(monkeypatch):
     assert share(b"id") == b"id"
 
 
+def test_cache_lets_closed_communicators_go(monkeypatch):
+    """The cache of native communicators keeps neither a closed communicator nor its group: a
+    new one prunes them, and so does dropping the communicators of destroyed process groups
+    (a stand-in for _C.NcclCommunicator; the cache logic is the real one)."""
+    import gc
+    import types
+    import weakref
+
+    from compcomm import _comm, _nccl
+
+    class StandIn:
+        def __init__(self, *args) -> None:
+            self.closed = False
+
+        def destroy(self, timeout: float) -> None:
+            self.closed = True
+
+    class Group:
+        pass
+
+    monkeypatch.setattr(_nccl, "_cache", {})
+    monkeypatch.setattr(_nccl, "_C", types.SimpleNamespace(
+        NcclCommunicator=StandIn, nccl=types.SimpleNamespace(unique_id=lambda: b"u")))
+    monkeypatch.setattr(_nccl, "load_nccl", lambda: "stand-in")
+    monkeypatch.setattr(_nccl, "_device_index", lambda device: 0)
+    monkeypatch.setattr(_nccl, "_bootstrap", lambda g, dev: ("torch", g, 0, 1, lambda uid: uid))
+    g1, g2 = Group(), Group()
+    dead = weakref.ref(g1)
+    c1 = _nccl.make_nccl_communicator(g1)
+    assert _nccl.make_nccl_communicator(g1) is c1  # cached while open
+    c1.destroy(1.0)
+    del g1
+    c2 = _nccl.make_nccl_communicator(g2)
+    gc.collect()
+    assert [c for _, c in _nccl._cache.values()] == [c2] and dead() is None
+    _comm._release([c2])  # what dropping a destroyed process group's communicator does
+    assert c2.closed and not _nccl._cache
+
+
 # ---------------------------------------------------------------------------------------------
 # One GPU, world size 1.
 

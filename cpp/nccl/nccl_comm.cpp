@@ -459,12 +459,15 @@ void NcclCommunicator::do_barrier(const CallOptions& opts) {
   for (;;) {
     std::unique_lock<std::mutex> lock(mu_);
     const cudaError_t q = cudaEventQuery(ev);
-    if (q == cudaSuccess) break;
-    std::string msg;
+    // Closed first: an abort releases NCCL's kernels, so the event of a barrier that never
+    // completed fires too.
+    absorb_watchdog_abort_locked("barrier");
     if (closed_) {
       cudaEventDestroy(ev);
       throw_closed_locked("barrier");
     }
+    if (q == cudaSuccess) break;
+    std::string msg;
     if (q != cudaErrorNotReady) {
       cudaEventDestroy(ev);
       check_cuda(q, {"nccl", "barrier", rank_});

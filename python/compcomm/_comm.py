@@ -223,6 +223,7 @@ def _release(comms: List[_C.Communicator]) -> None:
     for c in comms:
         if hasattr(c, "destroy") and not c.closed:
             c.destroy(30.0)
+    _nccl.forget_closed()  # its cache held them, and their process groups
 
 
 def _drop_destroyed() -> None:

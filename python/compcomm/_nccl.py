@@ -205,6 +205,7 @@ def make_nccl_communicator(
         return entry[1]
     uid = share(_C.nccl.unique_id() if rank == 0 else None)
     comm = _C.NcclCommunicator(uid, rank, size, dev, timeout_s, bool(blocking))
+    forget_closed()
     _cache[key] = (key_obj, comm)
     _register_atexit()
     return comm
@@ -223,6 +224,13 @@ def shutdown_nccl(timeout: float = 30.0, keep: Any = None) -> int:
     for c in comms:
         c.destroy(timeout)
     return len(comms)
+
+
+def forget_closed() -> None:
+    """Drop the cache's closed communicators (destroyed, or aborted after an error), and with them
+    the groups they were made from."""
+    for key in [k for k, (_, c) in _cache.items() if c.closed]:
+        del _cache[key]
 
 
 def _register_atexit() -> None:

@@ -132,23 +132,41 @@ class FrozenVarianceAdam(torch.optim.Optimizer):
                 mode = getattr(self._momentum, "mode", "momentum")
                 raise ValueError("FrozenVarianceAdam: argument 'params': with compcomm.fsdp.onebit"
                                  f"(mode={mode!r}) every group needs the same b1, got {b1s}")
-        for group in self.param_groups:
-            group["freeze_step"] = _freeze_step_of(group["freeze_step"])
-            for p in group["params"]:
-                if p.is_sparse or p.is_complex() or not p.is_floating_point():
-                    raise TypeError("FrozenVarianceAdam: argument 'params' must hold real "
-                                    f"floating-point dense tensors, got {p.dtype} "
-                                    f"(sparse={p.is_sparse})")
         if self._momentum is not None:  # bound only once every check passed
             self._check_group_freeze(self.param_groups, freeze_step.warmup_steps)
             self._momentum.bind(self, b1s.pop())
         self._warmup_steps = getattr(freeze_step, "warmup_steps", None)
 
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """torch's, after checking the group (a bad one raises and is not added): real
+        floating-point dense parameters, ``freeze_step`` an int >= 1 or a OneBitFSDP and, in
+        momentum mode, the other groups' ``b1`` and ``freeze_step``."""
+        group = dict(param_group)
+        params = group["params"]
+        group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
+        if "freeze_step" in group:
+            group["freeze_step"] = _freeze_step_of(group["freeze_step"])
+        for p in group["params"]:
+            if p.is_sparse or p.is_complex() or not p.is_floating_point():
+                raise TypeError("FrozenVarianceAdam: argument 'params' must hold real "
+                                f"floating-point dense tensors, got {p.dtype} "
+                                f"(sparse={p.is_sparse})")
+        momentum = getattr(self, "_momentum", None)  # None while __init__ adds the first groups
+        if momentum is not None:
+            b1 = group.get("betas", self.defaults["betas"])[0]
+            if b1 != self.param_groups[0]["betas"][0]:
+                raise ValueError("FrozenVarianceAdam.add_param_group: with compcomm.fsdp.onebit"
+                                 f"'s momentum mode every group needs the same b1 "
+                                 f"({self.param_groups[0]['betas'][0]}), got {b1}")
+            self._check_group_freeze([group], self._warmup_steps, first=len(self.param_groups))
+        super().add_param_group(group)
+
     @staticmethod
-    def _check_group_freeze(groups: List[Dict[str, Any]], warmup_steps: int) -> None:
+    def _check_group_freeze(groups: List[Dict[str, Any]], warmup_steps: int,
+                            first: int = 0) -> None:
         """The momentum mode switches every parameter at ``warmup_steps``: a group's own
         ``freeze_step`` must be that step (its variance would freeze at another one)."""
-        for i, g in enumerate(groups):
+        for i, g in enumerate(groups, first):
             if "freeze_step" in g and g["freeze_step"] != warmup_steps:
                 raise ValueError(f"FrozenVarianceAdam: param group {i} has freeze_step="
                                  f"{g['freeze_step']}, but compcomm.fsdp.onebit's momentum modes "
@@ -180,15 +198,18 @@ class FrozenVarianceAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
-        """One step on every parameter with a gradient (see the class docstring)."""
+        """One step on every parameter with a gradient (see the class docstring). Every group is
+        checked, and in momentum mode every momentum taken, before any is written: a step that
+        raises changes no parameter."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        plans = []  # per group: (group, warm lists, frozen lists, the frozen ones' parameters)
         for group in self.param_groups:
             warm: Tuple[List[torch.Tensor], ...] = ([], [], [], [], [])
             frozen: Tuple[List[torch.Tensor], ...] = ([], [], [], [], [])
-            owners: List[torch.Tensor] = []  # the frozen ones' parameters
+            owners: List[torch.Tensor] = []
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -201,6 +222,24 @@ class FrozenVarianceAdam(torch.optim.Optimizer):
                 lists[4].append(st["step"])
                 if lists is frozen:
                     owners.append(p)
+            plans.append((group, warm, frozen, owners))
+        momenta: List[Optional[List[torch.Tensor]]] = [None] * len(plans)
+        if self._momentum is not None:  # all taken before anything is written
+            for i, (_, _, _, owners) in enumerate(plans):
+                momenta[i] = [self._momentum.take(p) for p in owners]
+            missing = [(gi, j) for gi, ms in enumerate(momenta) for j, m in enumerate(ms or [])
+                       if m is None]
+            if missing:
+                for (_, _, _, owners), ms in zip(plans, momenta):  # nothing changed: put back
+                    for p, m in zip(owners, ms or []):
+                        if m is not None:
+                            self._momentum.give(p, m)
+                gi, j = missing[0]
+                raise RuntimeError(
+                    f"FrozenVarianceAdam: frozen parameter {j} of param group {gi} has no "
+                    "momentum from compcomm.fsdp.onebit's momentum mode for this step (its "
+                    "reduce-scatter did not run since the last step); nothing was updated")
+        for (group, warm, frozen, _), ms in zip(plans, momenta):
             b1, b2 = group["betas"]
             if warm[0]:
                 _torch_adam(warm[0], warm[1], warm[2], warm[3], [], warm[4],
@@ -210,18 +249,6 @@ class FrozenVarianceAdam(torch.optim.Optimizer):
                             lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
                             maximize=False)
             if frozen[0]:
-                ms = None
-                if self._momentum is not None:  # all taken before anything is written
-                    ms = [self._momentum.take(p) for p in owners]
-                    if any(m is None for m in ms):
-                        for p, m in zip(owners, ms):  # nothing changed: put them back
-                            if m is not None:
-                                self._momentum.give(p, m)
-                        i = next(i for i, m in enumerate(ms) if m is None)
-                        raise RuntimeError(
-                            f"FrozenVarianceAdam: parameter {i} of a group has no momentum from "
-                            "compcomm.fsdp.onebit's momentum mode for this step (its "
-                            "reduce-scatter did not run since the last step)")
                 _frozen_step(*frozen, group, ms)
         return loss
 
