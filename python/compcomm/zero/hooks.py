@@ -24,7 +24,7 @@ class GradHooks:
 
     def __init__(self, owner: Any) -> None:
         self.owner = owner
-        #: backward passes ended since the last step (ZeroOptimizer.step/zero_grad reset it)
+        #: backward passes ended since the last step (see :meth:`new_step`)
         self.micro = 0
         self._queued = False  # this backward's end-of-backward callback is queued
         self._handles: List[Any] = [
@@ -64,6 +64,12 @@ class GradHooks:
             z._grads.launch_rest(z._grads.submit)
         elif z._onebit is not None:
             z._onebit.backward_done(last=self.micro == z.gas)
+
+    def new_step(self) -> None:
+        """step() or zero_grad(): micro-steps count from 0 again. A backward that raised never
+        ran its callback (autograd drops it with the failed graph): the next one queues its own."""
+        self.micro = 0
+        self._queued = False
 
     def remove(self) -> None:
         for h in self._handles:

@@ -286,7 +286,7 @@ class ZeroOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients (whole ones in stage 1, shards in stage 2/3)."""
         if self._hooks is not None:
-            self._hooks.micro = 0
+            self._hooks.new_step()
         self._grads.wait()
         if self._onebit is not None:
             self._onebit.drop()  # and the staged gradients
@@ -312,7 +312,7 @@ class ZeroOptimizer:
             with torch.enable_grad():
                 loss = closure()
         if self._hooks is not None:
-            self._hooks.micro = 0
+            self._hooks.new_step()
         phase = self.phase
         scale = 1.0 / (self.gas * self.scaler.scale)
         if phase is Phase.REPLICATED:
