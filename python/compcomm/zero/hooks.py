@@ -12,58 +12,66 @@ overlapped step go in the last of ``gradient_accumulation_steps`` micro-steps.
 from __future__ import annotations
 
 import functools
-from typing import Any, List
+from typing import Any, Callable, List
 
 import torch
+
+from .rules import Phase
 
 __all__ = ["GradHooks"]
 
 
 class GradHooks:
-    """The hooks of a ZeroOptimizer (``owner``) on its parameters."""
+    """Post-accumulate hooks on every parameter of ``groups``.
 
-    def __init__(self, owner: Any) -> None:
-        self.owner = owner
+    ``grads`` stages the gradients; ``onebit`` (a :class:`.onebit_reducer.OneBitReducer` or None)
+    exchanges them in 1-bit steps; ``stage3`` (a :class:`.param_gather.ParamGatherer` or None)
+    frees the gathered parameters; ``phase()`` is the owner's :attr:`ZeroOptimizer.phase`.
+    """
+
+    def __init__(self, groups: List[Any], grads: Any, onebit: Any, stage3: Any, keep_pool: bool,
+                 gas: int, phase: Callable[[], Phase]) -> None:
+        self.groups, self.grads, self.onebit, self.stage3 = groups, grads, onebit, stage3
+        self.keep_pool, self.gas, self.phase = keep_pool, gas, phase
         #: backward passes ended since the last step (see :meth:`new_step`)
         self.micro = 0
         self._queued = False  # this backward's end-of-backward callback is queued
         self._handles: List[Any] = [
             p.register_post_accumulate_grad_hook(functools.partial(self.grad_ready, gi, ti))
-            for gi, grp in enumerate(owner.groups) for ti, p in enumerate(grp.params)]
+            for gi, grp in enumerate(groups) for ti, p in enumerate(grp.params)]
 
     def grad_ready(self, gi: int, ti: int, p: torch.Tensor) -> None:
-        z = self.owner
-        if p.grad is None or z.local_phase:  # local phase: gradients stay whole and local
+        phase = self.phase()
+        if p.grad is None or phase is Phase.LOCAL:  # local phase: gradients stay whole and local
             return
         if not self._queued:
             torch.autograd.Variable._execution_engine.queue_callback(self.backward_done)
             self._queued = True
-        bi = z.groups[gi].tensors[ti].bucket
-        if z._onebit is not None:
-            z._onebit.check_open(gi, bi)
-        onebit = z.phase.compressed
-        complete = z._grads.accumulate(gi, ti, p.grad, onebit, z._keep_pool)
+        bi = self.groups[gi].tensors[ti].bucket
+        if self.onebit is not None:
+            self.onebit.check_open(gi, bi)
+        complete = self.grads.accumulate(gi, ti, p.grad, phase.compressed, self.keep_pool)
         p.grad = None
         if complete:
-            if not onebit:
-                z._grads.ready(gi, bi, z._grads.submit)
-            elif z._onebit is not None:  # staged: compressed in step(), or now if overlapping
-                z._onebit.bucket_complete(gi, bi, last=self.micro == z.gas - 1)
-        if z._stage3 is not None:
-            z._stage3.after_grad(p)
+            if not phase.compressed:
+                self.grads.ready(gi, bi, self.grads.submit)
+            elif self.onebit is not None:  # staged: compressed in step(), or now if overlapping
+                self.onebit.bucket_complete(gi, bi, last=self.micro == self.gas - 1)
+        if self.stage3 is not None:
+            self.stage3.after_grad(p)
 
     def backward_done(self) -> None:
-        """The end of a backward that reached the owner's parameters: the buckets not launched yet
-        go, in the launch order (:mod:`.grad_reducer`)."""
-        z = self.owner
+        """The end of a backward that reached the parameters: the buckets not launched yet go, in
+        the launch order (:mod:`.grad_reducer`)."""
         self._queued = False
         self.micro += 1
-        if z.local_phase:
+        phase = self.phase()
+        if phase is Phase.LOCAL:
             return
-        if not z.phase.compressed:
-            z._grads.launch_rest(z._grads.submit)
-        elif z._onebit is not None:
-            z._onebit.backward_done(last=self.micro == z.gas)
+        if not phase.compressed:
+            self.grads.launch_rest(self.grads.submit)
+        elif self.onebit is not None:
+            self.onebit.backward_done(last=self.micro == self.gas)
 
     def new_step(self) -> None:
         """step() or zero_grad(): micro-steps count from 0 again. A backward that raised never

@@ -206,12 +206,15 @@ class ZeroOptimizer:
         if self._rules is not None and self._rules.local_phase:
             self._unsharded = UnshardedPhase(self.groups, self.optimizer, self._async, stage,
                                              self.rank, self.device, self.timeout)
-        #: stage 2/3: the gradient hooks and the end-of-backward callback (:mod:`.hooks`)
-        self._hooks: Optional[GradHooks] = GradHooks(self) if stage >= 2 else None
         self._stage3: Optional[ParamGatherer] = None
         if stage == 3:
             self._stage3 = ParamGatherer(self.groups, module, self.config, self._async, self.world,
                                          self.device, self.timeout)
+        #: stage 2/3: the gradient hooks and the end-of-backward callback (:mod:`.hooks`)
+        self._hooks: Optional[GradHooks] = None
+        if stage >= 2:
+            self._hooks = GradHooks(self.groups, self._grads, self._onebit, self._stage3,
+                                    self._keep_pool, self.gas, lambda: self.phase)
 
     # ---- what the coming step does -----------------------------------------------------------
 
