@@ -639,3 +639,53 @@ def _nonfinite_server_error(rank: int, world: int) -> int:
     compcomm.compressed_allreduce(t, we, se)  # in step, and the buffers work again
     assert torch.isfinite(t).all()
     return 2
+
+
+# --------------------------------------------------------------------------------------------
+# a parameter's .data replaced by a tensor of another shape after its state was made
+# --------------------------------------------------------------------------------------------
+def _reshaped_twins(cls, kw: dict, steps: int, rank: int):
+    """Two optimizers on the same values: in the first, the second group's parameter is re-shaped
+    (its .data replaced) after ``steps`` steps; the twin keeps the flat shape."""
+    torch.manual_seed(0)
+    a, b = torch.randn(10), torch.randn(6)
+    ps = [torch.nn.Parameter(a.clone()), torch.nn.Parameter(b.clone())]
+    twin = [torch.nn.Parameter(a.clone()), torch.nn.Parameter(b.clone())]
+    opts = [cls([{"params": [x]}, {"params": [y]}], lr=1e-2, **kw) for x, y in (ps, twin)]
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        g = [torch.randn(10, generator=gen), torch.randn(6, generator=gen)]
+        for params, opt in zip((ps, twin), opts):
+            params[0].grad, params[1].grad = g[0].clone(), g[1].clone()
+            opt.step()
+    return ps, twin, opts, gen
+
+
+def _rank_reshaped_param(rank: int, world: int) -> int:
+    """Another number of elements: ValueError naming the parameter and the rank on every rank,
+    nothing changed (the warm-up, compressed and local paths wrote earlier groups first before);
+    the same number in another shape: the step of the flat parameter, bit for bit."""
+    from compcomm.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
+
+    cases = [(OneBitAdam, {"freeze_step": 100}, 1), (OneBitAdam, {"freeze_step": 1}, 3),
+             (ZeroOneAdam, {}, 1), (ZeroOneAdam, {"var_freeze_step": 1, "local_step_scaler": 1}, 3),
+             (OneBitLamb, {"freeze_step": 100}, 1), (OneBitLamb, {"freeze_step": 1}, 3)]
+    checked = 0
+    for cls, kw, steps in cases:
+        ps, _, opts, gen = _reshaped_twins(cls, kw, steps, rank)
+        ps[1].data = torch.randn(5)
+        ps[0].grad, ps[1].grad = torch.randn(10), torch.randn(5)
+        _expect(ValueError, rf"\[rank {rank}\] {cls.__name__}.step: param_groups\[1\]\['params'\]"
+                r"\[0\] has shape \(5,\) but its optimizer state was made for \(6,\)",
+                lambda: (opts[0].state_dict(), ps[0].detach()), opts[0].step)
+        ps, twin, opts, gen = _reshaped_twins(cls, kw, steps, rank)
+        ps[1].data = ps[1].data.view(3, 2)
+        for _ in range(2):
+            g = [torch.randn(10, generator=gen), torch.randn(6, generator=gen)]
+            ps[0].grad, ps[1].grad = g[0].clone(), g[1].view(3, 2).clone()
+            twin[0].grad, twin[1].grad = g[0].clone(), g[1].clone()
+            for opt in opts:
+                opt.step()
+        assert torch.equal(ps[0], twin[0]) and torch.equal(ps[1].view(6), twin[1]), cls.__name__
+        checked += 1
+    return checked

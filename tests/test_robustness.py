@@ -25,6 +25,7 @@ from _robust_cases import (
     _rank_from_config,
     _rank_one_communicator_two_threads,
     _rank_optimizer_bad_loads,
+    _rank_reshaped_param,
     _rank_two_threads_two_groups,
     _rank_zero_bad_loads,
     _rank_zero_onebit_failed_exchange,
@@ -103,6 +104,14 @@ def test_optimizer_load_rejects_bad_state_and_changes_nothing(world):
         assert _rank_optimizer_bad_loads(0, 1) == 45
     else:
         assert run_ranks(world, _rank_optimizer_bad_loads, timeout=240) == [49, 49]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_optimizer_step_after_reshaped_param(world):
+    if world == 1:
+        assert _rank_reshaped_param(0, 1) == 6
+    else:
+        assert run_ranks(world, _rank_reshaped_param, timeout=240) == [6, 6]
 
 
 @pytest.mark.parametrize("world", [1, 2])

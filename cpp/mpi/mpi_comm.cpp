@@ -275,11 +275,7 @@ MpiCommunicator::~MpiCommunicator() {
 }
 
 int64_t MpiCommunicator::staging_bytes() const {
-#ifdef COMPCOMM_MPI_CUDA
-  return staging_ ? staging_->capacity[0] + staging_->capacity[1] : 0;
-#else
-  return 0;
-#endif
+  return staging_bytes_.load();
 }
 
 void MpiCommunicator::set_pipeline_chunk_bytes(int64_t bytes) {

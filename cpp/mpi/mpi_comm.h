@@ -153,6 +153,7 @@ class MpiCommunicator final : public Communicator {
   int64_t chunk_bytes_ = int64_t{1} << 20;
   BackoffPolicy policy_;  // the wait loops' (backoff.h); gentler when the node is oversubscribed
   std::unique_ptr<Staging> staging_;
+  std::atomic<int64_t> staging_bytes_{0};  // the staging's size, readable while a call runs
   std::mutex mu_;  // one collective at a time per communicator (MPI needs the same order everywhere)
 };
 

@@ -71,10 +71,12 @@ char* MpiCommunicator::reserve(Staging& st, int which, int64_t bytes, const char
     const int64_t grown = std::max<int64_t>(bytes, st.capacity[which] * 3 / 2);
     if (st.host[which]) COMPCOMM_CHECK_CUDA(cudaFreeHost(st.host[which]), where);
     st.host[which] = nullptr;
+    staging_bytes_ -= st.capacity[which];
     st.capacity[which] = 0;
     COMPCOMM_CHECK_CUDA(cudaHostAlloc(&st.host[which], static_cast<size_t>(grown), cudaHostAllocPortable),
                         where);
     st.capacity[which] = grown;
+    staging_bytes_ += grown;
   }
   return static_cast<char*>(st.host[which]);
 }

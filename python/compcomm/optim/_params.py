@@ -10,7 +10,7 @@ import torch
 from .functional import masked_
 
 __all__ = ["master", "write_back", "write_back_multi", "moments", "group_mask", "mask_",
-           "group_chunks", "CHUNK_ELEMENTS"]
+           "group_chunks", "match_state_shapes", "CHUNK_ELEMENTS"]
 
 #: Most elements per list of a multi-tensor update (bounds its temporaries: 4 x 256 MiB fp32).
 CHUNK_ELEMENTS = 1 << 26
@@ -82,3 +82,27 @@ def moments(p: torch.Tensor, state: Dict[str, Any]) -> Tuple[torch.Tensor, torch
         state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
         state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
     return state["exp_avg"], state["exp_avg_sq"]
+
+
+def match_state_shapes(state: Dict[Any, Dict[str, Any]], param_groups: List[Dict[str, Any]],
+                       who: str) -> None:
+    """A parameter whose ``.data`` was replaced by a tensor of another shape since its state was
+    made: with as many elements, its per-element state is viewed in the new shape (read in memory
+    order, as the one-pass kernels read it); with another number, ValueError naming the parameter
+    (``who``: "[rank r] Optimizer.step"), before the caller writes anything."""
+    for gi, group in enumerate(param_groups):
+        for i, p in enumerate(group["params"]):
+            st = state.get(p)  # not state[p]: a defaultdict would grow an entry
+            m = st.get("exp_avg") if st else None
+            if m is None or m.shape == p.shape:
+                continue
+            if m.numel() != p.numel():
+                raise ValueError(
+                    f"{who}: param_groups[{gi}]['params'][{i}] has shape {tuple(p.shape)} but its "
+                    f"optimizer state was made for {tuple(m.shape)} (its .data was replaced); "
+                    "nothing was changed: give it a fresh state (del optimizer.state[p]) or load "
+                    "a checkpoint")
+            old = m.shape
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and v.shape == old:
+                    st[k] = v.view(p.shape)

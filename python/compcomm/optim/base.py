@@ -32,6 +32,7 @@ from ..compress import DEFAULT_BUCKET_ELEMENTS, OneBitCompressor
 from ..errors import NonFiniteError
 from ..schedule import FreezeSchedule, StepKind
 from ._grads import all_finite, all_max, average_, fp32_grad, non_finite_error, resolve_comm
+from ._params import match_state_shapes
 from ._plan import BucketPlans
 from ._staging import staged_plan
 from ._step_on import step_on_inputs
@@ -218,6 +219,8 @@ class OneBitBase(BucketPlans, torch.optim.Optimizer):
     def _grads(self, average: bool, check: bool = True) -> Dict[torch.Tensor, torch.Tensor]:
         """fp32 gradients of every parameter that has one, averaged across ranks if ``average``
         (and not already averaged by DDP's hook or the user); ``check=False``: unchecked."""
+        # the general paths all start here, before any write
+        match_state_shapes(self.state, self.param_groups, f"[rank {self.rank}] {self._name}.step")
         if self._local is not None:  # step_on: the caller reduced them; a world of one
             if check:
                 self._check_finite(self._local.values(), agree=False)
