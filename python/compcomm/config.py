@@ -263,7 +263,7 @@ def from_config(
         return TrainingSetup(model, optimizer, normalized, tb, mb, ga)
     zkw = {k: v for k, v in zero.items() if k != "stage"}
     optimizer = ZeroOptimizer(
-        model.parameters(),
+        [p for p in model.parameters() if p.requires_grad],  # frozen ones stay as they are
         opt_cls,
         stage=stage,
         process_group=process_group,

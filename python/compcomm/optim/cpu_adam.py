@@ -291,6 +291,22 @@ def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
                                    dtypes=dtypes))
 
 
+def _check_hparams(name: str, arg: str, h: Dict[str, Any]) -> None:
+    """ValueError naming ``arg.format(key)`` for a bad lr, eps, weight_decay, betas or amsgrad."""
+    lr, eps, wd, betas = h["lr"], h["eps"], h["weight_decay"], h["betas"]
+    if h.get("amsgrad"):
+        raise ValueError(f"{name}: {arg.format('amsgrad')} is not supported; pass amsgrad=False")
+    if isinstance(lr, torch.Tensor) or not (isinstance(lr, (int, float)) and lr >= 0.0):
+        raise ValueError(f"{name}: {arg.format('lr')} must be a number >= 0, got {lr!r}")
+    if not (isinstance(eps, (int, float)) and eps >= 0.0):
+        raise ValueError(f"{name}: {arg.format('eps')} must be >= 0, got {eps!r}")
+    if not (isinstance(wd, (int, float)) and wd >= 0.0):
+        raise ValueError(f"{name}: {arg.format('weight_decay')} must be >= 0, got {wd!r}")
+    if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"{name}: {arg.format('betas')} must be two numbers in [0, 1), "
+                         f"got {betas!r}")
+
+
 class CPUAdam(torch.optim.Optimizer):
     """Adam / AdamW on CPU tensors in one vectorised, multi-threaded C++ pass per parameter.
 
@@ -342,18 +358,8 @@ class CPUAdam(torch.optim.Optimizer):
                  adamw_mode: bool = True, amsgrad: bool = False,
                  num_threads: Optional[int] = None, sqrt: Optional[str] = None) -> None:
         name = type(self).__name__
-        if amsgrad:
-            raise ValueError(f"{name}: argument 'amsgrad' is not supported; pass amsgrad=False")
-        if isinstance(lr, torch.Tensor) or not (isinstance(lr, (int, float)) and lr >= 0.0):
-            raise ValueError(f"{name}: argument 'lr' must be a number >= 0, got {lr!r}")
-        if not (isinstance(eps, (int, float)) and eps >= 0.0):
-            raise ValueError(f"{name}: argument 'eps' must be >= 0, got {eps!r}")
-        if not (isinstance(weight_decay, (int, float)) and weight_decay >= 0.0):
-            raise ValueError(f"{name}: argument 'weight_decay' must be >= 0, got {weight_decay!r}")
-        if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0
-                                      for b in betas):
-            raise ValueError(f"{name}: argument 'betas' must be two numbers in [0, 1), "
-                             f"got {betas!r}")
+        _check_hparams(name, "argument '{}'", dict(lr=lr, betas=betas, eps=eps,
+                                                   weight_decay=weight_decay, amsgrad=amsgrad))
         if num_threads is not None and (isinstance(num_threads, bool)
                                         or not isinstance(num_threads, int) or num_threads < 1):
             raise ValueError(f"{name}: argument 'num_threads' must be an integer >= 1 or None, "
@@ -366,6 +372,12 @@ class CPUAdam(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.num_threads = num_threads
         self.sqrt = sqrt
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """As torch's, with the constructor's checks of the group's hyper-parameters first."""
+        merged = {**self.defaults, "amsgrad": False, **param_group}
+        _check_hparams(type(self).__name__, "param group's '{}'", merged)
+        super().add_param_group(param_group)
 
     def _init_state(self, p: torch.Tensor, state: Dict[str, Any]) -> None:
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
@@ -384,10 +396,8 @@ class CPUAdam(torch.optim.Optimizer):
         fn = f"{type(self).__name__}.step"
         threads = _threads(self.num_threads)
         sqrt = _sqrt_mode(self.sqrt)
+        work = []  # every parameter checked before the first is updated
         for gi, group in enumerate(self.param_groups):
-            b1, b2 = group["betas"]
-            lr, eps, wd = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
-            bc, adamw = bool(group["bias_correction"]), bool(group["adamw_mode"])
             for pi, p in enumerate(group["params"]):
                 g = p.grad
                 if g is None:
@@ -397,17 +407,21 @@ class CPUAdam(torch.optim.Optimizer):
                     raise TypeError(f"{fn}: {name} has a sparse gradient (not supported)")
                 _check(fn, name, p, _FLOATS, None)
                 _check(fn, f"the gradient of {name}", g, _FLOATS, p.numel())
-                state = self.state[p]
-                if not state:
-                    self._init_state(p, state)
-                step_t = state["step"]
-                step_t += 1
-                low = p.dtype != torch.float32
-                w = state["master_param"] if low else p
-                _K.adam_step(buffer_of(w), buffer_of(state["exp_avg"]),
-                             buffer_of(state["exp_avg_sq"]), buffer_of(g), lr, float(b1),
-                             float(b2), eps, wd, int(step_t.item()), adamw, bc,
-                             buffer_of(p) if low else None, threads, sqrt=sqrt)
+                work.append((group, p, g))
+        for group, p, g in work:
+            b1, b2 = group["betas"]
+            state = self.state[p]
+            if not state:
+                self._init_state(p, state)
+            step_t = state["step"]
+            step_t += 1
+            low = p.dtype != torch.float32
+            w = state["master_param"] if low else p
+            _K.adam_step(buffer_of(w), buffer_of(state["exp_avg"]), buffer_of(state["exp_avg_sq"]),
+                         buffer_of(g), float(group["lr"]), float(b1), float(b2),
+                         float(group["eps"]), float(group["weight_decay"]), int(step_t.item()),
+                         bool(group["adamw_mode"]), bool(group["bias_correction"]),
+                         buffer_of(p) if low else None, threads, sqrt=sqrt)
         return loss
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:

@@ -248,11 +248,24 @@ def load_checkpoint(opt: Any, directory: str) -> None:
     changes nothing (see :func:`load_shard_state_dict`).
     """
     sd, error = None, None
+    path = shard_file(directory, opt.rank, opt.world)
     try:
-        sd = read_checkpoint(shard_file(directory, opt.rank, opt.world), map_location="cpu")
+        sd = read_checkpoint(path, map_location="cpu")
     except (OSError, ValueError) as e:  # reported to the peers by _load_agreed, then raised
         error = e
+        others = _world_sizes(directory) - {opt.world} if os.path.isdir(directory) else set()
+        if isinstance(e, FileNotFoundError) and others:
+            error = FileNotFoundError(
+                f"load_checkpoint: {path} is missing; {directory!r} holds shards of world size(s) "
+                f"{sorted(others)}: to change the world size, consolidate(directory, world_size=...)"
+                " and load the full weights into a new optimizer")
     _load_agreed(opt, sd, error)
+
+
+def _world_sizes(directory: str) -> set:
+    """The world sizes of the shard files (``zero_rank<r>_of<W>.pt``) in ``directory``."""
+    names = [f for f in os.listdir(directory) if f.startswith("zero_rank") and f.endswith(".pt")]
+    return {int(f.rsplit("_of", 1)[1][:-3]) for f in names}
 
 
 def consolidate(directory: str, world_size: Optional[int] = None) -> Dict[str, torch.Tensor]:
@@ -271,8 +284,7 @@ def consolidate(directory: str, world_size: Optional[int] = None) -> Dict[str, t
         ``name -> fp32 tensor`` of the parameter's shape; parameters saved without a module are
         named ``group{g}.param{i}``.
     """
-    names = [f for f in os.listdir(directory) if f.startswith("zero_rank") and f.endswith(".pt")]
-    sizes = sorted({int(f.rsplit("_of", 1)[1][:-3]) for f in names})
+    sizes = sorted(_world_sizes(directory))
     if not sizes:
         raise FileNotFoundError(f"directory: no zero_rank*_of*.pt files in {directory!r}")
     if world_size is None and len(sizes) > 1:

@@ -41,5 +41,6 @@ def initialize(
     if zero["stage"] not in (1, 2, 3):
         raise ValueError(f"zero_config.stage must be 1, 2 or 3, got {zero['stage']!r}")
     cls, kw, _ = optimizer_from_config(optimizer_config)
-    return ZeroOptimizer(model.parameters(), cls, process_group=process_group, module=model,
+    trainable = [p for p in model.parameters() if p.requires_grad]  # frozen ones stay as they are
+    return ZeroOptimizer(trainable, cls, process_group=process_group, module=model,
                          optimizer_kwargs=kw, **kwargs, **zero)

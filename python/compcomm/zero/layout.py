@@ -212,11 +212,13 @@ def build_groups(params: Iterable[Any], bucket_size: int, world: int,
     seen: set = set()
     devices: set = set()
     groups: List[GroupLayout] = []
-    for g in _param_groups(params):
+    for gi, g in enumerate(_param_groups(params)):
         ps = list(g["params"])
-        for p in ps:
+        for i, p in enumerate(ps):
             if not isinstance(p, torch.Tensor) or not p.requires_grad:
-                raise ValueError("params: every parameter must be a tensor with requires_grad")
+                raise ValueError(
+                    f"params: parameter {i} of group {gi} is not a tensor with requires_grad "
+                    "(pass the trainable ones: [p for p in model.parameters() if p.requires_grad])")
             if id(p) in seen:
                 raise ValueError("params: a parameter appears twice")
             seen.add(id(p))

@@ -84,10 +84,21 @@ def step_inner(opt: torch.optim.Optimizer, groups: List[GroupLayout], onebit: An
     return None
 
 
+def _has_step_hooks(opt: torch.optim.Optimizer) -> bool:
+    """Whether hooks of ``opt.step`` (``register_step_pre/post_hook``, or the global ones) exist."""
+    from torch.optim import optimizer as o
+
+    return any(bool(getattr(x, name, None)) for x, name in (
+        (opt, "_optimizer_step_pre_hooks"), (opt, "_optimizer_step_post_hooks"),
+        (o, "_global_optimizer_pre_hooks"), (o, "_global_optimizer_post_hooks")))
+
+
 def _kernel_groups(opt: torch.optim.Optimizer) -> bool:
     """Whether the C++ CPU Adam can run ``opt``'s step: torch's Adam/AdamW without options the
     kernels do not have."""
     if type(opt) not in (torch.optim.Adam, torch.optim.AdamW):
+        return False
+    if _has_step_hooks(opt):  # torch's own step() runs them
         return False
     for g in opt.param_groups:
         if any(g.get(k) for k in ("amsgrad", "maximize", "capturable", "differentiable", "fused")):
@@ -234,6 +245,8 @@ class HostOffload:
         if update is None and _kernel_groups(opt):
             self._kernel_step(opt, groups, dev)
             self.kernel_steps += 1
+            if getattr(opt.step, "_wrapped_by_lr_sched", False):
+                opt._opt_called = True  # what the scheduler's wrapper of opt.step() would record
         else:
             (update or opt.step)()
             for gi, grp in enumerate(groups):

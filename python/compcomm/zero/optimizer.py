@@ -310,6 +310,12 @@ class ZeroOptimizer:
         Returns the closure's value, if one was given. Skips the update (and, with a dynamic loss
         scale, halves the scale) if the gradient is not finite.
         """
+        if len(self.optimizer.param_groups) != len(self.groups):
+            raise ValueError(
+                f"[rank {self.rank}] ZeroOptimizer.step: the wrapped optimizer has "
+                f"{len(self.optimizer.param_groups)} param groups, ZeRO partitioned "
+                f"{len(self.groups)}; groups added to it later are neither reduced nor "
+                "partitioned: build a new ZeroOptimizer with every group")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -329,6 +335,8 @@ class ZeroOptimizer:
             self._grads.flush()
             div = float(self.world * self.gas) * self.scaler.scale
             for grp in self.groups:
+                if grp.master.grad is None:  # stage 1, offload: a group of no bucket got nothing
+                    grp.master.grad = torch.zeros_like(grp.master)
                 grp.master.grad.div_(div)
             norm_sq = self._grads.shard_norm_sq()
         # NCCL: a collective of this step released by an abort left garbage (a finite norm, too);
@@ -369,9 +377,11 @@ class ZeroOptimizer:
 
     def _publish(self) -> None:
         """The new master shards become the model's parameters (:func:`.param_gather.publish`)."""
+        # the step's uploaded copies are used once: a failed all-gather must not leave them for
+        # the next publish (a checkpoint load publishes its own masters)
+        shards, self._shards = self._shards, None
         publish(self.groups, self._async, self.config["allgather_bucket_size"], self.device,
-                self.timeout, self._shards)
-        self._shards = None
+                self.timeout, shards)
         if self._stage3 is not None:
             self._stage3.after_step()
         else:  # NCCL: an abort during the all-gather left garbage in the parameters: raise now

@@ -83,13 +83,13 @@ class ParamGatherer:
         self.trace: List[torch.nn.Module] = []
         self.trace_done = False
         self.handles: List[Any] = []
-        self.modules = [m for m in module.modules() if any(True for _ in m.parameters(recurse=False))]
-        for m in self.modules:
+        for m in module.modules():
             for p in m.parameters(recurse=False):
-                if id(p) not in self.where:
-                    raise ValueError(
-                        f"module: parameter of {type(m).__name__} is not among the optimizer's params"
-                    )
+                if id(p) not in self.where and p.requires_grad:
+                    raise ValueError(f"module: parameter of {type(m).__name__} is not among the "
+                                     "optimizer's params")
+        # frozen parameters (requires_grad=False, not given to the optimizer) stay whole everywhere
+        self.modules = [m for m in module.modules() if self._own(m)]
         # The backward pre-hooks also fire on modules whose inputs need no gradient (the first
         # layer); torch warns about that case (while backward runs, so a catch_warnings block here
         # would not see it), and it is exactly the one they are meant for. Installed once stage 3
@@ -174,7 +174,7 @@ class ParamGatherer:
         self.inflight.clear()
 
     def _own(self, m: torch.nn.Module) -> List[torch.Tensor]:
-        return list(m.parameters(recurse=False))
+        return [p for p in m.parameters(recurse=False) if id(p) in self.where]
 
     def _prefetch_after(self, m: torch.nn.Module, order: List[torch.nn.Module]) -> None:
         if not self.trace_done or self.prefetch <= 0:
