@@ -259,7 +259,7 @@ class OneBitBase(BucketPlans, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self._overlap is not None:  # before any other collective: the exchanges go first
-            self._overlap.settle(self._device())
+            self._overlap.settle(self._device(), self._grad_key())
         self._agree_layout()
         if self._amp_skip():
             self.skipped_steps += 1
@@ -326,9 +326,13 @@ class OneBitBase(BucketPlans, torch.optim.Optimizer):
         with gradients is seen, nothing afterwards."""
         if self.world_size == 1 or not self.check_layout:
             return
-        key = tuple(p.grad is not None for g in self.param_groups for p in g["params"])
+        key = self._grad_key()
         self._layout_check.agree(self.comm, f"{self._name}.step", key,
                                  lambda: layout_fields(self), self._device())
+
+    def _grad_key(self) -> Tuple[bool, ...]:
+        """Which parameters have a gradient (the ranks must agree on it)."""
+        return tuple(p.grad is not None for g in self.param_groups for p in g["params"])
 
     def _check_finite(self, tensors: Iterable[torch.Tensor], agree: bool) -> None:
         """Raise NonFiniteError (a skipped step) if ``tensors`` hold Inf/NaN -- on this rank, or
@@ -363,7 +367,11 @@ class OneBitBase(BucketPlans, torch.optim.Optimizer):
         ov.discard()  # what a skipped step did not use
         if ov.enabled and self._momentum_fill is not None and not self.next_step_averages():
             items = list(self._params())  # the coming step's, if the same parameters get gradients
-            if items:
+            # a new plan resets the error buffers: made here only where there are none to lose
+            # (after a skipped step the items may differ from the plan the errors belong to)
+            keep = (self._plan_key_of(items) == self._plan_key
+                    or (not self.compressor.keys() and self._loaded_errors is None))
+            if items and keep:
                 self._bucket_plan(items)
                 self._staged = staged_plan(getattr(self, "_staged", None), self._plan_key, items,
                                            self._buckets, self._staging)

@@ -299,12 +299,13 @@ class BackwardOverlap:
         values into the gradients needs no notice, the check at ``step()`` compares values."""
 
     # -- the step side -------------------------------------------------------------------
-    def settle(self, device: torch.device) -> None:
+    def settle(self, device: torch.device, has_grads: Tuple[bool, ...] = ()) -> None:
         """At the start of ``step()`` (before any other collective): launch the groups no hook
         sent, wait for every exchange, check the staged momenta against the current gradients
-        and agree with the other ranks. Raises a hook's error (on its rank; RankMismatchError on
-        the others) with nothing written; otherwise the launches are kept for :meth:`complete` or
-        discarded on every rank alike."""
+        and agree with the other ranks (``has_grads``: which parameters have gradients; a rank
+        whose layout was agreed before sends nothing else before it commits). Raises a hook's
+        error (on its rank; RankMismatchError on the others) with nothing written; otherwise the
+        launches are kept for :meth:`complete` or discarded on every rank alike."""
         self.discard()
         with self._lock:
             r, self._round = self._round, None
@@ -333,7 +334,8 @@ class BackwardOverlap:
         order = [gi for gi, _ in r.launches]
         fields = [("overlap: groups sent", len(order), False),
                   ("overlap: the order they were sent in", digest(order), True),
-                  ("overlap: a backward hook failed", int(r.error is not None), False)]
+                  ("overlap: a backward hook failed", int(r.error is not None), False),
+                  ("overlap: which parameters have gradients", digest(has_grads), True)]
         try:
             verdict = agree_layout(self.comm, f"{self.name}.step (overlap_backward)", fields,
                                    device, flags=flags)

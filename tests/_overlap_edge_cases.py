@@ -1,0 +1,99 @@
+"""Rank bodies of tests/test_overlap_edges.py: the backward overlap (OneBitAdam, W=2, gloo) where
+ranks differ in which parameters have gradients, and steps skipped for non-finite values."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+FREEZE = 2
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(11, 37), torch.nn.Linear(37, 23)
+        self.c, self.extra = torch.nn.Linear(23, 5), torch.nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor, use_extra: bool = True) -> torch.Tensor:
+        y = self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+        return self.extra(y).sum(-1) if use_extra else y.sum(-1)
+
+
+def _setup(overlap: bool):
+    from compcomm.optim import OneBitAdam, overlap as ov
+
+    ov.GROUP_ELEMENTS, ov.MAX_GROUPS = 150, 8  # several groups sent from the backward
+    model = Net()
+    opt = OneBitAdam(model.parameters(), lr=1e-4, freeze_step=FREEZE, reduce_bucket_size=100,
+                     overlap_backward=overlap)
+    return model, opt
+
+
+def _loss(model: Net, rank: int, t: int, use_extra: bool = True) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + 10 * t)
+    return model(torch.randn(6, 11, generator=g), use_extra).pow(2).mean()
+
+
+def _params(model: Net) -> list:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _errors(opt) -> dict:
+    return {k: {n: t.clone() for n, t in e.items()} for k, e in opt.compressor.state_dict().items()}
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def rank_extra_gradient_on_one_rank(rank: int, world: int, overlap: bool) -> list:
+    """``extra`` gets a gradient on rank 0 only, in a compressed step: (step, outcome, whether
+    the parameters changed) per step until the first error."""
+    model, opt = _setup(overlap)
+    events = []
+    warnings.simplefilter("ignore")
+    for t in range(1, 7):
+        opt.zero_grad()
+        _loss(model, rank, t, use_extra=(t == 5 and rank == 0)).backward()
+        before = _params(model)
+        try:
+            opt.step()
+            events.append((t, "ok", not _same(before, _params(model))))
+        except Exception as e:  # noqa: BLE001 -- the outcome is what is compared
+            events.append((t, type(e).__name__, not _same(before, _params(model))))
+            break
+    return events
+
+
+def _skipping_run(rank: int, overlap: bool) -> dict:
+    model, opt = _setup(overlap)
+    out = {}
+    warnings.simplefilter("ignore")
+    for t in range(1, 7):
+        opt.zero_grad()
+        skip = t == FREEZE + 2  # rank 0's loss is NaN and `extra` gets no gradient
+        loss = _loss(model, rank, t, use_extra=not skip)
+        (loss * float("nan") if skip and rank == 0 else loss).backward()
+        opt.step()
+        if t == FREEZE + 1:
+            out["before"] = _errors(opt)
+        if skip:
+            out["after"] = _errors(opt)
+    out.update(params=_params(model), errors=_errors(opt), skipped=opt.skipped_steps)
+    return out
+
+
+def rank_skip_without_a_gradient(rank: int, world: int) -> dict:
+    """A compressed step skipped (non-finite) in which a parameter had no gradient, overlap off
+    and on: the error buffers after it, and the runs' end states, compared."""
+    off, on = _skipping_run(rank, False), _skipping_run(rank, True)
+    return {"skipped": (off["skipped"], on["skipped"]),
+            "off_unchanged": _same(off["before"], off["after"]),
+            "on_unchanged": _same(on["before"], on["after"]),
+            "same_params": _same(off["params"], on["params"]),
+            "same_errors": _same(off["errors"], on["errors"])}

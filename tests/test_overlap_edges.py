@@ -1,0 +1,30 @@
+"""The backward overlap of the 1-bit optimizers (OneBitAdam, W=2, gloo) where the ranks differ in
+which parameters have gradients, and where a step is skipped (from a review of optim/overlap.py):
+
+- a parameter that gets a gradient on one rank only: every rank raises RankMismatchError and
+  nothing changes, as without the overlap (a rank whose layout had been agreed committed the
+  exchanges it sent from the backward and stepped alone);
+- a step skipped for a non-finite value in which a parameter had no gradient leaves the error
+  buffers as they were, and overlap on and off end in the same bits (the overlap's arming
+  re-planned the buckets from the skipped step, which reset the error buffers)."""
+
+from __future__ import annotations
+
+import pytest
+
+import _overlap_edge_cases as C
+from compcomm.testing import run_ranks
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_gradient_on_one_rank_only_raises_everywhere(overlap):
+    out = run_ranks(2, C.rank_extra_gradient_on_one_rank, overlap, timeout=240)
+    for events in out:
+        assert events[:4] == [(t, "ok", True) for t in range(1, 5)], out
+        assert events[4] == (5, "RankMismatchError", False), out
+
+
+def test_skipped_step_without_a_gradient_keeps_the_errors():
+    for res in run_ranks(2, C.rank_skip_without_a_gradient, timeout=240):
+        assert res == {"skipped": (1, 1), "off_unchanged": True, "on_unchanged": True,
+                       "same_params": True, "same_errors": True}, res
