@@ -97,3 +97,42 @@ def rank_skip_without_a_gradient(rank: int, world: int) -> dict:
             "on_unchanged": _same(on["before"], on["after"]),
             "same_params": _same(off["params"], on["params"]),
             "same_errors": _same(off["errors"], on["errors"])}
+
+
+def rank_two_devices_skip(rank: int, world: int) -> dict:
+    """Parameters on two devices, simulated: the plan's buckets split into two ``by_device``
+    entries (one compressed average each, committing on its own). A NaN in the second's buckets
+    (rank 0) skips the step: nothing may stay changed, the first's error buffers included."""
+    import compcomm.optim.base as base
+
+    real = base.staged_plan
+
+    def split(*args, **kwargs):
+        plan = real(*args, **kwargs)
+        if len(plan.by_device) == 1:
+            dev, idx, numels, entries = plan.by_device[0]
+            h = len(idx) // 2
+            first = {id(e[1]) for b in idx[:h] for e in plan.entries[b]}
+            plan.by_device = [
+                (dev, idx[:h], numels[:h], [e for e in entries if id(e[1]) in first]),
+                (dev, idx[h:], numels[h:], [e for e in entries if id(e[1]) not in first])]
+        return plan
+
+    base.staged_plan = split
+    try:
+        model, opt = _setup(False)
+        warnings.simplefilter("ignore")
+        for t in range(1, 5):
+            opt.zero_grad()
+            _loss(model, rank, t).backward()
+            opt.step()
+        before = (_errors(opt), _params(model))
+        opt.zero_grad()
+        _loss(model, rank, 5).backward()
+        if rank == 0:
+            model.extra.weight.grad[0, 0] = float("nan")  # registered last: the second "device"
+        opt.step()
+        return {"skipped": opt.skipped_steps, "errors": _same(before[0], _errors(opt)),
+                "params": _same(before[1], _params(model)), "devices": len(opt._staged.by_device)}
+    finally:
+        base.staged_plan = real

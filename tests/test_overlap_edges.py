@@ -6,7 +6,9 @@ which parameters have gradients, and where a step is skipped (from a review of o
   exchanges it sent from the backward and stepped alone);
 - a step skipped for a non-finite value in which a parameter had no gradient leaves the error
   buffers as they were, and overlap on and off end in the same bits (the overlap's arming
-  re-planned the buckets from the skipped step, which reset the error buffers)."""
+  re-planned the buckets from the skipped step, which reset the error buffers);
+- parameters on two devices (simulated): a step skipped for a value on the second leaves the
+  first device's error buffers as they were (each device's average had committed its own)."""
 
 from __future__ import annotations
 
@@ -28,3 +30,9 @@ def test_skipped_step_without_a_gradient_keeps_the_errors():
     for res in run_ranks(2, C.rank_skip_without_a_gradient, timeout=240):
         assert res == {"skipped": (1, 1), "off_unchanged": True, "on_unchanged": True,
                        "same_params": True, "same_errors": True}, res
+
+
+def test_skip_on_a_later_device_keeps_the_first_devices_errors():
+    """Without the overlap too: a step whose compressed average is one call per device."""
+    for res in run_ranks(2, C.rank_two_devices_skip, timeout=240):
+        assert res == {"skipped": 1, "errors": True, "params": True, "devices": 2}, res

@@ -194,7 +194,11 @@ class OneBitBase(BucketPlans, torch.optim.Optimizer):
             if ov is not None and ov.complete(plan, scaled):
                 return dict(plan.views)
             ahead = bool(getattr(self.compressor, "stages_ahead", False))
-            # buckets of one device at a time (a model may keep groups on several devices)
+            # buckets of one device at a time (a model may keep groups on several devices); each
+            # device's call commits its errors: kept, to be put back if a later device's fails
+            if undo is None and len(plan.by_device) > 1:
+                errors = self.compressor.state_dict()
+                undo = lambda: self.compressor.load_state_dict(errors)  # noqa: E731
             for dev, idx, numels, entries in plan.by_device:
                 self.compressor.average_(idx, numels, plan.stage_fn(idx, entries, fill, ahead),
                                          dev)
