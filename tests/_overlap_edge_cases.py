@@ -136,3 +136,40 @@ def rank_two_devices_skip(rank: int, world: int) -> dict:
                 "params": _same(before[1], _params(model)), "devices": len(opt._staged.by_device)}
     finally:
         base.staged_plan = real
+
+
+class Deep(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(256, 256) for _ in range(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def rank_ddp_hook_new_buckets(rank: int, world: int) -> tuple:
+    """DDP + compcomm.ddp_comm_hook + OneBitAdam with the overlap on its own gloo group, freeze
+    at step 1: the second backward is armed while DDP hands the hook its rebuilt buckets, whose
+    check runs over the group the overlap's worker thread sends on."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import compcomm
+    from compcomm.optim import OneBitAdam, overlap as ov
+
+    ov.GROUP_ELEMENTS, ov.MAX_GROUPS = 60000, 8  # groups sent early in the backward
+    warnings.simplefilter("ignore")
+    group = dist.new_group(backend="gloo")
+    model = DistributedDataParallel(Deep(), bucket_cap_mb=0.5)
+    opt = OneBitAdam(model.parameters(), lr=1e-4, freeze_step=1, overlap_backward=True,
+                     process_group=group)
+    model.register_comm_hook(None, compcomm.ddp_comm_hook(opt))
+    for t in range(1, 5):
+        opt.zero_grad()
+        g = torch.Generator().manual_seed(100 * rank + t)
+        model(torch.randn(64, 256, generator=g)).pow(2).mean().backward()
+        opt.step()
+    return opt.overlap.steps_overlapped, [p.detach().sum().item() for p in model.parameters()]

@@ -169,6 +169,10 @@ class LayoutCheck:
             self._agreed.clear()
         self._agreed.add(key)
 
+    def known(self, key: Hashable) -> bool:
+        """Whether ``key`` was agreed before (:meth:`agree` then sends nothing)."""
+        return key in self._agreed
+
     def forget(self) -> None:
         """Check again at the next :meth:`agree` (after a checkpoint load, say)."""
         self._agreed.clear()

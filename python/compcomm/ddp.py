@@ -57,7 +57,8 @@ def ddp_comm_hook(optimizer: Any) -> Callable[[Any, Any], torch.futures.Future]:
             # average here while its peers do not, and wait in that all-reduce)
             _agree_bucket(check, group, "ddp_comm_hook", bucket, buf,
                           schedule_fields(optimizer.schedule),
-                          getattr(optimizer, "state_loads", 0))
+                          getattr(optimizer, "state_loads", 0),
+                          getattr(optimizer, "overlap", None))
         optimizer.mark_grads_averaged(averages)  # world 1: local == average
         if averages and world > 1:
             buf.div_(world)
@@ -74,7 +75,7 @@ def ddp_comm_hook(optimizer: Any) -> Callable[[Any, Any], torch.futures.Future]:
 
 
 def _agree_bucket(check: LayoutCheck, group: Any, call: str, bucket: Any, buf: torch.Tensor,
-                  extra: Any, epoch: int = 0) -> None:
+                  extra: Any, epoch: int = 0, overlap: Any = None) -> None:
     """RankMismatchError on every rank if the ranks' DDP bucket ``bucket.index()`` differs (size,
     dtype; different ``bucket_cap_mb`` or parameters) or the ``extra`` fields do, checked the first
     time this rank sees the bucket in this ``epoch`` (DDP hands buckets to the hook in index order
@@ -82,11 +83,16 @@ def _agree_bucket(check: LayoutCheck, group: Any, call: str, bucket: Any, buf: t
 
     The check runs over the torch process group ``group`` itself (the torch adapter), not over
     compcomm's native NCCL communicator: torch orders it after the group's earlier all-reduces and
-    after the work on the current stream, where two NCCL communicators could run side by side."""
+    after the work on the current stream, where two NCCL communicators could run side by side.
+    The optimizer's backward ``overlap`` sends over that group from its worker thread: what it
+    sent in this backward is waited for and dropped first (DDP's rebuilt buckets, in the second
+    backward, are new), so that the check never meets those exchanges in another order."""
     if check.torch_comm is None:
         check.torch_comm = TorchCommunicator(group)
-    check.agree(check.torch_comm, f"{call} (DDP bucket {bucket.index()})",
-                (bucket.index(), buf.numel(), buf.dtype, buf.device, epoch),
+    key = (bucket.index(), buf.numel(), buf.dtype, buf.device, epoch)
+    if overlap is not None and not check.known(key):
+        overlap.on_shared()
+    check.agree(check.torch_comm, f"{call} (DDP bucket {bucket.index()})", key,
                 lambda: [("bucket index", bucket.index(), False),
                          ("bucket elements", buf.numel(), False),
                          ("bucket dtype", digest(str(buf.dtype)), True),

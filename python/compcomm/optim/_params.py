@@ -10,7 +10,7 @@ import torch
 from .functional import masked_
 
 __all__ = ["master", "write_back", "write_back_multi", "moments", "group_mask", "mask_",
-           "group_chunks", "match_state_shapes", "CHUNK_ELEMENTS"]
+           "group_chunks", "has_grads", "match_state_shapes", "CHUNK_ELEMENTS"]
 
 #: Most elements per list of a multi-tensor update (bounds its temporaries: 4 x 256 MiB fp32).
 CHUNK_ELEMENTS = 1 << 26
@@ -106,3 +106,8 @@ def match_state_shapes(state: Dict[Any, Dict[str, Any]], param_groups: List[Dict
             for k, v in st.items():
                 if isinstance(v, torch.Tensor) and v.shape == old:
                     st[k] = v.view(p.shape)
+
+
+def has_grads(param_groups: List[Dict[str, Any]]) -> Tuple[bool, ...]:
+    """Which parameters have a gradient (the ranks must agree on it)."""
+    return tuple(p.grad is not None for g in param_groups for p in g["params"])

@@ -32,7 +32,7 @@ from ..compress import DEFAULT_BUCKET_ELEMENTS, OneBitCompressor
 from ..errors import NonFiniteError
 from ..schedule import FreezeSchedule, StepKind
 from ._grads import all_finite, all_max, average_, fp32_grad, non_finite_error, resolve_comm
-from ._params import match_state_shapes
+from ._params import has_grads, match_state_shapes
 from ._plan import BucketPlans
 from ._staging import staged_plan
 from ._step_on import step_on_inputs
@@ -263,7 +263,7 @@ class OneBitBase(BucketPlans, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self._overlap is not None:  # before any other collective: the exchanges go first
-            self._overlap.settle(self._device(), self._grad_key())
+            self._overlap.settle(self._device(), has_grads(self.param_groups))
         self._agree_layout()
         if self._amp_skip():
             self.skipped_steps += 1
@@ -330,13 +330,9 @@ class OneBitBase(BucketPlans, torch.optim.Optimizer):
         with gradients is seen, nothing afterwards."""
         if self.world_size == 1 or not self.check_layout:
             return
-        key = self._grad_key()
+        key = has_grads(self.param_groups)
         self._layout_check.agree(self.comm, f"{self._name}.step", key,
                                  lambda: layout_fields(self), self._device())
-
-    def _grad_key(self) -> Tuple[bool, ...]:
-        """Which parameters have a gradient (the ranks must agree on it)."""
-        return tuple(p.grad is not None for g in self.param_groups for p in g["params"])
 
     def _check_finite(self, tensors: Iterable[torch.Tensor], agree: bool) -> None:
         """Raise NonFiniteError (a skipped step) if ``tensors`` hold Inf/NaN -- on this rank, or

@@ -441,10 +441,12 @@ class BackwardOverlap:
                 self._round.cancelled = True
 
     def on_shared(self) -> None:
-        """Another compcomm optimizer or compressor joined this communicator (every rank alike,
-        :mod:`compcomm._comm_users`): what the backward sent is waited for and dropped now, before
-        the newcomer can send (two worker threads must not issue collectives on one communicator);
-        the next :meth:`arm` switches the overlap off if the communicator is still shared."""
+        """Another sender needs this communicator, on every rank alike: another compcomm
+        optimizer or compressor joined it (:mod:`compcomm._comm_users`; the next :meth:`arm`
+        switches the overlap off if it is still shared), or compcomm.ddp_comm_hook checks a new
+        DDP bucket over it. What the backward sent is waited for and dropped now, before the other
+        sends (two threads must not issue collectives on one communicator); the step then runs the
+        ordinary path."""
         with self._lock:
             r, self._round = self._round, None
         if r is not None:
