@@ -212,9 +212,25 @@ def test_offload_cuda_trajectory(stage, dtype, param):
             zb.loss_fn(model, x.cuda(), y.cuda()).backward()
             z.step()
         if off is not None:
-            assert z.offload.pin and z.groups[0].master.is_pinned()
+            assert z.offload.pin_optimizer and z.groups[0].master.is_pinned()
             assert z.offload.kernel_steps == 4
         got.append(zc._params(z, model))
         z.close()
     err = zc._diff(*got)
     assert err <= (1e-5 if dtype == torch.float32 else 1e-2), err
+
+
+@pytest.mark.parametrize("pin_optimizer,pin_param", [(False, True), (True, False)])
+def test_offload_pins_each_sections_buffers(pin_optimizer, pin_param):
+    """offload_optimizer.pin_memory pins the master, gradient and copy buffers, offload_param's
+    its parameter shards; one section's setting does not pin the other's."""
+    if not torch.cuda.is_available():
+        pytest.skip("pinned memory needs a CUDA device")
+    model = zb.make_model().cuda()
+    off = {"offload_optimizer": {"device": "cpu", "pin_memory": pin_optimizer},
+           "offload_param": {"device": "cpu", "pin_memory": pin_param}}
+    z = zc._build(model, 3, dict(zc.BUCKETS, **off))
+    grp = z.groups[0]
+    assert grp.master.is_pinned() == grp.master.grad.is_pinned() == pin_optimizer
+    assert grp.param_shard.device.type == "cpu" and grp.param_shard.is_pinned() == pin_param
+    z.close()

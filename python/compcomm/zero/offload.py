@@ -129,9 +129,11 @@ class HostOffload:
         self.stage = stage
         self.device = device
         self.cuda = device.type == "cuda"
-        pin = any(c is not None and c["pin_memory"] for c in (optimizer_config, param_config))
-        # pinned memory only helps (and only exists) with a GPU on the other side
-        self.pin = bool(pin and self.cuda and torch.cuda.is_available())
+        # pinned memory only helps (and only exists) with a GPU on the other side; each section
+        # pins its own buffers (the optimizer's: master, gradient and copies; offload_param's shard)
+        gpu = self.cuda and torch.cuda.is_available()
+        self.pin_optimizer = bool(gpu and optimizer_config and optimizer_config["pin_memory"])
+        self.pin_param = bool(gpu and param_config and param_config["pin_memory"])
         self.down = torch.cuda.Stream(device) if self.cuda else None  # gradient copies
         self.up = torch.cuda.Stream(device) if self.cuda else None  # parameter uploads
         self._uploaded: Optional[Any] = None  # event: the last uploads have read the host buffers
@@ -153,13 +155,15 @@ class HostOffload:
 
     # ---- host memory ---------------------------------------------------------------------------
 
-    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A host tensor (pinned if this offload pins)."""
-        return torch.empty(numel, dtype=dtype, pin_memory=self.pin)
+    def empty(self, numel: int, dtype: torch.dtype, pin: Optional[bool] = None) -> torch.Tensor:
+        """A host tensor, pinned if ``pin`` (default: if the optimizer's buffers are)."""
+        return torch.empty(numel, dtype=dtype,
+                           pin_memory=self.pin_optimizer if pin is None else pin)
 
-    def host_copy(self, t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """``t`` copied (and cast to ``dtype``) into a new host tensor."""
-        out = self.empty(t.numel(), dtype or t.dtype)
+    def host_copy(self, t: torch.Tensor, dtype: Optional[torch.dtype] = None,
+                  pin: Optional[bool] = None) -> torch.Tensor:
+        """``t`` copied (and cast to ``dtype``) into a new host tensor (``pin``: as ``empty``)."""
+        out = self.empty(t.numel(), dtype or t.dtype, pin)
         out.copy_(t.reshape(-1))
         return out
 
@@ -181,7 +185,7 @@ class HostOffload:
             grp.master = shard.to(torch.float32, copy=True)
             grp.master.grad = torch.zeros_like(grp.master) if self.stage >= 2 else None
         if self.param and self.stage == 3:
-            shard = self.host_copy(shard)
+            shard = self.host_copy(shard, pin=self.pin_param)
         grp.param_shard = shard
 
     # ---- gradients: device chunks -> host shard --------------------------------------------------
