@@ -250,3 +250,43 @@ def bf16_master_cases(rank: int, world: int) -> Dict[str, Any]:
                     "up": float((vals > 1).float().mean()),
                     "ranks_agree": all(torch.equal(g, gathered[0]) for g in gathered)}
     return res
+
+
+def multigroup_cases(rank: int, world: int) -> Dict[str, Any]:
+    """A module of two FSDP parameter groups (a per-parameter mesh from shard_placement_fn), after
+    a module of one: onebit and compressed_allgather raise ValueError naming it before they
+    install anything (before, FSDP's setter raised halfway, the earlier module kept compcomm's
+    hooks, and the message did not name the module)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (FSDPMeshInfo,
+                                                                   ShardPlacementResult)
+    from torch.distributed.tensor import Shard
+    from torch.optim.optimizer import _global_optimizer_post_hooks
+
+    import compcomm.fsdp as cf
+    from _fsdp_momentum_cases import error_of
+
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 8), torch.nn.Tanh(), torch.nn.Sequential(
+        torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)))
+    mesh = init_device_mesh("cpu", (world,))
+    other = FSDPMeshInfo(mesh=DeviceMesh.from_group(dist.new_group(list(range(world))), "cpu"),
+                         shard_mesh_dim=0)
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model[2], mesh=mesh, shard_placement_fn=lambda p: ShardPlacementResult(
+        Shard(0), other) if p.shape == (4, 8) else None)
+    fully_shard(model, mesh=mesh)
+    hooks = len(_global_optimizer_post_hooks)
+    out: Dict[str, Any] = {}
+    for name, call in (("gradient", lambda: cf.onebit(model, warmup_steps=0, mode="gradient")),
+                       ("momentum", lambda: cf.onebit(model, warmup_steps=0)),
+                       ("cache", lambda: cf.onebit(model, warmup_steps=0, mode="gradient",
+                                                   regather_cache=True)),
+                       ("allgather", lambda: cf.compressed_allgather(model))):
+        out[name] = error_of(call)
+    pg = model[0]._get_fsdp_state()._fsdp_param_groups[0]
+    out["installed"] = [type(pg._reduce_scatter_comm).__name__,
+                        type(pg._all_gather_comm).__name__,
+                        len(_global_optimizer_post_hooks) - hooks]
+    return out

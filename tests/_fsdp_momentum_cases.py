@@ -471,3 +471,30 @@ def error_of(fn) -> str:  # type: ignore[no-untyped-def]
     except Exception as e:  # noqa: BLE001 - the test reads the type and message
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def rank0_load_cases(rank: int, world: int, mode: str) -> Dict[str, Any]:
+    """One rank's state lacks 'errors': every rank raises ValueError, nothing changed. Then every
+    rank loads rank 0's state (one checkpoint file): rank 0 alone matches it, yet every rank
+    resets its buffers (and momentum), so the next step takes the same collectives on all."""
+    import compcomm.fsdp as cf
+
+    f32 = torch.float32
+    model, state = _model(world, f32, mode, warmup=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2) if mode == "gradient" else \
+        cf.FrozenVarianceAdam(model.parameters(), freeze_step=state, **KW)
+    _run(model, opt, rank, range(3), f32)
+    sd = [state.state_dict()]
+    dist.broadcast_object_list(sd, src=0)
+    bad = {k: v for k, v in sd[0].items() if k != "errors" or rank == 0}
+    steps = dict(state.steps)
+    out = {"bad": error_of(lambda: state.load_state_dict(bad))}
+    out["bad_unchanged"] = state.steps == steps and bool(
+        state._errors if mode == "gradient" else
+        state.momentum.full or state.momentum.packed.state_dict())
+    state.load_state_dict(sd[0])
+    out["reset"] = not (state._errors if mode == "gradient" else
+                        state.momentum.full or state.momentum.packed.state_dict())
+    out["step"] = error_of(lambda: _run(model, opt, rank, [5], f32))
+    out["finite"] = all(bool(torch.isfinite(p.to_local()).all()) for p in model.parameters())
+    return out

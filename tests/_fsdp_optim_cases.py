@@ -305,3 +305,64 @@ def batch_rs_cases(rank: int, world: int, device: str = "cpu") -> Dict[str, Any]
         mismatch = "numbers of calls" in str(e) or "batch of" in str(e)
     untouched = all(torch.equal(a, b) for a, b in zip(before, we2[:n]))
     return {"same": same, "mismatch": mismatch, "untouched": untouched}
+
+
+class _Poison:
+    """Wraps a module's ReduceScatter: while ``on``, rank 0's input holds inf at ``col`` (FSDP's
+    rank-major input: column ``col`` of row 0, a real element of rank 0's piece)."""
+
+    def __init__(self, inner, col: int) -> None:
+        self.inner, self.col, self.on = inner, col, False
+
+    def allocate(self, size, *, dtype, device):
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        if self.on and group.rank() == 0:
+            input_tensor.view(group.size(), -1)[0, self.col] = float("inf")
+        return self.inner(output_tensor, input_tensor, group, op, async_op)
+
+
+def nonfinite_cases(rank: int, world: int) -> Dict[str, Any]:
+    """The gradient mode's 1-bit phase meets a non-finite gradient: the loss times inf (a
+    GradScaler overflow), or inf in the last segment only (batched, and one exchange per segment,
+    whose first segments commit before the last raises). backward() returns with non-finite
+    gradients on every rank (as FSDP's own reduce-scatter gives them), the error buffers and step
+    counts are unchanged, and the next backward is finite."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import compcomm.fsdp as cf
+
+    mesh = init_device_mesh("cpu", (world,))
+    out: Dict[str, Any] = {}
+    for case in ("overflow", "last_batched", "last_unbatched"):
+        model = _wide_mlp(torch.float32)
+        fully_shard(model, mesh=mesh)
+        state = cf.onebit(model, warmup_steps=1, segment_elements=0, mode="gradient")
+        state.batch_segments = case != "last_unbatched"
+        last = sum(state.segments["<root>"][:-1])  # the last segment's first column
+        poison = _Poison(cf.OneBitReduceScatter(state, "<root>"), last)
+        model.set_custom_reduce_scatter(poison)
+
+        def back(t: int, scale: float = 1.0) -> bool:
+            x = torch.randn(4, 13, generator=torch.Generator().manual_seed(10 * t + rank))
+            model.zero_grad()
+            (model(x).pow(2).sum() * scale).backward()
+            return all(bool(torch.isfinite(p.grad.to_local()).all()) for p in model.parameters())
+
+        back(0), back(1)  # the warm-up, then a 1-bit step: the errors are not zero
+        before, steps = state.state_dict()["errors"], dict(state.steps)
+        poison.on = case != "overflow"
+        try:
+            finite = back(2, float("inf") if case == "overflow" else 1.0)
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            finite = f"{type(e).__name__}: {e}"
+        poison.on = False
+        after = state.state_dict()["errors"]
+        out[case] = {"finite": finite, "steps": state.steps == steps,
+                     "errors": sorted(before) == sorted(after) and all(
+                         torch.equal(a, b) for k in before for a, b in zip(before[k], after[k])),
+                     "moved": any(float(v[0].abs().max()) > 0 for v in after.values()),
+                     "next": back(3)}
+    return out

@@ -109,3 +109,11 @@ def test_argument_errors():
         cf.compressed_allgather(torch.nn.Linear(2, 2), exact_numel=-1)
     with pytest.raises(ValueError, match="'rounding'"):
         cf.compressed_allgather(torch.nn.Linear(2, 2), rounding="up")
+
+
+def test_module_of_several_parameter_groups_refused_before_installing():
+    for res in run_ranks(2, C.multigroup_cases, timeout=300):
+        for call in ("gradient", "momentum", "cache", "allgather"):
+            err = res[call]
+            assert err.startswith("ValueError") and "module '2'" in err and "[rank " in err, res
+        assert res["installed"] == ["DefaultReduceScatter", "DefaultAllGather", 0], res

@@ -171,3 +171,15 @@ def test_default_mode_checks():
         assert res["optimizer"].startswith("ValueError") and "'optimizer'" in res["optimizer"]
         assert res["hsdp_mode"] == "gradient", res
         assert res["hsdp_momentum"].startswith("UnsupportedError"), res
+
+
+@pytest.mark.parametrize("mode", ["momentum", "local_momentum", "gradient"])
+def test_every_rank_loading_rank0s_state_resets_on_every_rank(mode):
+    """The ranks agree on keeping a loaded state: before, rank 0 kept its momentum while the
+    others reset, and the next step's collectives differed (gloo aborted; NCCL would hang). A
+    state that fails its checks on one rank raises on every rank (no rank left waiting)."""
+    for rank, res in enumerate(run_ranks(2, C.rank0_load_cases, mode, timeout=300)):
+        assert res["bad"].startswith("ValueError") and "[rank " in res["bad"], res
+        assert ("'errors'" if rank else "another rank") in res["bad"], res
+        assert res["bad_unchanged"] and res["reset"], res
+        assert res["step"] == "no error" and res["finite"], res

@@ -225,3 +225,40 @@ def test_batched_reduce_scatter_exchange_cuda():
     gpu, cpu = C.batch_rs_cases(0, 1, "cuda"), C.batch_rs_cases(0, 1, "cpu")
     assert gpu["same"] and cpu["same"]
     assert all(torch.equal(a, b) for a, b in zip(gpu["outs"], cpu["outs"]))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gradient_mode_nonfinite_gradient_as_fsdps_own(world):
+    """Gradient mode, 1-bit phase: a non-finite gradient (fp16 overflow under a GradScaler) gives
+    non-finite gradients, as FSDP's own reduce-scatter does, so the scaler skips the step; before,
+    NonFiniteError came out of backward() and left FSDP unsharded. No error buffer moved, also
+    with one exchange per segment whose earlier segments had committed."""
+    for res in run_ranks(world, C.nonfinite_cases, timeout=300):
+        for case, r in res.items():
+            assert r == {"finite": False, "steps": True, "errors": True, "moved": True,
+                         "next": True}, (case, r)
+
+
+@pytest.mark.parametrize("mode", ["gradient", "momentum", "local_momentum"])
+def test_load_state_dict_checks_everything_before_changing(mode):
+    """A state lacking an entry, or with a malformed one, raises ValueError naming the key and
+    changes nothing (before: the step counts were replaced, then KeyError or AttributeError)."""
+    from compcomm.fsdp import OneBitFSDP
+
+    st = OneBitFSDP(warmup_steps=5, mode=mode)
+    st.steps = {"blk": 3}
+    good = st.state_dict()
+    st.load_state_dict(good)
+    cases = [("errors", None), ("errors", {"blk#0": [None, None]}), ("errors", [1]),
+             ("steps", None), ("steps", {"blk": -1}), ("rank", None), ("world", None)]
+    cases += {"momentum": [("momentum", None), ("momentum", {"blk#0": {"signs": None}})],
+              "local_momentum": [("local_momentum", None)], "gradient": []}[mode]
+    for key, value in cases:
+        bad = {k: v for k, v in good.items() if k != key}
+        if value is not None:
+            bad[key] = value
+        if key != "steps":
+            bad["steps"] = {"blk": 100}
+        with pytest.raises(ValueError, match=f"'{key}'"):
+            st.load_state_dict(bad)
+        assert st.steps == {"blk": 3}, (key, value)

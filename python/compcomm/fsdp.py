@@ -48,12 +48,14 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from . import _C
 from .collectives import compressed_allreduce, padded_numel, workspace_bytes
 from .compress import DEFAULT_BUCKET_ELEMENTS
-from .errors import UnsupportedError
+from .errors import NonFiniteError, UnsupportedError
+from .fsdp_checkpoint import all_true, check_state
 from .fsdp_gather import DEFAULT_EXACT_NUMEL, GatherState, compressed_allgather
 from .fsdp_exchange import reduce_scatter_segments
 from .fsdp_hsdp import check_onebit, local_default, mesh_ndim, replicas_summed, take_replicas
-from .fsdp_layout import plan_indices, plan_segments, shard_params
-from .fsdp_local import LocalMomentumReduceScatter, load_local, local_state_dict, replica_hook
+from .fsdp_layout import check_one_group, plan_indices, plan_segments, shard_params
+from .fsdp_local import (LocalMomentumReduceScatter, load_local, local_fits, local_state_dict,
+                         replica_hook)
 from .fsdp_momentum import (MomentumReduceScatter, MomentumState, WarmupReduceScatter,
                             row_elements, scale_of)
 from .fsdp_optim import FrozenVarianceAdam
@@ -232,62 +234,56 @@ class OneBitFSDP:
         return sd
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; error buffers only when rank and world size match.
+        """Restore :meth:`state_dict`; error buffers (and the momentum modes' momentum) only when
+        rank, world size and replica count match *on every rank*, else reset on every rank. Every
+        rank calls it: one all-reduce of two flags (a rank keeping its momentum while its peers
+        reset would take other collectives at the next step).
 
         Raises
         ------
         ValueError
-            ``sd`` is not such a state, or its segment plan differs from this state's (a format-1
-            state, one pair of buffers per module, loads only with ``segment_elements=None``).
-            Nothing is changed then.
+            ``sd`` is not such a state, lacks an entry or holds a bad one (the message names the
+            key), or its segment plan differs from this state's (a format-1 state, one pair of
+            buffers per module, loads only with ``segment_elements=None``); raised on every rank
+            when it is one rank's. Nothing is changed then.
         """
-        fmt = sd.get("format") if isinstance(sd, dict) else None
-        if fmt not in (STATE_FORMAT,) + _OLD_FORMATS:
-            raise ValueError("compcomm.fsdp: load_state_dict: argument 'sd' is not a state dict of "
-                             f"OneBitFSDP (format {STATE_FORMAT!r})")
-        theirs_mode = sd.get("mode", "gradient")  # formats 1 and 2: the gradient mode
-        if theirs_mode != self.mode:
-            raise ValueError(f"compcomm.fsdp: load_state_dict: argument 'sd' was saved in mode "
-                             f"{theirs_mode!r}, this state is in mode {self.mode!r}")
-        mine = -1 if self.segment_elements is None else self.segment_elements
-        theirs = sd.get("segment_elements", -1)  # format 1: one segment per module
-        if theirs != mine:
-            raise ValueError(
-                f"compcomm.fsdp: load_state_dict: argument 'sd' was saved with segment_elements="
-                f"{None if theirs == -1 else theirs} (format {fmt!r}), this state has "
-                f"segment_elements={self.segment_elements}: its error buffers do not fit; call "
-                f"onebit(..., segment_elements={None if theirs == -1 else theirs}) to resume it")
-        steps = sd["steps"]
-        if not all(isinstance(k, str) and isinstance(v, int) and v >= 0 for k, v in steps.items()):
-            raise ValueError("compcomm.fsdp: load_state_dict: 'steps' must map names to counts")
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
-        # another split of the same world (replicas x shards) lays the buffers out otherwise
-        same = sd["rank"] == rank and sd["world"] == world and \
-            sd.get("replicas", 1) == self.replicas()
+        try:
+            steps = check_state(sd, self.mode, self.segment_elements,
+                                (STATE_FORMAT,) + _OLD_FORMATS, rank)
+            # another split of the same world (replicas x shards) lays the buffers out otherwise
+            same = sd["rank"] == rank and sd["world"] == world and \
+                sd.get("replicas", 1) == self.replicas()
+            if self.mode == "local_momentum":
+                same = local_fits(sd, self._sizes) and same
+        except ValueError:
+            all_true([False, False])  # the peers raise too, rather than wait here
+            raise
+        ok, same = all_true([True, same])
+        if not ok:
+            raise ValueError(f"[rank {rank}] compcomm.fsdp: load_state_dict: another rank's "
+                             "argument 'sd' failed its checks (its ValueError says why); nothing "
+                             "was changed")
         if self.mode == "local_momentum":  # errors and momentum: same rank and world, else reset
-            self._errors = load_local(sd, steps, self.warmup_steps, same, self.momentum,
-                                      self._sizes)
+            self._errors = load_local(sd, steps, self.warmup_steps, same, self.momentum)
             self.steps = dict(steps)
             if self.replicate_group is not None:  # saved without replicas: their hooks' counts
                 for name in [n for n in steps if not n.endswith("/replicas")]:
                     self.steps.setdefault(name + "/replicas", steps[name])
             return
         if self.momentum is not None:
-            packed = sd.get("momentum")
-            if not isinstance(packed, dict):
-                raise ValueError("compcomm.fsdp: load_state_dict: argument 'sd' lacks 'momentum'")
             # a segment's packed momentum exists once its module took a 1-bit step
-            live = {k: d for k, d in packed.items()
+            live = {k: d for k, d in sd["momentum"].items()
                     if steps.get(k.split("#")[0], 0) > self.warmup_steps}
             if same:
                 self.momentum.load(sd["errors"], live)
             else:  # errors reset; the momentum is gathered again from the optimizer's shards
                 self.momentum.reset()
-            self.steps = dict(steps)
-            return
+        else:
+            self._errors = {k: [b.clone() for b in v] for k, v in sd["errors"].items()} \
+                if same else {}
         self.steps = dict(steps)
-        self._errors = {k: [b.clone() for b in v] for k, v in sd["errors"].items()} if same else {}
 
 
 class OneBitReduceScatter(WarmupReduceScatter, ReduceScatter):
@@ -318,7 +314,13 @@ class OneBitReduceScatter(WarmupReduceScatter, ReduceScatter):
             segments[-1].view(world, r8)[:, :n].copy_(src[:, o: o + n])
             outs.append(out[o8: o8 + r8])
             o, o8 = o + n, o8 + r8
-        reduce_scatter_segments(state, keys, segments, bufs, outs, group, dev)
+        try:
+            reduce_scatter_segments(state, keys, segments, bufs, outs, group, dev)
+        except NonFiniteError:
+            # raised on every rank, no error buffer changed: non-finite gradients as FSDP's own
+            # give (a GradScaler skips the step), not an error that leaves FSDP unsharded
+            output_tensor.fill_(float("nan"))
+            return None
         o = o8 = 0
         for n, r8 in zip(segs, rows):
             output_tensor[o: o + n].copy_(out[o8: o8 + n].mul_(scale))
@@ -423,7 +425,8 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
     Raises
     ------
     ValueError
-        ``model`` has no FSDP module, or a bad ``warmup_steps``, ``allgather_block``,
+        ``model`` has no FSDP module or one of several FSDP parameter groups (nothing is
+        installed then), or a bad ``warmup_steps``, ``allgather_block``,
         ``segment_elements``, ``mode`` or ``beta1``; ``optimizer`` not a FrozenVarianceAdam in
         the momentum modes; ``replicate_group`` with a 2-D mesh in the local-momentum mode.
     UnsupportedError
@@ -436,6 +439,7 @@ def onebit(model: torch.nn.Module, warmup_steps: int = 100,
     if not mods:
         raise ValueError("compcomm.fsdp.onebit: argument 'model' has no FSDP module "
                          "(wrap it with torch.distributed.fsdp.fully_shard first)")
+    check_one_group(mods, "compcomm.fsdp.onebit")  # FSDP's setters would raise halfway through
     hsdp = any(mesh_ndim(m) > 1 for _, m in mods)  # FSDP's own HSDP (2-D mesh)
     if mode is None:  # FSDP's own 2-D mesh: the local-momentum mode where it applies
         mode = "momentum" if replicate_group is None and not hsdp else "gradient"

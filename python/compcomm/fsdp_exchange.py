@@ -19,6 +19,7 @@ from ._buffers import buffer_of
 from ._comm import resolve, wait_cancellable
 from ._defaults import DEFAULT_TIMEOUT
 from .collectives import compressed_reduce_scatter
+from .errors import NonFiniteError
 
 __all__ = ["reduce_scatter_segments"]
 
@@ -32,11 +33,21 @@ def reduce_scatter_segments(state: Any, keys: Sequence[str], segments: Sequence[
     ``state`` gives ``batch_segments`` (False: one call per segment) and ``scratch(keys, paddeds,
     world, device)`` (the batched exchange's workspaces and staging). Every segment is overwritten
     (the reduce-scatter's contract). Nothing but the workspaces is written unless every segment's
-    exchange succeeded (the commits follow the exchange).
+    exchange succeeded (the commits follow the exchange); one call per segment: a
+    ``NonFiniteError`` restores the error buffers of the segments before it (copies made first).
     """
     if len(segments) == 1 or not state.batch_segments:
-        for seg, (we, se), o_ in zip(segments, bufs, outs):
-            compressed_reduce_scatter(seg, we, se, out=o_, group=group)
+        # all or nothing as the batched exchange: a segment's NonFiniteError (on every rank, its
+        # own buffers unchanged) puts back the error buffers of the segments committed before it
+        saved = [[b.clone() for b in pair] for pair in bufs[:-1]]
+        try:
+            for seg, (we, se), o_ in zip(segments, bufs, outs):
+                compressed_reduce_scatter(seg, we, se, out=o_, group=group)
+        except NonFiniteError:
+            for pair, old in zip(bufs, saved):
+                for b, o in zip(pair, old):
+                    b.copy_(o)
+            raise
         return
     comm = resolve(group)  # every segment in one exchange (three collectives), then each committed
     world = comm.size()

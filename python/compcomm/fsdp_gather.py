@@ -45,6 +45,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .errors import UnsupportedError
+from .fsdp_layout import check_one_group
 from .quantize import (DEFAULT_BLOCK, dequantize_blockwise, payload_bytes, quantize_blockwise,
                        round_stochastic)
 
@@ -371,7 +372,8 @@ def compressed_allgather(model: torch.nn.Module, *, quantized: bool = True, cach
     Raises
     ------
     ValueError
-        ``model`` has no FSDP module, neither part is on, or a bad ``block``.
+        ``model`` has no FSDP module, neither part is on, a bad ``block``, or a module of
+        several FSDP parameter groups (nothing is installed then).
     UnsupportedError
         This torch has no ``FSDPModule.set_custom_all_gather`` (torch < 2.9).
     """
@@ -395,6 +397,7 @@ def compressed_allgather(model: torch.nn.Module, *, quantized: bool = True, cach
                                "compressed all-gather)", "all_gather", "fsdp")
     if optimizer is not None:
         _optimizers(optimizer)  # checked before anything is installed
+    check_one_group(mods, "compcomm.fsdp.compressed_allgather")
     state = GatherState(bool(quantized), bool(cache), block, exact_numel, rounding)
     for name, m in mods:
         m.set_custom_all_gather(CompressedAllGather(state, name, m))

@@ -46,7 +46,8 @@ from .errors import UnsupportedError
 from .fsdp_exchange import reduce_scatter_segments
 from .fsdp_momentum import MomentumReduceScatter, MomentumState
 
-__all__ = ["LocalMomentumReduceScatter", "replica_hook", "local_state_dict", "load_local"]
+__all__ = ["LocalMomentumReduceScatter", "replica_hook", "local_state_dict", "local_fits",
+           "load_local"]
 
 
 class LocalMomentumReduceScatter(MomentumReduceScatter):
@@ -182,25 +183,30 @@ def local_state_dict(sizes: Dict[str, Tuple[int, int]],
     return out
 
 
-def load_local(sd: Dict[str, Any], steps: Dict[str, int], warmup_steps: int, same: bool,
-               mom: MomentumState,
-               sizes: Optional[Dict[str, Tuple[int, int]]] = None) -> Dict[str, List[torch.Tensor]]:
-    """Restore a local-momentum state into ``mom`` and return the error buffers to keep: both
-    from ``sd`` when ``same`` (rank, world size and replica count match) and every buffer has
-    the planned size (``sizes``: key -> (elements, server elements)), else both reset (the
-    momentum is then seeded again from ``exp_avg`` at the next step). Checks first: nothing
-    changes when ``sd`` lacks its momenta."""
+def local_fits(sd: Dict[str, Any], sizes: Dict[str, Tuple[int, int]]) -> bool:
+    """Whether ``sd``'s local momenta and error buffers have the planned sizes (``sizes``: key ->
+    (elements, server elements)); another layout (e.g. another split of the world) does not.
+    ValueError when ``sd`` lacks its momenta."""
     local = sd.get("local_momentum")
     if not isinstance(local, dict) or not all(isinstance(v, torch.Tensor) for v in local.values()):
-        raise ValueError("compcomm.fsdp: load_state_dict: argument 'sd' lacks 'local_momentum'")
-    if sizes is not None:  # another layout (e.g. another split of the world): not the same
-        same = same and all(v.numel() == sizes[k][0] for k, v in local.items() if k in sizes) \
-            and all(v[0].numel() == sizes[k][0] for k, v in sd["errors"].items() if k in sizes)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise ValueError(f"[rank {rank}] compcomm.fsdp: load_state_dict: argument 'sd' lacks "
+                         "'local_momentum'")
+    return all(v.numel() == sizes[k][0] for k, v in local.items() if k in sizes) \
+        and all(v[0].numel() == sizes[k][0] for k, v in sd["errors"].items() if k in sizes)
+
+
+def load_local(sd: Dict[str, Any], steps: Dict[str, int], warmup_steps: int, same: bool,
+               mom: MomentumState) -> Dict[str, List[torch.Tensor]]:
+    """Restore a checked (:func:`local_fits`) local-momentum state into ``mom`` and return the
+    error buffers to keep: both from ``sd`` when ``same`` (rank, world size, replica count and
+    layout match on every rank), else both reset (the momentum is then seeded again from
+    ``exp_avg`` at the next step)."""
     errors: Dict[str, List[torch.Tensor]] = {}
     live: Dict[str, torch.Tensor] = {}
     if same:  # a segment has a local momentum once its module took a 1-bit step
         errors = {k: [b.clone() for b in v] for k, v in sd["errors"].items()}
-        live = {k: v.clone() for k, v in local.items()
+        live = {k: v.clone() for k, v in sd["local_momentum"].items()
                 if steps.get(k.split("#")[0], 0) > warmup_steps}
     mom.reset()
     mom.full.update(live)
