@@ -366,3 +366,30 @@ def nonfinite_cases(rank: int, world: int) -> Dict[str, Any]:
                      "moved": any(float(v[0].abs().max()) > 0 for v in after.values()),
                      "next": back(3)}
     return out
+
+
+def one_rank_momentum_cases(rank: int, world: int) -> Dict[str, Any]:
+    """World size 1, onebit's momentum modes: FSDP runs no reduce-scatter (no hook hands a
+    momentum over), so each parameter's own momentum drives the frozen phase: the same bits as
+    FrozenVarianceAdam with an int freeze_step (it raised at every step after the freeze)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import compcomm.fsdp as cf
+
+    out: Dict[str, Any] = {}
+    runs = {}
+    for mode in (None, "local_momentum", "plain"):
+        torch.manual_seed(0)
+        model = _mlp()
+        for m in (model[0], model[2], model):
+            fully_shard(m, mesh=init_device_mesh("cpu", (1,)))
+        freeze: Any = 2
+        if mode != "plain":
+            freeze = cf.onebit(model, warmup_steps=2, mode=mode)
+        opt = cf.FrozenVarianceAdam(model.parameters(), lr=1e-2, freeze_step=freeze)
+        runs[mode] = _train(model, opt, rank, range(5))
+    for mode in (None, "local_momentum"):
+        out[str(mode)] = all(torch.equal(a, b) for x, y in zip(runs[mode], runs["plain"])
+                             for a, b in zip(x, y))
+    return out

@@ -262,3 +262,8 @@ def test_load_state_dict_checks_everything_before_changing(mode):
         with pytest.raises(ValueError, match=f"'{key}'"):
             st.load_state_dict(bad)
         assert st.steps == {"blk": 3}, (key, value)
+
+
+def test_momentum_modes_at_one_rank_use_each_parameters_own_momentum():
+    assert run_ranks(1, C.one_rank_momentum_cases, timeout=240) == [
+        {"None": True, "local_momentum": True}]

@@ -35,6 +35,7 @@ import math
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch.optim.adam import adam as _torch_adam
 
 __all__ = ["FrozenVarianceAdam"]
@@ -234,11 +235,17 @@ class FrozenVarianceAdam(torch.optim.Optimizer):
                     for p, m in zip(owners, ms or []):
                         if m is not None:
                             self._momentum.give(p, m)
-                gi, j = missing[0]
-                raise RuntimeError(
-                    f"FrozenVarianceAdam: frozen parameter {j} of param group {gi} has no "
-                    "momentum from compcomm.fsdp.onebit's momentum mode for this step (its "
-                    "reduce-scatter did not run since the last step); nothing was updated")
+                if not dist.is_initialized() or dist.get_world_size() == 1:
+                    # FSDP reduces nothing with one rank (no hook runs): each parameter's own
+                    # momentum, as the 1-bit optimizers' compressed phase takes on one rank
+                    momenta = [None] * len(plans)
+                else:
+                    gi, j = missing[0]
+                    raise RuntimeError(
+                        f"FrozenVarianceAdam: frozen parameter {j} (of those with a gradient) of "
+                        f"param group {gi} has no momentum from compcomm.fsdp.onebit's momentum "
+                        "mode for this step (its reduce-scatter did not run since the last step, "
+                        "or FSDP does not manage it: ignored_params); nothing was updated")
         for (group, warm, frozen, _), ms in zip(plans, momenta):
             b1, b2 = group["betas"]
             if warm[0]:
