@@ -393,3 +393,45 @@ def one_rank_momentum_cases(rank: int, world: int) -> Dict[str, Any]:
         out[str(mode)] = all(torch.equal(a, b) for x, y in zip(runs[mode], runs["plain"])
                              for a, b in zip(x, y))
     return out
+
+
+def shard_dim1_cases(rank: int, world: int) -> Dict[str, Any]:
+    """A parameter sharded on dim 1 (``shard_placement_fn``): the planned pieces are FSDP's
+    (padded on that dim). The gradient mode then uses its planned segment (it fell back to one
+    flat segment of another size), and the momentum mode, its average exact, follows
+    FrozenVarianceAdam on FSDP's own reduce-scatter (it failed at the switch)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    import compcomm.fsdp as cf
+    from compcomm.fsdp_layout import shard_params
+
+    def build():
+        torch.manual_seed(1)
+        model = torch.nn.Sequential(torch.nn.Linear(12, 7, bias=False), torch.nn.Tanh(),
+                                    torch.nn.Linear(7, 4, bias=False))
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)),
+                    shard_placement_fn=lambda p: Shard(1) if p.shape[1] == 12 else None)
+        return model
+
+    def train(model, opt):
+        for t in range(4):
+            opt.zero_grad()
+            x = torch.randn(4, 12, generator=torch.Generator().manual_seed(10 * t + rank))
+            model(x).pow(2).sum().backward()
+            opt.step()
+        return [p.detach().to_local().clone() for p in model.parameters()]
+
+    model = build()
+    st = cf.onebit(model, warmup_steps=1, mode="gradient")
+    train(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    keys = sorted(st.state_dict()["errors"])
+    ref_model = build()
+    ref = train(ref_model, cf.FrozenVarianceAdam(ref_model.parameters(), lr=1e-2, freeze_step=1))
+    model = build()
+    st = cf.onebit(model, warmup_steps=1, mode="momentum")
+    st.momentum.exact = True  # full-precision average: FSDP's own, to rounding
+    got = train(model, cf.FrozenVarianceAdam(model.parameters(), lr=1e-2, freeze_step=st))
+    err = max(float((a - b).abs().max()) for a, b in zip(got, ref))
+    return {"keys": keys, "pieces": [pc for _, pc, _ in shard_params(model)], "err": err}

@@ -267,3 +267,9 @@ def test_load_state_dict_checks_everything_before_changing(mode):
 def test_momentum_modes_at_one_rank_use_each_parameters_own_momentum():
     assert run_ranks(1, C.one_rank_momentum_cases, timeout=240) == [
         {"None": True, "local_momentum": True}]
+
+
+def test_parameter_sharded_on_dim_1():
+    for res in run_ranks(2, C.shard_dim1_cases, timeout=240):
+        assert res["keys"] == ["<root>"] and res["pieces"] == [42, 14], res
+        assert res["err"] < 1e-6, res

@@ -60,11 +60,14 @@ def shard_size(p: torch.Tensor) -> int:
 
 
 def piece_numel(p: torch.Tensor) -> int:
-    """Elements of one rank's piece of parameter ``p``'s gradient in FSDP's reduce-scatter
-    (dim 0 padded to a multiple of the shard group's size)."""
+    """Elements of one rank's piece of parameter ``p``'s gradient in FSDP's reduce-scatter (its
+    shard dim, 0 unless ``shard_placement_fn`` says another, padded to a multiple of the shard
+    group's size)."""
     world = shard_size(p)
-    dim0 = p.shape[0] if p.dim() else 1
-    return math.ceil(dim0 / world) * (p.numel() // dim0)
+    dims = [pl.dim for pl in getattr(p, "placements", ()) if pl.is_shard()]
+    dim = dims[-1] if dims else 0
+    n = p.shape[dim] if p.dim() else 1
+    return math.ceil(n / world) * (p.numel() // n)
 
 
 def shard_pieces(m: torch.nn.Module) -> List[Tuple[int, int]]:
