@@ -498,3 +498,42 @@ def rank0_load_cases(rank: int, world: int, mode: str) -> Dict[str, Any]:
     out["step"] = error_of(lambda: _run(model, opt, rank, [5], f32))
     out["finite"] = all(bool(torch.isfinite(p.to_local()).all()) for p in model.parameters())
     return out
+
+
+class _Branch(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.a, self.b = torch.nn.Linear(13, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        return self.b(h) if use_b else h
+
+
+def skipped_warmup_cases(rank: int, world: int, mode: str) -> List[Any]:
+    """``b`` has no gradient in the first warm-up step, so its step count lags its module's
+    reduction count by one. At the switch it is frozen with the module: it takes the momentum
+    handed over (``exp_avg`` becomes it; its gradient carries the same values), and nothing is
+    left untaken. (It was stepped as warm: AdamW on that momentum as a gradient, and the next
+    backward raised "a second gradient reduction".) Per step: (b's exp_avg equals its gradient,
+    any momentum left untaken)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import compcomm.fsdp as cf
+
+    model = _Branch()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    st = cf.onebit(model, warmup_steps=2, mode=mode)
+    opt = cf.FrozenVarianceAdam(model.parameters(), freeze_step=st)
+    out = []
+    for t, use_b in enumerate([False, True, True, True, True]):
+        opt.zero_grad()
+        model(_batch(t, rank, torch.float32), use_b).pow(2).sum().backward()
+        opt.step()
+        b = [model.b.weight, model.b.bias]
+        took = use_b and all(torch.equal(opt.state[p]["exp_avg"].to_local(), p.grad.to_local())
+                             for p in b)
+        out.append((took, any(st.momentum.holds(p) for p in model.parameters())))
+    return out

@@ -183,3 +183,10 @@ def test_every_rank_loading_rank0s_state_resets_on_every_rank(mode):
         assert ("'errors'" if rank else "another rank") in res["bad"], res
         assert res["bad_unchanged"] and res["reset"], res
         assert res["step"] == "no error" and res["finite"], res
+
+
+@pytest.mark.parametrize("mode", ["momentum", "local_momentum"])
+def test_parameter_without_a_warmup_gradient_switches_with_its_module(mode):
+    for res in run_ranks(2, C.skipped_warmup_cases, mode, timeout=240):
+        assert [untaken for _, untaken in res] == [False] * 5, res
+        assert [took for took, _ in res[2:]] == [True] * 3, res  # the 1-bit steps

@@ -217,7 +217,10 @@ class FrozenVarianceAdam(torch.optim.Optimizer):
                 if p.grad.is_sparse:
                     raise TypeError("FrozenVarianceAdam: sparse gradients are not supported")
                 st = self._init_state(p)
-                lists = warm if int(st["step"]) < group["freeze_step"] else frozen
+                # the momentum modes switch a module at once: a parameter that missed a warm-up
+                # step (no gradient) is frozen with the others once it is handed a momentum
+                given = self._momentum is not None and self._momentum.holds(p)
+                lists = warm if int(st["step"]) < group["freeze_step"] and not given else frozen
                 for lst, t in zip(lists, (p, p.grad, st["exp_avg"], st["exp_avg_sq"])):
                     lst.append(_local(t))
                 lists[4].append(st["step"])
