@@ -73,6 +73,9 @@ class _Source:
     def give(self, p, m) -> None:
         self.m[id(p)] = m
 
+    def holds(self, p) -> bool:
+        return id(p) in self.m
+
 
 class _State:
     warmup_steps = 2

@@ -238,15 +238,17 @@ class FrozenVarianceAdam(torch.optim.Optimizer):
                     for p, m in zip(owners, ms or []):
                         if m is not None:
                             self._momentum.give(p, m)
-                if not dist.is_initialized() or dist.get_world_size() == 1:
+                if dist.is_initialized() and dist.get_world_size() == 1:
                     # FSDP reduces nothing with one rank (no hook runs): each parameter's own
                     # momentum, as the 1-bit optimizers' compressed phase takes on one rank
                     momenta = [None] * len(plans)
                 else:
                     gi, j = missing[0]
+                    group, owner = plans[gi][0], plans[gi][3][j]
+                    i = next(k for k, q in enumerate(group["params"]) if q is owner)
                     raise RuntimeError(
-                        f"FrozenVarianceAdam: frozen parameter {j} (of those with a gradient) of "
-                        f"param group {gi} has no momentum from compcomm.fsdp.onebit's momentum "
+                        f"FrozenVarianceAdam: frozen parameter {i} of param group {gi} has no "
+                        "momentum from compcomm.fsdp.onebit's momentum "
                         "mode for this step (its reduce-scatter did not run since the last step, "
                         "or FSDP does not manage it: ignored_params); nothing was updated")
         for (group, warm, frozen, _), ms in zip(plans, momenta):
