@@ -205,6 +205,12 @@ def bad_cases(rank: int, world: int) -> Dict[str, Any]:
                                 for m in (model[0], model[3])]  # as before: no extra reshard
     out["gradient_after"] = M.error_of(lambda: cf.onebit(model, warmup_steps=2, mode="gradient"))
     out["again"] = cf.onebit(model, warmup_steps=2, mode=LOCAL).replicate_group is not None
+    model, state, _ = _model(f32, LOCAL)  # FSDP's HSDP accumulation idiom: the mode refuses it
+    opt = cf.FrozenVarianceAdam(model.parameters(), freeze_step=state)  # bound weakly: kept
+    model.set_requires_all_reduce(False)
+    out["no_all_reduce"] = M.error_of(
+        lambda: model(M._batch(0, rank, f32)).pow(2).sum().backward())
+    del opt
     return out
 
 

@@ -55,6 +55,8 @@ def test_refused():
         assert res["gradient_after"].startswith("UnsupportedError"), res
         assert res["mixed"].startswith("UnsupportedError") and "'0'" in res["mixed"], res
         assert res["mixed_untouched"], res
+        assert res["no_all_reduce"].startswith("UnsupportedError"), res
+        assert "set_requires_all_reduce(False)" in res["no_all_reduce"], res
 
 
 def test_default_with_the_allgather():

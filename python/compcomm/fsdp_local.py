@@ -44,6 +44,7 @@ import torch.distributed as dist
 from .collectives import compressed_allreduce, padded_numel
 from .errors import UnsupportedError
 from .fsdp_exchange import reduce_scatter_segments
+from .fsdp_hsdp import param_groups
 from .fsdp_momentum import MomentumReduceScatter, MomentumState
 
 __all__ = ["LocalMomentumReduceScatter", "replica_hook", "local_state_dict", "local_fits",
@@ -142,6 +143,16 @@ def replica_hook(state: Any, rs: "LocalMomentumReduceScatter",
     key = rs.name + "/replicas"
 
     def hook(reduce_output: torch.Tensor) -> None:
+        m = rs.module()
+        if m is not None and not all(getattr(pg, "all_reduce_grads", True)
+                                     for pg in param_groups(m)):
+            # FSDP's HSDP accumulation idiom: this hook would average every micro-batch (and
+            # count each as a warm-up step), then find a second reduction in the 1-bit phase
+            raise UnsupportedError(f"[rank {dist.get_rank()}] compcomm.fsdp.onebit(mode="
+                                   f"'local_momentum'): module {rs.name!r} has "
+                                   "set_requires_all_reduce(False), which this mode does not "
+                                   "take (leave it True, or use mode='gradient')",
+                                   "all_reduce_hook", "fsdp")
         if not state.compressing(key):
             warmup(reduce_output)  # counts the step
             return
