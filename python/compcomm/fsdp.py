@@ -52,8 +52,9 @@ from .errors import NonFiniteError, UnsupportedError
 from .fsdp_checkpoint import all_true, check_state
 from .fsdp_gather import DEFAULT_EXACT_NUMEL, GatherState, compressed_allgather
 from .fsdp_exchange import reduce_scatter_segments
-from .fsdp_hsdp import check_onebit, local_default, mesh_ndim, replicas_summed, take_replicas
-from .fsdp_layout import check_one_group, plan_indices, plan_segments, shard_params
+from .fsdp_hsdp import (check_one_group, check_onebit, local_default, mesh_ndim,
+                        replicas_summed, take_replicas)
+from .fsdp_layout import plan_indices, plan_segments, shard_params
 from .fsdp_local import (LocalMomentumReduceScatter, load_local, local_fits, local_state_dict,
                          replica_hook)
 from .fsdp_momentum import (MomentumReduceScatter, MomentumState, WarmupReduceScatter,

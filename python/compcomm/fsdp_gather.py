@@ -45,7 +45,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .errors import UnsupportedError
-from .fsdp_layout import check_one_group
+from .fsdp_hsdp import check_one_group
 from .quantize import (DEFAULT_BLOCK, dequantize_blockwise, payload_bytes, quantize_blockwise,
                        round_stochastic)
 

@@ -30,8 +30,8 @@ import torch.distributed as dist
 from .errors import UnsupportedError
 from .fsdp_layout import shard_params, shard_size
 
-__all__ = ["check_onebit", "taken", "local_default", "check_replicas", "take_replicas",
-           "replicas_summed", "param_groups", "mesh_ndim"]
+__all__ = ["check_onebit", "check_one_group", "taken", "local_default", "check_replicas",
+           "take_replicas", "replicas_summed", "param_groups", "mesh_ndim"]
 
 
 def param_groups(module: Any) -> List[Any]:
@@ -44,6 +44,19 @@ def param_groups(module: Any) -> List[Any]:
     if groups is None:
         groups = [st._fsdp_param_group]
     return [g for g in groups if g is not None]
+
+
+def check_one_group(mods: List[Tuple[str, Any]], call: str) -> None:
+    """FSDP2's custom reduce-scatter, all-gather and all-reduce hook refuse a module of several
+    parameter groups (a per-parameter mesh, ``shard_placement_fn``): ValueError naming the first
+    such module of ``mods`` (name, module), before ``call`` installs anything on any of them."""
+    for name, m in mods:
+        n = len(param_groups(m))
+        if n > 1:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            raise ValueError(f"[rank {rank}] {call}: argument 'model': module {name!r} has {n} "
+                             "FSDP parameter groups (a per-parameter mesh from shard_placement_fn);"
+                             " compcomm's hooks take one per module (nothing was installed)")
 
 
 def mesh_ndim(module: Any) -> int:

@@ -13,13 +13,12 @@ import math
 from typing import Any, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from .compress import plan_buckets
 
-__all__ = ["fsdp_params", "check_one_group", "shard_size", "piece_numel", "shard_pieces",
-           "shard_params", "plan_indices", "plan_segments"]
+__all__ = ["fsdp_params", "shard_size", "piece_numel", "shard_pieces", "shard_params",
+           "plan_indices", "plan_segments"]
 
 
 def fsdp_params(m: torch.nn.Module) -> Optional[List[Any]]:
@@ -32,19 +31,6 @@ def fsdp_params(m: torch.nn.Module) -> Optional[List[Any]]:
         return list(groups[0].fsdp_params) if len(groups) == 1 else None
     except Exception:  # noqa: BLE001 - another torch's internals: one segment per module
         return None
-
-
-def check_one_group(mods: List[Tuple[str, Any]], call: str) -> None:
-    """FSDP2's custom reduce-scatter, all-gather and all-reduce hook refuse a module of several
-    parameter groups (a per-parameter mesh, ``shard_placement_fn``): ValueError naming the first
-    such module of ``mods`` (name, module), before ``call`` installs anything on any of them."""
-    for name, m in mods:
-        n = len(getattr(m._get_fsdp_state(), "_fsdp_param_groups", None) or ())
-        if n > 1:
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            raise ValueError(f"[rank {rank}] {call}: argument 'model': module {name!r} has {n} "
-                             "FSDP parameter groups (a per-parameter mesh from shard_placement_fn);"
-                             " compcomm's hooks take one per module (nothing was installed)")
 
 
 def shard_size(p: torch.Tensor) -> int:

@@ -262,9 +262,11 @@ class OneBitBase(BucketPlans, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        key = None  # which parameters have gradients: made once, where something reads it
         if self._overlap is not None:  # before any other collective: the exchanges go first
-            self._overlap.settle(self._device(), has_grads(self.param_groups))
-        self._agree_layout()
+            key = has_grads(self.param_groups)
+            self._overlap.settle(self._device(), key)
+        self._agree_layout(key)
         if self._amp_skip():
             self.skipped_steps += 1
         else:
@@ -323,14 +325,14 @@ class OneBitBase(BucketPlans, torch.optim.Optimizer):
         """The parameters' device (of the first parameter; the CPU if there is none)."""
         return next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
 
-    def _agree_layout(self) -> None:
+    def _agree_layout(self, key: Optional[Tuple[bool, ...]] = None) -> None:
         """Raise RankMismatchError on every rank, before anything is sent or changed, if the
         ranks' parameters (shapes, dtypes, which have gradients), bucket plans or schedules
         differ (:mod:`compcomm._agree`): one small all-gather the first time a set of parameters
         with gradients is seen, nothing afterwards."""
         if self.world_size == 1 or not self.check_layout:
             return
-        key = has_grads(self.param_groups)
+        key = has_grads(self.param_groups) if key is None else key
         self._layout_check.agree(self.comm, f"{self._name}.step", key,
                                  lambda: layout_fields(self), self._device())
 
