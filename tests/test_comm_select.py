@@ -157,3 +157,85 @@ def test_a_new_world_after_destroy_gets_a_new_adapter(gloo_world):
     new = compcomm.get_communicator(None)
     assert isinstance(new, compcomm.TorchCommunicator) and new is not old
     assert [c for _, c in _comm._torch_comms.values()] == [new]
+
+
+def test_an_infinite_timeout_waits_and_leaves_the_group_usable(gloo_world):
+    """``timeout=inf`` passes the argument checks; converting it for torch's wait used to fail
+    after the collective had started, which marked the group broken for good."""
+    comm = compcomm.get_communicator(None)
+    x = torch.ones(3)
+    comm._run("all_reduce", types.SimpleNamespace(timeout_s=float("inf")), False,
+              lambda: dist.all_reduce(x, async_op=True))
+    assert comm.broken is None and x.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_bad_group_arguments_name_the_argument(gloo_world):
+    with pytest.raises(ValueError, match=r"\[rank 0\].*argument 'group'.*not a member"):
+        compcomm.get_communicator(dist.GroupMember.NON_GROUP_MEMBER)
+    with pytest.raises(TypeError, match=r"\[rank 0\].*argument 'group' must be"):
+        compcomm.get_communicator([0])
+    with pytest.raises(TypeError, match="argument 'group'"):
+        compcomm.compressed_allreduce(torch.zeros(8), *compcomm.error_buffers(torch.zeros(8)),
+                                      group=0)
+
+
+def test_init_torch_reuses_the_groups_adapter(gloo_world):
+    """One adapter per group, whichever way it is reached, so users of the group see each other."""
+    comm = compcomm.get_communicator(None)
+    try:
+        assert compcomm.init("torch") is comm
+        assert compcomm.init("torch", comm=dist.group.WORLD) is comm
+    finally:
+        compcomm.shutdown()
+
+
+def test_the_adapter_of_a_destroyed_world_refuses(gloo_world):
+    """After destroy_process_group() and a new world, an adapter of the old one (init's default,
+    or one an optimizer holds) raises a typed error instead of running on the new world with the
+    old world's rank and size."""
+    old = compcomm.init("torch")
+    try:
+        dist.destroy_process_group()
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        with pytest.raises(BackendError, match="destroyed"):
+            old.do_barrier(types.SimpleNamespace(timeout_s=5.0))
+        with pytest.raises(ValueError, match="argument 'group'.*destroyed"):
+            compcomm.TorchCommunicator(old.group)
+    finally:
+        compcomm.shutdown()
+
+
+def test_init_and_shutdown_keep_the_native_communicators_of_groups(gloo_world, as_nccl,
+                                                                   monkeypatch):
+    """``compcomm.init``/``shutdown`` replace ``group=None``'s default; the native communicator
+    made for a torch process group (which an optimizer holds) stays alive, while one that init
+    made itself is destroyed."""
+    from compcomm import _nccl
+
+    destroyed = []
+    monkeypatch.setattr(_C.LocalCommunicator, "destroy",
+                        lambda self, t=30.0: destroyed.append(self), raising=False)
+    monkeypatch.setattr(_C.LocalCommunicator, "closed", False, raising=False)
+    monkeypatch.setattr(_nccl, "_cache", {})
+
+    def cached_make(group=None, *a, **k):  # as make_nccl_communicator: cached in _nccl
+        comm = _C.LocalCommunicator()
+        _nccl._cache[("torch", id(comm), 0, True)] = (comm, comm)
+        return comm
+
+    monkeypatch.setattr(_comm._nccl, "make_nccl_communicator", cached_make)
+    held = OneBitAdam([torch_param()], freeze_step=1).comm
+    assert held is compcomm.get_communicator(None)
+    mine = compcomm.init("nccl")
+    compcomm.init("local")
+    assert destroyed == [mine]  # init's own, replaced
+    compcomm.shutdown()
+    assert destroyed == [mine] and compcomm.get_communicator(None) is held
+
+
+@pytest.mark.skipif(not _C.build_info()["mpi"], reason="built without MPI")
+@pytest.mark.parametrize("handle", [0, 2, -1, 1 << 70])
+def test_an_integer_that_is_no_mpi_handle_is_refused(handle):
+    """A small integer (a Fortran handle from py2f(), say) used to abort the whole job in MPI."""
+    with pytest.raises(ValueError, match="argument 'comm'"):
+        compcomm.make_communicator("mpi", comm=handle)

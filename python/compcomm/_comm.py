@@ -56,10 +56,12 @@ class TorchCommunicator(_C.Communicator):
         _C.Communicator.__init__(self)
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("TorchCommunicator needs torch.distributed.init_process_group() first")
-        self.group = group
-        self._rank = dist.get_rank(group)
-        self._size = dist.get_world_size(group)
-        self._name = f"torch:{dist.get_backend(group)}"
+        # The group object itself, not None: after destroy_process_group() and a new world, this
+        # communicator must refuse (its rank and size are the old world's), not use the new one.
+        self.group = process_group(group, "TorchCommunicator")
+        self._rank = dist.get_rank(self.group)
+        self._size = dist.get_world_size(self.group)
+        self._name = f"torch:{dist.get_backend(self.group)}"
         # The first failed collective's error type and text: the group is then unusable (a peer is
         # gone, or an op is left half-run on some ranks), and every later call raises at once.
         self._failed: Optional[Tuple[type, str]] = None
@@ -73,6 +75,9 @@ class TorchCommunicator(_C.Communicator):
         return None if self._failed is None else self._failed[1]
 
     def _ensure_usable(self, call: str) -> None:
+        if self._failed is None and not _is_live(self.group):
+            self._failed = (BackendError, "its process group was destroyed "
+                            "(torch.distributed.destroy_process_group)")
         if self._failed is not None:
             cls, text = self._failed
             raise cls(
@@ -98,6 +103,9 @@ class TorchCommunicator(_C.Communicator):
         of either to a typed error. A failed wait, or a transport failure at the start, marks
         this communicator broken; the backend refusing the arguments does not."""
         self._ensure_usable(call)
+        # timedelta holds at most ~8.6e13 s (not inf): longer is forever; converted before the
+        # collective starts, so that no conversion error can leave it unwaited
+        wait = datetime.timedelta(seconds=min(opts.timeout_s, _FOREVER_S))
         try:
             work = start()
         except (TypeError, ValueError):  # a rejected argument: the group itself is still fine
@@ -113,7 +121,7 @@ class TorchCommunicator(_C.Communicator):
                 # host until completion. The process group's own timeout (watchdog) still applies.
                 work.wait()
             else:
-                work.wait(timeout=datetime.timedelta(seconds=opts.timeout_s))
+                work.wait(timeout=wait)
         except Exception as e:  # torch raises RuntimeError (or DistBackendError) for both cases
             self._failed_with(call, e)
 
@@ -151,7 +159,7 @@ class TorchCommunicator(_C.Communicator):
             tensor_of(buf), op=_OPS[op], group=self.group, async_op=True))
 
     def do_broadcast(self, buf: _C.Buffer, root: int, opts: _C.CallOptions) -> None:
-        src = dist.get_global_rank(self.group, root) if self.group is not None else root
+        src = dist.get_global_rank(self.group, root)
         self._run("broadcast", opts, buf.device >= 0, lambda: dist.broadcast(
             tensor_of(buf), src=src, group=self.group, async_op=True))
 
@@ -160,6 +168,40 @@ class TorchCommunicator(_C.Communicator):
 
 
 Group = Union[None, Any, _C.Communicator]
+
+_FOREVER_S = 1e9  # about 31 years
+
+
+def _live_groups() -> Optional[Any]:
+    """torch's registry of live process groups (private; None on a torch without it)."""
+    return getattr(getattr(getattr(dist, "distributed_c10d", None), "_world", None), "pg_map", None)
+
+
+def _is_live(pg: Any) -> bool:
+    live = _live_groups()
+    return dist.is_initialized() if live is None else pg in live
+
+
+def process_group(group: Optional[Any], call: str) -> Any:
+    """``group`` (None: the world) as a live torch ProcessGroup that this process belongs to, or a
+    TypeError/ValueError naming the argument ``group`` and this process's rank in the world."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"{call}: a torch.distributed process group needs "
+                           "torch.distributed.init_process_group() first")
+    rank = dist.get_rank()
+    pg = dist.group.WORLD if group is None else group
+    if isinstance(pg, int) and pg == dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"[rank {rank}] {call}: argument 'group': this process is not a member of that group "
+            "(torch.distributed.new_group returns NON_GROUP_MEMBER on the ranks it leaves out)")
+    if not isinstance(pg, dist.ProcessGroup):
+        raise TypeError(
+            f"[rank {rank}] {call}: argument 'group' must be None, a torch.distributed "
+            f"ProcessGroup or a compcomm Communicator, got {type(pg).__name__}")
+    if not _is_live(pg):
+        raise ValueError(f"[rank {rank}] {call}: argument 'group' is a process group that "
+                         "torch.distributed.destroy_process_group has destroyed")
+    return pg
 
 _local = _C.LocalCommunicator()
 _default: Optional[_C.Communicator] = None
@@ -210,9 +252,10 @@ def resolve(group: Group) -> _C.Communicator:
             if _torch_comms:  # the torch world is gone, and every group with it
                 _drop_destroyed()
             return _local
-    pg = group if group is not None else dist.group.WORLD
-    entry = _torch_comms.get(id(pg))  # the entry holds pg, so its id cannot be reused meanwhile
+    pg = dist.group.WORLD if group is None else group
+    entry = _torch_comms.get(id(pg)) if isinstance(pg, dist.ProcessGroup) else None  # the entry holds pg, so its id cannot be reused meanwhile
     if entry is None or entry[0] is not pg or getattr(entry[1], "closed", False):
+        process_group(group, "group")  # a clear error for what is not a live group of ours
         _drop_destroyed()  # first those of groups destroyed since the last one was made
         entry = (pg, _native_nccl(group) or TorchCommunicator(group))
         _torch_comms[id(pg)] = entry
@@ -229,9 +272,7 @@ def _release(comms: List[_C.Communicator]) -> None:
 def _drop_destroyed() -> None:
     """Drop the cached communicators of process groups that torch has destroyed
     (``destroy_process_group`` of one, or of all); native NCCL ones are destroyed."""
-    # torch's registry of live groups (private; a torch without it: only the whole world's end)
-    live = getattr(getattr(dist, "distributed_c10d", None), "_world", None)
-    live = getattr(live, "pg_map", None)
+    live = _live_groups()  # a torch without it: only the whole world's end is seen
     if live is not None:
         dead = [k for k, (pg, _) in _torch_comms.items() if pg not in live]
     elif not dist.is_initialized():
@@ -255,6 +296,11 @@ def wait_cancellable(comm: _C.Communicator, timeout: float) -> bool:
         sync(timeout)
         return True
     return False
+
+
+def group_communicators() -> List[_C.Communicator]:
+    """The communicators cached for torch process groups (see :func:`resolve`)."""
+    return [c for _, c in _torch_comms.values()]
 
 
 def forget_process_groups() -> None:

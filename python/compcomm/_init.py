@@ -10,8 +10,11 @@ from __future__ import annotations
 import atexit
 from typing import Any, Callable, Dict, List, Optional
 
+import torch.distributed as dist
+
 from . import _C, _nccl
-from ._comm import TorchCommunicator, set_default_communicator
+from ._comm import (TorchCommunicator, group_communicators, process_group, resolve,
+                    set_default_communicator)
 from ._defaults import DEFAULT_TIMEOUT
 from .errors import UnsupportedError
 
@@ -31,7 +34,15 @@ def register_backend(name: str, factory: Factory) -> None:
 
 def _mpi_handle(comm: Any) -> Optional[int]:
     """The integer MPI_Comm handle of ``comm`` (None, an int, or an mpi4py communicator)."""
-    if comm is None or (isinstance(comm, int) and not isinstance(comm, bool)):
+    if comm is None:
+        return comm
+    if isinstance(comm, int) and not isinstance(comm, bool):
+        # Open MPI's handles are pointers, MPICH's have high bits set: a small integer is a Fortran
+        # handle (mpi4py's py2f()) or a mistake, and MPI would abort the job on it
+        if not 1 << 16 <= comm < 1 << 64:
+            raise ValueError(
+                f"init: argument 'comm' = {comm} is not an MPI_Comm handle (a small integer is a "
+                "Fortran handle, e.g. from py2f()); pass the mpi4py communicator itself")
         return comm
     if type(comm).__module__.startswith("mpi4py"):
         from mpi4py import MPI
@@ -67,7 +78,10 @@ def _make_mpi(cuda_aware: Optional[bool], comm: Any, timeout_s: float) -> _C.Com
 
 def _make_torch(cuda_aware: Optional[bool], comm: Any, timeout_s: float) -> _C.Communicator:
     # cuda_aware is an MPI notion; torch's process groups handle device memory themselves.
-    return TorchCommunicator(comm)
+    pg = process_group(comm, "init")
+    if dist.get_backend(pg) != "nccl":  # the adapter group=pg already means: one per group, so
+        return resolve(pg)  # that users of the group see each other (compcomm.is_shared)
+    return TorchCommunicator(pg)  # resolve would make a native NCCL one
 
 
 def _make_local(cuda_aware: Optional[bool], comm: Any, timeout_s: float) -> _C.Communicator:
@@ -181,16 +195,18 @@ def shutdown() -> None:
 
     ``group=None`` then means torch's default process group again (or a world of one rank).
     The MPI communicator is freed once nothing else refers to it; MPI itself stays initialised
-    (compcomm finalizes it at exit if compcomm initialised it). Native NCCL communicators are
-    destroyed (ncclCommFinalize/Destroy; aborted if their work does not finish).
+    (compcomm finalizes it at exit if compcomm initialised it). Native NCCL communicators made by
+    :func:`init` or ``make_nccl_communicator`` are destroyed (ncclCommFinalize/Destroy; aborted if
+    their work does not finish); those made for torch process groups passed as ``group=`` (or
+    for ``group=None`` over torch's world) stay: they go with their group, or at exit.
     """
     _shutdown(keep=None)
 
 
 def _shutdown(keep: Optional[_C.Communicator]) -> None:
     set_default_communicator(None)  # only init() sets one
-    if _C.build_info()["nccl"]:
-        _nccl.shutdown_nccl(keep=keep)
+    if _C.build_info()["nccl"]:  # those group= arguments use stay: optimizers hold them
+        _nccl.shutdown_nccl(keep=[c for c in (keep,) if c is not None] + group_communicators())
 
 
 def build_info() -> Dict[str, Any]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import atexit
 import os
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import _C
 from ._defaults import DEFAULT_TIMEOUT
@@ -211,16 +211,16 @@ def make_nccl_communicator(
     return comm
 
 
-def shutdown_nccl(timeout: float = 30.0, keep: Any = None) -> int:
-    """Destroy every cached NCCL communicator but ``keep`` (each waits at most ``timeout`` s for its
-    pending work, then aborts).
+def shutdown_nccl(timeout: float = 30.0, keep: Sequence[Any] = ()) -> int:
+    """Destroy every cached NCCL communicator but those in ``keep`` (each waits at most ``timeout``
+    s for its pending work, then aborts).
 
     Returns how many were destroyed. Safe to call more than once; registered with ``atexit``;
-    ``compcomm.shutdown()`` calls it (after resetting the default communicator).
+    ``compcomm.shutdown()`` calls it (keeping those that ``group=`` arguments use, see there).
     """
-    comms = [c for _, c in _cache.values() if c is not keep]
-    for key in [k for k, (_, c) in _cache.items() if c is not keep]:
-        del _cache[key]
+    kept = {id(c) for c in keep}
+    doomed = [k for k, (_, c) in _cache.items() if id(c) not in kept]
+    comms = [_cache.pop(k)[1] for k in doomed]
     for c in comms:
         c.destroy(timeout)
     return len(comms)
