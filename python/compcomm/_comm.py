@@ -253,7 +253,8 @@ def resolve(group: Group) -> _C.Communicator:
                 _drop_destroyed()
             return _local
     pg = dist.group.WORLD if group is None else group
-    entry = _torch_comms.get(id(pg)) if isinstance(pg, dist.ProcessGroup) else None  # the entry holds pg, so its id cannot be reused meanwhile
+    # the entry holds pg, so its id cannot be reused meanwhile
+    entry = _torch_comms.get(id(pg)) if isinstance(pg, dist.ProcessGroup) else None
     if entry is None or entry[0] is not pg or getattr(entry[1], "closed", False):
         process_group(group, "group")  # a clear error for what is not a live group of ours
         _drop_destroyed()  # first those of groups destroyed since the last one was made
