@@ -1,5 +1,6 @@
 """Rank bodies for tests/test_zero_unused.py: ZeRO stage 2/3 when the ranks' backward passes reach
-different parameters (a branch taken on some ranks only, changing with the step and micro-step)."""
+different parameters (a branch taken on some ranks only, changing with the step and micro-step; a
+backward that reaches none of them), and under reentrant activation checkpointing."""
 
 from __future__ import annotations
 
@@ -18,11 +19,16 @@ class Branchy(torch.nn.Module):
         self.trunk = torch.nn.Linear(8, 16)
         self.branch = torch.nn.Linear(16, 16)
         self.head = torch.nn.Linear(16, 16)
+        self.reentrant = False  # the head under torch.utils.checkpoint(use_reentrant=True)
 
     def forward(self, x: torch.Tensor, use_branch: bool) -> torch.Tensor:
         h = torch.tanh(self.trunk(x))
         if use_branch:
             h = h + torch.tanh(self.branch(h))
+        if self.reentrant:
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(self.head, h, use_reentrant=True)
         return self.head(h)
 
 
@@ -36,14 +42,23 @@ def loss_of(model: Branchy, rank: int, step: int, micro: int) -> torch.Tensor:
     return ((model(x, uses_branch(rank, step, micro)) - y) ** 2).mean()
 
 
-def reference(world: int, steps: int, gas: int) -> List[torch.Tensor]:
+def reaches_none(case: Dict[str, Any], rank: int, micro: int) -> bool:
+    """Whether this micro-step's backward reaches none of the model's parameters (case "none")."""
+    return case.get("none", False) and rank == 1 and micro == 0
+
+
+def reference(world: int, steps: int, gas: int, case: Dict[str, Any] = {}) -> List[torch.Tensor]:
     """Adam on the gradients averaged over every rank's micro-batches, unused parameters' as 0."""
     model = Branchy()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     for s in range(steps):
         for k in range(gas):
             for r in range(world):
-                (loss_of(model, r, s, k) / (world * gas)).backward()
+                if not reaches_none(case, r, k):
+                    (loss_of(model, r, s, k) / (world * gas)).backward()
+        for p in model.parameters():  # ZeRO's reduction gives no gradient as zeros
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         opt.step()
         opt.zero_grad()
     return [p.detach().clone() for p in model.parameters()]
@@ -56,6 +71,8 @@ def train(rank: int, world: int, cases: List[Dict[str, Any]]) -> List[Dict[str, 
     out = []
     for case in cases:
         model = Branchy()
+        model.reentrant = case.get("reentrant", False)
+        other = torch.nn.Parameter(torch.ones(4))  # no parameter of the ZeroOptimizer
         onebit = case.get("onebit", False)
         cls = OneBitAdam if onebit else torch.optim.Adam
         kw = {"lr": 1e-2, "freeze_step": 2} if onebit else {"lr": 1e-2}
@@ -66,7 +83,10 @@ def train(rank: int, world: int, cases: List[Dict[str, Any]]) -> List[Dict[str, 
                           overlap_comm=case["overlap"], timeout=60.0, **extra)
         for s in range(case["steps"]):
             for k in range(case["gas"]):
-                loss_of(model, rank, s, k).backward()
+                if reaches_none(case, rank, k):
+                    (other * 2).sum().backward()
+                else:
+                    loss_of(model, rank, s, k).backward()
             z.step()
         if case["stage"] == 3:
             z.gather_parameters()

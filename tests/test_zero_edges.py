@@ -181,3 +181,29 @@ def test_cpu_adam_add_param_group_checks_hyper_parameters(bad, key):
     with pytest.raises(ValueError, match=f"CPUAdam: param group's '{key}'"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2))], **bad})
     assert len(opt.param_groups) == 1
+
+
+def test_an_unused_large_parameter_is_reduced_in_bounded_pieces(monkeypatch):
+    """A parameter larger than ``reduce_bucket_size`` that got no gradient (an unused embedding)
+    is reduced as zero pieces from the pool: no buffer of its whole size is allocated."""
+    torch.manual_seed(0)
+    big = torch.nn.Parameter(torch.randn(50_000))
+    small = torch.nn.Parameter(torch.randn(10))
+    before = small.detach().clone()
+    z = ZeroOptimizer([big, small], torch.optim.AdamW, stage=2, reduce_bucket_size=1000,
+                      optimizer_kwargs={"lr": 1e-2})
+    sizes = []
+    zeros = torch.zeros
+
+    def counting_zeros(*shape, **kw):
+        t = zeros(*shape, **kw)
+        sizes.append(t.numel())
+        return t
+
+    monkeypatch.setattr(torch, "zeros", counting_zeros)
+    (small * 2).sum().backward()  # its end reduces every bucket, the unused one as zeros
+    z.step()
+    monkeypatch.undo()
+    assert sizes and max(sizes) < 50_000
+    assert not torch.equal(small.detach(), before)  # it stepped
+    z.close()

@@ -105,6 +105,7 @@ class GradReducer:
                       for bi in reversed(range(len(groups[gi].buckets)))]
         self._ready: set = set()  # buckets complete out of turn in this round
         self._next = 0  # index in order of the next bucket to launch
+        self.rounds = 0  # rounds launched (every bucket once) since the last step or reset
         #: per group: elements of a pool buffer; a larger bucket is reduced in pieces
         self.cap = [_cap(g, piece, world) for g in groups]
         self._pending: List[tuple] = []  # (work, group, bucket, staging base, recv, chunk offset)
@@ -202,6 +203,7 @@ class GradReducer:
             acc.reset()
         self._ready.clear()
         self._next = 0
+        self.rounds = 0
 
     # ---- launch order --------------------------------------------------------------------------
 
@@ -217,6 +219,7 @@ class GradReducer:
         """``launch`` every bucket not launched yet in this round, in order; the next round
         starts from the first bucket. Every tensor's arrivals are counted afresh."""
         rest, self._next = self.order[self._next:], 0
+        self.rounds += 1
         self._ready.clear()
         self.clear_arrivals()
         for gi, bi in rest:
@@ -245,9 +248,8 @@ class GradReducer:
         :meth:`complete`); a split bucket's in pieces; zeros if nothing was staged."""
         grp = self.groups[gi]
         if bi not in self.acc[gi].views:
-            if self.split(gi, bi):
-                self._submit_pieces(gi, bi, torch.zeros(grp.buckets[bi].padded, dtype=grp.dtype,
-                                                        device=self.device))
+            if self.split(gi, bi):  # no gradient: zero pieces (staging stays bounded)
+                self._submit_pieces(gi, bi, None)
                 return
             self.view(gi, bi, onebit=False)
         st, base = self.take(gi, bi)
@@ -266,14 +268,14 @@ class GradReducer:
         if not self.overlap:
             self.complete(len(self._pending))
 
-    def _submit_pieces(self, gi: int, bi: int, grad: torch.Tensor) -> None:
-        """Reduce-scatter a split bucket's gradient ``grad`` (unpadded) piece by piece (see the
-        module docstring): each piece gathers ``s`` elements of every rank's chunk into a pool
-        buffer, zero past the gradient's end (the bucket's padding)."""
+    def _submit_pieces(self, gi: int, bi: int, grad: Optional[torch.Tensor]) -> None:
+        """Reduce-scatter a split bucket's gradient ``grad`` (unpadded; None: zeros) piece by
+        piece (see the module docstring): each piece gathers ``s`` elements of every rank's chunk
+        into a pool buffer, zero past the gradient's end (the bucket's padding)."""
         grp = self.groups[gi]
         b = grp.buckets[bi]
         s = self.cap[gi] // self.world
-        n = grad.numel()
+        n = 0 if grad is None else grad.numel()
         for lo in range(0, b.chunk, s):
             m = min(s, b.chunk - lo)
             base = self._buffer(gi)
@@ -307,12 +309,19 @@ class GradReducer:
         if self.sink is not None:
             self.sink.drain()
 
-    def flush(self) -> None:
+    def flush(self, rounds: int = 1) -> None:
         """Launch the buckets of an open round (parameters without gradients count as 0), wait
-        all. Stage 1: reduce-scatter each group's whole gradients (``p.grad``) into a new shard."""
+        all. Stage 2/3: a rank that launched fewer than ``rounds`` rounds in this step (its
+        backward passes reached none of the parameters, or fewer backward passes than
+        ``gradient_accumulation_steps``) launches the missing ones as zeros, so that its
+        collectives pair with its peers'. Stage 1: reduce-scatter each group's whole gradients
+        (``p.grad``) into a new shard."""
         if self.stage >= 2:
             if self.round_open():  # the end of backward launched them, unless it never came
                 self.launch_rest(self.submit)
+            while self.rounds < rounds:
+                self.launch_rest(self.submit)
+            self.rounds = 0
             self.wait()
             return
         for gi, grp in enumerate(self.groups):

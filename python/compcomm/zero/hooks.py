@@ -4,7 +4,10 @@ Each parameter's post-accumulate hook hands its gradient to the staging (:mod:`.
 soon as autograd has accumulated it, and frees ``p.grad``; a complete bucket is launched in its turn
 of the launch order. The first hook of a backward queues a callback on autograd's engine (as DDP's
 reducer does) that runs when that backward ends: it launches the buckets still waiting, so every
-rank issues the same collectives whichever parameters its backward reached. The backward passes
+rank issues the same collectives whichever parameters its backward reached. A backward nested in
+a node of the user's (reentrant activation checkpointing recomputes a segment and runs its own
+backward) is not the end: its callback moves the wait to the outer backward, through a hook on
+that node. The backward passes
 since the last ``step()`` are counted (:attr:`GradHooks.micro`): the 1-bit exchanges of an
 overlapped step go in the last of ``gradient_accumulation_steps`` micro-steps.
 """
@@ -35,7 +38,7 @@ class GradHooks:
         self.keep_pool, self.gas, self.phase = keep_pool, gas, phase
         #: backward passes ended since the last step (see :meth:`new_step`)
         self.micro = 0
-        self._queued = False  # this backward's end-of-backward callback is queued
+        self._queued: set = set()  # autograd graph tasks whose end-of-backward callback is queued
         self._handles: List[Any] = [
             p.register_post_accumulate_grad_hook(functools.partial(self.grad_ready, gi, ti))
             for gi, grp in enumerate(groups) for ti, p in enumerate(grp.params)]
@@ -44,9 +47,7 @@ class GradHooks:
         phase = self.phase()
         if p.grad is None or phase is Phase.LOCAL:  # local phase: gradients stay whole and local
             return
-        if not self._queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self.backward_done)
-            self._queued = True
+        self._queue_end()
         bi = self.groups[gi].tensors[ti].bucket
         if self.onebit is not None:
             self.onebit.check_open(gi, bi)
@@ -60,10 +61,27 @@ class GradHooks:
         if self.stage3 is not None:
             self.stage3.after_grad(p)
 
+    def _queue_end(self) -> None:
+        """Queue :meth:`backward_done` on the running backward (autograd graph task), once."""
+        task = _graph_task()
+        if task not in self._queued:
+            self._queued.add(task)
+            torch.autograd.Variable._execution_engine.queue_callback(self.backward_done)
+
     def backward_done(self) -> None:
         """The end of a backward that reached the parameters: the buckets not launched yet go, in
         the launch order (:mod:`.grad_reducer`)."""
-        self._queued = False
+        self._queued.discard(_graph_task())
+        node = _running_node()
+        if node is not None:  # a nested backward ended inside this node of an outer one
+            handles = []
+
+            def outer_goes_on(*_: Any) -> None:  # runs in the outer backward once node is done
+                handles.pop().remove()
+                self._queue_end()
+
+            handles.append(node.register_hook(outer_goes_on))
+            return
         self.micro += 1
         phase = self.phase()
         if phase is Phase.LOCAL:
@@ -77,9 +95,22 @@ class GradHooks:
         """step() or zero_grad(): micro-steps count from 0 again. A backward that raised never
         ran its callback (autograd drops it with the failed graph): the next one queues its own."""
         self.micro = 0
-        self._queued = False
+        self._queued.clear()
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+def _graph_task() -> int:
+    """The running backward's id (torch's own; -1 outside one or on a torch without it)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task() if task is not None else -1
+
+
+def _running_node() -> Any:
+    """The autograd node whose execution a backward's end-of-backward callback runs inside
+    (reentrant checkpointing), or None for a backward of its own."""
+    node = getattr(torch._C, "_current_autograd_node", None)
+    return node() if node is not None else None

@@ -332,7 +332,7 @@ class ZeroOptimizer:
         elif phase is Phase.ONEBIT:
             norm_sq = self._onebit.reduce()
         else:
-            self._grads.flush()
+            self._grads.flush(self.gas)
             div = float(self.world * self.gas) * self.scaler.scale
             for grp in self.groups:
                 if grp.master.grad is None:  # stage 1, offload: a group of no bucket got nothing
