@@ -25,6 +25,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this process when ``parent`` (the process that started it) dies, also of SIGTERM or
+    SIGKILL, which run no cleanup there (Linux ``PR_SET_PDEATHSIG``; elsewhere nothing)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        return
+    if os.getppid() != parent:  # it died before the prctl: nothing will signal us
+        os._exit(137)
+
+
 def _rank_main(
     rank: int,
     world_size: int,
@@ -34,7 +50,10 @@ def _rank_main(
     args: tuple,
     env: Dict[str, str],
     results: Any,
+    parent: int = 0,
 ) -> None:
+    if parent:
+        _die_with_parent(parent)
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size)
@@ -80,7 +99,8 @@ def run_ranks(
     free localhost port. ``fn`` and ``args`` must pickle (a module-level function). If a rank
     raises, the other ranks are killed and that rank's exception is re-raised here with the rank's
     traceback attached as a note; if ranks are still running after ``timeout`` seconds, they are
-    killed and ``TimeoutError`` names them.
+    killed and ``TimeoutError`` names them. The ranks get SIGKILL when this process dies (Linux:
+    ``PR_SET_PDEATHSIG``), so killing the launcher, even with SIGTERM or SIGKILL, leaves none.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -88,7 +108,7 @@ def run_ranks(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(r, world_size, port, backend, fn, args, dict(env or {}), results),
+            args=(r, world_size, port, backend, fn, args, dict(env or {}), results, os.getpid()),
             daemon=True,
         )
         for r in range(world_size)

@@ -68,8 +68,10 @@ def parse_sizes(text: str) -> List[int]:
                 out.append(_int_expr(part))
     except ValueError as e:
         raise ValueError(f"argument --sizes: {e}") from None
-    if not out or min(out) <= 0:
+    if out and min(out) <= 0:
         raise ValueError(f"argument --sizes: need positive sizes, got {text!r}")
+    if not out:  # "2^20..2^10": lo above hi
+        raise ValueError(f"argument --sizes: the range {text!r} is empty (write it low..high)")
     return sorted(set(out))
 
 
@@ -159,6 +161,13 @@ def run_main(argv: Sequence[str]) -> int:
         ap.error(f"argument --world-size: need integers, got {args.world_size!r}")
     if any(w < 2 for w in worlds):
         ap.error("argument --world-size: need at least 2 ranks")
+    if any(w > netns.MAX_WORLD for w in worlds):
+        ap.error(f"argument --world-size: at most {netns.MAX_WORLD} ranks (one /24 subnet)")
+    if args.min_iters < 1:
+        ap.error(f"argument --min-iters: must be >= 1, got {args.min_iters}")
+    if args.max_iters < args.min_iters:
+        ap.error(f"argument --max-iters: must be >= --min-iters ({args.min_iters}), "
+                 f"got {args.max_iters}")
     if any(netns.PROFILES[p].netns for p in profiles):
         try:
             netns.check_privileges()
@@ -167,6 +176,8 @@ def run_main(argv: Sequence[str]) -> int:
             return 2
 
     meta = _meta(argv)
+    # rows carry their run: speedups are ratios within one run, also after --append
+    meta["run_id"] = f"{meta['date']}-{os.getpid()}-{time.time_ns() % 10**9}"
     total = len(profiles) * len(worlds) * len(sizes) * len(methods)
     bar = None
     if not args.no_progress:
@@ -177,32 +188,37 @@ def run_main(argv: Sequence[str]) -> int:
         except ImportError:
             bar = None
     rows: List[Dict[str, Any]] = []
+    failures: List[str] = []
     t0 = time.time()
+
+    def on_row(r: Dict[str, Any]) -> None:  # (rows of a sweep that fails later are kept)
+        rows.append(dict(r, run=meta["run_id"]))
+        if bar is not None:
+            bar.set_postfix_str(f"{r['profile']} W={r['world_size']} {r['method']} n={r['count']}")
+            bar.update(1)
+
     try:
         for prof in profiles:
             for w in worlds:
-
-                def on_row(r: Dict[str, Any]) -> None:
-                    if bar is not None:
-                        bar.set_postfix_str(
-                            f"{r['profile']} W={r['world_size']} {r['method']} n={r['count']}"
-                        )
-                        bar.update(1)
-
-                rows += runner.run_sweep(
-                    prof,
-                    w,
-                    sizes,
-                    methods,
-                    target_time=args.target_time,
-                    min_iters=args.min_iters,
-                    max_iters=args.max_iters,
-                    timeout=args.timeout,
-                    on_row=on_row,
-                )
+                try:
+                    runner.run_sweep(prof, w, sizes, methods, target_time=args.target_time,
+                                     min_iters=args.min_iters, max_iters=args.max_iters,
+                                     timeout=args.timeout, on_row=on_row)
+                except (runner.SweepError, netns.NetnsError) as e:
+                    failures.append(f"{prof} W={w}")
+                    print(f"\ncompcomm-bench: {prof} W={w} FAILED: {e}", file=sys.stderr,
+                          flush=True)
+    except KeyboardInterrupt:
+        failures.append("interrupted")
+        print("\ncompcomm-bench: interrupted", file=sys.stderr, flush=True)
     finally:
         if bar is not None:
             bar.close()
+    if failures:
+        meta["failed"] = failures
+    if not rows:
+        print("compcomm-bench: no results to write", file=sys.stderr)
+        return 130 if "interrupted" in failures else 1
     meta["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     meta["wall_s"] = round(time.time() - t0, 1)
     json_path = os.path.join(args.out, f"{args.name}.json")
@@ -210,8 +226,9 @@ def run_main(argv: Sequence[str]) -> int:
         with open(json_path) as fh:
             old = json.load(fh)
         new_keys = {(r["profile"], r["world_size"], r["method"], r["count"]) for r in rows}
+        earlier = old["meta"].get("run_id") or f"before {meta['run_id']}"  # (rows without one)
         rows = [
-            r
+            dict(r, run=r.get("run", earlier))
             for r in old["rows"]
             if (r["profile"], r["world_size"], r["method"], r["count"]) not in new_keys
         ] + rows
@@ -222,6 +239,9 @@ def run_main(argv: Sequence[str]) -> int:
     with open(paths["md"]) as fh:
         print(fh.read())
     print("wrote " + ", ".join(paths.values()))
+    if failures:
+        print(f"compcomm-bench: partial results (failed: {', '.join(failures)})", file=sys.stderr)
+        return 130 if "interrupted" in failures else 1
     return 0 if all(r["wrong"] == 0 for r in rows) else 1
 
 
@@ -250,6 +270,14 @@ def project_main(argv: Sequence[str]) -> int:
         sizes = parse_sizes(args.sizes)
     except ValueError as e:
         ap.error(str(e))
+    if args.compute not in ("measured", "gpu", "both"):
+        try:
+            rate = float(args.compute)
+        except ValueError:
+            rate = float("nan")
+        if not rate > 0 or rate == float("inf"):
+            ap.error(f"argument --compute: need measured, gpu, both or a positive number of ns "
+                     f"per element, got {args.compute!r}")
     fits = []
     if args.results and os.path.exists(args.results):
         with open(args.results) as fh:

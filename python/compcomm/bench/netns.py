@@ -7,7 +7,7 @@ each rank has a full-duplex link of the profile's rate into the bridge (a switch
 ports). netem is not available on these machines, so the link adds no delay beyond the kernel's own.
 
 Everything is torn down on ``close()``, when the ``with`` block exits (also by an exception), at
-interpreter exit, and on SIGINT/SIGTERM. Names carry the creating process's pid, so
+interpreter exit, and on SIGINT/SIGTERM/SIGHUP. Names carry the creating process's pid, so
 :func:`cleanup_stale` removes leftovers of dead runs without touching a live run's namespaces.
 Creating namespaces needs root (CAP_NET_ADMIN); :func:`check_privileges` says so clearly.
 """
@@ -42,6 +42,8 @@ HOST_ADDRESS = f"{SUBNET}.254"  # the launcher's address on the bridge: Network.
 _NS_RE = re.compile(r"^ccbn-(\d+)-(\d+)-r(\d+)$")
 _LINK_RE = re.compile(r"^cb([0-9a-f]+)x(\d+)(h\d+|br)$")
 _counter = itertools.count()
+#: the most ranks a network holds (addresses .1 to .250 of the subnet)
+MAX_WORLD = 250
 
 
 class NetnsError(RuntimeError):
@@ -222,7 +224,10 @@ def _install_handlers() -> None:
             return
         atexit.register(_teardown_all)
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            # SIGHUP: the terminal closed (an ssh session ended), which ends the run as SIGTERM
+            for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+                if sig is None:
+                    continue
                 if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
                     signal.signal(sig, _on_signal)
         _handlers_installed = True
@@ -244,8 +249,9 @@ class Network:
 
     def __init__(self, profile, world_size: int) -> None:
         self.profile = PROFILES[profile] if isinstance(profile, str) else profile
-        if not 1 <= world_size <= 250:
-            raise ValueError(f"Network: argument 'world_size' must be in 1..250, got {world_size}")
+        if not 1 <= world_size <= MAX_WORLD:
+            raise ValueError(f"Network: argument 'world_size' must be in 1..{MAX_WORLD}, "
+                             f"got {world_size}")
         self.world_size = world_size
         self.run_id = next(_counter)
         self.pid = os.getpid()

@@ -59,15 +59,51 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-def _watch(procs: Sequence[subprocess.Popen], deadline: float, stop: threading.Event) -> None:
-    """Kill all ``procs`` at ``deadline`` (monotonic) or when one exits non-zero; until ``stop``."""
-    while not stop.wait(0.5):
-        failed = any(p.poll() not in (None, 0) for p in procs)
-        if failed:
-            stop.wait(2.0)  # let the failing rank's peers print their own error first
-        if failed or time.monotonic() > deadline:
+def _watch(procs: Sequence[subprocess.Popen], deadline: float, stop: threading.Event,
+           ended: Optional[Dict[int, float]] = None, killed: Optional[set] = None) -> None:
+    """Kill all ``procs`` at ``deadline`` (monotonic) or 2 s after one exits non-zero; until
+    ``stop``. Records in ``ended`` when each process was seen to end (index -> monotonic time),
+    and in ``killed`` the indices of those still running when it killed them."""
+    ended = {} if ended is None else ended
+    failed_at: Optional[float] = None
+    while not stop.wait(0.05):  # (fine-grained: the order of the exits names the cause)
+        now = time.monotonic()
+        for i, p in enumerate(procs):
+            if i not in ended and p.poll() is not None:
+                ended[i] = now
+        if failed_at is None and any(procs[i].returncode for i in ended):
+            failed_at = now  # let the failing rank's peers print their own error first
+        if (failed_at is not None and now - failed_at >= 2.0) or now > deadline:
+            if killed is not None:
+                killed.update(i for i, p in enumerate(procs) if p.poll() is None)
             _kill(procs)
             return
+
+
+def _exit_text(rc: Optional[int], by_us: bool) -> str:
+    """How a process ended, in words: ``exit 1``, ``killed by SIGKILL``."""
+    if rc is None:
+        return "still running"
+    if rc >= 0:
+        return f"exit {rc}"
+    try:
+        name = signal.Signals(-rc).name
+    except ValueError:
+        name = f"signal {-rc}"
+    return f"killed by {name}" + (" (by the harness, after another failed)" if by_us else "")
+
+
+def _exit_report(names: Sequence[str], rcs: Sequence[Optional[int]], ended: Dict[int, float],
+                 killed: set) -> List[str]:
+    """Every process's end, the cause first: the failures in the order they happened (a signal
+    first among those seen at once: a peer of a killed rank exits with an error after it), then
+    the processes the harness ended, then the clean exits."""
+    def key(i: int) -> Tuple[int, float, int, int]:
+        rc = rcs[i]
+        cat = 2 if rc == 0 else 1 if i in killed else 0
+        return cat, ended.get(i, float("inf")), 0 if rc is not None and rc < 0 else 1, i
+    return [f"{names[i]}: {_exit_text(rcs[i], i in killed)}"
+            for i in sorted(range(len(names)), key=key)]
 
 
 def _die_with_parent() -> None:
@@ -233,6 +269,8 @@ def run_on_profile(
         files = []
         watchdog: Optional[threading.Thread] = None
         stop = threading.Event()
+        ended: Dict[int, float] = {}  # (the watchdog's: when each process ended)
+        killed: set = set()  # (indices of the processes the watchdog ended)
         try:
             for _, cmd, penv, log in starts:
                 err = open(log, "a")
@@ -253,7 +291,8 @@ def run_on_profile(
             # Rank 0 may hang without printing (the loop below would never see the deadline), or
             # wait forever in a collective for a rank that died: the watchdog kills every rank at
             # the deadline or as soon as one of them exits with an error.
-            watchdog = threading.Thread(target=_watch, args=(procs, deadline + 5, stop), daemon=True)
+            watchdog = threading.Thread(target=_watch, daemon=True,
+                                        args=(procs, deadline + 5, stop, ended, killed))
             watchdog.start()
             assert procs[0].stdout is not None
             for line in procs[0].stdout:
@@ -267,18 +306,22 @@ def run_on_profile(
             for (name, *_), p in zip(starts, procs):
                 left = max(1.0, deadline - time.monotonic())
                 try:
-                    rc = p.wait(timeout=left)
+                    p.wait(timeout=left)
                 except subprocess.TimeoutExpired:
                     raise SweepError(f"{name} did not finish within {timeout} s") from None
-                if rc != 0:
-                    for f in files:
-                        f.flush()
-                    tails = [f"--- {label} log ---\n{_tail(log)}" for label, log in zip(
-                        [f"rank {q}" for q in range(world_size)] + ["mpirun"], logs)]
-                    raise SweepError(
-                        f"{name} exited with {rc} ({prof.name}, W={world_size}):\n"
-                        + "\n".join(tails)
-                    )
+            rcs = [p.returncode for p in procs]
+            if any(rcs):
+                stop.set()  # (its records are complete: every process has ended)
+                watchdog.join(timeout=5)
+                for f in files:
+                    f.flush()
+                ends = _exit_report([name for name, *_ in starts], rcs, dict(ended), killed)
+                tails = [f"--- {label} log ---\n{_tail(log)}" for label, log in zip(
+                    [f"rank {q}" for q in range(world_size)] + ["mpirun"], logs)]
+                first = ends[0].replace(": exit ", " exited with ").replace(": killed",
+                                                                              " was killed")
+                raise SweepError(f"{first} ({prof.name}, W={world_size}); every process: "
+                                 + "; ".join(ends) + "\n" + "\n".join(tails))
         finally:
             stop.set()
             _kill(procs, pid_files)

@@ -21,25 +21,25 @@ def augment(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     ``compression_ratio`` = fp32 ring wire bytes / this method's wire bytes;
     ``speedup_vs_fp32`` = the fp32 allreduce's time over the same transport (``mpi_fp32`` for the
     ``mpi_*`` methods, ``gloo_fp32`` for the others) / this time at the same count, profile and
-    world size.
+    world size, in the same run (rows carry ``run`` since ``--append`` merges runs; rows without
+    one are taken as one run); None where that run has no fp32 row.
     """
     import compcomm
 
     def transport(method: str) -> str:
         return "mpi" if method.startswith("mpi_") else "gloo"
 
-    base = {
-        (transport(r["method"]), r["profile"], r["world_size"], r["count"]): r["time_s"]
-        for r in rows
-        if r["method"] in ("gloo_fp32", "mpi_fp32")
-    }
+    def key(r: Dict[str, Any]) -> tuple:
+        return (r.get("run"), transport(r["method"]), r["profile"], r["world_size"], r["count"])
+
+    base = {key(r): r["time_s"] for r in rows if r["method"] in ("gloo_fp32", "mpi_fp32")}
     for r in rows:
         w, t = r["world_size"], r["time_s"]
         r["algbw_GBps"] = r["size_bytes"] / t / 1e9
         r["busbw_GBps"] = r["algbw_GBps"] * 2 * (w - 1) / w
         r["wire_GBps"] = r["wire_bytes"] / t / 1e9
         r["compression_ratio"] = compcomm.allreduce_wire_bytes(r["count"], w, 4) / r["wire_bytes"]
-        b = base.get((transport(r["method"]), r["profile"], r["world_size"], r["count"]))
+        b = base.get(key(r))
         r["speedup_vs_fp32"] = b / t if b else None
     return rows
 

@@ -52,7 +52,7 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
-from .netns import PROFILES
+from .netns import MAX_WORLD, PROFILES
 from .train_rank import MODELS, build_model, rank_main
 from .train_report import fmt_bytes, summarize, write_outputs
 from .train_setups import OPTIMIZERS
@@ -161,6 +161,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         ap.error(f"argument --world-size: need integers, got {a.world_size!r}")
     if any(w < 2 for w in a.worlds):
         ap.error("argument --world-size: need at least 2 ranks")
+    if any(w > MAX_WORLD for w in a.worlds):
+        ap.error(f"argument --world-size: at most {MAX_WORLD} ranks (one /24 subnet)")
     a.opt_list = list(OPTIMIZERS) if a.optimizers.strip() == "all" else \
         [o.strip() for o in a.optimizers.split(",") if o.strip()]
     if a.overlap_backward and "onebitadam_overlap" not in a.opt_list:

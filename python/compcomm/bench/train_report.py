@@ -208,14 +208,18 @@ def _loss_check(r: Dict[str, Any], twin: Dict[str, Any], kind: str) -> Dict[str,
     rel = (val[0] / val[1] - 1) if val else (a / b - 1)
     o = r["optimizer"]
     target = kind == "nofreeze" and o in _LOSS_TARGET
+    stopped = bool(r.get("stopped_early") or r.get("error"))
+    twin_stopped = bool(twin.get("stopped_early") or twin.get("error"))
+    # a run that stopped (diverged, failed, ran out of time) missed its target, whatever its loss
+    # at the last step both reached; a stopped twin leaves nothing to compare against
+    within = (False if stopped else None if twin_stopped else rel <= 0.02) if target else None
     return {"profile": r["profile"], "world_size": r["world_size"], "optimizer": o,
             "twin": twin["optimizer"], "kind": kind, "step": n, "train_loss": a,
             "twin_train_loss": b, "val_step": val[2] if val else None,
             "val_loss": val[0] if val else None, "twin_val_loss": val[1] if val else None,
-            "rel": rel, "within_2pct": rel <= 0.02 if target else None,
+            "rel": rel, "within_2pct": within,
             # stopped before its planned steps (a divergence, an error or the time budget)
-            "stopped": bool(r.get("stopped_early") or r.get("error")),
-            "twin_stopped": bool(twin.get("stopped_early") or twin.get("error"))}
+            "stopped": stopped, "twin_stopped": twin_stopped}
 
 
 def time_to_target(rows: List[Dict[str, Any]], target: Optional[float]) -> Dict[str, Any]:
@@ -323,7 +327,10 @@ def markdown(doc: Dict[str, Any]) -> str:
         for c in doc["loss_checks"]:
             vl = "" if c["val_loss"] is None else f"{c['val_loss']:.4f}"
             vt = "" if c["twin_val_loss"] is None else f"{c['twin_val_loss']:.4f}"
-            w2 = "" if c["within_2pct"] is None else ("yes" if c["within_2pct"] else "NO")
+            w2 = ("NO (stopped)" if c.get("stopped") and c["within_2pct"] is False else
+                  "-- (twin stopped)" if c.get("twin_stopped") and c["kind"] == "nofreeze"
+                  and c["optimizer"] in _LOSS_TARGET and c["within_2pct"] is None else
+                  "" if c["within_2pct"] is None else ("yes" if c["within_2pct"] else "NO"))
             o = c["optimizer"] + (" (stopped)" if c.get("stopped") else "")
             tw = c["twin"] + (" (stopped)" if c.get("twin_stopped") else "")
             out.append(f"| {c['profile']} | {c['world_size']} | {o} | {tw} | "

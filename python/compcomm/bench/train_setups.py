@@ -199,7 +199,9 @@ def make(name: str, model: Any, cfg: Dict[str, Any], world: int, dev: Any) -> Di
     from compcomm.compress import IdentityCompressor
     from compcomm.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
 
-    lr, never, warm = cfg["lr"], cfg["steps"] + 10, cfg["warmup"]
+    # "never" freezes after the longest run: the baselines run --baseline-steps when it is given
+    never = max(cfg["steps"], cfg.get("baseline_steps") or 0) + 10
+    lr, warm = cfg["lr"], cfg["warmup"]
     extra: Dict[str, Any] = {}
     if cfg.get("backend") in ("nccl", "mpi"):
         extra["comm_backend_name"] = cfg["backend"]
