@@ -5,7 +5,8 @@ all-gathered back into the flat parameters that the model's parameters are views
 at most ``allgather_bucket_size`` elements; stage 3 keeps only the new parameter shard.
 
 Stage 3 stores parameters only as shards (:class:`ParamGatherer`): module hooks all-gather a
-module's own parameters before its forward and its backward, prefetching
+module's own parameters (a leaf module's, such as attention: its children's too) before its
+forward and, through an identity autograd function on its outputs, before its backward, prefetching
 the next modules of the recorded trace (the first step's forward order; reversed for backward) up
 to ``stage3_prefetch_bucket_size`` elements and never more than ``stage3_max_live_parameters``
 alive, and release them afterwards -- except parameters of at most
@@ -18,10 +19,10 @@ ordered with the gradient reductions; every rank must run the same modules.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any, Dict, List, Optional
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 from .._buffers import buffer_of
 from .._scratch import stream_of
@@ -29,8 +30,27 @@ from .layout import GroupLayout, full_numel, full_shape
 
 __all__ = ["ParamGatherer", "publish"]
 
-_HOOK_WARNING = ("Full backward hook is firing when gradients are computed with respect to module "
-                 "outputs")
+#: modules whose forward uses their children's parameters without calling the children (torch's
+#: attention reads ``out_proj.weight`` itself): their hooks gather those parameters too
+LEAF_MODULES = (torch.nn.MultiheadAttention,)
+
+
+class _GatherForBackward(torch.autograd.Function):
+    """The identity on a module's output whose backward gathers the module's parameters: the
+    gradient reaches the output before any of the module's own backward nodes run. (Module
+    full-backward hooks do this too, but make the outputs views that in-place ops may not change
+    (``ReLU(inplace=True)``, ``out += x``), and skip outputs in a dict or list.)"""
+
+    @staticmethod
+    def forward(ctx: Any, gatherer: "ParamGatherer", module: torch.nn.Module,
+                t: torch.Tensor) -> torch.Tensor:
+        ctx.gatherer, ctx.module = gatherer, module
+        return t.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        ctx.gatherer._pre_backward(ctx.module)
+        return None, None, grad
 
 
 class ParamGatherer:
@@ -88,17 +108,18 @@ class ParamGatherer:
                 if id(p) not in self.where and p.requires_grad:
                     raise ValueError(f"module: parameter of {type(m).__name__} is not among the "
                                      "optimizer's params")
+        # the children of a leaf module are gathered by its hooks
+        inner = {id(c) for m in module.modules() if isinstance(m, LEAF_MODULES)
+                 for c in m.modules() if c is not m}
         # frozen parameters (requires_grad=False, not given to the optimizer) stay whole everywhere
-        self.modules = [m for m in module.modules() if self._own(m)]
-        # The backward pre-hooks also fire on modules whose inputs need no gradient (the first
-        # layer); torch warns about that case (while backward runs, so a catch_warnings block here
-        # would not see it), and it is exactly the one they are meant for. Installed once stage 3
-        # is used, not at import.
-        warnings.filterwarnings("ignore", message=_HOOK_WARNING)
+        self.modules = [m for m in module.modules() if id(m) not in inner and self._own(m)]
         for m in self.modules:
             self.handles.append(m.register_forward_pre_hook(self._pre_forward))
             self.handles.append(m.register_forward_hook(self._post_forward))
-            self.handles.append(m.register_full_backward_pre_hook(self._pre_backward))
+            # the parameters of a module live in the shards: a state dict of it would hold empty
+            # tensors, and one loaded into it would be overwritten from the shards
+            self.handles.append(m.register_state_dict_pre_hook(self._before_state_dict))
+            self.handles.append(m.register_load_state_dict_pre_hook(self._before_load))
         self.gather_all(persistent_only=True)
 
     def remove(self) -> None:
@@ -174,7 +195,8 @@ class ParamGatherer:
         self.inflight.clear()
 
     def _own(self, m: torch.nn.Module) -> List[torch.Tensor]:
-        return [p for p in m.parameters(recurse=False) if id(p) in self.where]
+        leaf = isinstance(m, LEAF_MODULES)
+        return [p for p in m.parameters(recurse=leaf) if id(p) in self.where]
 
     def _prefetch_after(self, m: torch.nn.Module, order: List[torch.nn.Module]) -> None:
         if not self.trace_done or self.prefetch <= 0:
@@ -216,10 +238,27 @@ class ParamGatherer:
         if not keep:
             for p in self._own(m):
                 self._release(p)
+        if not torch.is_grad_enabled() or all(id(p) in self.persistent for p in self._own(m)):
+            return None
+        return tree_map_only(torch.Tensor, lambda t: _GatherForBackward.apply(self, m, t)
+                             if t.requires_grad else t, out)
 
-    def _pre_backward(self, m: torch.nn.Module, grad_out: Any) -> None:
+    def _pre_backward(self, m: torch.nn.Module) -> None:
         self._fetch(self._own(m))
         self._prefetch_after(m, list(reversed(self.trace)))
+
+    def _before_state_dict(self, m: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
+        if not all(self._available(p) for p in self._own(m)):
+            raise RuntimeError(
+                f"ZeRO stage 3 holds the parameters of {type(m).__name__} ({prefix or 'the model'})"
+                " as shards: call ZeroOptimizer.gather_parameters() on every rank first (or save "
+                "with compcomm.zero.save_checkpoint)")
+
+    def _before_load(self, m: torch.nn.Module, *_: Any) -> None:
+        raise RuntimeError(
+            f"ZeRO stage 3 holds the parameters of {type(m).__name__} as shards, which a module's "
+            "load_state_dict does not write: load the weights before making the ZeroOptimizer, or "
+            "load a checkpoint with compcomm.zero.load_checkpoint")
 
     def after_grad(self, p: torch.Tensor) -> None:
         """``p``'s gradient has been taken: release it (unless it persists)."""
