@@ -5,8 +5,9 @@ Collectives of different sizes on different ranks do not fail cleanly: gloo and 
 read past a buffer) until a timeout. So a caller that builds a layout -- an optimizer's buckets, a
 DDP bucket, ZeRO's partition -- describes it as a few named fields and calls
 :meth:`LayoutCheck.agree`. The first time a description is seen, every rank all-gathers a record
-of 32 bytes (a digest of the fields; the fields themselves, one int64 each, small values as they
-are and the rest as 63-bit hashes, follow only when the digests differ), and if any field differs
+of 32 bytes (a digest of the fields; the fields themselves, plain values exactly -- in as many
+int64 words as the largest needs -- and the rest as 63-bit hashes, follow only when the digests
+differ), and if any field differs
 every rank raises the same :class:`~compcomm.errors.RankMismatchError`, naming the fields and
 ranks. A description seen before (and agreed) costs nothing: one tuple compare.
 
@@ -67,6 +68,32 @@ def _signed(v: int) -> int:
     return v - (1 << 64) if v >= 1 << 63 else v
 
 
+# A field's value travels in as many int64 words as the largest value on any rank needs (two's
+# complement, low word first), so values beyond int64 (freeze_step=10**20) still compare and print
+# exactly on every rank; beyond _MAX_WORDS words, as a digest (tag 1) instead.
+_MAX_WORDS = 64
+
+
+def _words_needed(v: int) -> int:
+    return min(v.bit_length() // 64 + 1, _MAX_WORDS)
+
+
+def _encode(v: int, words: int) -> List[int]:
+    """[tag, word 0, ..., word words-1]: tag 0, ``v`` exactly; tag 1, too large: its digest."""
+    if v.bit_length() >= 64 * words:
+        return [1, digest(v)] + [0] * (words - 1)
+    u = v & ((1 << (64 * words)) - 1)
+    return [0] + [_signed((u >> (64 * j)) & ((1 << 64) - 1)) for j in range(words)]
+
+
+def _decode(ws: Sequence[int]) -> Any:
+    """The value (or what is known of it) that :func:`_encode` made ``ws`` of."""
+    if ws[0]:
+        return f"an integer of more than {64 * (len(ws) - 1) - 1} bits"
+    u = sum((w & ((1 << 64) - 1)) << (64 * j) for j, w in enumerate(ws[1:]))
+    return u - (1 << (64 * (len(ws) - 1))) if u >> (64 * (len(ws) - 1) - 1) else u
+
+
 def _gather(comm: Any, values: List[int], device: Optional[torch.device],
             timeout: float) -> List[List[int]]:
     send = torch.tensor([_signed(v) for v in values], dtype=torch.int64, device=device)
@@ -101,7 +128,8 @@ def agree_layout(comm: Any, call: str, fields: Sequence[Field],
     a magic number where compressed_allreduce's header has its own (so a peer that went on to a
     compressed exchange instead, its layout unchanged while this rank's changed, raises there
     too, and this rank names it). Only if the digests differ, a second all-gather of the fields
-    themselves (one int64 each), to say which differ.
+    themselves, to say which differ: one int64 each, or as many as the largest value on any rank
+    needs (the first record says how many), so a value beyond int64 is still exact.
 
     Raises
     ------
@@ -113,7 +141,8 @@ def agree_layout(comm: Any, call: str, fields: Sequence[Field],
     if world == 1:
         return int(flags)
     values = [int(v) for _, v, _ in fields]
-    record = [digest(values), digest((call, len(fields))), int(flags), _MAGIC << 32]
+    words = max((_words_needed(v) for v in values), default=1)
+    record = [digest(values), digest((call, len(fields))), int(flags), (_MAGIC << 32) | words]
     rows = _gather(comm, record, device, timeout)
     magics = [(r[3] >> 32) & 0xFFFFFFFF for r in rows]
     other = [f"rank {i}: " + _PEER_CALLS.get(m, "an unknown record")
@@ -130,17 +159,22 @@ def agree_layout(comm: Any, call: str, fields: Sequence[Field],
         for r in rows:
             verdict |= r[2]
         return verdict
-    rows = _gather(comm, values, device, timeout)  # every rank saw the digests differ: all come
+    # every rank saw the digests differ: all come, with the widest rank's number of words
+    words = max(max(r[3] & 0xFF, 1) for r in rows)
+    sent = [w for v in values for w in _encode(v, words)]
+    rows = _gather(comm, sent, device, timeout)
+    width = words + 1
     what = []
     for k, (name, _, hashed) in enumerate(fields):
-        col = [r[k] for r in rows]
+        col = [tuple(r[k * width:(k + 1) * width]) for r in rows]  # one encoding per value
         if len(set(col)) == 1:
             continue
         if hashed:
             what.append(f"{name} (rank(s) {[i for i, v in enumerate(col) if v != col[0]]} "
                         "differ from rank 0)")
         else:
-            what.append(f"{name} ({', '.join(f'rank {i}: {v}' for i, v in enumerate(col))})")
+            per_rank = ", ".join(f"rank {i}: {_decode(v)}" for i, v in enumerate(col))
+            what.append(f"{name} ({per_rank})")
     raise RankMismatchError(f"[rank {rank}] {call}: ranks disagree on the layout of what they "
                             f"communicate: {'; '.join(what)}; nothing was changed",
                             call, "", 0, rank)

@@ -114,12 +114,13 @@ def check_flag(call: str, rank: int, name: str, value: object) -> bool:
                    call) from None
 
 
-def check_autograd(call: str, rank: int, tensor: torch.Tensor) -> None:
-    """ValueError if ``tensor`` requires grad while grad mode is on: the call overwrites it in
-    place, which autograd could not follow (torch itself refuses in-place ops on such leaves)."""
+def check_autograd(call: str, rank: int, tensor: torch.Tensor, name: str = "tensor") -> None:
+    """ValueError if argument ``name`` (``tensor``) requires grad while grad mode is on: the call
+    overwrites it in place, which autograd could not follow (torch itself refuses in-place ops on
+    such leaves)."""
     if tensor.requires_grad and torch.is_grad_enabled():
-        raise ValueError(f"[rank {rank}] {call}: argument 'tensor' requires grad; it is "
-                         "overwritten in place, so pass tensor.detach() (or a gradient) or call "
+        raise ValueError(f"[rank {rank}] {call}: argument '{name}' requires grad; it is "
+                         f"overwritten in place, so pass {name}.detach() (or a gradient) or call "
                          "it under torch.no_grad()")
 
 

@@ -329,8 +329,9 @@ def compressed_reduce_scatter(
     Raises
     ------
     TypeError, ValueError
-        A bad argument, or two arguments sharing memory (the message names them and the rank);
-        as in :func:`compressed_allreduce` the peers then raise ``RankMismatchError``.
+        A bad argument, two arguments sharing memory, or a ``tensor`` or ``out`` that requires
+        grad while grad mode is on (the message names them and the rank); as in
+        :func:`compressed_allreduce` the peers then raise ``RankMismatchError``.
     compcomm.errors.CommError
         Another thread is running a compressed call on the same communicator.
     compcomm.errors.RankMismatchError, compcomm.errors.NonFiniteError
@@ -346,6 +347,7 @@ def compressed_reduce_scatter(
     torch.Tensor
         ``out``: this rank's chunk (C elements, padding positions included) of the compressed
         average, identical to chunk r of :func:`compcomm.compressed_allreduce`'s result.
+        ``tensor`` and ``out`` are written in place for autograd (version counters bumped).
     """
     comm = resolve(group)
     call = "compressed_reduce_scatter"
@@ -365,6 +367,9 @@ def compressed_reduce_scatter(
                     _prepared.clear()
                 _prepared[key] = prep
         timeout_s = check_timeout(call, prep.rank, timeout)
+        # not part of the cached key (a cached call skips _prepare_reduce_scatter's checks)
+        check_autograd(call, prep.rank, tensor)
+        check_autograd(call, prep.rank, out, "out")
     except (TypeError, ValueError) as e:
         reject(comm, tensor, timeout, e)
         raise
@@ -377,7 +382,8 @@ def compressed_reduce_scatter(
                                           prep.out, prep.workspace_buffer(comm), timeout_s, stream)
     finally:
         prep.lock.release()
-    torch.autograd.graph.increment_version(tensor)
+    torch.autograd.graph.increment_version(tensor)  # both written in place: autograd must know
+    torch.autograd.graph.increment_version(out)
     return out
 
 

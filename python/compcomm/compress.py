@@ -28,7 +28,8 @@ import torch
 from . import _C
 from ._comm_users import join
 from ._agree import LayoutCheck, digest
-from ._bucket_views import PreparedBuckets
+from ._arguments import reject
+from ._bucket_views import PreparedBuckets, check_buckets, check_loaded, check_staged
 from ._bucketing import all_finite, plan_buckets
 from ._buffers import buffer_of
 from ._scratch import stream_of
@@ -131,13 +132,25 @@ class OneBitCompressor:
         If this rank fails on its own between two exchanges (``stage`` raised), the ranks are out
         of step: the exchanges already queued are waited for, and the compressor refuses every
         later call (:class:`~compcomm.errors.CommError`).
+
+        A key named twice, ``numels`` not counts >= 0 or a ``stage(i)`` that is no contiguous fp32
+        tensor of ``numels[i]`` elements on ``device``: TypeError/ValueError naming the bucket and
+        the rank, nothing changed; as in :func:`compcomm.compressed_allreduce` the peers raise
+        ``RankMismatchError`` (so do they against a rank with no bucket).
         """
         if self._broken:
             raise CommError(f"OneBitCompressor: {self._broken}; make a new optimizer (the ranks' "
                             "collectives are out of step)", "compressed_allreduce", "compress")
+        prep = self._prep  # the checks of a call like the last one passed already
+        if prep is None or prep.keys != keys or prep.numels != numels:
+            try:
+                check_buckets(keys, numels, self.comm.rank())
+            except (TypeError, ValueError) as e:
+                self._reject(device, e)
+                raise
         if self.comm.size() == 1:
             for i in range(len(keys)):
-                stage(i)
+                check_staged(stage(i), i, keys[i], numels[i], device, 0)
             return
         if not self.batched:  # before any buffer is made: a mismatch leaves no trace
             self._agree_buckets(numels, device)
@@ -153,6 +166,16 @@ class OneBitCompressor:
         finally:
             prep.release()
 
+    def _reject(self, device: torch.device, error: Exception) -> None:
+        """Tell the peers, in the collective they are in, that this rank rejected its arguments
+        (:func:`compcomm._arguments.reject`); ``error`` is what the caller then raises."""
+        reject(self.comm, torch.empty(0, device=device), self.timeout, error)
+
+    def _undo(self, prep: PreparedBuckets) -> None:
+        """The error buffers as before the call that made ``prep`` (it failed)."""
+        if prep.undo(self._buffers):
+            self._prep = None
+
     def _agree_buckets(self, numels: Sequence[int], device: torch.device) -> None:
         """RankMismatchError on every rank if the ranks' bucket counts or sizes differ. Per-bucket
         exchanges follow each other, so a rank with more buckets would wait in a collective until
@@ -167,18 +190,23 @@ class OneBitCompressor:
                           device: torch.device) -> None:
         """:meth:`average_`'s staging, exchange and commit over prepared buckets."""
         keys = prep.keys
-        created = prep.created
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-        works, calls, error = [], [], None
-        batched = self.batched and len(keys) > 1
+        works, calls, error, bad = [], [], None, None
+        batched = self.batched and len(keys) != 1  # no bucket: an empty batch, for the peers
         try:
             for i in range(len(keys)):
-                args = (prep.tensor_buffer(i, stage(i)),) + prep.error_args[i]
+                t = stage(i)
+                try:
+                    buf = prep.tensor_buffer(i, t)
+                except (TypeError, ValueError) as e:  # before bucket i's exchange: reject it
+                    bad = e
+                    break
+                args = (buf,) + prep.error_args[i]
                 if not batched:  # chained: a bucket that failed everywhere skips the rest
                     works.append(self._async.compressed_allreduce_exchange(
                         *args, self.timeout, stream, works[-1] if works else None))
                 calls.append(args)
-            if batched:  # every bucket staged: one exchange of three collectives
+            if batched and bad is None:  # every bucket staged: one exchange of three collectives
                 works.append(self._async.compressed_allreduce_exchange_many(
                     prep.tensors, prep.wes, prep.ses, prep.wss, prep.staging, self.timeout,
                     stream))
@@ -190,6 +218,13 @@ class OneBitCompressor:
                 w.wait(_FOREVER)  # each collective inside has its own timeout
             except Exception as e:  # noqa: BLE001 -- re-raised below, after the others finished
                 error = error or e
+        if bad is not None:
+            if error is None:  # the peers are in bucket len(calls)'s first collective (or none)
+                self._reject(device, bad)
+            elif hasattr(bad, "add_note"):
+                bad.add_note(f"(an earlier bucket's exchange failed too: {error!r})")
+            self._undo(prep)
+            raise bad
         synced = False
         if error is None:
             # NCCL may still have the last exchange's collectives on the stream: a peer lost there
@@ -199,13 +234,10 @@ class OneBitCompressor:
                 synced = wait_cancellable(self.comm, self.timeout)
             except Exception as e:  # noqa: BLE001 -- raised below like an exchange's failure
                 error = e
-        if error is not None:
-            for k in created:  # a failed call leaves no trace, not even new zero buffers
-                self._buffers.pop(k, None)
-            if created:
-                self._prep = None
+        if error is not None:  # a failed call leaves no trace, not even new zero buffers
+            self._undo(prep)
             raise error
-        prep.created = []  # they exist now: a later failure must not drop them
+        prep.created, prep.replaced = [], {}  # they exist now: a later failure must not drop them
         # after a wait that found no abort, every commit writes; all buckets in one C++ call
         _C.zero.compressed_allreduce_commit_many(self.comm, prep.tensors, prep.wes, prep.ses,
                                                  prep.wss, stream, gate=not synced)
@@ -216,19 +248,26 @@ class OneBitCompressor:
         kept from the last call while the keys, sizes, device and buffers are the same: a
         step of many small buckets paid ~10 us per bucket re-deriving them."""
         prep = self._prep
-        batched = self.batched and len(keys) > 1
+        batched = self.batched and len(keys) != 1
         if (prep is not None and prep.device == device and prep.keys == keys
                 and prep.numels == numels and (prep.staging is not None) == batched
                 and prep.valid(self._buffers)):
             return prep
-        created = [k for k in keys if k not in self._buffers]
-        world = self.comm.size()
-        bufs = [self._buffers_for(k, padded_numel(n, world), device) for k, n in zip(keys, numels)]
+        created, replaced, bufs = self._make_buffers(keys, numels, device)
         staging = None
         if batched:
             staging = buffer_of(self._staging_for([we.numel() for we, _, _ in bufs], device))
-        prep = self._prep = PreparedBuckets(list(keys), list(numels), device, bufs, staging, created)
+        prep = self._prep = PreparedBuckets(list(keys), list(numels), device, bufs, staging,
+                                            created, replaced, self.comm.rank())
         return prep
+
+    def _make_buffers(self, keys: Sequence[Hashable], numels: Sequence[int],
+                      device: torch.device) -> Tuple[List[Hashable], Dict[Hashable, Any], list]:
+        """Every bucket's buffers, the keys this made and the buffers it replaced (:meth:`_undo`)."""
+        world, old = self.comm.size(), {k: self._buffers[k] for k in keys if k in self._buffers}
+        bufs = [self._buffers_for(k, padded_numel(n, world), device) for k, n in zip(keys, numels)]
+        return ([k for k in keys if k not in old],
+                {k: b for k, b in old.items() if self._buffers[k] is not b}, bufs)
 
     def _staging_for(self, paddeds: List[int], device: torch.device) -> torch.Tensor:
         nbytes = _C.zero.compressed_allreduce_batch_bytes(paddeds, self.comm.size())
@@ -263,15 +302,20 @@ class OneBitCompressor:
         prep = self._groups.get(gkey)
         if prep is None or not prep.valid(self._buffers):
             world = self.comm.size()
-            created = [k for k in keys if k not in self._buffers]
-            bufs = [self._buffers_for(k, padded_numel(n, world), device)
-                    for k, n in zip(keys, numels)]
+            check_buckets(keys, numels, self.comm.rank())
+            created, replaced, bufs = self._make_buffers(keys, numels, device)
             nbytes = _C.zero.compressed_allreduce_batch_bytes([b[0].numel() for b in bufs], world)
             staging = buffer_of(torch.empty(nbytes, dtype=torch.uint8, device=device))
-            prep = PreparedBuckets(keys, numels, device, bufs, staging, created)
+            prep = PreparedBuckets(keys, numels, device, bufs, staging, created, replaced,
+                                   self.comm.rank())
             self._groups[gkey] = prep
-        for i, t in enumerate(tensors or ()):
-            prep.tensor_buffer(i, t)
+        try:
+            for i, t in enumerate(tensors or ()):
+                prep.tensor_buffer(i, t)  # checks a new tensor
+        except BaseException:  # nothing was queued: leave no trace
+            self._undo(prep)
+            self._groups.pop(gkey, None)
+            raise
         if before is not None:
             before()
         work = self._async.compressed_allreduce_exchange_many(
@@ -302,7 +346,7 @@ class OneBitCompressor:
             raise
         preps = [prep for _, prep in launches]
         for prep in preps:
-            prep.created = []
+            prep.created, prep.replaced = [], {}
         _C.zero.compressed_allreduce_commit_many(
             self.comm, [t for p in preps for t in p.tensors], [b for p in preps for b in p.wes],
             [b for p in preps for b in p.ses], [b for p in preps for b in p.wss], stream,
@@ -312,13 +356,10 @@ class OneBitCompressor:
 
     def drop_launched(self, launches: Sequence[Tuple[Any, PreparedBuckets]]) -> None:
         """Forget waited-for ``launches`` without writing anything: the error buffers they made
-        are dropped again, so the compressor is as before the first :meth:`launch_`."""
-        for _, prep in launches:
-            for k in prep.created:  # unless a reset replaced them meanwhile
-                if self._buffers.get(k) is prep.bufs[prep.keys.index(k)]:
-                    del self._buffers[k]
-                    self._prep = None
-            prep.created = []
+        are dropped again and those they replaced put back, so the compressor is as before the
+        first :meth:`launch_`."""
+        for _, prep in reversed(launches):  # the first launch's view of a bucket is the oldest
+            self._undo(prep)
             prep.release()
 
     def packed_average(self, keys: Sequence[Hashable], numels: Sequence[int],
@@ -385,9 +426,19 @@ class OneBitCompressor:
     def reduce_scatter_(self, key: Hashable, tensor: torch.Tensor, out: torch.Tensor) -> None:
         """1-bit reduce-scatter of ``tensor`` (``P`` fp32 elements, ``P = world * out.numel()``,
         overwritten) into this rank's chunk ``out``, with bucket ``key``'s error feedback
-        (:func:`compcomm.compressed_reduce_scatter`)."""
+        (:func:`compcomm.compressed_reduce_scatter`). If it fails, the bucket's error buffers are
+        as before (those of another size too)."""
+        old = self._buffers.get(key)
         we, se = self.error_buffers(key, tensor.numel(), tensor.device)
-        compressed_reduce_scatter(tensor, we, se, out=out, group=self.comm, timeout=self.timeout)
+        try:
+            compressed_reduce_scatter(tensor, we, se, out=out, group=self.comm,
+                                      timeout=self.timeout)
+        except BaseException:
+            if old is None:
+                self._buffers.pop(key, None)
+            else:
+                self._buffers[key] = old
+            raise
 
     def reduce_scatter_exchange(self, key: Hashable, tensor: torch.Tensor, out: torch.Tensor,
                                 async_comm: Any) -> Any:
@@ -438,13 +489,11 @@ class OneBitCompressor:
                 for k, (we, se, _) in self._buffers.items()}
 
     def load_state_dict(self, state: Dict[Hashable, Dict[str, torch.Tensor]]) -> None:
-        """Restore what :meth:`state_dict` returned (same world size)."""
-        world = self.comm.size()
-        for k, bufs in state.items():
-            we, se = bufs["worker_error"], bufs["server_error"]
-            if we.numel() % (8 * world) or se.numel() * world != we.numel():
-                raise ValueError(f"OneBitCompressor.load_state_dict: bucket {k!r} has error buffers "
-                                 f"of {we.numel()} / {se.numel()} elements, not a world of {world}")
+        """Restore what :meth:`state_dict` returned (same world size). Every bucket is checked
+        before anything is loaded: both buffers float32, 1-D, contiguous, on one CPU or CUDA
+        device, of ``P`` and ``P / world`` elements (``P`` a multiple of ``8 * world``); else
+        TypeError/ValueError naming the bucket and the rank, with nothing loaded."""
+        check_loaded(state, self.comm.size(), self.comm.rank())
         self._buffers = {}
         self._prep = None
         self._groups.clear()
