@@ -9,6 +9,7 @@
 #include <initializer_list>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "../comm.h"
 #include "../compressed_allreduce.h"
@@ -130,12 +131,15 @@ CallOptions options(double timeout_s, uintptr_t stream) {
   return CallOptions{timeout_s, reinterpret_cast<void*>(stream)};
 }
 
+// A kernel's status as an exception. kInvalidArgument: the kernel rejected an argument that the
+// binding did not check first (the bindings below check what each kernel takes, naming the argument).
 void check(kernels::Status s, const char* name) {
   if (s == kernels::Status::kSuccess) return;
   if (s == kernels::Status::kNotBuilt)
     throw Unsupported(std::string(name) + ": this build has no CUDA kernels", name, "cuda", 3, -1);
   if (s == kernels::Status::kInvalidArgument)
-    throw InvalidArgument(std::string(name) + ": invalid sizes (P must be a multiple of 8, >= n)");
+    throw InvalidArgument(std::string(name) +
+                          ": the kernel rejected its arguments (a count, chunk, stride or world it does not take)");
   throw BackendError(std::string(name) + ": CUDA error", name, "cuda", static_cast<int>(s), -1);
 }
 
@@ -148,6 +152,121 @@ kernels::InputType itype(const Buffer& b) {
 template <class T>
 T* ptr(const Buffer& b) {
   return static_cast<T*>(b.data);
+}
+
+// ---- Argument checks of the _C.kernels bindings. The kernels trust their inputs, so each binding
+// checks every buffer it passes: its dtype (TypeError), its size for the given counts, world and
+// strides, and its device (ValueError), the message naming the argument. Sizes are compared in forms
+// that cannot overflow (a product only after the division that bounds it). ----
+
+std::string device_name(const Buffer& b) {
+  return b.on_host() ? std::string("host") : "cuda:" + std::to_string(b.device);
+}
+
+[[noreturn]] void dtype_error(const char* fn, const char* name, const char* want, const Buffer& b) {
+  throw py::type_error(compcomm::detail::concat(fn, ": ", name, " must be ", want, ", got ", dtype_name(b.dtype)));
+}
+
+void need_dtype(const char* fn, const char* name, const Buffer& b, DType t) {
+  if (b.dtype != t) dtype_error(fn, name, dtype_name(t), b);
+}
+
+// The input tensor m of the worker kernels: fp32, fp16 or bf16.
+kernels::InputType need_input(const char* fn, const char* name, const Buffer& b) {
+  if (b.dtype != DType::kFloat32 && b.dtype != DType::kFloat16 && b.dtype != DType::kBFloat16)
+    dtype_error(fn, name, "float32, float16 or bfloat16", b);
+  return static_cast<kernels::InputType>(b.dtype);
+}
+
+// b.count >= n; `what` says where n comes from.
+void need_count(const char* fn, const char* name, const Buffer& b, int64_t n, const char* what) {
+  COMPCOMM_CHECK(b.count >= n, fn, ": ", name, " has ", b.count, " elements, needs ", n, " (", what, ")");
+}
+
+// `rows` runs of `len` elements, run i at element i * stride: stride >= 1 and
+// (rows - 1) * stride + len <= b.count. rows >= 1.
+void need_rows(const char* fn, const char* name, const Buffer& b, int rows, int64_t stride,
+               const char* stride_name, int64_t len) {
+  COMPCOMM_CHECK(stride >= 1, fn, ": ", stride_name, " must be >= 1, got ", stride);
+  COMPCOMM_CHECK(b.count >= len && (rows <= 1 || (b.count - len) / (rows - 1) >= stride), fn, ": ", name,
+                 " has ", b.count, " elements; world = ", rows, " rows of ", len, " at ", stride_name, " = ",
+                 stride, " need (world - 1) * ", stride_name, " + ", len);
+}
+
+void need_world(const char* fn, int world) {
+  COMPCOMM_CHECK(world >= 1, fn, ": world must be >= 1, got ", world);
+}
+
+// A kernel runs where `ref` lives and dereferences every pointer there.
+void same_device(const char* fn, const char* ref_name, const Buffer& ref,
+                 std::initializer_list<std::pair<const char*, const Buffer*>> bufs) {
+  for (const auto& [name, b] : bufs)
+    COMPCOMM_CHECK(b->device == ref.device, fn, ": ", name, " must be on the device of ", ref_name, " (",
+                   device_name(ref), "), got ", device_name(*b));
+}
+
+// The optional guard of the commit kernels: `world` fp32 scales at guard_stride, on ref's device.
+void check_guard(const char* fn, const std::optional<Buffer>& guard, int64_t guard_stride, int world,
+                 const char* ref_name, const Buffer& ref) {
+  if (!guard) return;
+  need_dtype(fn, "guard", *guard, DType::kFloat32);
+  need_rows(fn, "guard", *guard, world, guard_stride, "guard_stride", 1);
+  same_device(fn, ref_name, ref, {{"guard", &*guard}});
+}
+
+// worker_scale_pack(_header): m (n elements), error (P = error.numel(), P % 8 == 0, P >= n) and the
+// P/8 bytes of signs; the workspace scale_workspace_bytes(P) of m's device.
+kernels::InputType check_worker_pack(const char* fn, const Buffer& mm, const Buffer& e, const Buffer& signs,
+                                     const Buffer& ws) {
+  const kernels::InputType t = need_input(fn, "m", mm);
+  need_dtype(fn, "error", e, DType::kFloat32);
+  need_dtype(fn, "signs", signs, DType::kUInt8);
+  COMPCOMM_CHECK(e.count % 8 == 0 && e.count >= mm.count, fn, ": error has ", e.count,
+                 " elements (P); P must be a multiple of 8 and >= m.numel() (", mm.count, ")");
+  need_count(fn, "signs", signs, e.count / 8, "error.numel() / 8");
+  const auto scratch = static_cast<int64_t>(mm.on_host() ? kernels::cpu::scale_workspace_bytes(e.count)
+                                                         : kernels::cuda::scale_workspace_bytes(e.count));
+  COMPCOMM_CHECK(ws.bytes() >= scratch, fn, ": workspace has ", ws.bytes(), " bytes, needs ", scratch,
+                 " (scale_workspace_bytes(error.numel()))");
+  same_device(fn, "m", mm, {{"error", &e}, {"signs", &signs}, {"workspace", &ws}});
+  return t;
+}
+
+// The server side: signs (world rows of C/8 bytes, C = server_error.numel(), C % 8 == 0), scales
+// (world fp32 at scale_stride) and server_error.
+void check_server(const char* fn, const Buffer& signs, const Buffer& scales, int64_t stride, int world,
+                  const Buffer& serr) {
+  need_world(fn, world);
+  need_dtype(fn, "signs", signs, DType::kUInt8);
+  need_dtype(fn, "scales", scales, DType::kFloat32);
+  need_dtype(fn, "server_error", serr, DType::kFloat32);
+  COMPCOMM_CHECK(serr.count % 8 == 0, fn, ": server_error has ", serr.count,
+                 " elements (the chunk C), not a multiple of 8");
+  COMPCOMM_CHECK(serr.count / 8 <= signs.count / world, fn, ": signs has ", signs.count, " bytes, needs world (",
+                 world, ") * server_error.numel() / 8 (", serr.count / 8, ")");
+  need_rows(fn, "scales", scales, world, stride, "scale_stride", 1);
+  same_device(fn, "signs", signs, {{"scales", &scales}, {"server_error", &serr}});
+}
+
+// The worker commit: m (n elements), error (P, P % (8 * world) == 0, P >= n), the worker scale and the
+// world chunks' out_scales (at out_scale_stride) and out_signs (P / world / 8 bytes at out_sign_stride).
+kernels::InputType check_worker_commit(const char* fn, const Buffer& mm, const Buffer& e, const Buffer& scale,
+                                       const Buffer& out_scales, int64_t oss, const Buffer& out_signs,
+                                       int64_t osb, int world) {
+  need_world(fn, world);
+  const kernels::InputType t = need_input(fn, "m", mm);
+  need_dtype(fn, "error", e, DType::kFloat32);
+  need_dtype(fn, "scale", scale, DType::kFloat32);
+  need_dtype(fn, "out_scales", out_scales, DType::kFloat32);
+  need_dtype(fn, "out_signs", out_signs, DType::kUInt8);
+  COMPCOMM_CHECK(e.count % 8 == 0 && (e.count / 8) % world == 0 && e.count >= mm.count, fn, ": error has ",
+                 e.count, " elements (P); P must be a multiple of 8 * world (world = ", world,
+                 ") and >= m.numel() (", mm.count, ")");
+  need_count(fn, "scale", scale, 1, "one fp32 scale");
+  need_rows(fn, "out_scales", out_scales, world, oss, "out_scale_stride", 1);
+  need_rows(fn, "out_signs", out_signs, world, osb, "out_sign_stride", e.count / world / 8);
+  same_device(fn, "m", mm, {{"error", &e}, {"scale", &scale}, {"out_scales", &out_scales}, {"out_signs", &out_signs}});
+  return t;
 }
 
 // Raise the compcomm.errors class `name` with the error's fields.
@@ -355,9 +474,13 @@ PYBIND11_MODULE(_C, m) {
       "worker_scale_pack",
       [](const Buffer& mm, const Buffer& e, const Buffer& scale, const Buffer& signs, const Buffer& ws,
          uintptr_t stream) {
-        COMPCOMM_CHECK(signs.bytes() * 8 >= e.count, "worker_scale_pack: signs needs P/8 bytes");
+        const char* fn = "worker_scale_pack";
+        const kernels::InputType t = check_worker_pack(fn, mm, e, signs, ws);
+        need_dtype(fn, "scale", scale, DType::kFloat32);
+        need_count(fn, "scale", scale, 1, "one fp32 scale");
+        same_device(fn, "m", mm, {{"scale", &scale}});
         auto f = mm.on_host() ? kernels::cpu::worker_scale_pack : kernels::cuda::worker_scale_pack;
-        check(f(mm.data, itype(mm), mm.count, ptr<const float>(e), e.count, ptr<float>(scale),
+        check(f(mm.data, t, mm.count, ptr<const float>(e), e.count, ptr<float>(scale),
                 ptr<uint8_t>(signs), ws.data, reinterpret_cast<void*>(stream)),
               "worker_scale_pack");
       },
@@ -367,6 +490,17 @@ PYBIND11_MODULE(_C, m) {
       "server_scale_pack",
       [](const Buffer& signs, const Buffer& scales, int64_t stride, int world, const Buffer& serr,
          const Buffer& scale, const Buffer& packed, const Buffer& ws, uintptr_t stream) {
+        const char* fn = "server_scale_pack";
+        check_server(fn, signs, scales, stride, world, serr);
+        need_dtype(fn, "scale", scale, DType::kFloat32);
+        need_count(fn, "scale", scale, 1, "one fp32 scale");
+        need_dtype(fn, "packed", packed, DType::kUInt8);
+        need_count(fn, "packed", packed, serr.count / 8, "server_error.numel() / 8");
+        const auto scratch = static_cast<int64_t>(signs.on_host() ? kernels::cpu::scale_workspace_bytes(serr.count)
+                                                                  : kernels::cuda::scale_workspace_bytes(serr.count));
+        COMPCOMM_CHECK(ws.bytes() >= scratch, fn, ": workspace has ", ws.bytes(), " bytes, needs ", scratch,
+                       " (scale_workspace_bytes(server_error.numel()))");
+        same_device(fn, "signs", signs, {{"scale", &scale}, {"packed", &packed}, {"workspace", &ws}});
         auto f = signs.on_host() ? kernels::cpu::server_scale_pack : kernels::cuda::server_scale_pack;
         check(f(ptr<const uint8_t>(signs), ptr<const float>(scales), stride, world, ptr<const float>(serr),
                 serr.count, ptr<float>(scale), ptr<uint8_t>(packed), ws.data, reinterpret_cast<void*>(stream)),
@@ -379,6 +513,12 @@ PYBIND11_MODULE(_C, m) {
       "server_update",
       [](const Buffer& signs, const Buffer& scales, int64_t stride, int world, const Buffer& serr,
          const Buffer& scale, uintptr_t stream, std::optional<Buffer> guard, int64_t guard_stride) {
+        const char* fn = "server_update";
+        check_server(fn, signs, scales, stride, world, serr);
+        need_dtype(fn, "scale", scale, DType::kFloat32);
+        need_count(fn, "scale", scale, 1, "one fp32 scale");
+        same_device(fn, "signs", signs, {{"scale", &scale}});
+        check_guard(fn, guard, guard_stride, world, "signs", signs);
         auto f = signs.on_host() ? kernels::cpu::server_update : kernels::cuda::server_update;
         check(f(ptr<const uint8_t>(signs), ptr<const float>(scales), stride, world, ptr<float>(serr),
                 serr.count, ptr<const float>(scale), reinterpret_cast<void*>(stream),
@@ -393,9 +533,13 @@ PYBIND11_MODULE(_C, m) {
       [](const Buffer& mm, const Buffer& e, const Buffer& scale, const Buffer& out_scales,
          int64_t out_scale_stride, const Buffer& out_signs, int64_t out_sign_stride, int world,
          uintptr_t stream, std::optional<Buffer> guard, int64_t guard_stride) {
+        const char* fn = "worker_update_decompress";
+        const kernels::InputType t =
+            check_worker_commit(fn, mm, e, scale, out_scales, out_scale_stride, out_signs, out_sign_stride, world);
+        check_guard(fn, guard, guard_stride, world, "m", mm);
         auto f = mm.on_host() ? kernels::cpu::worker_update_decompress
                               : kernels::cuda::worker_update_decompress;
-        check(f(mm.data, itype(mm), mm.count, ptr<float>(e), e.count, ptr<const float>(scale),
+        check(f(mm.data, t, mm.count, ptr<float>(e), e.count, ptr<const float>(scale),
                 ptr<const float>(out_scales), out_scale_stride, ptr<const uint8_t>(out_signs),
                 out_sign_stride, world, reinterpret_cast<void*>(stream),
                 guard ? ptr<const float>(*guard) : nullptr, guard_stride),
@@ -409,7 +553,8 @@ PYBIND11_MODULE(_C, m) {
       "worker_scale_pack_header",
       [](const Buffer& mm, const Buffer& e, const Buffer& header, const Buffer& signs, const Buffer& ws,
          uint32_t magic, uintptr_t stream, std::optional<Buffer> notice, uint64_t seq) {
-        COMPCOMM_CHECK(signs.bytes() * 8 >= e.count, "worker_scale_pack_header: signs needs P/8 bytes");
+        const kernels::InputType t = check_worker_pack("worker_scale_pack_header", mm, e, signs, ws);
+        same_device("worker_scale_pack_header", "m", mm, {{"header", &header}});
         COMPCOMM_CHECK(header.bytes() >= static_cast<int64_t>(sizeof(kernels::ExchangeHeader)),
                        "worker_scale_pack_header: header needs 32 bytes");
         COMPCOMM_CHECK(!notice || notice->bytes() >= static_cast<int64_t>(sizeof(kernels::HeaderNotice)),
@@ -421,7 +566,7 @@ PYBIND11_MODULE(_C, m) {
         COMPCOMM_CHECK(!notice || reinterpret_cast<uintptr_t>(notice->data) % 8 == 0,
                        "worker_scale_pack_header: notice must be 8-byte aligned");
         auto f = mm.on_host() ? kernels::cpu::worker_scale_pack_header : kernels::cuda::worker_scale_pack_header;
-        check(f(mm.data, itype(mm), mm.count, ptr<const float>(e), e.count,
+        check(f(mm.data, t, mm.count, ptr<const float>(e), e.count,
                 static_cast<kernels::ExchangeHeader*>(header.data), static_cast<int32_t>(mm.dtype), magic,
                 ptr<uint8_t>(signs), ws.data, reinterpret_cast<void*>(stream),
                 notice ? static_cast<kernels::HeaderNotice*>(notice->data) : nullptr, seq),
@@ -457,11 +602,19 @@ PYBIND11_MODULE(_C, m) {
          const Buffer& mm, const Buffer& e, const Buffer& scale, const Buffer& out_scales, int64_t out_scale_stride,
          const Buffer& out_signs, int64_t out_sign_stride, int world, uintptr_t stream, std::optional<Buffer> guard,
          int64_t guard_stride) {
-        COMPCOMM_CHECK(world >= 1 && serr.count * world == e.count,
-                       "commit: server_error needs error.numel() / world elements");
+        const char* fn = "commit";
+        const kernels::InputType t =
+            check_worker_commit(fn, mm, e, scale, out_scales, out_scale_stride, out_signs, out_sign_stride, world);
+        COMPCOMM_CHECK(serr.count == e.count / world, fn, ": server_error has ", serr.count,
+                       " elements, needs error.numel() / world (", e.count / world, ")");
+        same_device(fn, "m", mm, {{"signs", &signs}, {"server_scale", &server_scale}});  // check_server: the rest
+        check_server(fn, signs, scales, stride, world, serr);
+        need_dtype(fn, "server_scale", server_scale, DType::kFloat32);
+        need_count(fn, "server_scale", server_scale, 1, "one fp32 scale");
+        check_guard(fn, guard, guard_stride, world, "m", mm);
         auto f = mm.on_host() ? kernels::cpu::commit : kernels::cuda::commit;
         check(f(ptr<const uint8_t>(signs), ptr<const float>(scales), stride, ptr<float>(serr),
-                ptr<const float>(server_scale), mm.data, itype(mm), mm.count, ptr<float>(e), e.count,
+                ptr<const float>(server_scale), mm.data, t, mm.count, ptr<float>(e), e.count,
                 ptr<const float>(scale), ptr<const float>(out_scales), out_scale_stride,
                 ptr<const uint8_t>(out_signs), out_sign_stride, world, reinterpret_cast<void*>(stream),
                 guard ? ptr<const float>(*guard) : nullptr, guard_stride),
@@ -476,8 +629,13 @@ PYBIND11_MODULE(_C, m) {
   k.def(
       "decompress",
       [](const Buffer& scale, const Buffer& packed, const Buffer& out, uintptr_t stream) {
-        COMPCOMM_CHECK(packed.bytes() * 8 >= out.count && out.dtype == DType::kFloat32,
-                       "decompress: out must be float32 and packed hold out.numel()/8 bytes");
+        const char* fn = "decompress";
+        need_dtype(fn, "scale", scale, DType::kFloat32);
+        need_dtype(fn, "packed", packed, DType::kUInt8);
+        need_dtype(fn, "out", out, DType::kFloat32);
+        need_count(fn, "scale", scale, 1, "one fp32 scale");
+        need_count(fn, "packed", packed, out.count / 8 + (out.count % 8 != 0), "ceil(out.numel() / 8)");
+        same_device(fn, "out", out, {{"scale", &scale}, {"packed", &packed}});
         auto f = out.on_host() ? kernels::cpu::decompress : kernels::cuda::decompress;
         check(f(ptr<const float>(scale), ptr<const uint8_t>(packed), out.count, ptr<float>(out),
                 reinterpret_cast<void*>(stream), nullptr, 0, 0),

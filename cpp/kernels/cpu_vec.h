@@ -75,8 +75,12 @@ typename V::T sqrt_of(typename V::T x, bool ieee) {
 // ------------------------------------------------------------------------------------------------
 // The vector types. Each provides T, kWidth, set1, load/store for float, Bf16 and F16, and the
 // correctly rounded add, sub, mul, div, sqrt and fma; max_nan, and Sums / add_squares / store_sums
-// (fp64 sums of squares in eight partial sums, element k into sum k % 8, the same on every path). bf16 stores round to nearest even (a quiet
-// NaN keeps its sign and top payload bits), as torch's conversion. For the rsqrt14 sqrt: all_normal
+// (fp64 sums of squares in eight partial sums, element k into sum k % 8, the same on every path). bf16 stores
+// round to nearest even, as torch's conversion does for numbers; a NaN becomes (bits >> 16) | 0x40, the
+// quiet NaN with its sign and top 7 mantissa bits (not as torch: its conversion gives 0xffff, or 0x7fc0
+// on its scalar path, for every NaN). fp16 stores convert as F16C's vcvtps2ph (and torch): a NaN keeps
+// its sign and top 10 mantissa bits, quiet bit set (half.h). Both give the same bits on every path.
+// For the rsqrt14 sqrt: all_normal
 // (every lane in [2^-64, +inf)), less (a mask), select(mask, a, b), neg, rsqrt14 (of a positive
 // normal float; anything for other inputs) and fix_specials(x, r) (r, except x for +-0 and +inf,
 // and a quiet NaN for x < 0 and NaN).

@@ -137,9 +137,13 @@ __device__ __forceinline__ void store_f8(float* p, int64_t k0, const float* y) {
   }
 }
 
-// Same rounding as the CPU twin (round to nearest even; NaN keeps its sign and becomes quiet).
+// Same rounding as the CPU twin (round to nearest even; NaN: quiet, with its sign and top 10
+// mantissa bits, as float_to_half and F16C's vcvtps2ph).
 __device__ __forceinline__ uint16_t to_half_bits(float f) {
-  if (isnan(f)) return static_cast<uint16_t>(((__float_as_uint(f) >> 16) & 0x8000u) | 0x7e00u);
+  if (isnan(f)) {
+    const uint32_t x = __float_as_uint(f);
+    return static_cast<uint16_t>(((x >> 16) & 0x8000u) | 0x7e00u | ((x & 0x7fffffu) >> 13));
+  }
   return __half_as_ushort(__float2half_rn(f));
 }
 __device__ __forceinline__ uint16_t to_bf16_bits(float f) {

@@ -32,7 +32,10 @@ inline float half_to_float(uint16_t h) {
 inline uint16_t float_to_half(float f) {
   const uint32_t x = float_to_bits(f);
   const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
-  if (ax >= 0x7f800000u) return static_cast<uint16_t>(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u));
+  // NaN: quiet, with its sign and top 10 mantissa bits, as F16C's vcvtps2ph (the AVX2 / AVX-512
+  // paths) and torch's conversion; so results do not depend on the vector width
+  if (ax > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u | ((ax & 0x7fffffu) >> 13));
+  if (ax == 0x7f800000u) return static_cast<uint16_t>(sign | 0x7c00u);
   if (ax >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // >= 65520 rounds to inf
   if (ax < 0x38800000u)  // below 2^-14: subnormal (exact scaling, then round to nearest even)
     return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(bits_to_float(ax) * 16777216.0f)));
@@ -46,7 +49,8 @@ inline float bf16_to_float(uint16_t b) { return bits_to_float(static_cast<uint32
 
 inline uint16_t float_to_bf16(float f) {
   const uint32_t x = float_to_bits(f);
-  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);  // quiet NaN
+  // NaN: quiet, with its sign and top 7 mantissa bits (torch gives 0xffff or 0x7fc0 for every NaN)
+  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);
   return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
 

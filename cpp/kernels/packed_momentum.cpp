@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "half.h"
 
@@ -65,9 +66,18 @@ Status pack_momentum(const void* x, InputType dtype, int64_t count, int64_t chun
     for (int bit = 0; bit < 8; ++bit) byte |= static_cast<uint8_t>(!(load(x, dtype, 8 * b + bit) < 0.0f)) << (7 - bit);
     signs[b] = byte;
   }
+  // The largest |x| of each chunk, NaN if the chunk holds one (as torch's amax in pack_torch, which
+  // gives the default quiet NaN whatever the input NaN's bits; std::max would drop it); +-inf -> +inf.
   for (int64_t j = 0; count > 0 && j < count / chunk; ++j) {
     float mx = 0.0f;
-    for (int64_t k = j * chunk; k < (j + 1) * chunk; ++k) mx = std::max(mx, std::fabs(load(x, dtype, k)));
+    for (int64_t k = j * chunk; k < (j + 1) * chunk; ++k) {
+      const float a = std::fabs(load(x, dtype, k));
+      if (std::isnan(a)) {
+        mx = std::numeric_limits<float>::quiet_NaN();
+        break;
+      }
+      mx = std::max(mx, a);
+    }
     scales[j] = mx;
   }
   return Status::kSuccess;
