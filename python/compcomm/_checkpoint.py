@@ -9,11 +9,12 @@ killed while saving leaves the previous checkpoint whole.
 from __future__ import annotations
 
 import contextlib
+import math
 import numbers
 import os
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -29,6 +30,57 @@ SHAPED_KEYS = (
 )
 #: Hyper-parameters checked in each saved param group (when the optimizer's own groups have them).
 _HPARAMS = ("lr", "betas", "eps", "weight_decay", "bias_correction")
+
+
+class StateSpec(NamedTuple):
+    """What one parameter's saved state must hold for the optimizer's step to run on it.
+
+    Checked on load, so that a state the step would trip over is refused while the old state is
+    still in place (a step would otherwise fail, or go NaN, after the load replaced it).
+    """
+
+    #: all or none of these keys (a parameter with none starts afresh at its first step)
+    together: Tuple[str, ...] = ("exp_avg", "exp_avg_sq")
+    #: (key, keys that must be present whenever ``key`` is)
+    needs: Tuple[Tuple[str, Tuple[str, ...]], ...] = ()
+    #: the shaped tensors (:data:`SHAPED_KEYS`) must be float32 (no cast on load)
+    float32: bool = False
+    #: (key, minimum, strict): when present, a finite number >= minimum (> if strict)
+    scalars: Tuple[Tuple[str, float, bool], ...] = ()
+
+
+def torch_adam_spec(group: Mapping) -> StateSpec:
+    """The state torch's Adam/AdamW step needs for a parameter of ``group``: all of it or none
+    (torch casts the moments to the parameter's dtype on load)."""
+    keys = ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
+    return StateSpec(together=keys)
+
+
+def _check_param_state(sw: str, st: Mapping, p: torch.Tensor, spec: StateSpec) -> None:
+    """One parameter's state (``sw`` names it) against ``spec``; see :class:`StateSpec`."""
+    present = [k for k in spec.together if k in st]
+    if present and len(present) != len(spec.together):
+        missing = [k for k in spec.together if k not in st]
+        raise ValueError(f"{sw} has {present} but lacks {missing}")
+    for key, deps in spec.needs:
+        if key in st:
+            for dep in deps:
+                if dep not in st:
+                    raise ValueError(f"{sw} has {key!r} but lacks {dep!r}")
+    for key, v in st.items():
+        if key in SHAPED_KEYS:
+            need_tensor(f"{sw}[{key!r}]", v, shape=tuple(p.shape),
+                        dtype=torch.float32 if spec.float32 else None)
+    for key, minimum, strict in spec.scalars:
+        if key not in st:
+            continue
+        v = st[key]
+        if not is_real(v):
+            raise TypeError(f"{sw}[{key!r}] must be a number, got {type(v).__name__} {v!r}")
+        f = float(v)
+        if not math.isfinite(f) or not (f > minimum if strict else f >= minimum):
+            raise ValueError(f"{sw}[{key!r}] must be a finite number {'>' if strict else '>='} "
+                             f"{minimum}, got {v!r}")
 
 
 def atomic_save(obj: Any, path: str) -> None:
@@ -62,10 +114,14 @@ def atomic_save(obj: Any, path: str) -> None:
 
 
 def read_checkpoint(path: str, map_location: Any = None) -> Any:
-    """``torch.load(path, map_location)``; a file that exists but does not unpickle raises
-    ValueError naming it (a missing file raises FileNotFoundError)."""
+    """``torch.load(path, map_location, weights_only=True)``; a file that exists but does not
+    unpickle raises ValueError naming it (a missing file raises FileNotFoundError).
+
+    ``weights_only=True``: unpickling runs no code from the file (a checkpoint may come from
+    elsewhere); everything compcomm writes is tensors and plain containers, which load that way.
+    """
     try:
-        return torch.load(path, map_location=map_location, weights_only=False)
+        return torch.load(path, map_location=map_location, weights_only=True)
     except FileNotFoundError:
         raise
     except Exception as e:  # truncated or foreign files raise a zoo of unpickling errors
@@ -154,7 +210,11 @@ def _check_hparams(where: str, saved: Mapping, current: Mapping) -> None:
 
 
 def check_optimizer_state(
-    where: str, sd: Any, params: List[List[torch.Tensor]], current_groups: List[Mapping]
+    where: str,
+    sd: Any,
+    params: List[List[torch.Tensor]],
+    current_groups: List[Mapping],
+    specs: Optional[Sequence[StateSpec]] = None,
 ) -> Dict[int, torch.Tensor]:
     """Validate a torch-style optimizer state dict against the parameters it will be loaded into.
 
@@ -168,6 +228,8 @@ def check_optimizer_state(
         The parameters of each group the state will belong to.
     current_groups : list of dict
         The optimizer's own groups: each hyper-parameter they hold must be present and valid.
+    specs : list of StateSpec, optional
+        Per group, what each parameter's state must hold (default: :class:`StateSpec`'s).
 
     Returns
     -------
@@ -189,6 +251,8 @@ def check_optimizer_state(
             f"{where}['param_groups'] has {len(groups)} groups, this optimizer has {len(params)}"
         )
     id_map: Dict[int, torch.Tensor] = {}
+    spec_of: Dict[int, StateSpec] = {}
+    specs = list(specs) if specs is not None else [StateSpec()] * len(params)
     for gi, (g, ps, cur) in enumerate(zip(groups, params, current_groups)):
         gw = f"{where}['param_groups'][{gi}]"
         g = need_mapping(gw, g)
@@ -201,6 +265,7 @@ def check_optimizer_state(
             if not is_int(pid) or pid in id_map:
                 raise ValueError(f"{gw}['params'] must list distinct integer ids, got {pid!r}")
             id_map[int(pid)] = p
+            spec_of[int(pid)] = specs[gi]
         _check_hparams(gw, g, cur)
     state = need_mapping(f"{where}['state']", sd["state"])
     for pid, st in state.items():
@@ -209,10 +274,9 @@ def check_optimizer_state(
             raise ValueError(f"{sw}: no parameter group lists parameter id {pid!r}")
         p = id_map[pid]
         st = need_mapping(sw, st)
+        _check_param_state(sw, st, p, spec_of[pid])
         for key, v in st.items():
-            if key in SHAPED_KEYS:
-                need_tensor(f"{sw}[{key!r}]", v, shape=tuple(p.shape))
-            elif key == "step":
+            if key == "step":
                 if not is_real(v):
                     raise TypeError(f"{sw}['step'] must be a number, got {type(v).__name__} {v!r}")
                 if not float(v) >= 0:

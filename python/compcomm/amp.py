@@ -31,12 +31,26 @@ class LossScaler:
                  window: int = 1000, min_scale: float = 1.0) -> None:
         if loss_scale < 0:
             raise ValueError(f"loss_scale must be >= 0 (0: dynamic), got {loss_scale}")
+        if int(window) < 1:  # the scale doubles every `window` finite steps
+            raise ValueError(f"loss_scale_window must be >= 1, got {window}")
+        if not min_scale > 0:
+            raise ValueError(f"min_loss_scale must be > 0, got {min_scale}")
         self.dynamic = loss_scale == 0
         #: the factor the loss is multiplied by now
         self.scale = float(2**initial_scale_power) if self.dynamic else float(loss_scale)
         self.window = int(window)
         self.min_scale = float(min_scale)
         self._good_steps = 0
+
+    @property
+    def good_steps(self) -> int:
+        """Finite steps in a row since the last overflow (the scale doubles when it reaches a
+        multiple of ``window``); ZeRO checkpoints save it, so a resumed run doubles on time."""
+        return self._good_steps
+
+    @good_steps.setter
+    def good_steps(self, value: int) -> None:
+        self._good_steps = int(value)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * scale`` (``loss`` itself when the scale is 1)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, Union
@@ -115,6 +116,18 @@ def _dry_run(typ: str, cls: Callable[..., Any], kwargs: Dict[str, Any], comm: An
         raise err from e
 
 
+def _clip_before_step(optimizer: torch.optim.Optimizer, clip: float) -> None:
+    """Stage 0 with a torch optimizer: clip the gradients' global norm to ``clip`` before each
+    step. DDP has averaged them in backward, so every rank clips the same global gradient; a
+    GradScaler's ``step`` unscales before the step (and skips it, hook too, on inf/NaN)."""
+    def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        if params:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+
+    optimizer.register_step_pre_hook(hook)
+
+
 def _section(cfg: Dict[str, Any], name: str, known: Dict[str, Any]) -> Dict[str, Any]:
     sec = cfg.get(name, {}) or {}
     if not isinstance(sec, dict):
@@ -208,8 +221,9 @@ def from_config(
     world = comm.size()
     tb, mb, ga = _batch_sizes(cfg, world)
     clip = cfg.get("gradient_clipping", 0.0)
-    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
-        raise ValueError(f"gradient_clipping must be a number >= 0, got {clip!r}")
+    if (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip >= 0
+            or math.isinf(clip)):  # `not >=` also refuses NaN
+        raise ValueError(f"gradient_clipping must be a number >= 0 (finite), got {clip!r}")
     fp16 = _section(cfg, "fp16", _FP16_KEYS)
     bf16 = _section(cfg, "bf16", _BF16_KEYS)
     if fp16["enabled"] and bf16["enabled"]:
@@ -218,6 +232,9 @@ def from_config(
         raise ValueError("fp16.hysteresis: only 1 is supported (the scale halves at the first overflow)")
     if fp16["auto_cast"]:
         raise ValueError("fp16.auto_cast=true is not supported")
+    if fp16["loss_scale_window"] < 1:  # the scale doubles every loss_scale_window finite steps
+        raise ValueError(f"fp16.loss_scale_window must be >= 1, got {fp16['loss_scale_window']!r}")
+    _number("fp16.min_loss_scale", fp16["min_loss_scale"], strict=True)
     zero_cfg = cfg.get("zero_optimization", {}) or {}
     if not isinstance(zero_cfg, dict):
         raise ValueError(f"zero_optimization must be an object, got {type(zero_cfg).__name__}")
@@ -247,6 +264,13 @@ def from_config(
         if stage == 0:
             raise ValueError("fp16/bf16 need zero_optimization.stage >= 1 (fp32 master weights live there)")
         model = model.to(dtype)
+    if stage == 0 and clip > 0 and onebit:
+        # the 1-bit optimizer's step exchanges compressed momenta, not gradients: no rank holds
+        # the global gradient whose norm gradient_clipping bounds
+        raise ValueError(
+            f"gradient_clipping={clip!r} with optimizer.type={cfg['optimizer']['type']!r} needs "
+            "zero_optimization.stage >= 1 (at stage 0 nothing would clip); or set it to 0 and "
+            "call torch.nn.utils.clip_grad_norm_ yourself")
     normalized = dict(cfg, zero_optimization=zero, fp16=fp16, bf16=bf16, train_batch_size=tb,
                       train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=ga,
                       gradient_clipping=float(clip))
@@ -260,6 +284,8 @@ def from_config(
             if world > 1:
                 model = torch.nn.parallel.DistributedDataParallel(model, process_group=process_group)
             optimizer = opt_cls(model.parameters(), **opt_kw)
+            if clip > 0:
+                _clip_before_step(optimizer, float(clip))
         return TrainingSetup(model, optimizer, normalized, tb, mb, ga)
     zkw = {k: v for k, v in zero.items() if k != "stage"}
     optimizer = ZeroOptimizer(

@@ -13,10 +13,32 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional
 
 import torch
 
-from .._checkpoint import check_optimizer_state, need_int, need_mapping, need_tensor
+from .._checkpoint import StateSpec, check_optimizer_state, need_int, need_mapping, need_tensor
 from ..collectives import padded_numel
 
 ERROR_KEYS = ("worker_error", "server_error")
+
+#: What each 1-bit optimizer's step needs in a parameter's state (the moments are fp32 and are
+#: not cast on load); by class name, so this module need not import the optimizers.
+_ONEBIT_SPEC = StateSpec(float32=True)
+_SPECS = {
+    "ZeroOneAdam": StateSpec(float32=True, needs=(("momentum_accumulator", ("lrs",)),),
+                             scalars=(("lrs", 0.0, False),)),
+    "OneBitLamb": StateSpec(
+        float32=True,
+        needs=(("exp_avg_sq", ("exp_avg_sq_fresh", "lamb_coeff_freeze", "last_factor")),),
+        scalars=(("lamb_coeff_freeze", 0.0, False), ("last_factor", 0.0, False),
+                 ("scaling_coeff", 0.0, True)),
+    ),
+}
+
+
+def state_spec(opt: Any) -> StateSpec:
+    """The :class:`StateSpec` of ``opt``'s class (or of the nearest 1-bit class it derives from)."""
+    for cls in type(opt).__mro__:
+        if cls.__name__ in _SPECS:
+            return _SPECS[cls.__name__]
+    return _ONEBIT_SPEC
 
 
 class LoadPlan(NamedTuple):
@@ -102,7 +124,8 @@ def validate_state_dict(
     params = [list(g["params"]) for g in opt.param_groups] if params is None else params
     world = opt.world_size if world_size is None else world_size
     rank = opt.rank if rank is None else rank
-    id_map = check_optimizer_state(where, state_dict, params, opt.param_groups)
+    id_map = check_optimizer_state(where, state_dict, params, opt.param_groups,
+                                   [state_spec(opt)] * len(params))
     ew = f"{where}['compcomm']"
     extra = state_dict.get("compcomm")
     extra = {} if extra is None else dict(need_mapping(ew, extra))

@@ -37,7 +37,8 @@ def load_rank_checkpoint(optimizer: OneBitBase, directory: str) -> str:
     """Load what :func:`save_rank_checkpoint` wrote for this rank.
 
     If there is no file for this rank and world size (the world size changed), rank 0's file of
-    any world size is loaded instead and the error buffers are reset with a warning.
+    another world size is loaded instead and the error buffers are reset with a warning (a
+    directory holding rank-0 files of several other world sizes raises ValueError naming them).
 
     Returns
     -------
@@ -57,6 +58,10 @@ def load_rank_checkpoint(optimizer: OneBitBase, directory: str) -> str:
                        if f.startswith("optim_rank0_of") and f.endswith(".pt"))
         if not cands:
             raise FileNotFoundError(f"directory: no optimizer checkpoint in {directory!r}")
+        if len(cands) > 1:  # runs of several world sizes: which one is newest is not ours to guess
+            raise ValueError(f"directory: {directory!r} has no {os.path.basename(path)} and holds "
+                             f"rank-0 checkpoints of several world sizes ({', '.join(cands)}); "
+                             "remove the stale ones or load one with load_state_dict")
         path = os.path.join(directory, cands[0])
     optimizer.load_state_dict(read_checkpoint(path))
     return path

@@ -7,6 +7,7 @@ section), so it lives below both of them.
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any, Dict, Tuple
 
 import torch
@@ -48,6 +49,21 @@ def check_common_params(typ: str, params: Dict[str, Any]) -> None:
     for k in ("amsgrad", "adam_w_mode", "torch_adam", "bias_correction"):
         if k in params:
             flag(f"optimizer.params.{k}", params[k])
+
+
+def _check_typed(where: str, annotation: Any, v: Any) -> None:
+    """A 1-bit optimizer's argument against its annotation: the constructors take ``bool(v)``
+    of flags (the string "false" would turn one on) and ``float(v)`` of numbers, so the config
+    path checks them first; integers and the rest are the constructors' to check."""
+    ann = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+    if ann == "bool" or (ann == "Optional[bool]" and v is not None):
+        flag(where, v)
+    elif ann == "float":
+        if isinstance(v, float) and math.isnan(v):
+            raise ValueError(f"{where} must be a finite number, got {v!r}")
+        number(where, v, minimum=-math.inf)  # the type here; each range is the constructor's
+        if not math.isfinite(v):
+            raise ValueError(f"{where} must be a finite number, got {v!r}")
 
 
 def optimizer_from_config(opt_cfg: Dict[str, Any]) -> Tuple[Any, Dict[str, Any], bool]:
@@ -106,6 +122,7 @@ def optimizer_from_config(opt_cfg: Dict[str, Any]) -> Tuple[Any, Dict[str, Any],
         for k in params:
             if k not in known or k in ("self", "params"):
                 raise ValueError(f"optimizer.params.{k}: not a parameter of {typ}")
+            _check_typed(f"optimizer.params.{k}", known[k].annotation, params[k])
         return cls, params, True
     raise ValueError(
         f"optimizer.type={typ!r} is not supported (Adam, AdamW, OneBitAdam, ZeroOneAdam, OneBitLamb)"

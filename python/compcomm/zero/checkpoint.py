@@ -34,6 +34,7 @@ from .._checkpoint import (
     need_mapping,
     need_tensor,
     read_checkpoint,
+    torch_adam_spec,
 )
 from ..compress import Compressor
 
@@ -79,7 +80,7 @@ def shard_state_dict(opt: Any, names: Optional[Dict[int, str]] = None) -> Dict[s
         )
     local = state["local_params"]
     errors = state["errors"]
-    return {
+    sd = {
         "format": FORMAT,
         "stage": opt.stage,
         "world": opt.world,
@@ -94,6 +95,11 @@ def shard_state_dict(opt: Any, names: Optional[Dict[int, str]] = None) -> Dict[s
         "global_steps": state["global_steps"],
         "skipped_steps": state["skipped_steps"],
     }
+    # the dynamic scale's progress towards its next doubling; written only when nonzero, so a
+    # shard saved right after loading a file of the original format still matches it byte for byte
+    if opt.scaler.good_steps:
+        sd["loss_scale_good_steps"] = opt.scaler.good_steps
+    return sd
 
 
 def _inner_target(opt: Any, local: bool) -> tuple:
@@ -155,7 +161,10 @@ def validate_shard_state_dict(opt: Any, sd: Any) -> None:
 
         validate_state_dict(inner, sd.get("optimizer"), params, iworld, irank, f"{w}['optimizer']")
     else:
-        check_optimizer_state(f"{w}['optimizer']", sd.get("optimizer"), params, inner.param_groups)
+        adam = isinstance(inner, (torch.optim.Adam, torch.optim.AdamW))
+        specs = [torch_adam_spec(g) for g in inner.param_groups] if adam else None
+        check_optimizer_state(f"{w}['optimizer']", sd.get("optimizer"), params, inner.param_groups,
+                              specs)
     errors = sd.get("errors")
     if errors is not None:
         for key, pair in need_mapping(f"{w}['errors']", errors).items():
@@ -172,6 +181,8 @@ def validate_shard_state_dict(opt: Any, sd: Any) -> None:
     scale = sd.get("loss_scale")
     if not is_real(scale) or not float(scale) > 0:
         raise ValueError(f"{w}['loss_scale'] must be a number > 0, got {scale!r}")
+    if sd.get("loss_scale_good_steps") is not None:  # absent in older shards: 0
+        need_int(f"{w}['loss_scale_good_steps']", sd["loss_scale_good_steps"])
     need_int(f"{w}['global_steps']", sd.get("global_steps"))
     need_int(f"{w}['skipped_steps']", sd.get("skipped_steps"))
 
@@ -226,6 +237,7 @@ def _load_agreed(opt: Any, sd: Any, error: Optional[BaseException]) -> None:
         "global_steps": int(sd["global_steps"]),
         "skipped_steps": int(sd["skipped_steps"]),
     })
+    opt.scaler.good_steps = int(sd.get("loss_scale_good_steps") or 0)
 
 
 def save_checkpoint(opt: Any, directory: str, module: Optional[torch.nn.Module] = None) -> str:
@@ -296,10 +308,20 @@ def consolidate(directory: str, world_size: Optional[int] = None) -> Dict[str, t
         path = shard_file(directory, r, world)
         if not os.path.exists(path):
             raise FileNotFoundError(f"directory: {path} is missing (world size {world})")
-        sd = torch.load(path, map_location="cpu", weights_only=False)
-        if sd.get("format") != FORMAT or sd["world"] != world or sd["rank"] != r:
+        sd = read_checkpoint(path, map_location="cpu")
+        if (not isinstance(sd, dict) or sd.get("format") != FORMAT or sd.get("world") != world
+                or sd.get("rank") != r or not isinstance(sd.get("groups"), list)):
             raise ValueError(f"{path}: not rank {r} of {world} of a compcomm ZeRO checkpoint")
         shards.append(sd)
+    try:
+        return _assemble(shards, world)
+    except (KeyError, TypeError, IndexError, ValueError, RuntimeError) as e:
+        raise ValueError(f"directory: the shards in {directory!r} (world size {world}) do not fit "
+                         f"together ({type(e).__name__}: {e})") from e
+
+
+def _assemble(shards: List[Dict[str, Any]], world: int) -> Dict[str, torch.Tensor]:
+    """The full weights from every rank's shard (read and checked by :func:`consolidate`)."""
     out: Dict[str, torch.Tensor] = {}
     for gi, g in enumerate(shards[0]["groups"]):
         plan = _C.zero.plan_buckets(g["sizes"], g["bucket_size"], world, g["alignment"])

@@ -141,8 +141,8 @@ def validate_zero_config(cfg: Dict[str, Any], where: str = "zero_optimization") 
             )
         out[key] = value
     stage = out["stage"]
-    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
-        raise ValueError(f"{where}.stage must be 0, 1, 2 or 3, got {stage!r}")
+    if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise ValueError(f"{where}.stage must be 0, 1, 2 or 3 (an integer), got {stage!r}")
     for key in _SIZE_KEYS:
         v = out[key]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or int(v) != v:
@@ -186,8 +186,8 @@ def check_arguments(stage: Any, zero_config: Dict[str, Any], module: Any, gas: A
                     loss_scale: float) -> Dict[str, Any]:
     """ZeroOptimizer's arguments checked (ValueError naming the argument): returns its validated
     ``zero_optimization`` keys, ``stage`` included."""
-    if stage not in (1, 2, 3) or isinstance(stage, bool):
-        raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
+    if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (1, 2, 3):
+        raise ValueError(f"stage must be 1, 2 or 3 (an integer), got {stage!r}")
     if "stage" in zero_config and zero_config["stage"] != stage:
         raise ValueError(f"stage={stage} contradicts zero_config stage={zero_config['stage']}")
     config = validate_zero_config(dict(zero_config, stage=stage), where="ZeroOptimizer")
