@@ -519,3 +519,27 @@ def lamb_resave(rank: int, world: int) -> bool:
     again.load_state_dict(saved)
     resaved = again.state_dict()["compcomm"]
     return "fused_pad" in resaved and torch.equal(resaved["fused_pad"], pad)
+
+
+def resized_error_buffers(rank: int, world: int) -> List[str]:
+    """An exact checkpoint whose first bucket's error buffers have a valid shape but not the
+    bucket's size: the load warns that they were reset (they used to be replaced by zeros at their
+    first use, silently)."""
+    import warnings
+
+    OneBitAdam, _, _ = _optimizers()
+    kw = dict(lr=0.01, freeze_step=3, exact_resume=True)
+    g = make_grads(8, world, seed=5)
+    _, _, opt, ps = run_opt(OneBitAdam, kw, make_params(), g[:6], rank)
+    sd = opt.state_dict()
+    first = next(iter(sd["compcomm"]["bucket_errors"]))
+    sd["compcomm"]["bucket_errors"][first] = {"worker_error": torch.zeros(8 * world),
+                                             "server_error": torch.zeros(8)}
+    opt2 = OneBitAdam([torch.nn.Parameter(p.detach().clone()) for p in ps], **kw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt2.load_state_dict(_load_bytes(_state_bytes(sd)))
+        for p, gg in zip(opt2.param_groups[0]["params"], g[6][rank]):
+            p.grad = torch.tensor(gg)
+        opt2.step()
+    return [str(w.message) for w in caught]

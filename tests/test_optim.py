@@ -499,3 +499,8 @@ def test_default_state_dict_has_no_error_buffers_and_loads_into_fresh_optimizer(
         opt2.load_state_dict(sd)
     assert opt2.sched == opt.sched and opt2.adam_freeze_key
     assert torch.equal(opt2.state[q]["exp_avg"], opt.state[p]["exp_avg"])
+
+
+def test_exact_checkpoint_with_resized_error_buffers_warns():
+    for messages in run_ranks(2, C.resized_error_buffers, timeout=120):
+        assert any("not of their buckets' sizes" in m for m in messages), messages

@@ -10,6 +10,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from ..collectives import padded_numel
 from ..compress import plan_buckets
 
 __all__ = ["BucketPlans"]
@@ -40,7 +41,7 @@ class BucketPlans:
             self.compressor.reset()
             self._plan_key = key
             self._plan_desc = self._plan_description(items)
-            self._restore_loaded_errors()
+            self._restore_loaded_errors(items)
         return self._buckets
 
     def _plan_key_of(self, items: List[Tuple[Dict[str, Any], torch.Tensor]]) -> Tuple[Any, ...]:
@@ -72,13 +73,21 @@ class BucketPlans:
                  for pi, p in enumerate(g["params"])}
         return [[where[id(items[j][1])] for j in b] for b in self._buckets]
 
-    def _restore_loaded_errors(self) -> None:
+    def _restore_loaded_errors(self, items: List[Tuple[Dict[str, Any], torch.Tensor]]) -> None:
         if self._loaded_errors is None:
             return
         plan, errors = self._loaded_errors
         self._loaded_errors = None
-        if plan == self._plan_desc:
+        world = self.compressor.comm.size()
+        wrong = [k for k, b in enumerate(self._buckets) if k in errors and
+                 errors[k]["worker_error"].numel()
+                 != padded_numel(sum(items[j][1].numel() for j in b), world)]
+        if plan == self._plan_desc and not wrong:
             self.compressor.load_state_dict(errors)
+        elif plan == self._plan_desc:  # (the compressor would replace them by zeros, silently)
+            warnings.warn(f"{self._name}: the checkpoint's error buffers of bucket(s) {wrong} are "
+                          "not of their buckets' sizes: error buffers reset to zero",
+                          RuntimeWarning, stacklevel=4)
         else:
             warnings.warn(f"{self._name}: the checkpoint's compression buckets differ from this "
                           "optimizer's (bucket size, per_parameter or parameters with gradients "
