@@ -38,6 +38,9 @@ namespace compcomm {
 namespace {
 
 constexpr uint32_t kHeaderMagic = 0xC0C0B175u;
+// A compressed_reduce_scatter's header: its first collective is the same all_gather as an
+// allreduce's, so a rank in one meeting a peer in the other raises instead of pairing with it.
+constexpr uint32_t kScatterMagic = 0xC0C05CA7u;
 // Other 32-byte records that can meet a header in the same all_gather when ranks are out of step:
 // a batch's call count (compressed_allreduce_exchange_many) and compcomm._agree's layout check.
 // Recognising them turns what would be a garbled exchange into RankMismatchError on every rank.
@@ -234,7 +237,9 @@ std::string out_of_step(const Header* h, int world, uint32_t expected) {
   for (int i = 0; i < world; ++i) {
     if (h[i].magic == expected) continue;
     if (h[i].magic == kHeaderMagic)
-      who += detail::concat(who.empty() ? "" : ", ", "rank ", i, ": one call");
+      who += detail::concat(who.empty() ? "" : ", ", "rank ", i, ": a compressed_allreduce call");
+    else if (h[i].magic == kScatterMagic)
+      who += detail::concat(who.empty() ? "" : ", ", "rank ", i, ": a compressed_reduce_scatter call");
     else if (h[i].magic == kBatchMagic)
       who += detail::concat(who.empty() ? "" : ", ", "rank ", i, ": a batch of ", h[i].numel, " calls");
     else if (h[i].magic == kLayoutMagic)
@@ -254,12 +259,12 @@ void check_headers(const Header* h, int world, int rank, const Header& mine, con
   bool mismatch = false, dtypes = false;
   std::vector<int> nonfinite;
   for (int i = 0; i < world; ++i) {
-    if (h[i].magic != kHeaderMagic && !out_of_step(h, world, kHeaderMagic).empty())
+    if (h[i].magic != mine.magic && !out_of_step(h, world, mine.magic).empty())
       throw RankMismatchError(detail::concat("[rank ", rank, "] ", name, ": this rank passed one "
                                              "call, other ranks something else (",
-                                             out_of_step(h, world, kHeaderMagic), "); nothing was changed"),
+                                             out_of_step(h, world, mine.magic), "); nothing was changed"),
                               name, "", 0, rank);
-    if (h[i].magic != kHeaderMagic)
+    if (h[i].magic != mine.magic)
       throw BackendError(detail::concat("[rank ", rank, "] ", name, ": rank ", i,
                                         " sent a malformed header (is every rank running compcomm?)"),
                          name, "", 0, rank);
@@ -486,7 +491,7 @@ struct Call {
   //    filled where it lives, so on GPU the scale never leaves the device -- and, with `notice`, posted
   //    there for a host thread waiting on it (wait_notice).
   void worker(kernels::HeaderNotice* notice = nullptr, uint64_t seq = 0) {
-    check_status(k->worker_scale_pack_header(m, itype, n, e, padded, header, dtype, kHeaderMagic, signs_send,
+    check_status(k->worker_scale_pack_header(m, itype, n, e, padded, header, dtype, magic(), signs_send,
                                              scratch, stream, notice, seq),
                  "worker_scale_pack_header", rank);
   }
@@ -502,7 +507,10 @@ struct Call {
     return !capturing;
   }
 
-  // worker()'s launch as one job of a batch (worker_scale_pack_header_many, magic kHeaderMagic).
+  // What this call's header says it is: an allreduce, or a reduce-scatter (given `out`).
+  uint32_t magic() const { return out != nullptr ? kScatterMagic : kHeaderMagic; }
+
+  // worker()'s launch as one job of a batch (worker_scale_pack_header_many, with magic()).
   kernels::WorkerJob worker_job() const {
     return kernels::WorkerJob{m, e, signs_send, scratch, header, n, padded, itype, dtype};
   }
@@ -556,7 +564,7 @@ struct Call {
     }
     // Alone, the only header is this call's own: sizes, dtype and magic are known.
     return state == kernels::NoticeState::kReady && h->numel == n && h->padded == padded &&
-           h->dtype == dtype && h->magic == kHeaderMagic;
+           h->dtype == dtype && h->magic == magic();
   }
 
   // 2. Validate every rank's header (in `headers`) before any variable-sized exchange and before
@@ -580,7 +588,7 @@ struct Call {
 
   // The verdict on every rank's header, `h` (world headers in host memory).
   void check_host(const Header* h) {
-    check_headers(h, world, rank, Header{0.0f, 0u, n, padded, dtype, kHeaderMagic}, name);
+    check_headers(h, world, rank, Header{0.0f, 0u, n, padded, dtype, magic()}, name);
     if (cuda) remember(key);
   }
 
@@ -896,7 +904,9 @@ void exchange_many(const char* name, Communicator& comm, const std::vector<Buffe
   {
     std::vector<kernels::WorkerJob> jobs;
     for (const Call& c : cs) jobs.push_back(c.worker_job());
-    check_status(k.worker_many(jobs.data(), nc, kHeaderMagic, stream), "worker_scale_pack_header_many", rank);
+    // (every call of a batch is of one kind: all reduce-scatters when `outs` is given)
+    const uint32_t magic = cs.empty() ? kHeaderMagic : cs.front().magic();
+    check_status(k.worker_many(jobs.data(), nc, magic, stream), "worker_scale_pack_header_many", rank);
   }
   for (size_t i = 0; i < calls; ++i) queue(st + b.header_send + i * hb, cs[i].header, hb);
   flush();

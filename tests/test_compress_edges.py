@@ -313,3 +313,29 @@ def test_agree_layout_handles_values_beyond_int64():
     """A regression: the rank with the big value raised an overflow alone (its peer waited until
     its timeout), or a value in [2**63, 2**64) was reported as a negative number."""
     assert run_ranks(2, _agree_big_body, timeout=60) == [True, True]
+
+
+# -- a rank in compressed_allreduce meeting a peer in compressed_reduce_scatter
+
+
+def _allreduce_meets_reduce_scatter_body(rank, world):
+    n = 64
+    torch.manual_seed(rank)
+    t = torch.randn(n)
+    we, se = compcomm.error_buffers(n)
+    before = _snap(t, we, se)
+    if rank == 0:
+        call = lambda: compcomm.compressed_allreduce(t, we, se, timeout=T)  # noqa: E731
+    else:
+        call = lambda: compcomm.compressed_reduce_scatter(t, we, se, timeout=T)  # noqa: E731
+    # their first collectives are the same all_gather: before, they paired (the reduce-scatter
+    # committed, the allreduce timed out); now both see the other's kind of call
+    _raises(call, RankMismatchError, f"[rank {rank}]", "compressed_reduce_scatter call"
+            if rank == 0 else "compressed_allreduce call")
+    assert _same(before, _snap(t, we, se))
+    compcomm.compressed_allreduce(t, we, se, timeout=T)  # still in step
+    return True
+
+
+def test_allreduce_meeting_reduce_scatter_raises_on_both():
+    assert run_ranks(2, _allreduce_meets_reduce_scatter_body, timeout=120) == [True, True]

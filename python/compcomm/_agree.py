@@ -39,7 +39,8 @@ _MAGIC = 0xC0C01A70
 # A rank that rejected its own arguments sends this record where its header would go (the C++ core's
 # kRejectMagic): see reject_exchange.
 _REJECT_MAGIC = 0xC0C0BAD5
-_PEER_CALLS = {0xC0C0B175: "a compressed_allreduce call", 0xC0C0BA7C: "a batch of compressed calls",
+_PEER_CALLS = {0xC0C0B175: "a compressed_allreduce call",
+               0xC0C05CA7: "a compressed_reduce_scatter call", 0xC0C0BA7C: "a batch of compressed calls",
                _REJECT_MAGIC: "a compressed call whose arguments it rejected"}
 
 #: A field: (name, value, hashed). Hashed values are shown as "differs" rather than printed.
