@@ -504,3 +504,21 @@ def test_default_state_dict_has_no_error_buffers_and_loads_into_fresh_optimizer(
 def test_exact_checkpoint_with_resized_error_buffers_warns():
     for messages in run_ranks(2, C.resized_error_buffers, timeout=120):
         assert any("not of their buckets' sizes" in m for m in messages), messages
+
+
+def test_lamb_trust_ratio_clamp_is_per_group():
+    """DeepSpeed reads max_coeff/min_coeff from each param group; a group's own clamp was kept in
+    the group but never read (the optimizer-wide one clamped every group)."""
+    from compcomm.optim import OneBitLamb
+
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(64) * 10)  # ||p|| / ||update|| is large: ratio ~ 3
+    b = torch.nn.Parameter(torch.randn(64) * 10)
+    opt = OneBitLamb([{"params": [a], "max_coeff": 0.3}, {"params": [b]}], lr=1e-2,
+                     freeze_step=5)
+    a.grad = b.grad = torch.randn(64)
+    opt.step()
+    ca, cb = opt.lamb_coeffs
+    assert ca == 0.3 and cb > 1.0
+    with pytest.raises(ValueError, match="param group 2: 'min_coeff'"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))], "min_coeff": 20.0})

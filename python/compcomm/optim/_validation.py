@@ -90,6 +90,11 @@ def check_group(who: str, index: int, group: Dict[str, Any], defaults: Dict[str,
     for key in ("lr", "eps", "weight_decay"):
         check_number(who, f"{where}: '{key}'", group[key])
     _check_betas(who, f"{where}: 'betas'", group["betas"])
+    if "max_coeff" in defaults:  # OneBitLamb's trust-ratio clamp, per group as in DeepSpeed
+        lo = check_positive(who, f"{where}: 'min_coeff'", group["min_coeff"])
+        if lo > check_positive(who, f"{where}: 'max_coeff'", group["max_coeff"]):
+            raise ValueError(f"{who}: {where}: 'min_coeff' ({group['min_coeff']}) must be <= "
+                             f"'max_coeff' ({group['max_coeff']})")
     for pi, p in enumerate(group["params"]):
         if p.dtype not in _PARAM_DTYPES:
             raise TypeError(f"{who}: {where}: parameter {pi} is {p.dtype}; 1-bit optimizers take "

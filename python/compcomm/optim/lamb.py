@@ -69,7 +69,8 @@ class OneBitLamb(OneBitBase):
     max_grad_norm :
         As :class:`compcomm.optim.OneBitAdam`.
     max_coeff, min_coeff : float, default 10.0 and 0.01
-        Bounds of the warm-up trust ratio.
+        Bounds of the warm-up trust ratio: defaults of every param group, which may set its own
+        (as in DeepSpeed).
     coeff_beta : float, default 0.9
         Smoothing of ``lamb_coeff_freeze``.
     factor_max, factor_min : float, default 4.0 and 0.5
@@ -108,8 +109,10 @@ class OneBitLamb(OneBitBase):
                              f"({factor_max})")
         check_number(n, "argument 'factor_threshold'", factor_threshold)
         self.factor_threshold = float(factor_threshold)
+        # the trust-ratio clamp is a group setting, as in DeepSpeed (a group may override it)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        bias_correction=bool(bias_correction))
+                        bias_correction=bool(bias_correction), max_coeff=self.max_coeff,
+                        min_coeff=self.min_coeff)
         super().__init__(params, defaults)
         self._init_common(comm_backend_name, process_group, cuda_aware, grads_averaged,
                           exact_resume, compressor=compressor)
@@ -195,7 +198,9 @@ class OneBitLamb(OneBitBase):
             if t == self.freeze_step:
                 st["exp_avg_sq_fresh"] = v.clone()
             update = F.adam_update(m, v, w, group, t, t)
-            coeff = F.lamb_trust_ratio(w, update, self.min_coeff, self.max_coeff)
+            # (a group loaded from a checkpoint of before per-group clamps has none)
+            coeff = F.lamb_trust_ratio(w, update, group.get("min_coeff", self.min_coeff),
+                                       group.get("max_coeff", self.max_coeff))
             if coeff != 1.0:
                 st["lamb_coeff_freeze"] = (self.coeff_beta * st["lamb_coeff_freeze"]
                                            + (1 - self.coeff_beta) * coeff)
