@@ -104,6 +104,16 @@ def test_mismatched_exchange_raises(np: int) -> None:
     mpirun(np, RUNNER, "mpi.faults:mismatched_exchange", "[]", timeout=120, allow_early_exit=True)
 
 
+def test_mpi_error_in_a_collective_raises() -> None:
+    """An MPI error in a non-blocking collective (a message truncated: the ranks' sizes differ)
+    raises a typed error on the rank that sees it, instead of aborting the job through
+    MPI_COMM_WORLD's fatal error handler."""
+    text = mpirun(2, RUNNER, "mpi.faults:mismatched_all_reduce", "[]", timeout=120,
+                  allow_early_exit=True)
+    assert "all_reduce -> BackendError" in text or "all_reduce -> RankMismatchError" in text, text
+    assert "MPI_ERRORS_ARE_FATAL" not in text, text
+
+
 def test_rank_that_gave_up_exits(tmp_path) -> None:
     """A rank whose collective timed out leaves at once through the normal exit path: MPI_Finalize
     (which would wait for the absent peer) is skipped."""

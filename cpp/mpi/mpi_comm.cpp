@@ -69,6 +69,11 @@ int ensure_mpi() {
   if (rc != MPI_SUCCESS)
     throw BackendError(detail::concat("MPI_Init_thread failed with code ", rc), "MPI_Init_thread", "mpi", rc,
                        -1);
+  // Errors raise, not abort the job: Open MPI reports a failed request of a non-blocking collective
+  // (MPI_Test) through MPI_COMM_WORLD's handler, not the duplicated communicator's. mpi4py, when it
+  // initializes MPI, sets the same.
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  MPI_Comm_set_errhandler(MPI_COMM_SELF, MPI_ERRORS_RETURN);
   // We initialized MPI, so we finalize it; a library that initialized it (mpi4py) finalizes it itself.
   std::atexit(finalize_at_exit);
   return provided;

@@ -99,3 +99,18 @@ def timed_out_buffers_kept(ctx) -> None:
     fresh.barrier(timeout_s=60)
     if rank != 0:
         os._exit(0)  # never joined rank 0's all_reduce: no MPI_Finalize for it
+
+
+def mismatched_all_reduce(ctx) -> None:
+    """Ranks all-reducing different sizes: MPI reports the truncation through MPI_COMM_WORLD's
+    error handler (a failed request of a non-blocking collective), which used to abort the job;
+    now every rank raises a typed error that names the call."""
+    comm = compcomm.make_communicator("mpi", cuda_aware=False, timeout=30)
+    x = torch.ones(100 if ctx.rank == 0 else 200)
+    try:
+        comm.all_reduce(buffer_of(x), timeout_s=10.0)
+    except compcomm.errors.CommError as e:
+        print(f"RANK {ctx.rank} all_reduce -> {type(e).__name__}", flush=True)
+    else:
+        print(f"RANK {ctx.rank} all_reduce -> returned", flush=True)
+    os._exit(0)  # the failed collective may leave requests behind: no MPI_Finalize
