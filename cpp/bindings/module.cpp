@@ -193,6 +193,20 @@ void need_rows(const char* fn, const char* name, const Buffer& b, int rows, int6
                  stride, " need (world - 1) * ", stride_name, " + ", len);
 }
 
+// One fp32 scale.
+void need_scale(const char* fn, const char* name, const Buffer& b) {
+  need_dtype(fn, name, b, DType::kFloat32);
+  need_count(fn, name, b, 1, "one fp32 scale");
+}
+
+// The scratch a scale pass over `count` elements needs on the device of `ref`.
+void need_scratch(const char* fn, const Buffer& ws, const Buffer& ref, int64_t count, const char* what) {
+  const auto scratch = static_cast<int64_t>(ref.on_host() ? kernels::cpu::scale_workspace_bytes(count)
+                                                          : kernels::cuda::scale_workspace_bytes(count));
+  COMPCOMM_CHECK(ws.bytes() >= scratch, fn, ": workspace has ", ws.bytes(), " bytes, needs ", scratch,
+                 " (scale_workspace_bytes(", what, "))");
+}
+
 void need_world(const char* fn, int world) {
   COMPCOMM_CHECK(world >= 1, fn, ": world must be >= 1, got ", world);
 }
@@ -224,10 +238,7 @@ kernels::InputType check_worker_pack(const char* fn, const Buffer& mm, const Buf
   COMPCOMM_CHECK(e.count % 8 == 0 && e.count >= mm.count, fn, ": error has ", e.count,
                  " elements (P); P must be a multiple of 8 and >= m.numel() (", mm.count, ")");
   need_count(fn, "signs", signs, e.count / 8, "error.numel() / 8");
-  const auto scratch = static_cast<int64_t>(mm.on_host() ? kernels::cpu::scale_workspace_bytes(e.count)
-                                                         : kernels::cuda::scale_workspace_bytes(e.count));
-  COMPCOMM_CHECK(ws.bytes() >= scratch, fn, ": workspace has ", ws.bytes(), " bytes, needs ", scratch,
-                 " (scale_workspace_bytes(error.numel()))");
+  need_scratch(fn, ws, mm, e.count, "error.numel()");
   same_device(fn, "m", mm, {{"error", &e}, {"signs", &signs}, {"workspace", &ws}});
   return t;
 }
@@ -256,13 +267,12 @@ kernels::InputType check_worker_commit(const char* fn, const Buffer& mm, const B
   need_world(fn, world);
   const kernels::InputType t = need_input(fn, "m", mm);
   need_dtype(fn, "error", e, DType::kFloat32);
-  need_dtype(fn, "scale", scale, DType::kFloat32);
+  need_scale(fn, "scale", scale);
   need_dtype(fn, "out_scales", out_scales, DType::kFloat32);
   need_dtype(fn, "out_signs", out_signs, DType::kUInt8);
   COMPCOMM_CHECK(e.count % 8 == 0 && (e.count / 8) % world == 0 && e.count >= mm.count, fn, ": error has ",
                  e.count, " elements (P); P must be a multiple of 8 * world (world = ", world,
                  ") and >= m.numel() (", mm.count, ")");
-  need_count(fn, "scale", scale, 1, "one fp32 scale");
   need_rows(fn, "out_scales", out_scales, world, oss, "out_scale_stride", 1);
   need_rows(fn, "out_signs", out_signs, world, osb, "out_sign_stride", e.count / world / 8);
   same_device(fn, "m", mm, {{"error", &e}, {"scale", &scale}, {"out_scales", &out_scales}, {"out_signs", &out_signs}});
@@ -476,8 +486,7 @@ PYBIND11_MODULE(_C, m) {
          uintptr_t stream) {
         const char* fn = "worker_scale_pack";
         const kernels::InputType t = check_worker_pack(fn, mm, e, signs, ws);
-        need_dtype(fn, "scale", scale, DType::kFloat32);
-        need_count(fn, "scale", scale, 1, "one fp32 scale");
+        need_scale(fn, "scale", scale);
         same_device(fn, "m", mm, {{"scale", &scale}});
         auto f = mm.on_host() ? kernels::cpu::worker_scale_pack : kernels::cuda::worker_scale_pack;
         check(f(mm.data, t, mm.count, ptr<const float>(e), e.count, ptr<float>(scale),
@@ -492,14 +501,10 @@ PYBIND11_MODULE(_C, m) {
          const Buffer& scale, const Buffer& packed, const Buffer& ws, uintptr_t stream) {
         const char* fn = "server_scale_pack";
         check_server(fn, signs, scales, stride, world, serr);
-        need_dtype(fn, "scale", scale, DType::kFloat32);
-        need_count(fn, "scale", scale, 1, "one fp32 scale");
+        need_scale(fn, "scale", scale);
         need_dtype(fn, "packed", packed, DType::kUInt8);
         need_count(fn, "packed", packed, serr.count / 8, "server_error.numel() / 8");
-        const auto scratch = static_cast<int64_t>(signs.on_host() ? kernels::cpu::scale_workspace_bytes(serr.count)
-                                                                  : kernels::cuda::scale_workspace_bytes(serr.count));
-        COMPCOMM_CHECK(ws.bytes() >= scratch, fn, ": workspace has ", ws.bytes(), " bytes, needs ", scratch,
-                       " (scale_workspace_bytes(server_error.numel()))");
+        need_scratch(fn, ws, signs, serr.count, "server_error.numel()");
         same_device(fn, "signs", signs, {{"scale", &scale}, {"packed", &packed}, {"workspace", &ws}});
         auto f = signs.on_host() ? kernels::cpu::server_scale_pack : kernels::cuda::server_scale_pack;
         check(f(ptr<const uint8_t>(signs), ptr<const float>(scales), stride, world, ptr<const float>(serr),
@@ -515,8 +520,7 @@ PYBIND11_MODULE(_C, m) {
          const Buffer& scale, uintptr_t stream, std::optional<Buffer> guard, int64_t guard_stride) {
         const char* fn = "server_update";
         check_server(fn, signs, scales, stride, world, serr);
-        need_dtype(fn, "scale", scale, DType::kFloat32);
-        need_count(fn, "scale", scale, 1, "one fp32 scale");
+        need_scale(fn, "scale", scale);
         same_device(fn, "signs", signs, {{"scale", &scale}});
         check_guard(fn, guard, guard_stride, world, "signs", signs);
         auto f = signs.on_host() ? kernels::cpu::server_update : kernels::cuda::server_update;
@@ -609,8 +613,7 @@ PYBIND11_MODULE(_C, m) {
                        " elements, needs error.numel() / world (", e.count / world, ")");
         same_device(fn, "m", mm, {{"signs", &signs}, {"server_scale", &server_scale}});  // check_server: the rest
         check_server(fn, signs, scales, stride, world, serr);
-        need_dtype(fn, "server_scale", server_scale, DType::kFloat32);
-        need_count(fn, "server_scale", server_scale, 1, "one fp32 scale");
+        need_scale(fn, "server_scale", server_scale);
         check_guard(fn, guard, guard_stride, world, "m", mm);
         auto f = mm.on_host() ? kernels::cpu::commit : kernels::cuda::commit;
         check(f(ptr<const uint8_t>(signs), ptr<const float>(scales), stride, ptr<float>(serr),
@@ -630,10 +633,9 @@ PYBIND11_MODULE(_C, m) {
       "decompress",
       [](const Buffer& scale, const Buffer& packed, const Buffer& out, uintptr_t stream) {
         const char* fn = "decompress";
-        need_dtype(fn, "scale", scale, DType::kFloat32);
+        need_scale(fn, "scale", scale);
         need_dtype(fn, "packed", packed, DType::kUInt8);
         need_dtype(fn, "out", out, DType::kFloat32);
-        need_count(fn, "scale", scale, 1, "one fp32 scale");
         need_count(fn, "packed", packed, out.count / 8 + (out.count % 8 != 0), "ceil(out.numel() / 8)");
         same_device(fn, "out", out, {{"scale", &scale}, {"packed", &packed}});
         auto f = out.on_host() ? kernels::cpu::decompress : kernels::cuda::decompress;

@@ -231,14 +231,12 @@ class ParamGatherer:
         return 2 * sum(full_numel(p) for later in self.trace[i + 1 :] for p in self._own(later))
 
     def _post_forward(self, m: torch.nn.Module, args: Any, out: Any) -> None:
-        if not torch.is_grad_enabled():
-            keep = False
-        else:
-            keep = self._reuse_distance(m) <= self.reuse
-        if not keep:
-            for p in self._own(m):
+        grad = torch.is_grad_enabled()
+        own = self._own(m)
+        if not grad or self._reuse_distance(m) > self.reuse:
+            for p in own:
                 self._release(p)
-        if not torch.is_grad_enabled() or all(id(p) in self.persistent for p in self._own(m)):
+        if not grad or all(id(p) in self.persistent for p in own):
             return None
         return tree_map_only(torch.Tensor, lambda t: _GatherForBackward.apply(self, m, t)
                              if t.requires_grad else t, out)
